@@ -1,0 +1,1 @@
+"""fxsched.effects."""
