@@ -1,0 +1,66 @@
+"""Admission: which pending requests start this tick (scheduler.md §5.4–5.5). Pure functions."""
+
+from __future__ import annotations
+
+from fxsched.core.config import ModelInfo, SchedulerConfig
+from fxsched.core.request import Request
+
+
+def select_fifo(pending: tuple[Request, ...], cap: int) -> tuple[Request, ...]:
+    """FIFO: the first ``cap`` pending requests."""
+    return pending[: max(cap, 0)]
+
+
+def select_slai(pending: tuple[Request, ...], cap: int) -> tuple[Request, ...]:
+    """SLAI: seat 0 is the front of the queue (no starvation); the other seats go to the rest of
+    the queue stably sorted by ascending prompt length."""
+    if cap <= 0 or not pending:
+        return ()
+    rest = sorted(pending[1:], key=lambda r: r.prompt_len)
+    return (pending[0],) + tuple(rest[: cap - 1])
+
+
+def select_requests(config: SchedulerConfig, pending: tuple[Request, ...], cap: int) -> tuple[Request, ...]:
+    if config.policy == "slai":
+        return select_slai(pending, cap)
+    return select_fifo(pending, cap)
+
+
+def without(pending: tuple[Request, ...], taken: tuple[Request, ...]) -> tuple[Request, ...]:
+    """``pending`` less the ``taken`` requests (by identity of id), order kept."""
+    ids = {r.id for r in taken}
+    return tuple(r for r in pending if r.id not in ids)
+
+
+def commitment(model: ModelInfo, config: SchedulerConfig, current: int, budget: int) -> int:
+    """KV blocks a sequence may still need: ``blocks_for(min(current + min(budget, W), max(W, current)))``."""
+    watermark = config.admission_watermark
+    return model.blocks_for(min(current + min(budget, watermark), max(watermark, current)))
+
+
+def reserve_kv(
+    model: ModelInfo, config: SchedulerConfig, committed: int, new: tuple[Request, ...]
+) -> tuple[tuple[Request, ...], tuple[Request, ...]]:
+    """Split ``new`` into (admitted, deferred) by the KV reservation; no overtaking.
+
+    Admit while ``committed + need <= total_blocks``; the first request that does not fit stops
+    the walk, except that a first request is admitted anyway when nothing at all is committed.
+    """
+    if model.total_blocks == 0:
+        return new, ()
+    admitted = []
+    for index, request in enumerate(new):
+        need = commitment(model, config, request.prompt_len, request.max_tokens)
+        if committed + need <= model.total_blocks or (index == 0 and committed == 0):
+            committed += need
+            admitted.append(request)
+        else:
+            return tuple(admitted), new[index:]
+    return tuple(admitted), ()
+
+
+def cohort_split(cohort_id: int, new: tuple[Request, ...], ids: tuple[int, ...]):
+    """Split ``new`` into (same adapter cohort, deferred): a request joins only with the cohort's id."""
+    same = tuple(r for r, i in zip(new, ids) if i == cohort_id)
+    other = tuple(r for r, i in zip(new, ids) if i != cohort_id)
+    return same, other

@@ -1,0 +1,74 @@
+"""Configuration records: what the model can do and how the scheduler is set up.
+
+Both are fixed for a run; ``step`` reads them, never changes them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import attrs
+
+from fxsched.effects.base import int_tuple
+
+
+@attrs.frozen
+class ModelInfo:
+    """Fixed answers of the device that record nothing (recording-device.md §3.9)."""
+
+    vocab: int = 64
+    block_size: int = 16
+    total_blocks: int = 1000
+    has_ssm_layers: bool = False
+    ring_slots: int = 0
+    has_proposer: bool = False
+    dflash_gamma: Optional[int] = None
+    has_self_speculative: bool = False
+    supports_beam: bool = False
+
+    def blocks_for(self, tokens: int) -> int:
+        """KV blocks a sequence of ``tokens`` tokens holds: always room for the next token."""
+        return tokens // self.block_size + 1
+
+
+@attrs.frozen
+class SchedulerConfig:
+    """Scheduler settings (runner.md §4.2, scheduler.md §5.1)."""
+
+    eos_ids: tuple[int, ...] = attrs.field(default=(63,), converter=int_tuple)
+    max_batch_size: int = 8
+    use_speculative: bool = False
+    dflash: bool = False
+    num_drafts: int = 1
+    max_prefill_tokens: int = 0
+    max_batch_tokens: int = 8192
+    self_speculative: bool = False
+    ngram_speculative: bool = False
+    swap_space_gb: float = 0.0
+    policy: str = attrs.field(default="fifo", validator=attrs.validators.in_(("fifo", "slai")))
+    slai_deadline_ms: float = 1_000_000.0
+    max_seq_len: int = 4096
+    admission_watermark: int = 4096
+    loop_watchdog: bool = False
+    boundary_tokens: tuple[int, ...] = attrs.field(default=(), converter=int_tuple)
+    mtp_width_limit: int = 32
+    ngram_max_match: int = 16
+
+    def uses_mtp(self, model: ModelInfo) -> bool:
+        """MTP / DFlash speculation runs when asked for and the model has a proposer."""
+        return self.use_speculative and model.has_proposer
+
+    def base_draft_count(self, model: ModelInfo) -> int:
+        """``max(num_drafts, 1)`` when any speculation is on, else 0."""
+        if self.uses_mtp(model) or self.self_speculative or self.ngram_speculative:
+            return max(self.num_drafts, 1)
+        return 0
+
+    @property
+    def chunked_prefill(self) -> bool:
+        return self.max_prefill_tokens > 0
+
+    @property
+    def speculation_slot_cap(self) -> int:
+        """Speculation runs only while every active slot is below this."""
+        return self.max_batch_size

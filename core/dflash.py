@@ -1,0 +1,205 @@
+"""DFlash: block drafts verified on the raw argmax (speculation.md §6.4, §6.9, §6.10, §6.12).
+
+Invariants kept: a batched verify folds the GDN state (``gdn_fold_accepted``) before any
+``commit_accepted_prefix``; every sequence of the batch gets its commit, finished or not; only
+unfinished sequences are trimmed and re-proposed.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from fxsched.core.emit import spec_tokens
+from fxsched.core.events import BatchVerifyAllowed, Drafts, VerifyRows
+from fxsched.core.machine import answer_rule, ask, find_seq, push, put_seq, put_seqs, task_rule
+from fxsched.core.sequence import Sequence
+from fxsched.core.spec_step import propose, propose_after_batch
+from fxsched.core.state import SchedulerState
+from fxsched.core.verdict import accepted_prefix, verify_width
+from fxsched.effects import device_calls as dc
+
+
+@attrs.frozen
+class AwaitDflashDrafts:
+    """A bootstrap's first block of drafts."""
+
+    seq_id: int
+    draft_count: int
+
+
+@attrs.frozen
+class AwaitDflashVerify:
+    seq_id: int
+    drafts: tuple[int, ...]
+    pre_len: int
+    draft_count: int
+
+
+@attrs.frozen
+class AwaitDflashGate:
+    batchable: tuple[int, ...]
+    rest: tuple[int, ...]
+    k: int
+    m: int
+    draft_count: int
+
+
+@attrs.frozen
+class BatchedDflashVerify:
+    seq_ids: tuple[int, ...]
+    k: int
+    draft_count: int
+
+
+@attrs.frozen
+class AwaitBatchedDflash:
+    seq_ids: tuple[int, ...]
+    drafts: tuple[tuple[int, ...], ...]
+    pre_lens: tuple[int, ...]
+    k: int
+    draft_count: int
+
+
+# --- bootstrap ----------------------------------------------------------------------------------
+
+
+def bootstrap(state: SchedulerState, seq_id: int, draft_count: int, out: list) -> SchedulerState:
+    """No standalone decode: propose straight from the last token, then verify through K = 4."""
+    seq = find_seq(state, seq_id)
+    query = dc.ProposeMulti(token=seq.last_token, pos=seq.seq_len, n=draft_count, seq=seq_id)
+    return ask(state, out, query, AwaitDflashDrafts(seq_id, draft_count))
+
+
+@answer_rule(AwaitDflashDrafts, Drafts)
+def _bootstrap_drafts(state, waiting: AwaitDflashDrafts, event: Drafts, out):
+    from fxsched.core.kverify import start_k_verify
+
+    if not event.drafts:
+        return state
+    seq = find_seq(state, waiting.seq_id)
+    k = verify_width(len(event.drafts), len(event.drafts))
+    return start_k_verify(state, seq, event.drafts, k, waiting.draft_count, True, out)
+
+
+# --- serial verify -------------------------------------------------------------------------------
+
+
+def serial_verify(state: SchedulerState, seq: Sequence, draft_count: int, out: list) -> SchedulerState:
+    """One sequence's block verify over ``[L] + drafts``."""
+    drafts = seq.drafts
+    out.append(dc.SyncSecondaryCall())
+    query = dc.DecodeVerifyDflash(seq.seq_id, (seq.last_token,) + drafts)
+    pre = seq.seq_len
+    seq = _grown(seq, pre + len(drafts) + 1, state)
+    state = put_seq(state, attrs.evolve(seq, drafts=()))
+    return ask(state, out, query, AwaitDflashVerify(seq.seq_id, drafts, pre, draft_count))
+
+
+def _grown(seq: Sequence, seq_len: int, state: SchedulerState) -> Sequence:
+    from fxsched.core.decode import grow
+
+    return grow(seq, seq_len, state.model.block_size)
+
+
+def _settle(seq: Sequence, drafts, rows, pre: int, row: int, out: list, config) -> tuple[Sequence, int]:
+    """Rewind to the accepted prefix, commit the drafter context and emit; returns (seq, na)."""
+    from fxsched.core.kverify import rewind
+
+    na = accepted_prefix(drafts, rows)
+    seq = rewind(seq, pre + na + 1, out)
+    out.append(dc.CommitCtx(seq.seq_id, na + 1, pre, row))
+    seq = spec_tokens(seq, tuple(drafts[:na]) + (rows[na],), config, out)
+    return seq, na
+
+
+@answer_rule(AwaitDflashVerify, VerifyRows)
+def _dflash_verified(state, waiting: AwaitDflashVerify, event: VerifyRows, out):
+    seq = find_seq(state, waiting.seq_id)
+    k = len(waiting.drafts) + 1
+    seq, na = _settle(seq, waiting.drafts, event.rows, waiting.pre_len, 0, out, state.config)
+    state = put_seq(state, seq)
+    if seq.finished:
+        return state
+    out.append(dc.CommitAcceptedPrefix(seq.seq_id, na + 1, k))
+    out.append(dc.SaveHiddenForMtp(na))
+    out.append(dc.TrimProposerState(seq.seq_id, na))
+    return propose(state, seq.seq_id, waiting.draft_count, out)
+
+
+# --- the batching gate ----------------------------------------------------------------------------
+
+
+def gate(state: SchedulerState, seq_ids: tuple[int, ...], draft_count: int, out: list) -> SchedulerState:
+    """Batch the verify sequences holding exactly as many drafts as the first one, if the device lets us."""
+    from fxsched.core.kverify import SerialVerify
+
+    seqs = [find_seq(state, i) for i in seq_ids]
+    gamma = len(seqs[0].drafts)
+    batchable = tuple(s.seq_id for s in seqs if len(s.drafts) == gamma)
+    rest = tuple(s.seq_id for s in seqs if len(s.drafts) != gamma)
+    if len(batchable) < 2:
+        return push(state, *(SerialVerify(i, draft_count) for i in seq_ids))
+    return _ask_gate(state, AwaitDflashGate(batchable, rest, gamma + 1, len(batchable), draft_count), out)
+
+
+def _ask_gate(state: SchedulerState, waiting: AwaitDflashGate, out: list) -> SchedulerState:
+    return ask(state, out, dc.CanBatchVerify((waiting.k,) * waiting.m), waiting)
+
+
+@answer_rule(AwaitDflashGate, BatchVerifyAllowed)
+def _gate_answer(state, waiting: AwaitDflashGate, event: BatchVerifyAllowed, out):
+    from fxsched.core.kverify import SerialVerify
+
+    if not event.allowed:
+        if waiting.m - 1 >= 2:
+            return _ask_gate(state, attrs.evolve(waiting, m=waiting.m - 1), out)
+        return push(state, *(SerialVerify(i, waiting.draft_count) for i in waiting.batchable + waiting.rest))
+    m, ids = waiting.m, waiting.batchable
+    chunks = [ids[i:i + m] for i in range(0, len(ids), m)]
+    batched = [c for c in chunks if len(c) >= 2]
+    singles = {i for c in chunks if len(c) < 2 for i in c} | set(waiting.rest)
+    serial = [s.seq_id for s in state.active if s.seq_id in singles]
+    tasks = [BatchedDflashVerify(c, waiting.k, waiting.draft_count) for c in batched]
+    tasks += [SerialVerify(i, waiting.draft_count) for i in serial]
+    return push(state, *tasks)
+
+
+# --- batched verify -------------------------------------------------------------------------------
+
+
+@task_rule(BatchedDflashVerify)
+def _batched_verify(state: SchedulerState, task: BatchedDflashVerify, out: list) -> SchedulerState:
+    seqs = [find_seq(state, i) for i in task.seq_ids]
+    tokens = []
+    for s in seqs:
+        tokens.append(s.last_token)
+        tokens.extend(s.drafts)
+    out.append(dc.SyncSecondaryCall())
+    query = dc.DecodeVerifyBatched(tokens=tokens, ks=(task.k,) * len(seqs), seqs=task.seq_ids, stream=0, woa=True)
+    waiting = AwaitBatchedDflash(task.seq_ids, tuple(s.drafts for s in seqs), tuple(s.seq_len for s in seqs),
+                                 task.k, task.draft_count)
+    grown = {s.seq_id: attrs.evolve(_grown(s, s.seq_len + task.k, state), drafts=()) for s in seqs}
+    return ask(put_seqs(state, grown), out, query, waiting)
+
+
+@answer_rule(AwaitBatchedDflash, VerifyRows)
+def _batched_verified(state, waiting: AwaitBatchedDflash, event: VerifyRows, out):
+    k, config = waiting.k, state.config
+    settled, accepted, stash = [], [], []
+    for i, seq_id in enumerate(waiting.seq_ids):
+        rows = event.rows[i * k:(i + 1) * k]
+        seq, na = _settle(find_seq(state, seq_id), waiting.drafts[i], rows, waiting.pre_lens[i], i, out, config)
+        settled.append(seq)
+        accepted.append(na + 1)
+        stash.append(i * k + na)
+    out.append(dc.GdnFoldAccepted(tuple(s.slot for s in settled), tuple(accepted), k))
+    for seq, n in zip(settled, accepted):
+        out.append(dc.CommitAcceptedPrefix(seq.seq_id, n, k))
+    out.append(dc.StashVerifyHiddenRows(tuple(stash)))
+    pending = []
+    for i, (seq, n) in enumerate(zip(settled, accepted)):
+        if not seq.finished:
+            out.append(dc.TrimProposerState(seq.seq_id, n - 1))
+            pending.append((i, seq.seq_id))
+    state = put_seqs(state, {s.seq_id: s for s in settled})
+    return propose_after_batch(state, pending, waiting.draft_count, out)

@@ -1,0 +1,164 @@
+"""Events: everything that can happen to the scheduler.
+
+Two families. *Inputs* may arrive in any phase (an arrival, a cancel, a clock reading, the inbox
+closing, a LoRA rotation request). *Answers* arrive only when the phase waits for them: each is
+the answer of the query that ended the previous batch of effects.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import attrs
+
+from fxsched.core.request import Request
+from fxsched.effects.base import int_tuple
+
+
+@attrs.frozen
+class Event:
+    """Base of every event."""
+
+
+# --- inputs ----------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Boot(Event):
+    """Starts the loop."""
+
+
+@attrs.frozen
+class Arrival(Event):
+    request: Request
+
+
+@attrs.frozen
+class Cancel(Event):
+    """The client of ``request_id`` cancelled; the speculative emit notices it."""
+
+    request_id: int
+
+
+@attrs.frozen
+class Clock(Event):
+    now_ms: float
+
+
+@attrs.frozen
+class InboxClosed(Event):
+    pass
+
+
+@attrs.frozen
+class RotationRequested(Event):
+    name: str
+
+
+INPUT_EVENTS = (Arrival, Cancel, Clock, InboxClosed, RotationRequested)
+
+
+# --- answers ---------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Answer(Event):
+    """The answer to the query that ended the last batch."""
+
+
+@attrs.frozen
+class StreamCreated(Answer):
+    stream: int
+
+
+@attrs.frozen
+class EventCreated(Answer):
+    event: int
+
+
+@attrs.frozen
+class InputReady(Answer):
+    """The blocking inbox wait returned (what arrived came as input events just before)."""
+
+
+@attrs.frozen
+class FreeBlocks(Answer):
+    count: int
+
+
+@attrs.frozen
+class SlotAllocated(Answer):
+    slot: int
+
+
+@attrs.frozen
+class AdapterIds(Answer):
+    ids: tuple[int, ...] = attrs.field(converter=int_tuple)
+
+
+@attrs.frozen
+class TokenSampled(Answer):
+    """One token read from a logits row (device argmax)."""
+
+    token: int
+
+
+@attrs.frozen
+class TokensSampled(Answer):
+    """Tokens read from consecutive rows; ``logprobs`` holds per-row record sizes (0: none)."""
+
+    tokens: tuple[int, ...] = attrs.field(converter=int_tuple)
+    logprobs: tuple[int, ...] = attrs.field(default=(), converter=int_tuple)
+
+
+@attrs.frozen
+class VerifyRows(Answer):
+    rows: tuple[int, ...] = attrs.field(converter=int_tuple)
+
+
+@attrs.frozen
+class Drafts(Answer):
+    drafts: tuple[int, ...] = attrs.field(converter=int_tuple)
+
+
+@attrs.frozen
+class BatchedDrafts(Answer):
+    drafts: tuple[tuple[int, ...], ...] = attrs.field(converter=lambda v: tuple(int_tuple(x) for x in v))
+
+
+@attrs.frozen
+class DraftCapacity(Answer):
+    capacities: tuple[int, ...] = attrs.field(converter=int_tuple)
+
+
+@attrs.frozen
+class BatchVerifyAllowed(Answer):
+    allowed: bool
+
+
+@attrs.frozen
+class BeamHypotheses(Answer):
+    hypotheses: tuple[tuple[int, ...], ...] = attrs.field(converter=lambda v: tuple(int_tuple(x) for x in v))
+
+
+@attrs.frozen
+class BlocksReclaimed(Answer):
+    count: int
+
+
+@attrs.frozen
+class StateRestored(Answer):
+    error: Optional[str] = None
+
+
+@attrs.frozen
+class LoraApplied(Answer):
+    error: Optional[str] = None
+
+
+@attrs.frozen
+class DeviceFault(Answer):
+    """The query failed on the device. ``kv_exhausted`` marks the recoverable KV-full case."""
+
+    message: str
+    kv_exhausted: bool = False

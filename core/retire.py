@@ -1,0 +1,85 @@
+"""Finishing a request, releasing its sequence and compacting the survivors (scheduler.md §5.19–5.20)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import attrs
+
+from fxsched.core.config import SchedulerConfig
+from fxsched.core.sequence import Sequence
+from fxsched.effects.client import DoneOut, ResponseOut
+from fxsched.effects.lifecycle import CompactSlot, ReleaseSeq
+
+REQUEST_TIMEOUT = "request_timeout"
+
+
+def finish_reason(
+    guard: Optional[str],
+    last_token: Optional[int],
+    remaining: int,
+    seq_len: int,
+    config: SchedulerConfig,
+    tool_call_end: Optional[int] = None,
+) -> str:
+    """The finish reason; the first matching rule wins.
+
+    timeout guard > EOS (``stop``) > tool-call end (``tool_calls``) > any other guard (``length``) >
+    budget or context ceiling (``length``) > ``stop`` (e.g. a cancelled stream).
+    """
+    if guard == REQUEST_TIMEOUT:
+        return "timeout"
+    if last_token is not None and last_token in config.eos_ids:
+        return "stop"
+    if tool_call_end is not None and last_token == tool_call_end:
+        return "tool_calls"
+    if guard is not None:
+        return "length"
+    if remaining <= 0 or seq_len + 1 >= config.max_seq_len:
+        return "length"
+    return "stop"
+
+
+def finish_frame(seq: Sequence, config: SchedulerConfig):
+    """The client's final frame for a finished sequence."""
+    last = seq.output[-1] if seq.output else None
+    reason = finish_reason(seq.guard, last, seq.remaining, seq.seq_len, config)
+    req = seq.request
+    if req.streaming:
+        return DoneOut(req.id, reason, len(seq.output), 0, 0, seq.acc, seq.guard)
+    return ResponseOut(req.id, seq.output, reason, 0, 0, seq.acc, seq.logprob_records)
+
+
+def finish_and_release(seq: Sequence, config: SchedulerConfig, out: list) -> None:
+    """Send the final frame and give the sequence's slot and blocks back (into the prefix cache)."""
+    out.append(finish_frame(seq, config))
+    out.append(ReleaseSeq(seq.seq_id, seq.slot, cache=True, reason="finish_sequence"))
+
+
+def compaction_moves(survivor_slots: list[int]) -> list[tuple[int, int]]:
+    """Moves ``(index, target)`` that pack survivors into slots ``[0, n)``.
+
+    Each survivor (in active order) whose slot is >= n takes the largest free target left, where
+    the free targets are the slots below n that no survivor holds. The active order is unchanged.
+    """
+    n = len(survivor_slots)
+    held = set(survivor_slots)
+    free = [t for t in range(n) if t not in held]
+    moves = []
+    for index, slot in enumerate(survivor_slots):
+        if slot >= n:
+            moves.append((index, free.pop()))
+    return moves
+
+
+def compact(active: tuple[Sequence, ...], out: list) -> tuple[Sequence, ...]:
+    """Apply ``compaction_moves`` to ``active``, emitting one ``CompactSlot`` per move."""
+    moves = compaction_moves([s.slot for s in active])
+    if not moves:
+        return active
+    seqs = list(active)
+    for index, target in moves:
+        seq = seqs[index]
+        out.append(CompactSlot(seq.seq_id, target))
+        seqs[index] = attrs.evolve(seq, slot=target)
+    return tuple(seqs)

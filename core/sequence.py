@@ -1,0 +1,45 @@
+"""A sequence in flight: the request plus everything the scheduler knows of its device state.
+
+Invariant: the tokens in the KV are ``(prompt + output)[:seq_len]``; the last output token
+(``last_token``) is produced but not yet fed, so ``seq_len == prompt_len + len(output) - 1``
+between steps. ``blocks`` mirrors the device's block table, which never shrinks until freed.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import attrs
+
+from fxsched.core.request import Request
+from fxsched.effects.base import int_tuple
+
+
+@attrs.frozen
+class Sequence:
+    seq_id: int
+    request: Request
+    slot: int
+    seq_len: int
+    blocks: int
+    output: tuple[int, ...] = attrs.field(converter=int_tuple)
+    remaining: int
+    last_token: int
+    finished: bool = False
+    guard: Optional[str] = None
+    content_count: int = 0
+    drafts: tuple[int, ...] = attrs.field(default=(), converter=int_tuple)
+    acc: int = 0
+    logprob_records: int = 0
+    rollbacks: int = 0
+    has_cancel_flag: bool = True
+    cancel_requested: bool = False
+    immune_until: int = 0
+
+    @property
+    def request_id(self) -> int:
+        return self.request.id
+
+    def kv_tokens(self) -> tuple[int, ...]:
+        """The tokens the device holds in this sequence's KV."""
+        return (self.request.prompt + self.output)[: self.seq_len]

@@ -1,0 +1,85 @@
+"""The scheduler state: one frozen record that says everything about where the engine is.
+
+``agenda`` is the work still to do in this tick (tasks, front first); ``waiting`` is the answer the
+engine waits for, with what it needs to go on (or ``None`` while it runs). Printing a state shows
+exactly which phase of which tick the engine is in.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import attrs
+
+from fxsched.core.config import ModelInfo, SchedulerConfig
+from fxsched.core.request import Request
+from fxsched.core.sequence import Sequence
+
+
+@attrs.frozen
+class PrefillEntry:
+    """A chunked prompt partly fed: ``offset`` prompt tokens are in the KV."""
+
+    seq_id: int
+    request: Request
+    slot: int
+    offset: int
+    first_token: Optional[int] = None
+    first_logprobs: int = 0
+
+
+@attrs.frozen
+class Preempted:
+    """A sequence dropped from the KV, waiting to be re-prefilled from its whole history."""
+
+    sequence: Sequence
+    tokens: tuple[int, ...]
+
+
+@attrs.frozen
+class Swapped:
+    """A sequence spilled to the swap pool (its state saved by the device under ``seq_id``)."""
+
+    sequence: Sequence
+
+
+@attrs.frozen
+class SchedulerState:
+    config: SchedulerConfig
+    model: ModelInfo
+    tick: int = 0
+    now_ms: float = 0.0
+    # inputs not yet drained
+    inbox: tuple[Request, ...] = ()
+    inbox_rotations: tuple[str, ...] = ()
+    inbox_closed: bool = False
+    # drained
+    closed: bool = False
+    pending: tuple[Request, ...] = ()
+    rotations: tuple[str, ...] = ()
+    new_requests: tuple[Request, ...] = ()
+    # in flight
+    prefilling: tuple[PrefillEntry, ...] = ()
+    active: tuple[Sequence, ...] = ()
+    swapped: tuple[Swapped, ...] = ()
+    preempted: tuple[Preempted, ...] = ()
+    cancels: frozenset[int] = frozenset()
+    # the loop
+    agenda: tuple[Any, ...] = ()
+    waiting: Any = None
+    next_seq_id: int = 1
+    prefill_stream: int = 1
+    prefill_event: int = 2
+    mixed_step_ran: bool = False
+    stopped: bool = False
+
+    def describe(self) -> str:
+        """A one-line account of where the engine is (for errors and logs)."""
+        waiting = type(self.waiting).__name__ if self.waiting is not None else "running"
+        head = type(self.agenda[0]).__name__ if self.agenda else "-"
+        return f"tick {self.tick}, {waiting}, next task {head}"
+
+
+def initial_state(config: SchedulerConfig, model: ModelInfo) -> SchedulerState:
+    """A scheduler that has not booted yet; ``Boot`` starts it."""
+    return SchedulerState(config=config, model=model)

@@ -1,0 +1,29 @@
+"""Base record of every effect.
+
+An effect is a description, never a callback: two runs that make the same decisions produce equal
+effect lists. ``QUERY`` marks effects whose answer ``step`` needs before it can decide anything
+else; their answer comes back as an event.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import attrs
+
+
+@attrs.frozen
+class Effect:
+    """A frozen, hashable record of something the core wants done."""
+
+    QUERY: ClassVar[bool] = False
+
+
+def is_query(effect: Effect) -> bool:
+    """True when the interpreter must answer ``effect`` with an event."""
+    return effect.QUERY
+
+
+def int_tuple(value) -> tuple[int, ...]:
+    """Converter: any iterable of ints becomes a tuple (records stay hashable)."""
+    return tuple(int(v) for v in value)

@@ -1,0 +1,93 @@
+"""What clients receive. The interpreter delivers these; the trace prints them at the end."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import attrs
+
+from fxsched.effects.base import Effect, int_tuple
+
+
+@attrs.frozen
+class ClientOutput(Effect):
+    """Something sent to the client of ``request_id``."""
+
+    request_id: int
+
+
+@attrs.frozen
+class TokenOut(ClientOutput):
+    """One streamed token; ``logprobs`` is the number of top entries of its record (0: none)."""
+
+    token: int
+    logprobs: int = 0
+
+    def render(self) -> str:
+        return f"TL{self.token}:{self.logprobs}" if self.logprobs else f"T{self.token}"
+
+
+def render_guard(guard: Optional[str]) -> str:
+    return "None" if guard is None else f'Some("{guard}")'
+
+
+@attrs.frozen
+class DoneOut(ClientOutput):
+    """The final frame of a streaming request."""
+
+    reason: str
+    n: int
+    think: int
+    cached: int
+    acc: int
+    guard: Optional[str]
+
+    def render(self) -> str:
+        return (
+            f"Done({self.reason}, n={self.n}, think={self.think}, cached={self.cached}, "
+            f"acc={self.acc}, guard={render_guard(self.guard)})"
+        )
+
+
+@attrs.frozen
+class ResponseOut(ClientOutput):
+    """The single answer of a blocking request."""
+
+    tokens: tuple[int, ...] = attrs.field(converter=int_tuple)
+    reason: str = "stop"
+    think: int = 0
+    cached: int = 0
+    acc: int = 0
+    logprobs: int = 0
+
+    def render(self) -> str:
+        toks = ", ".join(str(t) for t in self.tokens)
+        return (
+            f"Response(tokens=[{toks}], {self.reason}, think={self.think}, cached={self.cached}, "
+            f"acc={self.acc}, logprobs={self.logprobs})"
+        )
+
+
+@attrs.frozen
+class ErrorOut(ClientOutput):
+    """A failure frame (streaming: ``Error(msg)``; blocking: ``Err(msg)``)."""
+
+    message: str
+    streaming: bool = True
+
+    def render(self) -> str:
+        return f"Error({self.message})" if self.streaming else f"Err({self.message})"
+
+
+@attrs.frozen
+class RotationAck(Effect):
+    """The answer to a LoRA rotation command: ``Done`` or ``Err(<message>)``."""
+
+    name: str
+    error: Optional[str] = None
+
+    def render(self) -> str:
+        return "Done" if self.error is None else f"Err({self.error})"
+
+
+TERMINAL_OUTPUTS = (DoneOut, ResponseOut, ErrorOut)

@@ -1,0 +1,160 @@
+"""Lifecycle effects: rendered ``fx apply <label>`` (or ``fx lora`` / ``fx teardown``) first.
+
+Each record expands, in the interpreter, into the device calls listed in trace-format.md §1.6.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import attrs
+
+from fxsched.effects.base import Effect
+
+
+@attrs.frozen
+class Lifecycle(Effect):
+    """An effect announced with an ``fx`` line; ``KIND`` is ``apply``, ``lora`` or ``teardown``."""
+
+    KIND: ClassVar[str] = "apply"
+
+    @property
+    def label(self) -> str:
+        return type(self).__name__
+
+    @property
+    def fx_line(self) -> str:
+        if self.KIND == "teardown":
+            return "fx teardown"
+        return f"fx {self.KIND} {self.label}"
+
+
+RELEASE_REASONS = ("finish_sequence", "preempt_requeue", "spill_out_sequence", "send_error")
+
+
+@attrs.frozen
+class ReleaseSeq(Lifecycle):
+    """Give a sequence's slot and blocks back; ``cache`` inserts its blocks in the prefix cache."""
+
+    seq: int
+    slot: int
+    cache: bool
+    reason: str = attrs.field(validator=attrs.validators.in_(RELEASE_REASONS))
+
+    @property
+    def label(self) -> str:
+        return f"ReleaseSeq{{cache={'true' if self.cache else 'false'}, {self.reason}}}"
+
+
+@attrs.frozen
+class CompactSlot(Lifecycle):
+    seq: int
+    target: int
+
+    @property
+    def label(self) -> str:
+        return f"CompactSlot{{target={self.target}}}"
+
+
+@attrs.frozen
+class DetachSlot(Lifecycle):
+    seq: int
+
+
+@attrs.frozen
+class SaveSequenceState(Lifecycle):
+    seq: int
+
+
+@attrs.frozen
+class MarconiCheckpoint(Lifecycle):
+    seq: int
+
+
+@attrs.frozen
+class SsmSnapshotSave(Lifecycle):
+    seq: int
+    slot: int
+
+    @property
+    def label(self) -> str:
+        return f"SsmSnapshotSave{{slot={self.slot}}}"
+
+
+@attrs.frozen
+class SsmSnapshotRestore(Lifecycle):
+    seq: int
+    slot: int
+
+    @property
+    def label(self) -> str:
+        return f"SsmSnapshotRestore{{slot={self.slot}}}"
+
+
+@attrs.frozen
+class SaveHiddenCatchup(Lifecycle):
+    row: int
+    pos: int
+
+    @property
+    def label(self) -> str:
+        return f"SaveHiddenCatchup{{row={self.row},pos={self.pos}}}"
+
+
+@attrs.frozen
+class ReadLogits(Lifecycle):
+    rows: int
+
+    @property
+    def label(self) -> str:
+        return f"ReadLogits{{rows={self.rows}}}"
+
+
+@attrs.frozen
+class SyncSecondary(Lifecycle):
+    pass
+
+
+@attrs.frozen
+class ReserveKv(Lifecycle):
+    seq: int
+
+
+@attrs.frozen
+class Rollback(Lifecycle):
+    seq: int
+    seq_len: int
+
+
+@attrs.frozen
+class EpShutdown(Lifecycle):
+    pass
+
+
+@attrs.frozen
+class Quiesce(Lifecycle):
+    stream: int
+
+    @property
+    def label(self) -> str:
+        return f"Quiesce{{stream={self.stream}}}"
+
+
+@attrs.frozen
+class LoraRotate(Lifecycle):
+    """Apply a queued LoRA rotation; a query answered with the rotation's outcome."""
+
+    KIND: ClassVar[str] = "lora"
+    QUERY: ClassVar[bool] = True
+    name: str
+
+    @property
+    def label(self) -> str:
+        return f"Rotate({self.name})"
+
+
+@attrs.frozen
+class Teardown(Lifecycle):
+    """The last effect of a run."""
+
+    KIND: ClassVar[str] = "teardown"

@@ -1,0 +1,48 @@
+"""Step plans: work the interpreter announces with ``fx launch <label>`` and expands.
+
+``Decode`` is the plain decode step (scheduler.md §5.16): ``decode_batch`` over the rows, one
+``commit_ctx`` per row (the Unified drafter context), then the readback. It is a query: the answer
+is the sampled tokens, or the device fault that stopped the batch.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import attrs
+
+from fxsched.effects.base import Effect, int_tuple
+from fxsched.effects.device_calls import HostPick
+
+
+@attrs.frozen
+class Plan(Effect):
+    """An effect rendered as ``fx launch <label>`` before the calls it expands into."""
+
+    @property
+    def label(self) -> str:
+        raise NotImplementedError
+
+
+@attrs.frozen
+class Decode(Plan):
+    """One plain decode step over ``seqs`` feeding ``tokens``.
+
+    ``picks`` is empty for the device-argmax readback and holds one host pick per row for the
+    host-logits readback. ``seq_lens`` are the KV lengths before the step (for ``commit_ctx``).
+    """
+
+    QUERY: ClassVar[bool] = True
+    tokens: tuple[int, ...] = attrs.field(converter=int_tuple)
+    seqs: tuple[int, ...] = attrs.field(converter=int_tuple)
+    seq_lens: tuple[int, ...] = attrs.field(converter=int_tuple)
+    picks: tuple[HostPick, ...] = attrs.field(converter=tuple, default=())
+    ctx: str = "Unified"
+
+    @property
+    def readback(self) -> str:
+        return "HostLogits" if self.picks else "Argmax"
+
+    @property
+    def label(self) -> str:
+        return f"Decode{{n={len(self.seqs)}, ctx={self.ctx}, readback={self.readback}}}"

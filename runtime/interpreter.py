@@ -1,0 +1,298 @@
+"""The interpreter: drives ``step``, carries out each effect on a Device, and turns answers into
+events. It is the only place where effects touch the world.
+
+Order of delivery after a batch: input events that arose while it ran (scripted cancels, late
+arrivals from the host) first, then the answer of the batch's query.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Iterable, Optional, Protocol
+
+import structlog
+
+from fxsched.core import events as ev
+from fxsched.core.machine import step
+from fxsched.core.state import SchedulerState
+from fxsched.effects import device_calls as dc
+from fxsched.effects import lifecycle as lc
+from fxsched.effects import plans
+from fxsched.effects.client import ClientOutput, RotationAck
+from fxsched.runtime.device import Device, DeviceError
+from fxsched.runtime.sampling import decode_bf16_row, host_pick
+
+log = structlog.get_logger("fxsched.interpreter")
+
+RELEASE_CMD = 0xFFFFFFF1
+SHUTDOWN_CMD = 0xFFFFFFFF
+
+
+class Host(Protocol):
+    """The world outside the device: clients and the request inbox."""
+
+    def send(self, output) -> None: ...
+    def wait_for_input(self) -> list[ev.Event]: ...
+    def take_inputs(self) -> list[ev.Event]: ...
+
+
+class RunError(Exception):
+    """The run cannot go on (a wait that can never be satisfied, a fatal device error)."""
+
+
+class Interpreter:
+    def __init__(self, device: Device, host: Host, eos_ids: tuple[int, ...] = (63,)):
+        self.device = device
+        self.host = host
+        self.eos_ids = eos_ids
+        self.steps = 0
+        self._inputs: list[ev.Event] = []
+
+    def run(self, state: SchedulerState, first: Iterable[ev.Event]) -> SchedulerState:
+        """Feed ``first`` then every answer until the loop stops."""
+        queue = deque(first)
+        while queue:
+            event = queue.popleft()
+            state, effects = step(state, event)
+            self.steps += 1
+            answer = self.perform_all(effects)
+            queue.extend(self._inputs)
+            self._inputs.clear()
+            queue.extend(self.host.take_inputs())
+            queue.extend(ev.Cancel(r) for r in self._device_cancels())
+            if answer is not None:
+                queue.append(answer)
+            if state.stopped:
+                break
+        return state
+
+    def _device_cancels(self) -> list[int]:
+        take = getattr(self.device, "take_cancels", None)
+        return take() if take else []
+
+    def perform_all(self, effects) -> Optional[ev.Event]:
+        answer = None
+        for effect in effects:
+            result = self.perform(effect)
+            if result is not None:
+                answer = result
+        return answer
+
+    # --- one match over every effect kind ---------------------------------------------------------
+
+    def perform(self, effect) -> Optional[ev.Event]:
+        try:
+            return self._perform(effect)
+        except DeviceError as err:
+            if not effect.QUERY:
+                raise RunError(f"device error in {type(effect).__name__}: {err.message}") from err
+            log.warning("device_fault", effect=type(effect).__name__, message=err.message)
+            return ev.DeviceFault(err.message, err.kv_exhausted)
+
+    def _perform(self, effect) -> Optional[ev.Event]:
+        d = self.device
+        if isinstance(effect, ClientOutput) or isinstance(effect, RotationAck):
+            self.host.send(effect)
+            return None
+        if isinstance(effect, plans.Decode):
+            return self._decode_plan(effect)
+        if isinstance(effect, lc.Lifecycle):
+            return self._lifecycle(effect)
+        match effect:
+            case dc.BindGpuToThread():
+                d.bind_gpu_to_thread()
+            case dc.CreateStream():
+                return ev.StreamCreated(d.create_stream())
+            case dc.CreateEvent():
+                return ev.EventCreated(d.create_event())
+            case dc.NumFreeBlocks():
+                return ev.FreeBlocks(d.num_free_blocks())
+            case dc.SsmSnapshotOccupancy():
+                d.ssm_snapshot_occupancy()
+            case dc.WaitForInput():
+                self._inputs.extend(self.host.wait_for_input())
+                return ev.InputReady()
+            case dc.AllocSequence(seq=seq, session=session):
+                return ev.SlotAllocated(d.alloc_sequence(seq, session))
+            case dc.AllocSequenceFor(seq=seq, session=session, budget=budget):
+                return ev.SlotAllocated(d.alloc_sequence_for(seq, session, budget))
+            case dc.FreeSequence(seq=seq):
+                d.free_sequence(seq)
+            case dc.CacheSequence(seq=seq):
+                d.cache_sequence(seq)
+            case dc.CompactSequence(seq=seq, new_slot=slot):
+                d.compact_sequence(seq, slot)
+            case dc.DetachSlotForReuse(seq=seq):
+                d.detach_slot_for_reuse(seq)
+            case dc.SaveSequenceStateCall(seq=seq):
+                d.save_sequence_state(seq)
+            case dc.RestoreSequenceState(seq=seq, blocks=blocks):
+                d.restore_sequence_state(seq, blocks)
+                return ev.StateRestored()
+            case dc.ReclaimPrefixBlocks(n=n):
+                return ev.BlocksReclaimed(d.reclaim_prefix_blocks(n))
+            case dc.TruncateSequence(seq=seq, seq_len=seq_len):
+                d.truncate_sequence(seq, seq_len)
+            case dc.AdapterIdFor(slots=slots):
+                return ev.AdapterIds(tuple(d.adapter_id_for(s) for s in slots))
+            case dc.AcquireAdapterSlot(slot=slot):
+                d.acquire_adapter_slot(slot)
+            case dc.SetActiveLora(name=name):
+                d.set_active_lora(name)
+                return ev.LoraApplied()
+            case dc.EpBroadcastCmdForSeq(seq_slot=slot, cmd=cmd):
+                d.ep_broadcast_cmd_for_seq(slot, cmd)
+            case dc.EpBroadcastCmd(cmd=cmd):
+                d.ep_broadcast_cmd(cmd)
+            case dc.EpBroadcastTokens(tokens=tokens):
+                d.ep_broadcast_tokens(tokens)
+            case dc.EpSyncVisionEmbeds(n=n):
+                d.ep_sync_vision_embeds(n)
+            case dc.PollInnerq():
+                d.poll_innerq()
+            case dc.RecordEvent(event=e, stream=s):
+                d.record_event(e, s)
+            case dc.StreamWaitEvent(stream=s, event=e):
+                d.stream_wait_event(s, e)
+            case dc.Synchronize(stream=s):
+                d.synchronize(s)
+            case dc.SyncSecondaryCall():
+                d.sync_secondary()
+            case dc.TeardownCall():
+                d.teardown()
+            case dc.Prefill(seq=seq, tokens=tokens, stream=stream):
+                d.prefill(seq, tokens, stream)
+            case dc.PrefillChunk(seq=seq, prompt=prompt, start=start, length=length, last=last, stream=stream):
+                d.prefill_chunk(seq, prompt, start, length, last, stream)
+            case dc.MixedForward(decode_tokens=toks, decode_seqs=seqs, prefill=sl, stream=stream):
+                d.mixed_forward(toks, seqs, sl, stream)
+            case dc.MixedForwardBatch(decode_tokens=toks, decode_seqs=seqs, prefills=sls, stream=stream):
+                d.mixed_forward_batch(toks, seqs, sls, stream)
+            case dc.DecodeCall(token=token, seq=seq, stream=stream):
+                d.decode(token, seq, stream)
+            case dc.DecodeDraft(token=token, seq=seq, stream=stream):
+                d.decode_draft(token, seq, stream)
+            case dc.SerialVerify(seq=seq, tokens=tokens):
+                return ev.VerifyRows(getattr(d, effect.CALL)(seq, tokens))
+            case dc.DecodeVerifyBatched(tokens=tokens, ks=ks, seqs=seqs, stream=stream, woa=woa):
+                return ev.VerifyRows(d.decode_verify_batched(tokens, ks, seqs, stream, woa))
+            case dc.ProposeMulti(token=t, pos=pos, n=n, seq=seq, stream=stream, mask=mask):
+                return ev.Drafts(d.run_mtp_propose_multi(t, pos, n, seq, stream, mask))
+            case dc.ProposeBatched(tokens=t, positions=p, stash=st, n=n, seqs=seqs, stream=stream):
+                return ev.BatchedDrafts(d.run_mtp_propose_batched(t, p, st, n, seqs, stream))
+            case dc.CatchupBatched(tokens=t, slots=slots, pos=pos):
+                d.run_mtp_catchup_batched(t, slots, pos)
+            case dc.GenerateBeamBatch(prompts=prompts, num_beams=beams):
+                return ev.BeamHypotheses(d.generate_beam_batch(prompts, beams))
+            case dc.SlotDraftCapacity(slots=slots):
+                return ev.DraftCapacity(tuple(d.mtp_slot_draft_capacity(s) for s in slots))
+            case dc.CanBatchVerify(ks=ks):
+                return ev.BatchVerifyAllowed(d.can_batch_verify(ks))
+            case dc.ArgmaxOnDevice(row=row, stream=stream):
+                return ev.TokenSampled(d.argmax_on_device(row, stream))
+            case dc.ArgmaxBatch(row=row, n=n, stream=stream):
+                return ev.TokensSampled(d.argmax_batch(row, n, stream))
+            case dc.CopyLogitsToHost(row=row, n=n, picks=picks):
+                return self._host_picks(row, picks)
+            case dc.GdnFoldAccepted(slots=slots, accepted=accepted, k=k):
+                d.gdn_fold_accepted(slots, accepted, k)
+            case dc.CommitAcceptedPrefix(seq=seq, na=na, k=k):
+                d.commit_accepted_prefix(seq, na, k)
+            case dc.CommitCtx(seq=seq, n=n, base=base, row=row):
+                d.commit_ctx(seq, n, base, row)
+            case dc.TrimProposerState(seq=seq, na=na, stream=stream):
+                d.trim_proposer_state(seq, na, stream)
+            case dc.SaveHiddenForMtp(row=row, stream=stream):
+                d.save_hidden_for_mtp(row, stream)
+            case dc.SaveHiddenForMtpFromStash(index=index, stream=stream):
+                d.save_hidden_for_mtp_from_stash(index, stream)
+            case dc.StashVerifyHiddenRows(rows=rows, stream=stream):
+                d.stash_verify_hidden_rows(rows, stream)
+            case dc.StashVerifyCatchupRows(pairs=pairs):
+                d.stash_verify_catchup_rows(pairs)
+            case dc.DflashEagleAcceptAppend(seq=seq):
+                d.dflash_eagle_accept_append(seq)
+            case dc.StartCheckpointAsync(seq=seq):
+                d.start_checkpoint_async(seq)
+            case dc.StartRollbackAndCheckpointAsync(seq=seq, na=na):
+                d.start_rollback_and_checkpoint_async(seq, na)
+            case dc.CheckpointSsmStates(seq=seq):
+                d.checkpoint_ssm_states(seq)
+            case dc.RollbackSsmStates(seq=seq, n=n):
+                d.rollback_ssm_states(seq, n)
+            case dc.DecodeMarconiCheckpoint(seq=seq):
+                d.decode_marconi_checkpoint(seq)
+            case dc.SaveDecodeSsmSnapshot(seq=seq, ring=ring):
+                d.save_decode_ssm_snapshot(seq, ring)
+            case dc.RestoreDecodeSsmSnapshot(seq=seq, ring=ring):
+                d.restore_decode_ssm_snapshot(seq, ring)
+            case dc.SaveHiddenForCatchupCall(row=row, pos=pos):
+                d.save_hidden_for_catchup(row, pos)
+            case _:
+                raise RunError(f"the interpreter has no case for {type(effect).__name__}")
+        return None
+
+    def _host_picks(self, row: int, picks) -> ev.TokensSampled:
+        vocab = self.device.vocab_size()
+        slab = self.device.copy_logits_to_host(row, 0, len(picks) * vocab * 2)
+        tokens, logprobs = [], []
+        for r, pick in enumerate(picks):
+            tokens.append(host_pick(decode_bf16_row(slab, vocab, r), pick, self.eos_ids))
+            logprobs.append(pick.top_logprobs)
+        return ev.TokensSampled(tuple(tokens), tuple(logprobs))
+
+    def _decode_plan(self, plan: plans.Decode) -> ev.Event:
+        d = self.device
+        d.note_fx(f"fx launch {plan.label}")
+        try:
+            d.decode_batch(plan.tokens, plan.seqs, 0)
+        except DeviceError as err:
+            return ev.DeviceFault(err.message, err.kv_exhausted)
+        for row, (seq, base) in enumerate(zip(plan.seqs, plan.seq_lens)):
+            d.commit_ctx(seq, 1, base, row)
+        if plan.picks:
+            return self._host_picks(0, plan.picks)
+        return ev.TokensSampled(d.argmax_batch(0, len(plan.seqs), 0))
+
+    def _lifecycle(self, effect: lc.Lifecycle) -> Optional[ev.Event]:
+        d = self.device
+        d.note_fx(effect.fx_line)
+        match effect:
+            case lc.ReleaseSeq(seq=seq, slot=slot, cache=cache):
+                if cache:
+                    d.cache_sequence(seq)
+                d.free_sequence(seq)
+                d.ep_broadcast_cmd_for_seq(slot, RELEASE_CMD)
+            case lc.CompactSlot(seq=seq, target=target):
+                d.compact_sequence(seq, target)
+            case lc.DetachSlot(seq=seq):
+                d.detach_slot_for_reuse(seq)
+            case lc.SaveSequenceState(seq=seq):
+                d.save_sequence_state(seq)
+            case lc.MarconiCheckpoint(seq=seq):
+                d.decode_marconi_checkpoint(seq)
+            case lc.SsmSnapshotSave(seq=seq, slot=slot):
+                d.save_decode_ssm_snapshot(seq, slot)
+            case lc.SsmSnapshotRestore(seq=seq, slot=slot):
+                d.restore_decode_ssm_snapshot(seq, slot)
+            case lc.SaveHiddenCatchup(row=row, pos=pos):
+                d.save_hidden_for_catchup(row, pos)
+            case lc.SyncSecondary():
+                d.sync_secondary()
+            case lc.EpShutdown():
+                d.ep_broadcast_cmd_for_seq(0, SHUTDOWN_CMD)
+            case lc.Quiesce(stream=stream):
+                d.synchronize(stream)
+            case lc.LoraRotate(name=name):
+                try:
+                    d.set_active_lora(name)
+                except DeviceError as err:
+                    return ev.LoraApplied(err.message)
+                return ev.LoraApplied()
+            case lc.Teardown():
+                d.teardown()
+            case lc.ReadLogits() | lc.ReserveKv() | lc.Rollback():
+                raise RunError(f"{effect.label} belongs to the asynchronous router, which this interpreter is not")
+            case _:
+                raise RunError(f"the interpreter has no case for {type(effect).__name__}")
+        return None

@@ -1,0 +1,161 @@
+"""The scenario runner: one deterministic run of a scenario on the recording device, printed as a
+trace (runner.md). Every run starts from a fresh device and a fresh scheduler."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import structlog
+
+from fxsched.core import events as ev
+from fxsched.core.config import ModelInfo, SchedulerConfig
+from fxsched.core.state import SchedulerState, initial_state
+from fxsched.effects.client import (
+    ClientOutput,
+    DoneOut,
+    ErrorOut,
+    ResponseOut,
+    RotationAck,
+    TERMINAL_OUTPUTS,
+    TokenOut,
+)
+from fxsched.runtime.interpreter import Interpreter, RunError
+from fxsched.runtime.recording_device import RecordingDevice
+from fxsched.runtime.scenario import Scenario, ScenarioError
+
+log = structlog.get_logger("fxsched.runner")
+
+
+def scheduler_config(scenario: Scenario) -> SchedulerConfig:
+    o = scenario.options
+    return SchedulerConfig(
+        eos_ids=(63,), max_batch_size=o.max_batch_size, use_speculative=o.use_speculative, dflash=o.dflash,
+        num_drafts=o.num_drafts, max_prefill_tokens=o.max_prefill_tokens, max_batch_tokens=o.max_batch_tokens,
+        self_speculative=o.self_speculative, ngram_speculative=o.ngram_speculative,
+        swap_space_gb=o.swap_space_gb, policy="slai" if o.slai_policy else "fifo",
+        loop_watchdog=o.loop_watchdog, boundary_tokens=o.boundary_tokens,
+    )
+
+
+def model_info(scenario: Scenario) -> ModelInfo:
+    m = scenario.model
+    return ModelInfo(
+        vocab=m.vocab, block_size=m.block_size, total_blocks=m.total_blocks, has_ssm_layers=m.has_ssm_layers,
+        ring_slots=m.ring_slots, has_proposer=m.has_proposer, dflash_gamma=m.dflash_gamma,
+        has_self_speculative=m.has_self_speculative, supports_beam=m.supports_beam,
+    )
+
+
+def unsupported_feature(scenario: Scenario) -> Optional[str]:
+    """The first feature the scenario needs that fxsched does not implement yet, if any."""
+    o, m = scenario.options, scenario.model
+    if o.max_prefill_tokens > 0:
+        return "chunked prefill"
+    if o.use_speculative and m.has_proposer and not o.dflash and len(scenario.requests) > 1:
+        return "batched MTP verify"
+    if o.ngram_speculative:
+        return "n-gram speculation"
+    if o.self_speculative:
+        return "self-speculative drafting"
+    if m.kv_exhaust_at:
+        return "preemption on KV exhaustion"
+    if o.swap_space_gb > 0:
+        return "spill swap-out/in"
+    if o.loop_watchdog:
+        return "watchdog rollback"
+    return None
+
+
+class ScenarioHost:
+    """Clients, the inbox and the late arrivals of one scenario run."""
+
+    def __init__(self, scenario: Scenario):
+        self.scenario = scenario
+        self.streams: dict[int, list[str]] = {}
+        self.answers: dict[int, Optional[str]] = {}
+        self.finished: set[int] = set()
+        self.late: dict[int, list[ev.Event]] = {}
+        self.inputs: list[ev.Event] = []
+        self.rotation_ack: Optional[str] = None
+        for spec in scenario.requests:
+            if spec.streaming:
+                self.streams[spec.id] = []
+            else:
+                self.answers[spec.id] = None
+            if spec.arrive_at_tick is not None:
+                self.late.setdefault(spec.arrive_at_tick, []).append(ev.Arrival(spec.request()))
+
+    def initial_events(self) -> list[ev.Event]:
+        events: list[ev.Event] = [ev.Arrival(s.request()) for s in self.scenario.requests if s.arrive_at_tick is None]
+        if self.scenario.options.lora_rotation:
+            events.append(ev.RotationRequested(self.scenario.options.lora_rotation))
+        return events
+
+    def on_tick(self, tick: int) -> None:
+        self.inputs.extend(self.late.pop(tick, []))
+
+    def take_inputs(self) -> list[ev.Event]:
+        taken, self.inputs = self.inputs, []
+        return taken
+
+    def send(self, output) -> None:
+        if isinstance(output, RotationAck):
+            self.rotation_ack = output.render()
+            return
+        rid = output.request_id
+        if rid in self.finished:
+            raise RunError(f"scenario {self.scenario.name}: request {rid} got {output!r} after its final frame")
+        if isinstance(output, TERMINAL_OUTPUTS):
+            self.finished.add(rid)
+        if rid in self.streams:
+            self.streams[rid].append(output.render())
+        elif isinstance(output, TokenOut):
+            raise RunError(f"scenario {self.scenario.name}: blocking request {rid} was sent a token")
+        else:
+            self.answers[rid] = output.render()
+
+    def complete(self) -> bool:
+        rotation_done = not self.scenario.options.lora_rotation or self.rotation_ack is not None
+        return len(self.finished) == len(self.scenario.requests) and rotation_done and not self.late
+
+    def wait_for_input(self) -> list[ev.Event]:
+        if self.complete():
+            return [ev.InboxClosed()]
+        missing = [s.id for s in self.scenario.requests if s.id not in self.finished]
+        raise RunError(f"scenario {self.scenario.name}: the scheduler waits for input that can never come "
+                       f"(requests without a final frame: {missing})")
+
+    def out_lines(self) -> list[str]:
+        lines = []
+        for spec in self.scenario.requests:
+            if spec.streaming:
+                lines.append(f"out s{spec.id}: " + " ".join(self.streams[spec.id]))
+            else:
+                lines.append(f"out s{spec.id}: " + (self.answers[spec.id] or "dropped"))
+        return lines
+
+
+def run_scenario(scenario: Scenario) -> str:
+    """Run ``scenario`` and return its trace text (final newline included)."""
+    feature = unsupported_feature(scenario)
+    if feature:
+        raise ScenarioError(f"not supported yet: {feature} (scenario {scenario.name})")
+    host = ScenarioHost(scenario)
+    device = RecordingDevice(scenario.model, {s.id: s.script() for s in scenario.requests},
+                             cancel_flags={s.id for s in scenario.requests if s.streaming})
+    device.on_tick = host.on_tick
+    config = scheduler_config(scenario)
+    interpreter = Interpreter(device, host, config.eos_ids)
+    state = initial_state(config, model_info(scenario))
+    try:
+        interpreter.run(state, host.initial_events() + [ev.Boot()])
+    except RunError:
+        raise
+    except Exception as err:  # a fault of the run names the scenario
+        raise RunError(f"scenario {scenario.name}: {type(err).__name__}: {err}") from err
+    log.info("scenario_done", scenario=scenario.name, steps=interpreter.steps, lines=len(device.lines))
+    lines = [f"# scenario {scenario.name}"] + device.lines
+    if scenario.options.lora_rotation:
+        lines.append(f"rotation ack: {host.rotation_ack or 'dropped'}")
+    lines += host.out_lines()
+    return "\n".join(lines) + "\n"
