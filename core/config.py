@@ -64,6 +64,11 @@ class SchedulerConfig:
             return max(self.num_drafts, 1)
         return 0
 
+    eos_set: frozenset[int] = attrs.field(init=False, eq=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "eos_set", frozenset(self.eos_ids))
+
     @property
     def chunked_prefill(self) -> bool:
         return self.max_prefill_tokens > 0

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import attrs
 
+from fxsched.core.records import replace
+
 from fxsched.core.emit import plain_token
 from fxsched.core.events import DeviceFault, TokensSampled
 from fxsched.core.machine import answer_rule, ask, push, task_rule
@@ -58,7 +60,7 @@ def host_pick(seq: Sequence) -> dc.HostPick:
 def grow(seq: Sequence, seq_len: int, block_size: int) -> Sequence:
     """New KV length; the block table grows to cover it and never shrinks."""
     blocks = max(seq.blocks, seq_len // block_size + 1)
-    return attrs.evolve(seq, seq_len=seq_len, blocks=blocks)
+    return replace(seq, seq_len=seq_len, blocks=blocks)
 
 
 from fxsched.core.spec_step import SpecStep  # noqa: E402
@@ -83,7 +85,7 @@ def _decode_lane(state: SchedulerState, task, out: list) -> SchedulerState:
 @task_rule(PlainDecode)
 def _plain_decode(state: SchedulerState, task, out: list) -> SchedulerState:
     active = by_slot(state.active)
-    state = attrs.evolve(state, active=active)
+    state = replace(state, active=active)
     picks = () if all(greedy_row(s) for s in active) else tuple(host_pick(s) for s in active)
     plan = plans.Decode(
         tokens=tuple(s.last_token for s in active),
@@ -105,7 +107,7 @@ def _decoded(state, waiting: AwaitDecode, event, out):
         seq = next(s for s in state.active if s.seq_id == seq_id)
         seq = grow(seq, seq.seq_len + 1, block_size)
         updated[seq_id] = plain_token(seq, token, config, out, lp)
-    return attrs.evolve(state, active=tuple(updated.get(s.seq_id, s) for s in state.active))
+    return replace(state, active=tuple(updated.get(s.seq_id, s) for s in state.active))
 
 
 def fail_batch(state: SchedulerState, seq_ids, message: str, out: list) -> SchedulerState:
@@ -115,4 +117,4 @@ def fail_batch(state: SchedulerState, seq_ids, message: str, out: list) -> Sched
         if seq.seq_id in failed:
             out.append(ReleaseSeq(seq.seq_id, seq.slot, cache=False, reason="send_error"))
             out.append(ErrorOut(seq.request_id, message, seq.request.streaming))
-    return attrs.evolve(state, active=tuple(s for s in state.active if s.seq_id not in failed))
+    return replace(state, active=tuple(s for s in state.active if s.seq_id not in failed))

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import attrs
 
+from fxsched.core.records import replace
+
 from fxsched.core.emit import spec_tokens
 from fxsched.core.events import BatchVerifyAllowed, Drafts, VerifyRows
 from fxsched.core.machine import answer_rule, ask, find_seq, push, put_seq, put_seqs, task_rule
@@ -91,7 +93,7 @@ def serial_verify(state: SchedulerState, seq: Sequence, draft_count: int, out: l
     query = dc.DecodeVerifyDflash(seq.seq_id, (seq.last_token,) + drafts)
     pre = seq.seq_len
     seq = _grown(seq, pre + len(drafts) + 1, state)
-    state = put_seq(state, attrs.evolve(seq, drafts=()))
+    state = put_seq(state, replace(seq, drafts=()))
     return ask(state, out, query, AwaitDflashVerify(seq.seq_id, drafts, pre, draft_count))
 
 
@@ -103,12 +105,12 @@ def _grown(seq: Sequence, seq_len: int, state: SchedulerState) -> Sequence:
 
 def _settle(seq: Sequence, drafts, rows, pre: int, row: int, out: list, config) -> tuple[Sequence, int]:
     """Rewind to the accepted prefix, commit the drafter context and emit; returns (seq, na)."""
-    from fxsched.core.kverify import rewind
+    from fxsched.core.kverify import settled
 
     na = accepted_prefix(drafts, rows)
-    seq = rewind(seq, pre + na + 1, out)
+    changes = settled(seq, pre, pre + na + 1, out)
     out.append(dc.CommitCtx(seq.seq_id, na + 1, pre, row))
-    seq = spec_tokens(seq, tuple(drafts[:na]) + (rows[na],), config, out)
+    seq = spec_tokens(seq, tuple(drafts[:na]) + (rows[na],), config, out, **changes)
     return seq, na
 
 
@@ -133,7 +135,8 @@ def gate(state: SchedulerState, seq_ids: tuple[int, ...], draft_count: int, out:
     """Batch the verify sequences holding exactly as many drafts as the first one, if the device lets us."""
     from fxsched.core.kverify import SerialVerify
 
-    seqs = [find_seq(state, i) for i in seq_ids]
+    by_id = {s.seq_id: s for s in state.active}
+    seqs = [by_id[i] for i in seq_ids]
     gamma = len(seqs[0].drafts)
     batchable = tuple(s.seq_id for s in seqs if len(s.drafts) == gamma)
     rest = tuple(s.seq_id for s in seqs if len(s.drafts) != gamma)
@@ -152,7 +155,7 @@ def _gate_answer(state, waiting: AwaitDflashGate, event: BatchVerifyAllowed, out
 
     if not event.allowed:
         if waiting.m - 1 >= 2:
-            return _ask_gate(state, attrs.evolve(waiting, m=waiting.m - 1), out)
+            return _ask_gate(state, replace(waiting, m=waiting.m - 1), out)
         return push(state, *(SerialVerify(i, waiting.draft_count) for i in waiting.batchable + waiting.rest))
     m, ids = waiting.m, waiting.batchable
     chunks = [ids[i:i + m] for i in range(0, len(ids), m)]
@@ -169,7 +172,10 @@ def _gate_answer(state, waiting: AwaitDflashGate, event: BatchVerifyAllowed, out
 
 @task_rule(BatchedDflashVerify)
 def _batched_verify(state: SchedulerState, task: BatchedDflashVerify, out: list) -> SchedulerState:
-    seqs = [find_seq(state, i) for i in task.seq_ids]
+    """One verify over every sequence of the chunk. While it is outstanding the sequence records
+    still show the KV before it; the waiting record holds the drafts and lengths in flight."""
+    by_id = {s.seq_id: s for s in state.active}
+    seqs = [by_id[i] for i in task.seq_ids]
     tokens = []
     for s in seqs:
         tokens.append(s.last_token)
@@ -178,28 +184,37 @@ def _batched_verify(state: SchedulerState, task: BatchedDflashVerify, out: list)
     query = dc.DecodeVerifyBatched(tokens=tokens, ks=(task.k,) * len(seqs), seqs=task.seq_ids, stream=0, woa=True)
     waiting = AwaitBatchedDflash(task.seq_ids, tuple(s.drafts for s in seqs), tuple(s.seq_len for s in seqs),
                                  task.k, task.draft_count)
-    grown = {s.seq_id: attrs.evolve(_grown(s, s.seq_len + task.k, state), drafts=()) for s in seqs}
-    return ask(put_seqs(state, grown), out, query, waiting)
+    return ask(state, out, query, waiting)
 
 
 @answer_rule(AwaitBatchedDflash, VerifyRows)
 def _batched_verified(state, waiting: AwaitBatchedDflash, event: VerifyRows, out):
-    k, config = waiting.k, state.config
-    settled, accepted, stash = [], [], []
+    """Settle every sequence (rewind, drafter context, emits), fold, then commit all of them."""
+    k, config, block_size = waiting.k, state.config, state.model.block_size
+    by_id = {s.seq_id: s for s in state.active}
+    rows_all = event.rows
+    settled, accepted, truncations, contexts, emits = [], [], [], [], []
     for i, seq_id in enumerate(waiting.seq_ids):
-        rows = event.rows[i * k:(i + 1) * k]
-        seq, na = _settle(find_seq(state, seq_id), waiting.drafts[i], rows, waiting.pre_lens[i], i, out, config)
+        seq, drafts, pre = by_id[seq_id], waiting.drafts[i], waiting.pre_lens[i]
+        rows = rows_all[i * k:(i + 1) * k]
+        na = accepted_prefix(drafts, rows)
+        seq_len = pre + na + 1
+        if seq_len < pre + k:
+            truncations.append((seq_id, seq_len))
+        contexts.append((seq_id, na + 1, pre, i))
+        seq = spec_tokens(seq, drafts[:na] + (rows[na],), config, emits, seq_len=seq_len, drafts=(),
+                          blocks=max(seq.blocks, (pre + k) // block_size + 1), acc=seq.acc + na)
         settled.append(seq)
         accepted.append(na + 1)
-        stash.append(i * k + na)
+    if truncations:
+        out.append(dc.TruncateSequences(tuple(truncations)))
+    out.append(dc.CommitCtxBatch(tuple(contexts)))
+    out.extend(emits)
     out.append(dc.GdnFoldAccepted(tuple(s.slot for s in settled), tuple(accepted), k))
-    for seq, n in zip(settled, accepted):
-        out.append(dc.CommitAcceptedPrefix(seq.seq_id, n, k))
-    out.append(dc.StashVerifyHiddenRows(tuple(stash)))
-    pending = []
-    for i, (seq, n) in enumerate(zip(settled, accepted)):
-        if not seq.finished:
-            out.append(dc.TrimProposerState(seq.seq_id, n - 1))
-            pending.append((i, seq.seq_id))
+    out.append(dc.CommitAcceptedPrefixBatch(tuple((s.seq_id, n, k) for s, n in zip(settled, accepted))))
+    out.append(dc.StashVerifyHiddenRows(tuple(i * k + n - 1 for i, n in enumerate(accepted))))
+    pending = [(i, s.seq_id) for i, s in enumerate(settled) if not s.finished]
+    if pending:
+        out.append(dc.TrimProposerStateBatch(tuple((settled[i].seq_id, accepted[i] - 1) for i, _ in pending)))
     state = put_seqs(state, {s.seq_id: s for s in settled})
     return propose_after_batch(state, pending, waiting.draft_count, out)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import attrs
 
+from fxsched.core.records import replace
+
 from fxsched.core.config import SchedulerConfig
 from fxsched.core.sequence import Sequence
-from fxsched.effects.client import TokenOut
+from fxsched.effects.client import TokenOut, TokensOut
 from fxsched.effects.lifecycle import MarconiCheckpoint
 
 
@@ -33,40 +35,67 @@ def plain_token(seq: Sequence, token: int, config: SchedulerConfig, out: list, l
     content = seq.content_count + 1
     records = seq.logprob_records + (1 if logprobs else 0)
     if _is_eos(token, config):
-        return attrs.evolve(seq, output=seq.output + (token,), remaining=remaining,
+        return replace(seq, output=seq.output.append(token), remaining=remaining,
                             content_count=content, finished=True, logprob_records=records)
-    seq = attrs.evolve(seq, output=seq.output + (token,), remaining=remaining, content_count=content,
+    seq = replace(seq, output=seq.output.append(token), remaining=remaining, content_count=content,
                        last_token=token, logprob_records=records)
     out.append(MarconiCheckpoint(seq.seq_id))
     stream_token(seq, token, out)
     if remaining <= 0 or seq.seq_len + 1 >= config.max_seq_len:
-        seq = attrs.evolve(seq, finished=True)
+        seq = replace(seq, finished=True)
     return seq
+
+
+def spec_tokens(seq: Sequence, tokens, config: SchedulerConfig, out: list, **changes) -> Sequence:
+    """The speculative sink (speculation.md §6.1) for ``tokens`` in order; stops at the first token
+    that finishes the sequence. ``changes`` (a settled ``seq_len``, ``acc``, ...) are applied in the
+    same rebuild, so a verify costs one record copy per sequence."""
+    if seq.finished:
+        return replace(seq, **changes) if changes else seq
+    seq_len = changes.get("seq_len", seq.seq_len)
+    n = len(tokens)
+    if (n and not seq.cancel_requested and seq.remaining > n and seq_len + 1 < config.max_seq_len
+            and not config.eos_set.intersection(tokens)):
+        # the common case: every token is streamed and nothing finishes
+        if seq.request.streaming:
+            k = seq.request.top_logprobs if seq.logprob_records else 0
+            out.append(TokensOut(seq.request.id, tokens, k) if n > 1 else TokenOut(seq.request.id, tokens[0], k))
+        return replace(seq, output=seq.output.extend(tokens), remaining=seq.remaining - n,
+                       content_count=seq.content_count + n, last_token=tokens[-1], **changes)
+    count, remaining, content, last = len(seq.output), seq.remaining, seq.content_count, seq.last_token
+    finished = False
+    eos_ids = config.eos_ids
+    streaming = seq.request.streaming
+    k = seq.request.top_logprobs if seq.logprob_records else 0
+    streamed = []
+    taken = 0
+    for token in tokens:
+        if seq.cancel_requested:
+            finished = True
+            break
+        before = count
+        count += 1
+        taken += 1
+        remaining -= 1
+        content += 1
+        last = token
+        if token in eos_ids:
+            if before >= seq.request.min_tokens:
+                finished = True
+                break
+        elif streaming:
+            streamed.append(token)
+        if remaining <= 0 or seq_len + 1 >= config.max_seq_len:
+            finished = True
+            break
+    if streamed:
+        out.append(TokensOut(seq.request.id, tuple(streamed), k) if len(streamed) > 1
+                   else TokenOut(seq.request.id, streamed[0], k))
+    output = seq.output.extend(tuple(tokens[:taken])) if taken else seq.output
+    return replace(seq, output=output, remaining=remaining, content_count=content, last_token=last,
+                   finished=finished, **changes)
 
 
 def spec_token(seq: Sequence, token: int, config: SchedulerConfig, out: list) -> Sequence:
-    """The speculative sink for one token; a finished sequence takes no more tokens."""
-    if seq.finished:
-        return seq
-    if seq.cancel_requested:
-        return attrs.evolve(seq, finished=True)
-    before = len(seq.output)
-    seq = attrs.evolve(seq, output=seq.output + (token,), remaining=seq.remaining - 1,
-                       content_count=seq.content_count + 1, last_token=token)
-    if _is_eos(token, config):
-        if before >= seq.request.min_tokens:
-            return attrs.evolve(seq, finished=True)
-    else:
-        stream_token(seq, token, out)
-    if seq.remaining <= 0 or seq.seq_len + 1 >= config.max_seq_len:
-        seq = attrs.evolve(seq, finished=True)
-    return seq
-
-
-def spec_tokens(seq: Sequence, tokens, config: SchedulerConfig, out: list) -> Sequence:
-    """Emit ``tokens`` in order, stopping at the first that finishes the sequence."""
-    for token in tokens:
-        seq = spec_token(seq, token, config, out)
-        if seq.finished:
-            break
-    return seq
+    """The speculative sink for one token."""
+    return spec_tokens(seq, (token,), config, out)

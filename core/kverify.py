@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import attrs
 
+from fxsched.core.records import replace
+
 from fxsched.core.decode import grow
 from fxsched.core.emit import spec_token, spec_tokens
 from fxsched.core.events import TokenSampled, VerifyRows
@@ -17,7 +19,7 @@ from fxsched.core.machine import answer_rule, ask, find_seq, push, put_seq, task
 from fxsched.core.sequence import Sequence
 from fxsched.core.spec_step import propose
 from fxsched.core.state import SchedulerState
-from fxsched.core.verdict import accepted_prefix, verify_width
+from fxsched.core.verdict import acc_gain, accepted_prefix, verify_width
 from fxsched.effects import device_calls as dc
 
 VERIFY_CMD = {2: 0xFFFFFFF2, 3: 0xFFFFFFF3, 4: 0xFFFFFFF4}
@@ -45,14 +47,6 @@ class AwaitKVerify:
 class AwaitMtpDecode:
     seq_id: int
     draft_count: int
-
-
-def rewind(seq: Sequence, seq_len: int, out: list) -> Sequence:
-    """Cut the KV back to ``seq_len`` (rejected drafts leave it); the block table stays."""
-    if seq_len < seq.seq_len:
-        out.append(dc.TruncateSequence(seq.seq_id, seq_len))
-        seq = attrs.evolve(seq, seq_len=seq_len)
-    return seq
 
 
 # --- MTP bootstrap ----------------------------------------------------------------------------
@@ -116,7 +110,7 @@ def start_k_verify(state: SchedulerState, seq: Sequence, drafts: tuple[int, ...]
     else:
         query = dc.DecodeVerifyGraphedK4(seq.seq_id, inputs)
     pre = seq.seq_len
-    seq = grow(attrs.evolve(seq, drafts=()), pre + k, state.model.block_size)
+    seq = grow(replace(seq, drafts=()), pre + k, state.model.block_size)
     state = put_seq(state, seq)
     return ask(state, out, query, AwaitKVerify(seq.seq_id, drafts, k, propose_n, pre, dflash_mode))
 
@@ -131,15 +125,27 @@ def _k_verified(state, waiting: AwaitKVerify, event: VerifyRows, out):
     if waiting.dflash and k >= 3:
         out.append(dc.CommitCtx(seq.seq_id, na + 1, waiting.pre_len, 0))
     if k == 2:
-        return k2_verdict(state, seq, waiting.drafts[0], rows, waiting.propose_n, out)
-    return shared_verdict(state, seq, waiting.drafts, rows, k, na, nd, waiting.propose_n, out)
+        return k2_verdict(state, seq, waiting.drafts[0], rows, waiting.pre_len, waiting.propose_n, out)
+    return shared_verdict(state, seq, waiting.drafts, rows, k, na, nd, waiting.pre_len, waiting.propose_n, out)
 
 
-def k2_verdict(state: SchedulerState, seq: Sequence, draft: int, rows, propose_n: int, out: list):
+def settled(seq: Sequence, pre_len: int, seq_len: int, out: list) -> dict:
+    """Rewind to ``seq_len`` (telling the device) and count the kept drafts into ``acc``.
+
+    ``acc`` grows by ``seq_len - pre_len - 1`` (speculation.md §6.13): a sequence is verified at
+    most once per step and nothing else in that step changes its length, so the KV length before
+    the verify is the length at the start of the step.
+    """
+    if seq_len < seq.seq_len:
+        out.append(dc.TruncateSequence(seq.seq_id, seq_len))
+    return {"seq_len": seq_len, "acc": seq.acc + acc_gain(pre_len, seq_len)}
+
+
+def k2_verdict(state: SchedulerState, seq: Sequence, draft: int, rows, pre_len: int, propose_n: int, out: list):
     """K = 2 (speculation.md §6.6): full accept emits first; a reject commits first."""
     config = state.config
     if draft == rows[0]:
-        seq = spec_tokens(seq, (draft, rows[1]), config, out)
+        seq = spec_tokens(seq, (draft, rows[1]), config, out, **settled(seq, pre_len, pre_len + 2, out))
         state = put_seq(state, seq)
         if seq.finished:
             return state
@@ -148,10 +154,10 @@ def k2_verdict(state: SchedulerState, seq: Sequence, draft: int, rows, propose_n
         out.append(dc.SaveHiddenForMtp(1))
         out.append(dc.TrimProposerState(seq.seq_id, 1))
     else:
-        seq = rewind(seq, seq.seq_len - 1, out)
+        changes = settled(seq, pre_len, pre_len + 1, out)
         out.append(dc.TrimProposerState(seq.seq_id, 0))
         out.append(dc.CommitAcceptedPrefix(seq.seq_id, 1, 2))
-        seq = spec_token(seq, rows[0], config, out)
+        seq = spec_tokens(seq, (rows[0],), config, out, **changes)
         state = put_seq(state, seq)
         if seq.finished:
             return state
@@ -159,7 +165,7 @@ def k2_verdict(state: SchedulerState, seq: Sequence, draft: int, rows, propose_n
     return propose(state, seq.seq_id, propose_n, out, then="marconi")
 
 
-def shared_verdict(state: SchedulerState, seq: Sequence, drafts, rows, k: int, na: int, nd: int,
+def shared_verdict(state: SchedulerState, seq: Sequence, drafts, rows, k: int, na: int, nd: int, pre_len: int,
                    propose_n: int, out: list, deferred: bool = False):
     """The verdict of K = 3 / K = 4 verifies (speculation.md §6.7).
 
@@ -168,7 +174,7 @@ def shared_verdict(state: SchedulerState, seq: Sequence, drafts, rows, k: int, n
     """
     config = state.config
     if na == nd:
-        seq = spec_tokens(seq, tuple(drafts[:nd]) + (rows[nd],), config, out)
+        seq = spec_tokens(seq, tuple(drafts[:nd]) + (rows[nd],), config, out, **settled(seq, pre_len, pre_len + k, out))
         state = put_seq(state, seq)
         if seq.finished:
             return state
@@ -177,10 +183,10 @@ def shared_verdict(state: SchedulerState, seq: Sequence, drafts, rows, k: int, n
             out.append(dc.SaveHiddenForMtp(na))
         out.append(dc.TrimProposerState(seq.seq_id, na))
     else:
-        seq = rewind(seq, seq.seq_len - (nd - na), out)
+        changes = settled(seq, pre_len, pre_len + k - (nd - na), out)
         out.append(dc.TrimProposerState(seq.seq_id, na))
         out.append(dc.CommitAcceptedPrefix(seq.seq_id, na + 1, k))
-        seq = spec_tokens(seq, tuple(drafts[:na]) + (rows[na],), config, out)
+        seq = spec_tokens(seq, tuple(drafts[:na]) + (rows[na],), config, out, **changes)
         state = put_seq(state, seq)
         if seq.finished or deferred:
             return state

@@ -23,6 +23,8 @@ from typing import Any, Callable
 
 import attrs
 
+from fxsched.core.records import replace
+
 from fxsched.core.events import (
     Arrival,
     Boot,
@@ -73,12 +75,12 @@ def answer_rule(waiting_type: type, *event_types: type) -> Callable[[AnswerRule]
 def ask(state: SchedulerState, out: list, query: Effect, waiting: Any) -> SchedulerState:
     """End the batch with ``query`` and park ``waiting`` until its answer comes."""
     out.append(query)
-    return attrs.evolve(state, waiting=waiting)
+    return replace(state, waiting=waiting)
 
 
 def push(state: SchedulerState, *tasks: Any) -> SchedulerState:
     """Put ``tasks`` at the front of the agenda, in order."""
-    return attrs.evolve(state, agenda=tasks + state.agenda)
+    return replace(state, agenda=tasks + state.agenda)
 
 
 def find_seq(state: SchedulerState, seq_id: int) -> Sequence:
@@ -93,7 +95,7 @@ def put_seqs(state: SchedulerState, updated: dict[int, Sequence]) -> SchedulerSt
     if not updated:
         return state
     active = tuple(updated.get(s.seq_id, s) for s in state.active)
-    return attrs.evolve(state, active=active)
+    return replace(state, active=active)
 
 
 def put_seq(state: SchedulerState, seq: Sequence) -> SchedulerState:
@@ -105,18 +107,18 @@ def put_seq(state: SchedulerState, seq: Sequence) -> SchedulerState:
 
 def _take_input(state: SchedulerState, event: Event) -> SchedulerState:
     if isinstance(event, Arrival):
-        return attrs.evolve(state, inbox=state.inbox + (event.request,))
+        return replace(state, inbox=state.inbox + (event.request,))
     if isinstance(event, Cancel):
-        seqs = {s.seq_id: attrs.evolve(s, cancel_requested=True)
+        seqs = {s.seq_id: replace(s, cancel_requested=True)
                 for s in state.active if s.request_id == event.request_id and s.has_cancel_flag}
         state = put_seqs(state, seqs)
-        return attrs.evolve(state, cancels=state.cancels | {event.request_id})
+        return replace(state, cancels=state.cancels | {event.request_id})
     if isinstance(event, Clock):
-        return attrs.evolve(state, now_ms=event.now_ms)
+        return replace(state, now_ms=event.now_ms)
     if isinstance(event, InboxClosed):
-        return attrs.evolve(state, inbox_closed=True)
+        return replace(state, inbox_closed=True)
     if isinstance(event, RotationRequested):
-        return attrs.evolve(state, inbox_rotations=state.inbox_rotations + (event.name,))
+        return replace(state, inbox_rotations=state.inbox_rotations + (event.name,))
     raise PhaseError(f"unknown input event {event!r}")
 
 
@@ -126,7 +128,7 @@ def advance(state: SchedulerState, out: list) -> SchedulerState:
         if not state.agenda:
             raise PhaseError(f"the agenda ran dry without a query ({state.describe()})")
         task = state.agenda[0]
-        state = attrs.evolve(state, agenda=state.agenda[1:])
+        state = replace(state, agenda=state.agenda[1:])
         state = TASK_RULES[type(task)](state, task, out)
     return state
 
@@ -162,6 +164,6 @@ def step(state: SchedulerState, event: Event) -> tuple[SchedulerState, tuple[Eff
         raise PhaseError(
             f"phase {type(waiting).__name__} waits for {names}, got {type(event).__name__} ({state.describe()})"
         )
-    state = rule(attrs.evolve(state, waiting=None), waiting, event, out)
+    state = rule(replace(state, waiting=None), waiting, event, out)
     state = advance(state, out)
     return state, tuple(out)

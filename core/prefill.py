@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import attrs
 
+from fxsched.core.records import replace
+
 from fxsched.core.events import AdapterIds, BeamHypotheses, SlotAllocated, TokenSampled, TokensSampled
 from fxsched.core.machine import answer_rule, ask, push, task_rule
 from fxsched.core.request import Request
@@ -104,9 +106,9 @@ def become_active(state: SchedulerState, request: Request, seq_id: int, slot: in
     if not is_eos and request.max_tokens > 0 and request.streaming:
         out.append(TokenOut(request.id, token))
     if is_eos or request.max_tokens <= 1:
-        finish_and_release(attrs.evolve(seq, finished=True), config, out)
+        finish_and_release(replace(seq, finished=True), config, out)
         return state
-    return attrs.evolve(state, active=state.active + (seq,))
+    return replace(state, active=state.active + (seq,))
 
 
 # --- lane 1: whole-prompt prefill ----------------------------------------------------------------
@@ -115,14 +117,14 @@ def become_active(state: SchedulerState, request: Request, seq_id: int, slot: in
 @task_rule(StartRequests)
 def _start_requests(state: SchedulerState, task, out: list) -> SchedulerState:
     new = state.new_requests
-    state = attrs.evolve(state, new_requests=())
+    state = replace(state, new_requests=())
     return push(state, *(StartRequest(r) for r in new))
 
 
 @task_rule(StartRequest)
 def _start_request(state: SchedulerState, task: StartRequest, out: list) -> SchedulerState:
     seq_id = state.next_seq_id
-    state = attrs.evolve(state, next_seq_id=seq_id + 1)
+    state = replace(state, next_seq_id=seq_id + 1)
     return ask(state, out, dc.AllocSequence(seq_id, task.request.id), AwaitSlot(task.request, seq_id))
 
 

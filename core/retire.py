@@ -6,6 +6,8 @@ from typing import Optional
 
 import attrs
 
+from fxsched.core.records import replace
+
 from fxsched.core.config import SchedulerConfig
 from fxsched.core.sequence import Sequence
 from fxsched.effects.client import DoneOut, ResponseOut
@@ -42,12 +44,12 @@ def finish_reason(
 
 def finish_frame(seq: Sequence, config: SchedulerConfig):
     """The client's final frame for a finished sequence."""
-    last = seq.output[-1] if seq.output else None
+    last = seq.output.last
     reason = finish_reason(seq.guard, last, seq.remaining, seq.seq_len, config)
     req = seq.request
     if req.streaming:
         return DoneOut(req.id, reason, len(seq.output), 0, 0, seq.acc, seq.guard)
-    return ResponseOut(req.id, seq.output, reason, 0, 0, seq.acc, seq.logprob_records)
+    return ResponseOut(req.id, seq.output.tokens(), reason, 0, 0, seq.acc, seq.logprob_records)
 
 
 def finish_and_release(seq: Sequence, config: SchedulerConfig, out: list) -> None:
@@ -81,5 +83,5 @@ def compact(active: tuple[Sequence, ...], out: list) -> tuple[Sequence, ...]:
     for index, target in moves:
         seq = seqs[index]
         out.append(CompactSlot(seq.seq_id, target))
-        seqs[index] = attrs.evolve(seq, slot=target)
+        seqs[index] = replace(seq, slot=target)
     return tuple(seqs)

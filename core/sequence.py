@@ -12,17 +12,18 @@ from typing import Optional
 import attrs
 
 from fxsched.core.request import Request
+from fxsched.core.token_log import TokenLog, as_log
 from fxsched.effects.base import int_tuple
 
 
-@attrs.frozen
+@attrs.frozen(slots=False)
 class Sequence:
     seq_id: int
     request: Request
     slot: int
     seq_len: int
     blocks: int
-    output: tuple[int, ...] = attrs.field(converter=int_tuple)
+    output: TokenLog = attrs.field(converter=as_log)
     remaining: int
     last_token: int
     finished: bool = False
@@ -42,4 +43,4 @@ class Sequence:
 
     def kv_tokens(self) -> tuple[int, ...]:
         """The tokens the device holds in this sequence's KV."""
-        return (self.request.prompt + self.output)[: self.seq_len]
+        return (self.request.prompt + self.output.tokens())[: self.seq_len]

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import attrs
 
+from fxsched.core.records import replace
+
 from fxsched.core.events import BatchedDrafts, DraftCapacity, Drafts
 from fxsched.core.machine import answer_rule, ask, find_seq, push, put_seq, put_seqs, task_rule
 from fxsched.core.state import SchedulerState
-from fxsched.core.verdict import acc_gain, base_draft_count
+from fxsched.core.verdict import base_draft_count
 from fxsched.effects import device_calls as dc
 
 
@@ -23,7 +25,6 @@ class SpecStep:
 
 @attrs.frozen
 class AwaitCapacity:
-    before: tuple[tuple[int, int], ...]
     base: int
 
 
@@ -37,11 +38,6 @@ class Bootstrap:
 class Verifies:
     seq_ids: tuple[int, ...]
     draft_count: int
-
-
-@attrs.frozen
-class AccountAcc:
-    before: tuple[tuple[int, int], ...]
 
 
 @attrs.frozen
@@ -60,10 +56,9 @@ class AwaitBatchedProposal:
 @task_rule(SpecStep)
 def _spec_step(state: SchedulerState, task, out: list) -> SchedulerState:
     active = state.active
-    before = tuple((s.seq_id, s.seq_len) for s in active)
     base = base_draft_count(state.config, state.model, len(active))
     query = dc.SlotDraftCapacity(tuple(s.slot for s in active))
-    return ask(state, out, query, AwaitCapacity(before, base))
+    return ask(state, out, query, AwaitCapacity(base))
 
 
 @answer_rule(AwaitCapacity, DraftCapacity)
@@ -74,7 +69,7 @@ def _capacity(state, waiting: AwaitCapacity, event: DraftCapacity, out):
     if bootstrap:
         out.append(dc.SyncSecondaryCall())
     tasks = tuple(Bootstrap(i, count) for i in bootstrap)
-    return push(state, *tasks, Verifies(verify, count), AccountAcc(waiting.before))
+    return push(state, *tasks, Verifies(verify, count))
 
 
 @task_rule(Bootstrap)
@@ -86,24 +81,13 @@ def _bootstrap(state: SchedulerState, task: Bootstrap, out: list) -> SchedulerSt
 
 @task_rule(Verifies)
 def _verifies(state: SchedulerState, task: Verifies, out: list) -> SchedulerState:
-    ids = tuple(i for i in task.seq_ids if not find_seq(state, i).finished)
+    finished = {s.seq_id for s in state.active if s.finished}
+    ids = tuple(i for i in task.seq_ids if i not in finished)
     if len(ids) >= 2 and state.config.dflash:
         return dflash.gate(state, ids, task.draft_count, out)
     if len(ids) >= 2 and task.draft_count >= 1:
         return kverify.mtp_gate(state, ids, task.draft_count, out)
     return push(state, *(kverify.SerialVerify(i, task.draft_count) for i in ids))
-
-
-@task_rule(AccountAcc)
-def _account_acc(state: SchedulerState, task: AccountAcc, out: list) -> SchedulerState:
-    lens = dict(task.before)
-    updated = {}
-    for s in state.active:
-        if s.seq_id in lens:
-            gain = acc_gain(lens[s.seq_id], s.seq_len)
-            if gain:
-                updated[s.seq_id] = attrs.evolve(s, acc=s.acc + gain)
-    return put_seqs(state, updated)
 
 
 def propose(state: SchedulerState, seq_id: int, n: int, out: list, then: str = "") -> SchedulerState:
@@ -115,7 +99,7 @@ def propose(state: SchedulerState, seq_id: int, n: int, out: list, then: str = "
 
 @answer_rule(AwaitProposal, Drafts)
 def _proposed(state, waiting: AwaitProposal, event: Drafts, out):
-    state = put_seq(state, attrs.evolve(find_seq(state, waiting.seq_id), drafts=event.drafts))
+    state = put_seq(state, replace(find_seq(state, waiting.seq_id), drafts=event.drafts))
     if waiting.then == "marconi":
         out.append(dc.DecodeMarconiCheckpoint(waiting.seq_id))
     elif waiting.then == "checkpoint":
@@ -126,7 +110,8 @@ def _proposed(state, waiting: AwaitProposal, event: Drafts, out):
 def propose_batched(state: SchedulerState, seq_ids: tuple[int, ...], stash: tuple[int, ...], n: int,
                     out: list) -> SchedulerState:
     """One batched proposal for two or more sequences whose verify rows were stashed."""
-    seqs = [find_seq(state, i) for i in seq_ids]
+    by_id = {s.seq_id: s for s in state.active}
+    seqs = [by_id[i] for i in seq_ids]
     query = dc.ProposeBatched(
         tokens=tuple(s.last_token for s in seqs), positions=tuple(s.seq_len for s in seqs),
         stash=stash, n=n, seqs=seq_ids,
@@ -136,7 +121,8 @@ def propose_batched(state: SchedulerState, seq_ids: tuple[int, ...], stash: tupl
 
 @answer_rule(AwaitBatchedProposal, BatchedDrafts)
 def _batched_proposed(state, waiting: AwaitBatchedProposal, event: BatchedDrafts, out):
-    updated = {i: attrs.evolve(find_seq(state, i), drafts=d) for i, d in zip(waiting.seq_ids, event.drafts)}
+    by_id = {s.seq_id: s for s in state.active}
+    updated = {i: replace(by_id[i], drafts=d) for i, d in zip(waiting.seq_ids, event.drafts)}
     return put_seqs(state, updated)
 
 

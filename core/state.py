@@ -43,7 +43,7 @@ class Swapped:
     sequence: Sequence
 
 
-@attrs.frozen
+@attrs.frozen(slots=False)
 class SchedulerState:
     config: SchedulerConfig
     model: ModelInfo

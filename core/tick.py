@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import attrs
 
+from fxsched.core.records import replace
+
 from fxsched.core import admission
 from fxsched.core.events import (
     AdapterIds,
@@ -114,13 +116,13 @@ def _start_up(state: SchedulerState, task, out: list) -> SchedulerState:
 
 @answer_rule(AwaitStream, StreamCreated)
 def _stream_created(state, waiting, event: StreamCreated, out):
-    state = attrs.evolve(state, prefill_stream=event.stream)
+    state = replace(state, prefill_stream=event.stream)
     return ask(state, out, dc.CreateEvent(), AwaitEvent())
 
 
 @answer_rule(AwaitEvent, EventCreated)
 def _event_created(state, waiting, event: EventCreated, out):
-    return push(attrs.evolve(state, prefill_event=event.event), TickStart())
+    return push(replace(state, prefill_event=event.event), TickStart())
 
 
 # --- inbox ------------------------------------------------------------------------------------
@@ -130,7 +132,7 @@ def drain_inbox(state: SchedulerState) -> SchedulerState:
     """Take everything already in the inbox without waiting."""
     if not (state.inbox or state.inbox_rotations or state.inbox_closed):
         return state
-    return attrs.evolve(
+    return replace(
         state,
         pending=state.pending + state.inbox,
         rotations=state.rotations + state.inbox_rotations,
@@ -167,7 +169,7 @@ def _tick_start(state: SchedulerState, task, out: list) -> SchedulerState:
     if state.pending and not policy_declines(state):
         cap = state.config.max_batch_size - len(state.active) - len(state.prefilling)
         new = admission.select_requests(state.config, state.pending, cap)
-    state = attrs.evolve(state, new_requests=new, pending=admission.without(state.pending, new),
+    state = replace(state, new_requests=new, pending=admission.without(state.pending, new),
                          mixed_step_ran=False)
     tasks = (Publish(), Rotate(), IdleCheck(), StartRequests(), ContinuePrefills(), EmptyBatchExit(),
              DecodeLane(), EndOfTick())
@@ -219,7 +221,7 @@ def _adapter_ids(state, waiting: AwaitAdapterIds, event: AdapterIds, out):
     same, other = admission.cohort_split(cohort_id, waiting.new, ids)
     admitted, deferred = admission.reserve_kv(state.model, state.config, committed_blocks(state), same)
     back = tuple(sorted(deferred + other, key=lambda r: waiting.new.index(r)))
-    return attrs.evolve(state, new_requests=admitted, pending=back + state.pending)
+    return replace(state, new_requests=admitted, pending=back + state.pending)
 
 
 # --- snapshot publish, rotation, idle check ----------------------------------------------------
@@ -234,7 +236,7 @@ def _publish(state: SchedulerState, task, out: list) -> SchedulerState:
 def _published(state, waiting, event, out):
     out.append(dc.SsmSnapshotOccupancy())
     out.append(dc.SsmSnapshotOccupancy())
-    return attrs.evolve(state, tick=state.tick + 1)
+    return replace(state, tick=state.tick + 1)
 
 
 def quiescent(state: SchedulerState) -> bool:
@@ -247,7 +249,7 @@ def _rotate(state: SchedulerState, task, out: list) -> SchedulerState:
     if not state.rotations or not quiescent(state):
         return state
     name = state.rotations[0]
-    state = attrs.evolve(state, rotations=state.rotations[1:])
+    state = replace(state, rotations=state.rotations[1:])
     return ask(push(state, Rotate()), out, lc.LoraRotate(name), AwaitRotation(name))
 
 
@@ -263,7 +265,7 @@ def _idle_check(state: SchedulerState, task, out: list) -> SchedulerState:
         return state
     state = drain_inbox(state)
     if state.closed:
-        return attrs.evolve(state, agenda=(Shutdown(),))
+        return replace(state, agenda=(Shutdown(),))
     return state
 
 
@@ -272,7 +274,7 @@ def _empty_batch_exit(state: SchedulerState, task, out: list) -> SchedulerState:
     """After lane 2: with nothing active, skip lane 3 and the end of tick."""
     if state.active:
         return state
-    return attrs.evolve(state, agenda=(TickStart(),))
+    return replace(state, agenda=(TickStart(),))
 
 
 # --- end of tick ------------------------------------------------------------------------------
@@ -285,10 +287,10 @@ def expire_deadlines(state: SchedulerState) -> SchedulerState:
     for s in state.active:
         deadline = s.request.deadline_ms
         if deadline is not None and not s.finished and deadline <= now:
-            changed[s.seq_id] = attrs.evolve(s, guard=REQUEST_TIMEOUT, finished=True)
+            changed[s.seq_id] = replace(s, guard=REQUEST_TIMEOUT, finished=True)
     if not changed:
         return state
-    return attrs.evolve(state, active=tuple(changed.get(s.seq_id, s) for s in state.active))
+    return replace(state, active=tuple(changed.get(s.seq_id, s) for s in state.active))
 
 
 def retire_finished(state: SchedulerState, out: list) -> SchedulerState:
@@ -299,7 +301,7 @@ def retire_finished(state: SchedulerState, out: list) -> SchedulerState:
             finish_and_release(s, state.config, out)
         else:
             survivors.append(s)
-    return attrs.evolve(state, active=compact(tuple(survivors), out))
+    return replace(state, active=compact(tuple(survivors), out))
 
 
 @task_rule(EndOfTick)
@@ -317,4 +319,4 @@ def _shutdown(state: SchedulerState, task, out: list) -> SchedulerState:
     for s in state.active:
         finish_and_release(s, state.config, out)
     out.extend([lc.EpShutdown(), lc.Quiesce(0), lc.Quiesce(state.prefill_stream), lc.Teardown()])
-    return attrs.evolve(state, active=(), agenda=(), stopped=True)
+    return replace(state, active=(), agenda=(), stopped=True)

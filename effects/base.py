@@ -25,5 +25,11 @@ def is_query(effect: Effect) -> bool:
 
 
 def int_tuple(value) -> tuple[int, ...]:
-    """Converter: any iterable of ints becomes a tuple (records stay hashable)."""
+    """Converter: any iterable of ints becomes a tuple (records stay hashable).
+
+    A tuple is taken as is: records are rebuilt on every step, and re-converting long tuples
+    (a sequence's output) would make each step linear in the output length.
+    """
+    if type(value) is tuple:
+        return value
     return tuple(int(v) for v in value)

@@ -27,6 +27,19 @@ class TokenOut(ClientOutput):
         return f"TL{self.token}:{self.logprobs}" if self.logprobs else f"T{self.token}"
 
 
+@attrs.frozen
+class TokensOut(ClientOutput):
+    """Several streamed tokens in one frame (a verify's accepted drafts and bonus)."""
+
+    tokens: tuple[int, ...] = attrs.field(converter=int_tuple)
+    logprobs: int = 0
+
+    def render(self) -> str:
+        if self.logprobs:
+            return " ".join(f"TL{t}:{self.logprobs}" for t in self.tokens)
+        return " ".join(f"T{t}" for t in self.tokens)
+
+
 def render_guard(guard: Optional[str]) -> str:
     return "None" if guard is None else f'Some("{guard}")'
 

@@ -499,3 +499,35 @@ class RestoreDecodeSsmSnapshot(DeviceCall):
 class SaveHiddenForCatchupCall(DeviceCall):
     row: int
     pos: int
+
+
+# --- batched forms: one record for the same call on many sequences, in order ------------------
+
+
+@_call("commit_ctx")
+class CommitCtxBatch(DeviceCall):
+    """``commit_ctx`` for each ``(seq, n, base, row)`` entry, in order."""
+
+    entries: tuple[tuple[int, int, int, int], ...] = attrs.field(converter=tuple)
+
+
+@_call("commit_accepted_prefix")
+class CommitAcceptedPrefixBatch(DeviceCall):
+    """``commit_accepted_prefix`` for each ``(seq, na, k)`` entry, in order."""
+
+    entries: tuple[tuple[int, int, int], ...] = attrs.field(converter=tuple)
+
+
+@_call("trim_proposer_state")
+class TrimProposerStateBatch(DeviceCall):
+    """``trim_proposer_state`` for each ``(seq, na)`` entry, in order, on ``stream``."""
+
+    entries: tuple[tuple[int, int], ...] = attrs.field(converter=tuple)
+    stream: int = 0
+
+
+@_call("truncate_sequence")
+class TruncateSequences(DeviceCall):
+    """``TruncateSequence`` for each ``(seq, seq_len)`` entry; renders no line."""
+
+    entries: tuple[tuple[int, int], ...] = attrs.field(converter=tuple)

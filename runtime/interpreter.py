@@ -200,6 +200,18 @@ class Interpreter:
                 d.commit_accepted_prefix(seq, na, k)
             case dc.CommitCtx(seq=seq, n=n, base=base, row=row):
                 d.commit_ctx(seq, n, base, row)
+            case dc.CommitCtxBatch(entries=entries):
+                for seq, n, base, row in entries:
+                    d.commit_ctx(seq, n, base, row)
+            case dc.CommitAcceptedPrefixBatch(entries=entries):
+                for seq, na, k in entries:
+                    d.commit_accepted_prefix(seq, na, k)
+            case dc.TrimProposerStateBatch(entries=entries, stream=stream):
+                for seq, na in entries:
+                    d.trim_proposer_state(seq, na, stream)
+            case dc.TruncateSequences(entries=entries):
+                for seq, seq_len in entries:
+                    d.truncate_sequence(seq, seq_len)
             case dc.TrimProposerState(seq=seq, na=na, stream=stream):
                 d.trim_proposer_state(seq, na, stream)
             case dc.SaveHiddenForMtp(row=row, stream=stream):

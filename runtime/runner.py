@@ -18,6 +18,7 @@ from fxsched.effects.client import (
     RotationAck,
     TERMINAL_OUTPUTS,
     TokenOut,
+    TokensOut,
 )
 from fxsched.runtime.interpreter import Interpreter, RunError
 from fxsched.runtime.recording_device import RecordingDevice
@@ -109,7 +110,7 @@ class ScenarioHost:
             self.finished.add(rid)
         if rid in self.streams:
             self.streams[rid].append(output.render())
-        elif isinstance(output, TokenOut):
+        elif isinstance(output, (TokenOut, TokensOut)):
             raise RunError(f"scenario {self.scenario.name}: blocking request {rid} was sent a token")
         else:
             self.answers[rid] = output.render()

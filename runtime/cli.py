@@ -1,0 +1,142 @@
+"""The ``fxsched`` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from fxsched.runtime.logs import configure_logging
+
+EXIT_USAGE = 2
+
+
+def _golden_path(name: str) -> Path:
+    from fxsched.runtime.scenario import specs_dir
+
+    return specs_dir() / "goldens" / f"{name}.trace"
+
+
+def first_difference(got: str, want: str) -> str:
+    """The first differing line of two traces, as a short report."""
+    a, b = got.splitlines(), want.splitlines()
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return f"line {i + 1}:\n  got:  {x}\n  want: {y}"
+    if len(a) != len(b):
+        return f"line {min(len(a), len(b)) + 1}: got {len(a)} lines, want {len(b)}"
+    return "the final newline differs"
+
+
+def cmd_run(args) -> int:
+    from fxsched.runtime.interpreter import RunError
+    from fxsched.runtime.runner import run_scenario, unsupported_feature
+    from fxsched.runtime.scenario import ScenarioError, load_scenario, scenario_names
+
+    if args.list:
+        for name in scenario_names():
+            try:
+                feature = unsupported_feature(load_scenario(name))
+            except ScenarioError as err:
+                feature = f"invalid: {err}"
+            print(name if feature is None else f"{name}  (not supported yet: {feature})")
+        return 0
+    if not args.name:
+        print("fxsched run: give a scenario name or path (or --list)", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        scenario = load_scenario(args.name)
+        trace = run_scenario(scenario)
+    except ScenarioError as err:
+        print(f"fxsched run: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except RunError as err:
+        print(f"fxsched run: {err}", file=sys.stderr)
+        return 1
+    if args.write:
+        path = _golden_path(scenario.name)
+        path.write_text(trace)
+        print(f"wrote {path}", file=sys.stderr)
+        return 0
+    if args.check:
+        path = _golden_path(scenario.name)
+        if not path.exists():
+            print(f"fxsched run --check: no golden {path}", file=sys.stderr)
+            return 1
+        want = path.read_text()
+        if trace == want:
+            print(f"{scenario.name}: matches {path.name}")
+            return 0
+        print(f"{scenario.name}: differs from {path.name} at {first_difference(trace, want)}")
+        return 1
+    sys.stdout.write(trace)
+    return 0
+
+
+def cmd_bench(args) -> int:
+    if args.what == "step":
+        from fxsched.runtime.bench_step import print_step_bench
+
+        sizes = tuple(int(n) for n in args.sizes.split(","))
+        print_step_bench(sizes, ticks=args.ticks, repeats=args.repeats)
+        return 0
+    if args.what == "kernels":
+        try:
+            from fxsched.kernels.bench import run_kernel_bench
+        except ImportError as err:
+            print(f"fxsched bench kernels: needs the gpu extra (torch, triton): {err}", file=sys.stderr)
+            return EXIT_USAGE
+        from fxsched.runtime.bench_step import print_table
+
+        rows = run_kernel_bench("cuda" if _cuda() else "cpu", repeats=args.repeats)
+        print_table(rows)
+        return 0
+    print(f"fxsched bench: unknown benchmark '{args.what}' (known: step, kernels)", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fxsched", description="LLM inference scheduling as a pure step function")
+    parser.add_argument("-v", "--verbose", action="store_true", help="structlog events on stderr")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run a scenario on the recording device and print its trace")
+    run.add_argument("name", nargs="?", help="scenario name (see --list) or path to a .toml file")
+    run.add_argument("--list", action="store_true", help="list the known scenarios")
+    mode = run.add_mutually_exclusive_group()
+    mode.add_argument("--check", action="store_true", help="compare with specs/goldens; print the first differing line")
+    mode.add_argument("--write", action="store_true", help="regenerate specs/goldens/<name>.trace")
+    run.add_argument("-v", "--verbose", action="store_true", dest="verbose_run", help="structlog events on stderr")
+    run.set_defaults(func=cmd_run)
+
+    bench = sub.add_parser("bench", help="print speed figures (medians of repeats)")
+    bench.add_argument("what", choices=["step", "kernels"])
+    bench.add_argument("--sizes", default="1,8,64,256", help="running sequences, comma-separated (step)")
+    bench.add_argument("--ticks", type=int, default=200, help="ticks per measurement (step)")
+    bench.add_argument("--repeats", type=int, default=5, help="repeats; the median is reported")
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    configure_logging(args.verbose or getattr(args, "verbose_run", False))
+    try:
+        return args.func(args)
+    except BrokenPipeError:  # e.g. piped into head
+        sys.stderr.close()
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
