@@ -1,0 +1,161 @@
+"""Draft proposers: the MTP head, the DFlash block drafter (with its per-slot context), and n-gram lookup.
+
+All proposers are greedy (argmax) and deterministic; their drafts only affect speed, never the
+verified output, because the target verifies every draft.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .attention import apply_rope, masked_attention
+from .config import ModelConfig
+from .ops import linear, rms_norm, swiglu_mlp
+from .weights import Weights
+
+
+class MtpHead:
+    """Multi-token-prediction head: (hidden of position p, token p+1) -> token p+2, chained n times.
+
+    z = in_proj([norm(h); norm(embed(x))]); z += MLP(norm(z)); logits = lm_head(norm(z)); the next
+    step uses (z, argmax). Stateless: the caller passes the saved hidden state.
+    """
+
+    def __init__(self, cfg: ModelConfig, w: Weights) -> None:
+        if not cfg.mtp:
+            raise ValueError("config has mtp = false: the model has no MTP head")
+        self.cfg, self.w = cfg, w
+
+    def propose(self, hidden: torch.Tensor, tokens: torch.Tensor, num_drafts: int) -> torch.Tensor:
+        """Drafts [B, num_drafts] from target hidden [B, D] (pre-norm) and the tokens [B] that follow it."""
+        w, eps = self.w, self.cfg.rms_norm_eps
+        drafts = []
+        h, x = hidden, tokens
+        for _ in range(num_drafts):
+            z = linear(torch.cat([rms_norm(h, w["mtp.hidden_norm"], eps),
+                                  rms_norm(w["embed"][x], w["mtp.embed_norm"], eps)], dim=-1), w["mtp.in_proj"])
+            z = z + swiglu_mlp(rms_norm(z, w["mtp.mlp_norm"], eps), w, "mtp.mlp")
+            x = linear(rms_norm(z, w["mtp.final_norm"], eps), w["lm_head"]).argmax(-1)
+            drafts.append(x)
+            h = z
+        if not drafts:
+            return torch.zeros((hidden.shape[0], 0), dtype=torch.long, device=hidden.device)
+        return torch.stack(drafts, dim=1)
+
+
+class DFlashDrafter:
+    """DFlash-style block drafter: one non-causal forward over [last token, MASK x gamma].
+
+    Each slot has a context of projected target hidden states (K/V per drafter layer, roped at
+    their positions 0..ctx_len-1). The block's rows sit at positions ctx_len..ctx_len+gamma and
+    attend to the whole context and to each other; rows 1..gamma give the drafts. Invariant: the
+    context of a slot holds exactly ctx_len(slot) rows, appended by `append` and dropped by `trim`.
+    """
+
+    def __init__(self, cfg: ModelConfig, w: Weights, device: torch.device | str) -> None:
+        if cfg.dflash_gamma <= 0:
+            raise ValueError("config has dflash_gamma = 0: the model has no DFlash drafter")
+        self.cfg, self.w = cfg, w
+        shape = (cfg.max_slots, cfg.max_seq_len, cfg.num_kv_heads, cfg.head_dim)
+        self.ctx_k = [torch.zeros(shape, device=device) for _ in range(cfg.dflash_layers)]
+        self.ctx_v = [torch.zeros(shape, device=device) for _ in range(cfg.dflash_layers)]
+        self.ctx_len = [0] * cfg.max_slots
+
+    def _project(self, x: torch.Tensor, prefix: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        shape = (*x.shape[:-1], cfg.num_kv_heads, cfg.head_dim)
+        k = apply_rope(linear(x, self.w[f"{prefix}.k_proj"]).view(shape), positions, cfg.rope_theta)
+        return k, linear(x, self.w[f"{prefix}.v_proj"]).view(shape)
+
+    def append(self, slot: int, hidden: torch.Tensor) -> None:
+        """Extend the context of `slot` with target hidden rows [n, D] (pre-norm), in order."""
+        n, start = hidden.shape[0], self.ctx_len[slot]
+        if start + n > self.cfg.max_seq_len:
+            raise ValueError(f"DFlash context of slot {slot} would exceed max_seq_len={self.cfg.max_seq_len}")
+        feats = rms_norm(linear(hidden, self.w["dflash.ctx_proj"]), self.w["dflash.ctx_norm"], self.cfg.rms_norm_eps)
+        positions = torch.arange(start, start + n, device=hidden.device)
+        for j in range(self.cfg.dflash_layers):
+            k, v = self._project(feats, f"dflash.layers.{j}.attn", positions)
+            self.ctx_k[j][slot, start:start + n] = k
+            self.ctx_v[j][slot, start:start + n] = v
+        self.ctx_len[slot] = start + n
+
+    def trim(self, slot: int, n_drop: int) -> None:
+        """Drop the last n_drop context rows of `slot` (0 <= n_drop <= ctx_len)."""
+        if not 0 <= n_drop <= self.ctx_len[slot]:
+            raise ValueError(f"cannot drop {n_drop} of {self.ctx_len[slot]} DFlash context rows of slot {slot}")
+        self.ctx_len[slot] -= n_drop
+
+    def reset(self, slot: int) -> None:
+        """Empty the context of `slot`."""
+        self.ctx_len[slot] = 0
+
+    def move(self, src: int, dst: int) -> None:
+        """Move the context of slot src to slot dst; src becomes empty."""
+        n = self.ctx_len[src]
+        for cache in (*self.ctx_k, *self.ctx_v):
+            cache[dst, :n] = cache[src, :n]
+        self.ctx_len[dst], self.ctx_len[src] = n, 0
+
+    def export(self, slot: int) -> dict[str, torch.Tensor]:
+        """Copies of the context tensors of `slot` ([ctx_len, Hkv, Dh] per layer, K then V)."""
+        n = self.ctx_len[slot]
+        out = {f"dflash_ctx_k.{j}": self.ctx_k[j][slot, :n].clone() for j in range(self.cfg.dflash_layers)}
+        out.update({f"dflash_ctx_v.{j}": self.ctx_v[j][slot, :n].clone() for j in range(self.cfg.dflash_layers)})
+        return out
+
+    def load(self, slot: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Inverse of `export` (shapes already checked by the caller)."""
+        n = tensors["dflash_ctx_k.0"].shape[0]
+        for j in range(self.cfg.dflash_layers):
+            self.ctx_k[j][slot, :n] = tensors[f"dflash_ctx_k.{j}"]
+            self.ctx_v[j][slot, :n] = tensors[f"dflash_ctx_v.{j}"]
+        self.ctx_len[slot] = n
+
+    def propose(self, slots: Sequence[int], last_tokens: torch.Tensor) -> torch.Tensor:
+        """Drafts [B, gamma] for `slots`, each continuing its context with last_tokens [B]."""
+        cfg, w, eps, gamma = self.cfg, self.w, self.cfg.rms_norm_eps, self.cfg.dflash_gamma
+        device = last_tokens.device
+        b = len(slots)
+        slot_index = torch.tensor(list(slots), device=device, dtype=torch.long)
+        lens = torch.tensor([self.ctx_len[s] for s in slots], device=device, dtype=torch.long)
+        max_len = int(lens.max()) if b else 0
+        x = torch.cat([w["embed"][last_tokens][:, None], w["dflash.mask_embed"].expand(b, gamma, -1)], dim=1)
+        positions = lens[:, None] + torch.arange(gamma + 1, device=device)
+        allowed = torch.cat([torch.arange(max_len, device=device)[None] < lens[:, None],
+                             torch.ones(b, gamma + 1, dtype=torch.bool, device=device)], dim=1)
+        allowed = allowed[:, None, :].expand(b, gamma + 1, max_len + gamma + 1)
+        for j in range(cfg.dflash_layers):
+            p = f"dflash.layers.{j}"
+            r = rms_norm(x, w[f"{p}.attn_norm"], eps)
+            q = apply_rope(linear(r, w[f"{p}.attn.q_proj"]).view(b, gamma + 1, cfg.num_attention_heads, cfg.head_dim),
+                           positions, cfg.rope_theta)
+            k, v = self._project(r, f"{p}.attn", positions)
+            keys = torch.cat([self.ctx_k[j][slot_index, :max_len], k], dim=1)
+            values = torch.cat([self.ctx_v[j][slot_index, :max_len], v], dim=1)
+            attn = masked_attention(q, keys, values, allowed)
+            x = x + linear(attn.reshape(b, gamma + 1, -1), w[f"{p}.attn.o_proj"])
+            x = x + swiglu_mlp(rms_norm(x, w[f"{p}.mlp_norm"], eps), w, f"{p}.mlp")
+        logits = linear(rms_norm(x[:, 1:], w["dflash.final_norm"], eps), w["lm_head"])
+        return logits.argmax(-1)
+
+
+def ngram_propose(history: Sequence[int], num_drafts: int, min_n: int = 2, max_n: int = 16) -> list[int]:
+    """Prompt-lookup drafts: find the longest suffix of `history` (length max_n down to min_n) that
+    also occurs earlier, take its earliest occurrence, and return up to num_drafts tokens following it.
+
+    Returns [] when no suffix of length >= min_n recurs or num_drafts == 0.
+    """
+    tokens = list(history)
+    size = len(tokens)
+    if num_drafts <= 0:
+        return []
+    for n in range(min(max_n, size - 1), min_n - 1, -1):
+        suffix = tokens[size - n:]
+        first = suffix[0]
+        for i in range(size - n):  # occurrences strictly before the suffix itself
+            if tokens[i] == first and tokens[i:i + n] == suffix:
+                return tokens[i + n:i + n + num_drafts]
+    return []

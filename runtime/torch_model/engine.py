@@ -1,0 +1,498 @@
+"""HybridEngine: the model plus its caches and per-slot bookkeeping, exposing per-sequence operations.
+
+Vocabulary: a *slot* holds one sequence. Its committed length `seq_len` counts the tokens whose
+K/V are in the paged cache and whose effect is folded into the slot's GDN state; `tokens(slot)`
+lists exactly those tokens. Every forward (prefill, decode, verify) writes K/V for its rows at
+positions >= seq_len and records the per-row GDN states as *pending*; a commit (fold) advances
+seq_len by the accepted prefix and copies in the GDN state after the last accepted row
+(write-on-accept). Rejected rows need no undo: their K/V sit beyond seq_len and get overwritten.
+
+Invariants after every public call:
+  * a slot holds exactly ceil(seq_len / block_size) blocks, except between a verify and its commit;
+  * the GDN state of a slot equals (up to fp32 rounding) the state after running tokens(slot) from zero;
+  * boundary_states[k] is the GDN state when seq_len was k * block_size (for the prefix cache);
+  * hidden_history[slot, :seq_len] are the target's final hidden rows (pre-norm) of tokens(slot).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from .config import ModelConfig, default_config
+from .drafters import DFlashDrafter, MtpHead
+from .errors import OutOfBlocksError, SlotError
+from .gdn import GdnSnapshot, GdnStateCache
+from .model import ForwardOutput, HybridModel, RowBatch
+from .paged_kv import BlockPool, PagedKVCache, blocks_for, flat_indices
+from .prefix_cache import CachedBlock, PrefixCache
+from .sequence_io import check_sequence, export_sequence, import_sequence
+from .spill import read_spill, write_spill
+from .weights import Weights, init_weights, load_weights
+
+
+@dataclass
+class SlotState:
+    """Bookkeeping of one allocated slot (see module docstring for the invariants)."""
+
+    adapter_id: int = 0
+    seq_len: int = 0
+    tokens: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    boundary_states: dict[int, GdnSnapshot] = field(default_factory=dict)
+    cached_prompt_tokens: int = 0
+
+
+@dataclass
+class PendingRows:
+    """Uncommitted rows of a slot's last forward: row i is tokens[i] at position start + i."""
+
+    start: int
+    tokens: list[int]
+    out: ForwardOutput
+    batch_index: int
+
+
+class HybridEngine:
+    """Hybrid GDN/attention model with paged KV cache, per-slot GDN state, drafters and prefix cache."""
+
+    def __init__(self, cfg: ModelConfig | None = None, weights: Weights | None = None,
+                 device: str | torch.device = "cpu") -> None:
+        self.cfg = cfg = cfg or default_config()
+        self.device = torch.device(device)
+        weights = weights if weights is not None else init_weights(cfg, self.device)
+        self.model = HybridModel(cfg, {n: t.to(self.device) for n, t in weights.items()})
+        self.pool = BlockPool(cfg.num_blocks)
+        self.kv = PagedKVCache(len(cfg.attn_layers), cfg.num_blocks, cfg.block_size, cfg.num_kv_heads,
+                               cfg.head_dim, self.device)
+        self.gdn = GdnStateCache(cfg, self.device)
+        self.prefix = PrefixCache(self.pool, cfg.block_size)
+        self.mtp = MtpHead(cfg, self.model.w) if cfg.mtp else None
+        self.dflash = DFlashDrafter(cfg, self.model.w, self.device) if cfg.dflash_gamma > 0 else None
+        self.hidden_history = torch.zeros(cfg.max_slots, cfg.max_seq_len, cfg.hidden_size, device=self.device)
+        self.mtp_hidden = torch.zeros(cfg.max_slots, cfg.hidden_size, device=self.device)
+        self._mtp_hidden_set = [False] * cfg.max_slots
+        self._slots: list[SlotState | None] = [None] * cfg.max_slots
+        self._pending: list[PendingRows | None] = [None] * cfg.max_slots
+        self._captured: list[torch.Tensor | None] = [None] * cfg.max_slots
+
+    @classmethod
+    def from_weights_file(cls, path: str | Path, cfg: ModelConfig | None = None,
+                          device: str | torch.device = "cpu") -> "HybridEngine":
+        """Engine over weights read by load_weights(path, cfg) (config taken from the file if cfg is None)."""
+        weights, cfg = load_weights(path, cfg, device)
+        return cls(cfg, weights, device)
+
+    # ---- slots --------------------------------------------------------------------------------
+    def _slot(self, slot: int) -> SlotState:
+        if not 0 <= slot < self.cfg.max_slots:
+            raise SlotError(f"slot {slot} out of range [0, {self.cfg.max_slots})")
+        state = self._slots[slot]
+        if state is None:
+            raise SlotError(f"slot {slot} is not allocated")
+        return state
+
+    def is_allocated(self, slot: int) -> bool:
+        """Whether `slot` currently holds a sequence (possibly empty)."""
+        return 0 <= slot < self.cfg.max_slots and self._slots[slot] is not None
+
+    def free_slots(self) -> list[int]:
+        """Unallocated slots in increasing order."""
+        return [s for s in range(self.cfg.max_slots) if self._slots[s] is None]
+
+    def alloc(self, slot: int, adapter_id: int = 0) -> None:
+        """Make `slot` hold an empty sequence (seq_len 0, zero GDN state) for adapter `adapter_id`."""
+        if not 0 <= slot < self.cfg.max_slots:
+            raise SlotError(f"slot {slot} out of range [0, {self.cfg.max_slots})")
+        if self._slots[slot] is not None:
+            raise SlotError(f"slot {slot} is already allocated")
+        self._slots[slot] = SlotState(adapter_id=adapter_id)
+        self._clear_slot_tensors(slot)
+
+    def free(self, slot: int) -> None:
+        """Release `slot`: drop its block references (cached blocks stay in the prefix cache)."""
+        state = self._slot(slot)
+        for block in state.block_table:
+            self.pool.decref(block)
+        self._slots[slot] = None
+        self._clear_slot_tensors(slot)
+
+    def _clear_slot_tensors(self, slot: int) -> None:
+        self.gdn.reset(slot)
+        if self.dflash is not None:
+            self.dflash.reset(slot)
+        self._mtp_hidden_set[slot] = False
+        self._pending[slot] = None
+        self._captured[slot] = None
+
+    def seq_len(self, slot: int) -> int:
+        """Committed length of the sequence in `slot`."""
+        return self._slot(slot).seq_len
+
+    def tokens(self, slot: int) -> list[int]:
+        """Copy of the committed tokens of `slot` (len == seq_len)."""
+        return list(self._slot(slot).tokens)
+
+    def block_table(self, slot: int) -> list[int]:
+        """Copy of the block table of `slot`."""
+        return list(self._slot(slot).block_table)
+
+    def cached_prompt_tokens(self, slot: int) -> int:
+        """How many prompt tokens of the last `prefill` of `slot` were served from the prefix cache."""
+        return self._slot(slot).cached_prompt_tokens
+
+    def slot_state(self, slot: int) -> SlotState:
+        """The live bookkeeping record of allocated `slot` (package-internal; do not mutate)."""
+        return self._slot(slot)
+
+    def gdn_state(self, slot: int) -> GdnSnapshot:
+        """Copies of the committed GDN state of `slot`: per GDN layer (recurrent, conv)."""
+        self._slot(slot)
+        return self.gdn.snapshot(slot)
+
+    def captured_hidden(self, slot: int) -> torch.Tensor:
+        """Final hidden rows [rows, D] (pre-norm) of the last forward of `slot` (prefill: whole prompt)."""
+        self._slot(slot)
+        if self._captured[slot] is None:
+            raise SlotError(f"slot {slot} has no forward yet")
+        return self._captured[slot]
+
+    # ---- blocks -------------------------------------------------------------------------------
+    def num_free_blocks(self) -> int:
+        """Blocks in the free pool (cached-but-unused blocks are not free until reclaimed)."""
+        return self.pool.num_free()
+
+    def num_cached_blocks(self) -> int:
+        """Blocks held by the prefix cache."""
+        return len(self.prefix)
+
+    def num_evictable_blocks(self) -> int:
+        """Cached blocks no sequence uses: the most `reclaim` can free."""
+        return self.prefix.num_evictable()
+
+    def blocks_needed(self, slot: int, num_rows: int) -> int:
+        """New blocks a forward of num_rows rows on `slot` would allocate."""
+        state = self._slot(slot)
+        return max(0, blocks_for(state.seq_len + num_rows, self.cfg.block_size) - len(state.block_table))
+
+    def reclaim(self, n: int) -> int:
+        """Evict up to n unused prefix-cache blocks into the free pool; returns how many were freed."""
+        return self.prefix.reclaim(n)
+
+    # ---- forward ------------------------------------------------------------------------------
+    def _forward(self, slots: Sequence[int], token_lists: Sequence[Sequence[int]]) -> ForwardOutput:
+        """Validate, allocate blocks (all or nothing), run the model; records pending + captured rows."""
+        if len(slots) != len(token_lists):
+            raise ValueError(f"{len(slots)} slots but {len(token_lists)} token lists")
+        if not slots:
+            raise ValueError("empty batch: no slots given")
+        if len(set(slots)) != len(slots):
+            raise SlotError(f"duplicate slots in one batch: {list(slots)}")
+        states = [self._slot(s) for s in slots]
+        need = 0
+        for slot, state, toks in zip(slots, states, token_lists):
+            self._check_rows(slot, state.seq_len, toks)
+            need += self.blocks_needed(slot, len(toks))
+        if need > self.pool.num_free():
+            raise OutOfBlocksError(f"forward needs {need} new KV blocks, only {self.pool.num_free()} free; "
+                                   f"reclaim cached blocks or free a slot")
+        for slot, state, toks in zip(slots, states, token_lists):
+            state.block_table.extend(self.pool.allocate(self.blocks_needed(slot, len(toks))))
+        batch = self._row_batch(slots, states, token_lists)
+        out = self.model.forward(batch, self.kv, self.gdn)
+        for b, (slot, state, toks) in enumerate(zip(slots, states, token_lists)):
+            self._pending[slot] = PendingRows(state.seq_len, [int(t) for t in toks], out, b)
+            self._captured[slot] = out.hidden[b, :len(toks)]
+        return out
+
+    def _check_rows(self, slot: int, start: int, tokens: Sequence[int]) -> None:
+        cfg = self.cfg
+        if not len(tokens):
+            raise ValueError(f"slot {slot}: empty token list")
+        bad = [t for t in tokens if not 0 <= int(t) < cfg.vocab_size]
+        if bad:
+            raise ValueError(f"slot {slot}: token ids {bad} outside [0, {cfg.vocab_size})")
+        if start + len(tokens) > cfg.max_seq_len:
+            raise SlotError(f"slot {slot}: {start} + {len(tokens)} rows exceed max_seq_len={cfg.max_seq_len}")
+
+    def _row_batch(self, slots: Sequence[int], states: Sequence[SlotState],
+                   token_lists: Sequence[Sequence[int]]) -> RowBatch:
+        b, t = len(slots), max(len(toks) for toks in token_lists)
+        nb = max(len(s.block_table) for s in states)
+        tokens = torch.zeros(b, t, dtype=torch.long)
+        positions = torch.zeros(b, t, dtype=torch.long)
+        valid = torch.zeros(b, t, dtype=torch.bool)
+        tables = torch.zeros(b, nb, dtype=torch.long)
+        write: list[int] = []
+        for i, (state, toks) in enumerate(zip(states, token_lists)):
+            n = len(toks)
+            tokens[i, :n] = torch.tensor([int(x) for x in toks])
+            positions[i, :n] = torch.arange(state.seq_len, state.seq_len + n)
+            valid[i, :n] = True
+            tables[i, :len(state.block_table)] = torch.tensor(state.block_table)
+            write += flat_indices(state.block_table, state.seq_len, n, self.cfg.block_size)
+        dev = self.device
+        return RowBatch(tokens.to(dev), positions.to(dev), valid.to(dev), torch.tensor(write, device=dev),
+                        tables.to(dev), torch.tensor(list(slots), dtype=torch.long, device=dev))
+
+    @torch.no_grad()
+    def prefill(self, slot: int, tokens: Sequence[int]) -> torch.Tensor:
+        """Prefill an empty slot with a prompt, reusing prefix-cache blocks; returns last-row logits [V].
+
+        At most (len(tokens) - 1) // block_size full blocks are reused, so at least one token is
+        recomputed; `cached_prompt_tokens(slot)` reports how many were reused. Afterwards
+        captured_hidden(slot) covers the whole prompt (cached rows included).
+        """
+        state = self._slot(slot)
+        if state.seq_len or state.block_table:
+            raise SlotError(f"slot {slot}: prefill needs an empty slot (seq_len={state.seq_len}); use prefill_chunk")
+        self._check_rows(slot, 0, tokens)
+        bs = self.cfg.block_size
+        hits = self.prefix.lookup(state.adapter_id, tokens, (len(tokens) - 1) // bs)
+        need = blocks_for(len(tokens), bs) - len(hits)
+        if need > self.pool.num_free():
+            raise OutOfBlocksError(f"prefill of {len(tokens)} tokens needs {need} new KV blocks, "
+                                   f"only {self.pool.num_free()} free")
+        cached = len(hits) * bs
+        for i, entry in enumerate(hits):
+            self.pool.incref(entry.block_id)
+            state.block_table.append(entry.block_id)
+            state.boundary_states[i + 1] = entry.gdn_state
+            self.hidden_history[slot, i * bs:(i + 1) * bs] = entry.hidden
+        if hits:
+            self.gdn.load(slot, hits[-1].gdn_state)
+            state.tokens = [int(t) for t in tokens[:cached]]
+            state.seq_len = cached
+        state.cached_prompt_tokens = cached
+        logits = self.prefill_chunk(slot, tokens[cached:], cached)
+        self._captured[slot] = self.hidden_history[slot, :len(tokens)].clone()
+        return logits
+
+    @torch.no_grad()
+    def prefill_chunk(self, slot: int, tokens: Sequence[int], start: int) -> torch.Tensor:
+        """Append and commit `tokens` at position start (== seq_len); returns last-row logits [V]."""
+        state = self._slot(slot)
+        if start != state.seq_len:
+            raise SlotError(f"slot {slot}: prefill_chunk at start={start} but seq_len={state.seq_len}")
+        out = self._forward([slot], [tokens])
+        self.gdn_fold_accepted([slot], [len(tokens)])
+        return out.logits[0, len(tokens) - 1]
+
+    @torch.no_grad()
+    def decode_batch(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+        """Append and commit one token per slot; returns logits [B, V] for the next position."""
+        out = self._forward(slots, [[t] for t in tokens])
+        self.gdn_fold_accepted(slots, [1] * len(slots))
+        return out.logits[:, 0]
+
+    @torch.no_grad()
+    def verify(self, slot: int, tokens: Sequence[int]) -> torch.Tensor:
+        """Run K rows (anchor + drafts) without committing; returns logits [K, V] (row i predicts
+        the token after tokens[i]). Follow with commit_accepted_prefix."""
+        return self.verify_batched([slot], [tokens])[0]
+
+    @torch.no_grad()
+    def verify_batched(self, slots: Sequence[int], tokens_per_slot: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Batched `verify` with per-slot row counts; returns per slot logits [K_b, V]."""
+        out = self._forward(slots, tokens_per_slot)
+        return [out.logits[b, :len(toks)] for b, toks in enumerate(tokens_per_slot)]
+
+    def commit_accepted_prefix(self, slot: int, n_keep: int) -> None:
+        """Commit the first n_keep rows of the slot's pending forward (see gdn_fold_accepted)."""
+        self.gdn_fold_accepted([slot], [n_keep])
+
+    @torch.no_grad()
+    def gdn_fold_accepted(self, slots: Sequence[int], accepted: Sequence[int]) -> None:
+        """Commit accepted[i] leading rows of each slot's pending forward, in one batched state write.
+
+        seq_len grows by accepted[i]; the GDN state becomes the state after the last accepted row
+        (unchanged if 0); blocks wholly beyond the new seq_len return to the pool; the pending
+        rows are consumed.
+        """
+        if len(slots) != len(accepted):
+            raise ValueError(f"{len(slots)} slots but {len(accepted)} accept counts")
+        if len(set(slots)) != len(slots):
+            raise SlotError(f"duplicate slots in one commit: {list(slots)}")
+        pendings = []
+        for slot, n in zip(slots, accepted):
+            self._slot(slot)
+            pending = self._pending[slot]
+            if pending is None:
+                raise SlotError(f"slot {slot}: nothing to commit (no pending forward)")
+            if not 0 <= n <= len(pending.tokens):
+                raise ValueError(f"slot {slot}: cannot accept {n} of {len(pending.tokens)} rows")
+            pendings.append(pending)
+        kept = [(slot, n, p) for slot, n, p in zip(slots, accepted, pendings) if n > 0]
+        if kept:
+            index = torch.tensor([slot for slot, _, _ in kept], dtype=torch.long, device=self.device)
+            for layer in range(self.gdn.num_layers):
+                rows = [p.out.gdn_rows[layer].row(p.batch_index, n - 1) for _, n, p in kept]
+                self.gdn.write_rows(layer, index, torch.stack([r for r, _ in rows]), torch.stack([c for _, c in rows]))
+        bs = self.cfg.block_size
+        for slot, n, pending in zip(slots, accepted, pendings):
+            state = self._slot(slot)
+            old = state.seq_len
+            b = pending.batch_index
+            state.tokens.extend(pending.tokens[:n])
+            state.seq_len = old + n
+            self.hidden_history[slot, old:old + n] = pending.out.hidden[b, :n]
+            for k in range(old // bs + 1, (old + n) // bs + 1):
+                state.boundary_states[k] = [(r.clone(), c.clone()) for r, c in
+                                            (rows.row(b, k * bs - old - 1) for rows in pending.out.gdn_rows)]
+            keep = blocks_for(state.seq_len, bs)
+            for block in state.block_table[keep:]:
+                self.pool.decref(block)
+            del state.block_table[keep:]
+            self._pending[slot] = None
+
+    # ---- drafters -----------------------------------------------------------------------------
+    def save_hidden_for_mtp(self, slot: int, row: int) -> None:
+        """Keep hidden row `row` (Python indexing) of the slot's last forward as the MTP conditioning."""
+        hidden = self.captured_hidden(slot)
+        if not -hidden.shape[0] <= row < hidden.shape[0]:
+            raise ValueError(f"slot {slot}: row {row} outside the last forward's {hidden.shape[0]} rows")
+        self.set_mtp_hidden(slot, hidden[row])
+
+    def has_mtp_hidden(self, slot: int) -> bool:
+        """Whether an MTP conditioning hidden state is saved for `slot`."""
+        self._slot(slot)
+        return self._mtp_hidden_set[slot]
+
+    def set_mtp_hidden(self, slot: int, hidden: torch.Tensor) -> None:
+        """Set the MTP conditioning hidden [D] of `slot` directly (used by restore)."""
+        self._slot(slot)
+        self.mtp_hidden[slot] = hidden
+        self._mtp_hidden_set[slot] = True
+
+    @torch.no_grad()
+    def mtp_propose(self, slots: Sequence[int], last_tokens: Sequence[int], num_drafts: int) -> list[list[int]]:
+        """num_drafts greedy MTP drafts per slot, continuing last_tokens[i] from the saved hidden."""
+        if self.mtp is None:
+            raise SlotError("this model has no MTP head (config mtp = false)")
+        for slot in slots:
+            self._slot(slot)
+            if not self._mtp_hidden_set[slot]:
+                raise SlotError(f"slot {slot}: no hidden saved for MTP (call save_hidden_for_mtp)")
+        index = torch.tensor(list(slots), dtype=torch.long, device=self.device)
+        toks = torch.tensor([int(t) for t in last_tokens], dtype=torch.long, device=self.device)
+        return self.mtp.propose(self.mtp_hidden.index_select(0, index), toks, num_drafts).tolist()
+
+    @torch.no_grad()
+    def dflash_propose(self, slots: Sequence[int], last_tokens: Sequence[int]) -> list[list[int]]:
+        """dflash_gamma drafts per slot from one block forward over [last token, MASK x gamma]."""
+        drafter = self._require_dflash()
+        for slot in slots:
+            self._slot(slot)
+        toks = torch.tensor([int(t) for t in last_tokens], dtype=torch.long, device=self.device)
+        return drafter.propose(slots, toks).tolist()
+
+    @torch.no_grad()
+    def commit_ctx(self, slot: int, n: int) -> None:
+        """Extend the DFlash context of `slot` with the first n hidden rows of its last forward."""
+        drafter = self._require_dflash()
+        hidden = self.captured_hidden(slot)
+        if not 0 <= n <= hidden.shape[0]:
+            raise ValueError(f"slot {slot}: cannot commit {n} of {hidden.shape[0]} captured hidden rows")
+        drafter.append(slot, hidden[:n])
+
+    def trim_proposer_state(self, slot: int, n_drop: int) -> None:
+        """Drop the last n_drop rows of the DFlash context of `slot`."""
+        self._slot(slot)
+        self._require_dflash().trim(slot, n_drop)
+
+    def ctx_len(self, slot: int) -> int:
+        """Rows in the DFlash context of `slot`."""
+        self._slot(slot)
+        return self._require_dflash().ctx_len[slot]
+
+    def _require_dflash(self) -> DFlashDrafter:
+        if self.dflash is None:
+            raise SlotError("this model has no DFlash drafter (config dflash_gamma = 0)")
+        return self.dflash
+
+    # ---- prefix cache -------------------------------------------------------------------------
+    def cache_sequence(self, slot: int) -> int:
+        """Insert the slot's full committed blocks (with boundary GDN states) into the prefix cache.
+
+        Stops at the first block without a boundary snapshot. Returns how many blocks were newly cached.
+        """
+        state = self._slot(slot)
+        bs = self.cfg.block_size
+        keys = self.prefix.keys_for(state.adapter_id, state.tokens, state.seq_len // bs)
+        entries = []
+        for i, key in enumerate(keys):
+            snapshot = state.boundary_states.get(i + 1)
+            if snapshot is None:
+                break
+            entries.append(CachedBlock(key, state.block_table[i], state.adapter_id,
+                                       tuple(state.tokens[i * bs:(i + 1) * bs]), snapshot,
+                                       self.hidden_history[slot, i * bs:(i + 1) * bs].clone()))
+        return self.prefix.insert(entries)
+
+    # ---- moving state -------------------------------------------------------------------------
+    def compact(self, slot_from: int, slot_to: int) -> None:
+        """Move the sequence in slot_from (all per-slot state; blocks by reference) into free slot_to."""
+        state = self._slot(slot_from)
+        if not 0 <= slot_to < self.cfg.max_slots or self._slots[slot_to] is not None:
+            raise SlotError(f"compact target slot {slot_to} must be a free slot in range")
+        self._slots[slot_to], self._slots[slot_from] = state, None
+        self.gdn.move(slot_from, slot_to)
+        if self.dflash is not None:
+            self.dflash.move(slot_from, slot_to)
+        n = state.seq_len
+        self.hidden_history[slot_to, :n] = self.hidden_history[slot_from, :n]
+        self.mtp_hidden[slot_to] = self.mtp_hidden[slot_from]
+        self._mtp_hidden_set[slot_to] = self._mtp_hidden_set[slot_from]
+        self._pending[slot_to] = self._pending[slot_from]
+        self._captured[slot_to] = self._captured[slot_from]
+        self._clear_slot_tensors(slot_from)
+
+    def save_sequence_state(self, slot: int, path: str | Path) -> None:
+        """Write the slot's committed state (KV blocks, GDN state, tokens, seq_len, drafter state) to
+        `path` (format in spill.py, contents in sequence_io.py). Pending rows are not saved; the
+        slot is left unchanged."""
+        write_spill(path, *export_sequence(self, slot))
+
+    @torch.no_grad()
+    def restore_sequence_state(self, slot: int, path: str | Path) -> None:
+        """Restore a sequence saved by save_sequence_state into `slot` (free, or allocated and empty),
+        on freshly allocated blocks. Raises SpillError (file missing, truncated, corrupted or from an
+        incompatible model) or OutOfBlocksError, in both cases without changing the engine."""
+        meta, tensors = read_spill(path)
+        check_sequence(self.cfg, self.dflash is not None, path, meta, tensors)
+        if not 0 <= slot < self.cfg.max_slots:
+            raise SlotError(f"slot {slot} out of range [0, {self.cfg.max_slots})")
+        state = self._slots[slot]
+        if state is not None and (state.seq_len or state.block_table):
+            raise SlotError(f"slot {slot}: restore needs a free or empty slot (seq_len={state.seq_len})")
+        blocks = self.pool.allocate(int(meta["num_blocks"]))
+        if state is None:
+            self.alloc(slot)
+        import_sequence(self, slot, blocks, meta, tensors)
+
+    # ---- reference generation -----------------------------------------------------------------
+    def greedy_generate(self, prompt: Sequence[int], max_tokens: int, slot: int | None = None,
+                        adapter_id: int = 0, free_slot: bool = True) -> list[int]:
+        """Plain greedy decoding (prefill, then one decode per token): up to max_tokens new tokens,
+        stopping after eos_id or when the sequence reaches max_seq_len."""
+        if max_tokens <= 0:
+            return []
+        if slot is None:
+            free = self.free_slots()
+            if not free:
+                raise SlotError("no free slot for greedy_generate")
+            slot = free[0]
+        self.alloc(slot, adapter_id)
+        try:
+            token = int(self.prefill(slot, prompt).argmax())
+            out = [token]
+            while len(out) < max_tokens and token != self.cfg.eos_id and self.seq_len(slot) < self.cfg.max_seq_len:
+                token = int(self.decode_batch([slot], [token])[0].argmax())
+                out.append(token)
+            return out
+        finally:
+            if free_slot:
+                self.free(slot)

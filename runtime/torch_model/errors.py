@@ -1,0 +1,44 @@
+"""Exception types of the torch model layer; every error names what was wrong and where."""
+
+from __future__ import annotations
+
+
+class TorchModelError(Exception):
+    """Base class of every error raised by fxsched.runtime.torch_model."""
+
+
+class ConfigError(TorchModelError, ValueError):
+    """A model config field is unknown or has a bad value; names source file, field and expectation."""
+
+    def __init__(self, field: str, expected: str, got: object, source: str | None = None) -> None:
+        self.field = field
+        self.expected = expected
+        self.got = got
+        self.source = source
+        where = f"{source}: " if source else ""
+        super().__init__(f"{where}field '{field}': expected {expected}, got {got!r}")
+
+    def with_source(self, source: str) -> "ConfigError":
+        """The same error, attributed to `source` (a file path)."""
+        return ConfigError(self.field, self.expected, self.got, source)
+
+
+class WeightsError(TorchModelError, ValueError):
+    """A weights file is missing, unreadable, or holds missing/extra/mis-shaped tensors."""
+
+
+class SlotError(TorchModelError, ValueError):
+    """An engine operation was called on a slot in the wrong state (free, busy, out of range...)."""
+
+
+class OutOfBlocksError(TorchModelError, RuntimeError):
+    """The KV block pool cannot satisfy an allocation; nothing was modified."""
+
+
+class SpillError(TorchModelError, ValueError):
+    """A spill file is missing, truncated, corrupted or incompatible; names the file and the defect."""
+
+    def __init__(self, path: object, problem: str) -> None:
+        self.path = str(path)
+        self.problem = problem
+        super().__init__(f"spill file {self.path}: {problem}")

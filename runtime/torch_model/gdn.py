@@ -1,0 +1,120 @@
+"""Gated DeltaNet (linear attention with a delta-rule recurrent state) and its per-slot state cache.
+
+Recurrence per head (S is [Dk, Dv], k and q are L2-normalised):
+    S_t = a_t * S_{t-1} + b_t * k_t (v_t - k_t^T a_t S_{t-1})^T,   o_t = S_t^T q_t / sqrt(Dk)
+with decay a_t = exp(-exp(A_log) * softplus(x W_a + dt_bias)) and write strength b_t = sigmoid(x W_b).
+q, k, v first pass a causal depthwise short conv (width W) + SiLU, whose state is the last W-1 inputs.
+
+Invariant: the forward never mutates the cache; it returns the state after *every* row, so a caller
+can keep the state after any accepted prefix (write-on-accept) without recomputation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+from .ops import l2_normalize, linear, rms_norm
+
+GdnSnapshot = list[tuple[torch.Tensor, torch.Tensor]]  # per GDN layer: (recurrent [H,Dk,Dv], conv [C,W-1])
+
+
+@dataclass
+class GdnRows:
+    """Per-row states of one GDN layer forward over a batch [B, T].
+
+    states[t] is the recurrent state [B, H, Dk, Dv] after row t; windows [B, C, T, W] are the conv
+    input windows, whose [..., 1:] slice is the conv state after each row.
+    """
+
+    states: list[torch.Tensor]
+    windows: torch.Tensor
+
+    def row(self, b: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(recurrent [H, Dk, Dv], conv [C, W-1]) of batch element b after row t (views)."""
+        return self.states[t][b], self.windows[b, :, t, 1:]
+
+
+class GdnStateCache:
+    """Per-slot GDN state of every GDN layer: recurrent [slots, H, Dk, Dv] and conv [slots, C, W-1]."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype = torch.float32) -> None:
+        n = len(cfg.gdn_layers)
+        rec_shape = (cfg.max_slots, cfg.gdn_num_heads, cfg.gdn_key_dim, cfg.gdn_value_dim)
+        conv_shape = (cfg.max_slots, cfg.gdn_conv_channels, cfg.conv_width - 1)
+        self.recurrent = [torch.zeros(rec_shape, device=device, dtype=dtype) for _ in range(n)]
+        self.conv = [torch.zeros(conv_shape, device=device, dtype=dtype) for _ in range(n)]
+
+    @property
+    def num_layers(self) -> int:
+        """Number of GDN layers whose state is cached."""
+        return len(self.recurrent)
+
+    def reset(self, slot: int) -> None:
+        """Zero the state of `slot` (the state of an empty sequence)."""
+        for rec, conv in zip(self.recurrent, self.conv):
+            rec[slot].zero_()
+            conv[slot].zero_()
+
+    def move(self, src: int, dst: int) -> None:
+        """Copy the state of slot src into slot dst and zero src."""
+        for rec, conv in zip(self.recurrent, self.conv):
+            rec[dst].copy_(rec[src])
+            conv[dst].copy_(conv[src])
+        self.reset(src)
+
+    def snapshot(self, slot: int) -> GdnSnapshot:
+        """Detached copies of the state of `slot`."""
+        return [(rec[slot].clone(), conv[slot].clone()) for rec, conv in zip(self.recurrent, self.conv)]
+
+    def load(self, slot: int, snap: GdnSnapshot) -> None:
+        """Overwrite the state of `slot` with `snap`."""
+        for (rec, conv), (r, c) in zip(zip(self.recurrent, self.conv), snap):
+            rec[slot].copy_(r)
+            conv[slot].copy_(c)
+
+    def write_rows(self, layer: int, slots: torch.Tensor, recurrent: torch.Tensor, conv: torch.Tensor) -> None:
+        """Set layer `layer`'s state of each slot in slots [N] to recurrent [N,H,Dk,Dv] / conv [N,C,W-1]."""
+        self.recurrent[layer].index_copy_(0, slots, recurrent)
+        self.conv[layer].index_copy_(0, slots, conv)
+
+
+def gdn_layer(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig,
+              state0: torch.Tensor, conv0: torch.Tensor) -> tuple[torch.Tensor, GdnRows]:
+    """One GDN layer over x [B, T, D] from initial states state0 [B,H,Dk,Dv], conv0 [B,C,W-1].
+
+    Returns (output [B, T, D], per-row states). Rows are processed strictly left to right, so for
+    right-padded batches the states of the valid rows do not depend on the padding.
+    """
+    b, t, _ = x.shape
+    h, dk, dv, width = cfg.gdn_num_heads, cfg.gdn_key_dim, cfg.gdn_value_dim, cfg.conv_width
+    qkv = torch.cat([linear(x, w[f"{prefix}.q_proj"]), linear(x, w[f"{prefix}.k_proj"]),
+                     linear(x, w[f"{prefix}.v_proj"])], dim=-1)  # [B, T, C]
+    conv_in = torch.cat([conv0, qkv.transpose(1, 2)], dim=2)  # [B, C, W-1+T]
+    windows = conv_in.unfold(2, width, 1)  # [B, C, T, W]
+    mixed = F.silu((windows * w[f"{prefix}.conv"][None, :, None, :]).sum(-1)).transpose(1, 2)  # [B, T, C]
+    q, k, v = torch.split(mixed, [h * dk, h * dk, h * dv], dim=-1)
+    q = l2_normalize(q.reshape(b, t, h, dk)) * dk ** -0.5
+    k = l2_normalize(k.reshape(b, t, h, dk))
+    v = v.reshape(b, t, h, dv)
+    beta = torch.sigmoid(linear(x, w[f"{prefix}.b_proj"]))  # [B, T, H]
+    decay = torch.exp(-torch.exp(w[f"{prefix}.A_log"]) * F.softplus(linear(x, w[f"{prefix}.a_proj"])
+                                                                     + w[f"{prefix}.dt_bias"]))
+    state = state0
+    states: list[torch.Tensor] = []
+    outs: list[torch.Tensor] = []
+    for i in range(t):
+        state = state * decay[:, i, :, None, None]
+        k_i = k[:, i]
+        predicted = torch.einsum("bhk,bhkv->bhv", k_i, state)
+        delta = (v[:, i] - predicted) * beta[:, i, :, None]
+        state = state + k_i[..., None] * delta[..., None, :]
+        outs.append(torch.einsum("bhk,bhkv->bhv", q[:, i], state))
+        states.append(state)
+    o = torch.stack(outs, dim=1)  # [B, T, H, Dv]
+    gate = F.silu(linear(x, w[f"{prefix}.g_proj"])).view(b, t, h, dv)
+    o = rms_norm(o, w[f"{prefix}.o_norm"], cfg.rms_norm_eps) * gate
+    return linear(o.reshape(b, t, h * dv), w[f"{prefix}.o_proj"]), GdnRows(states, windows)
