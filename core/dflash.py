@@ -110,7 +110,7 @@ def _settle(seq: Sequence, drafts, rows, pre: int, row: int, out: list, config) 
     na = accepted_prefix(drafts, rows)
     changes = settled(seq, pre, pre + na + 1, out)
     out.append(dc.CommitCtx(seq.seq_id, na + 1, pre, row))
-    seq = spec_tokens(seq, tuple(drafts[:na]) + (rows[na],), config, out, **changes)
+    seq = spec_tokens(seq, tuple(drafts[:na]) + (rows[na],), config, out, changes)
     return seq, na
 
 
@@ -202,8 +202,10 @@ def _batched_verified(state, waiting: AwaitBatchedDflash, event: VerifyRows, out
         if seq_len < pre + k:
             truncations.append((seq_id, seq_len))
         contexts.append((seq_id, na + 1, pre, i))
-        seq = spec_tokens(seq, drafts[:na] + (rows[na],), config, emits, seq_len=seq_len, drafts=(),
-                          blocks=max(seq.blocks, (pre + k) // block_size + 1), acc=seq.acc + na)
+        need = (pre + k) // block_size + 1  # the verify grew the table to cover all k rows
+        blocks = seq.blocks if seq.blocks >= need else need
+        seq = spec_tokens(seq, drafts[:na] + (rows[na],), config, emits,
+                          {"seq_len": seq_len, "drafts": (), "blocks": blocks, "acc": seq.acc + na})
         settled.append(seq)
         accepted.append(na + 1)
     if truncations:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import attrs
 
-from fxsched.core.records import replace
+from fxsched.core.records import replace, with_fields
 
 from fxsched.core.config import SchedulerConfig
 from fxsched.core.sequence import Sequence
@@ -46,27 +46,32 @@ def plain_token(seq: Sequence, token: int, config: SchedulerConfig, out: list, l
     return seq
 
 
-def spec_tokens(seq: Sequence, tokens, config: SchedulerConfig, out: list, **changes) -> Sequence:
+def spec_tokens(seq: Sequence, tokens: tuple[int, ...], config: SchedulerConfig, out: list,
+                changes: dict | None = None) -> Sequence:
     """The speculative sink (speculation.md §6.1) for ``tokens`` in order; stops at the first token
     that finishes the sequence. ``changes`` (a settled ``seq_len``, ``acc``, ...) are applied in the
-    same rebuild, so a verify costs one record copy per sequence."""
+    same rebuild, so a verify costs one record copy per sequence. ``changes`` must be a fresh dict:
+    the sink takes it over."""
+    fields = changes if changes is not None else {}
     if seq.finished:
-        return replace(seq, **changes) if changes else seq
-    seq_len = changes.get("seq_len", seq.seq_len)
+        return with_fields(seq, fields) if fields else seq
+    seq_len = fields.get("seq_len", seq.seq_len)
     n = len(tokens)
+    req = seq.request
     if (n and not seq.cancel_requested and seq.remaining > n and seq_len + 1 < config.max_seq_len
-            and not config.eos_set.intersection(tokens)):
+            and config.eos_set.isdisjoint(tokens)):
         # the common case: every token is streamed and nothing finishes
-        if seq.request.streaming:
-            k = seq.request.top_logprobs if seq.logprob_records else 0
-            out.append(TokensOut(seq.request.id, tokens, k) if n > 1 else TokenOut(seq.request.id, tokens[0], k))
-        return replace(seq, output=seq.output.extend(tokens), remaining=seq.remaining - n,
-                       content_count=seq.content_count + n, last_token=tokens[-1], **changes)
+        if req.streaming:
+            k = req.top_logprobs if seq.logprob_records else 0
+            out.append(TokensOut(req.id, tokens, k) if n > 1 else TokenOut(req.id, tokens[0], k))
+        fields["output"] = seq.output.extend(tokens)
+        fields["remaining"] = seq.remaining - n
+        fields["content_count"] = seq.content_count + n
+        fields["last_token"] = tokens[-1]
+        return with_fields(seq, fields)
     count, remaining, content, last = len(seq.output), seq.remaining, seq.content_count, seq.last_token
     finished = False
-    eos_ids = config.eos_ids
-    streaming = seq.request.streaming
-    k = seq.request.top_logprobs if seq.logprob_records else 0
+    eos_ids = config.eos_set
     streamed = []
     taken = 0
     for token in tokens:
@@ -80,20 +85,20 @@ def spec_tokens(seq: Sequence, tokens, config: SchedulerConfig, out: list, **cha
         content += 1
         last = token
         if token in eos_ids:
-            if before >= seq.request.min_tokens:
+            if before >= req.min_tokens:
                 finished = True
                 break
-        elif streaming:
+        elif req.streaming:
             streamed.append(token)
         if remaining <= 0 or seq_len + 1 >= config.max_seq_len:
             finished = True
             break
     if streamed:
-        out.append(TokensOut(seq.request.id, tuple(streamed), k) if len(streamed) > 1
-                   else TokenOut(seq.request.id, streamed[0], k))
-    output = seq.output.extend(tuple(tokens[:taken])) if taken else seq.output
-    return replace(seq, output=output, remaining=remaining, content_count=content, last_token=last,
-                   finished=finished, **changes)
+        k = req.top_logprobs if seq.logprob_records else 0
+        out.append(TokensOut(req.id, tuple(streamed), k) if len(streamed) > 1 else TokenOut(req.id, streamed[0], k))
+    fields.update(output=seq.output.extend(tuple(tokens[:taken])) if taken else seq.output, remaining=remaining,
+                  content_count=content, last_token=last, finished=finished)
+    return with_fields(seq, fields)
 
 
 def spec_token(seq: Sequence, token: int, config: SchedulerConfig, out: list) -> Sequence:

@@ -145,7 +145,7 @@ def k2_verdict(state: SchedulerState, seq: Sequence, draft: int, rows, pre_len: 
     """K = 2 (speculation.md §6.6): full accept emits first; a reject commits first."""
     config = state.config
     if draft == rows[0]:
-        seq = spec_tokens(seq, (draft, rows[1]), config, out, **settled(seq, pre_len, pre_len + 2, out))
+        seq = spec_tokens(seq, (draft, rows[1]), config, out, settled(seq, pre_len, pre_len + 2, out))
         state = put_seq(state, seq)
         if seq.finished:
             return state
@@ -157,7 +157,7 @@ def k2_verdict(state: SchedulerState, seq: Sequence, draft: int, rows, pre_len: 
         changes = settled(seq, pre_len, pre_len + 1, out)
         out.append(dc.TrimProposerState(seq.seq_id, 0))
         out.append(dc.CommitAcceptedPrefix(seq.seq_id, 1, 2))
-        seq = spec_tokens(seq, (rows[0],), config, out, **changes)
+        seq = spec_tokens(seq, (rows[0],), config, out, changes)
         state = put_seq(state, seq)
         if seq.finished:
             return state
@@ -174,7 +174,7 @@ def shared_verdict(state: SchedulerState, seq: Sequence, drafts, rows, k: int, n
     """
     config = state.config
     if na == nd:
-        seq = spec_tokens(seq, tuple(drafts[:nd]) + (rows[nd],), config, out, **settled(seq, pre_len, pre_len + k, out))
+        seq = spec_tokens(seq, tuple(drafts[:nd]) + (rows[nd],), config, out, settled(seq, pre_len, pre_len + k, out))
         state = put_seq(state, seq)
         if seq.finished:
             return state
@@ -186,7 +186,7 @@ def shared_verdict(state: SchedulerState, seq: Sequence, drafts, rows, k: int, n
         changes = settled(seq, pre_len, pre_len + k - (nd - na), out)
         out.append(dc.TrimProposerState(seq.seq_id, na))
         out.append(dc.CommitAcceptedPrefix(seq.seq_id, na + 1, k))
-        seq = spec_tokens(seq, tuple(drafts[:na]) + (rows[na],), config, out, **changes)
+        seq = spec_tokens(seq, tuple(drafts[:na]) + (rows[na],), config, out, changes)
         state = put_seq(state, seq)
         if seq.finished or deferred:
             return state

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 import attrs
 
-from fxsched.core.records import replace
+from fxsched.core.records import replace, with_fields
 
 from fxsched.core.events import (
     Arrival,
@@ -94,8 +94,8 @@ def put_seqs(state: SchedulerState, updated: dict[int, Sequence]) -> SchedulerSt
     """Replace active sequences by id, keeping the active order (one rebuild for many)."""
     if not updated:
         return state
-    active = tuple(updated.get(s.seq_id, s) for s in state.active)
-    return replace(state, active=active)
+    get = updated.get
+    return with_fields(state, {"active": tuple([get(s.seq_id, s) for s in state.active])})
 
 
 def put_seq(state: SchedulerState, seq: Sequence) -> SchedulerState:

@@ -24,3 +24,12 @@ def replace(record: T, **changes) -> T:
     fields.update(record.__dict__)
     fields.update(changes)
     return new
+
+
+def with_fields(record: T, changes: dict) -> T:
+    """``replace`` taking the changes as a dict (no keyword packing on the hot path)."""
+    new = object.__new__(type(record))
+    fields = new.__dict__
+    fields.update(record.__dict__)
+    fields.update(changes)
+    return new

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import attrs
 
-from fxsched.core.records import replace
+from fxsched.core.records import replace, with_fields
 
 from fxsched.core.events import BatchedDrafts, DraftCapacity, Drafts
 from fxsched.core.machine import answer_rule, ask, find_seq, push, put_seq, put_seqs, task_rule
@@ -122,7 +122,7 @@ def propose_batched(state: SchedulerState, seq_ids: tuple[int, ...], stash: tupl
 @answer_rule(AwaitBatchedProposal, BatchedDrafts)
 def _batched_proposed(state, waiting: AwaitBatchedProposal, event: BatchedDrafts, out):
     by_id = {s.seq_id: s for s in state.active}
-    updated = {i: replace(by_id[i], drafts=d) for i, d in zip(waiting.seq_ids, event.drafts)}
+    updated = {i: with_fields(by_id[i], {"drafts": d}) for i, d in zip(waiting.seq_ids, event.drafts)}
     return put_seqs(state, updated)
 
 

@@ -31,7 +31,7 @@ class TokenLog(tuple):
             return self
         if tuple.__getitem__(self, 2) == 0:
             return TokenLog(tokens)
-        return TokenLog._link(self, tuple(tokens))
+        return TokenLog._link(self, tokens if type(tokens) is tuple else tuple(tokens))
 
     def append(self, token: int) -> "TokenLog":
         return self.extend((token,))
