@@ -20,6 +20,18 @@ def select_slai(pending: tuple[Request, ...], cap: int) -> tuple[Request, ...]:
     return (pending[0],) + tuple(rest[: cap - 1])
 
 
+SLAI_STARVATION_FRACTION = 0.8
+
+
+def slai_declines(now_ms: float, last_decode_ms: float, deadline_ms: float, anything_active: bool) -> bool:
+    """SLAI holds prefills back while the running sequences' time between tokens nears its deadline.
+
+    Every active sequence gets a token at each decode (or mixed) step, so the time since the last
+    such step is how long each of them has waited for its next token.
+    """
+    return anything_active and now_ms - last_decode_ms >= SLAI_STARVATION_FRACTION * deadline_ms
+
+
 def select_requests(config: SchedulerConfig, pending: tuple[Request, ...], cap: int) -> tuple[Request, ...]:
     if config.policy == "slai":
         return select_slai(pending, cap)

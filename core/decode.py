@@ -70,6 +70,7 @@ from fxsched.core.spec_step import SpecStep  # noqa: E402
 def _decode_lane(state: SchedulerState, task, out: list) -> SchedulerState:
     if state.mixed_step_ran:
         return state
+    state = replace(state, last_decode_ms=state.now_ms)
     config, model = state.config, state.model
     if state.prefilling:
         out.append(dc.RecordEvent(state.prefill_event, state.prefill_stream))

@@ -10,12 +10,13 @@ import attrs
 
 from fxsched.core.records import replace
 
+from fxsched.core.chunking import first_chunk, first_chunk_budget, next_chunk
 from fxsched.core.events import AdapterIds, BeamHypotheses, SlotAllocated, TokenSampled, TokensSampled
-from fxsched.core.machine import answer_rule, ask, push, task_rule
+from fxsched.core.machine import answer_rule, ask, push, put_seqs, task_rule
 from fxsched.core.request import Request
 from fxsched.core.retire import finish_and_release
 from fxsched.core.sequence import Sequence
-from fxsched.core.state import SchedulerState
+from fxsched.core.state import PrefillEntry, SchedulerState
 from fxsched.effects import device_calls as dc
 from fxsched.effects.client import TokenOut
 
@@ -111,7 +112,7 @@ def become_active(state: SchedulerState, request: Request, seq_id: int, slot: in
     return replace(state, active=state.active + (seq,))
 
 
-# --- lane 1: whole-prompt prefill ----------------------------------------------------------------
+# --- lane 1 -------------------------------------------------------------------------------------
 
 
 @task_rule(StartRequests)
@@ -123,9 +124,14 @@ def _start_requests(state: SchedulerState, task, out: list) -> SchedulerState:
 
 @task_rule(StartRequest)
 def _start_request(state: SchedulerState, task: StartRequest, out: list) -> SchedulerState:
+    req = task.request
     seq_id = state.next_seq_id
     state = replace(state, next_seq_id=seq_id + 1)
-    return ask(state, out, dc.AllocSequence(seq_id, task.request.id), AwaitSlot(task.request, seq_id))
+    if state.config.chunked_prefill:
+        query = dc.AllocSequenceFor(seq_id, req.id, req.prompt_len + req.max_tokens)
+    else:
+        query = dc.AllocSequence(seq_id, req.id)
+    return ask(state, out, query, AwaitSlot(req, seq_id))
 
 
 @answer_rule(AwaitSlot, SlotAllocated)
@@ -139,12 +145,33 @@ def _slot_allocated(state, waiting: AwaitSlot, event: SlotAllocated, out):
 def _lane_adapter(state, waiting: AwaitLaneAdapter, event, out):
     req, slot = waiting.request, waiting.slot
     out.append(dc.AcquireAdapterSlot(req.adapter_slot))
+    if state.config.chunked_prefill:
+        return start_chunk0(state, req, waiting.seq_id, slot, out)
     if state.model.supports_beam and req.num_beams > 1:
         query = dc.GenerateBeamBatch((req.prompt,), (req.num_beams,))
         return ask(state, out, query, AwaitBeam(req, waiting.seq_id, slot))
     ep_prefill_preamble(slot, req.prompt_len, 0, req.prompt, out)
     out.append(dc.Prefill(waiting.seq_id, req.prompt, stream=0))
     return ask(state, out, first_token_query(req, 0), AwaitFirstToken(req, waiting.seq_id, slot))
+
+
+def start_chunk0(state: SchedulerState, req: Request, seq_id: int, slot: int, out: list) -> SchedulerState:
+    """Chunk 0 on the prefill stream: the whole batch budget when nothing else is in flight."""
+    budget = first_chunk_budget(state.config, bool(state.active or state.prefilling))
+    chunk, last = first_chunk(req.prompt_len, budget)
+    ep_prefill_preamble(slot, chunk, 0, req.prompt, out)
+    out.append(dc.PrefillChunk(seq_id, req.prompt, 0, chunk, last, state.prefill_stream))
+    prefill_barrier(state, out)
+    if last:
+        return ask(state, out, first_token_query(req, 0), AwaitFirstToken(req, seq_id, slot))
+    entry = PrefillEntry(seq_id, req, slot, chunk)
+    return replace(state, prefilling=state.prefilling + (entry,))
+
+
+def prefill_barrier(state: SchedulerState, out: list) -> None:
+    """The decode stream waits for the prefill stream's work so far."""
+    out.append(dc.RecordEvent(state.prefill_event, state.prefill_stream))
+    out.append(dc.StreamWaitEvent(0, state.prefill_event))
 
 
 @answer_rule(AwaitFirstToken, TokenSampled, TokensSampled)
@@ -167,6 +194,172 @@ def _beam_done(state, waiting: AwaitBeam, event: BeamHypotheses, out):
 # --- lane 2 -------------------------------------------------------------------------------------
 
 
+@attrs.frozen
+class PickPrefillToken:
+    """Read the first token of a prompt whose last chunk ran, from ``row`` of the last forward."""
+
+    seq_id: int
+    row: int
+
+
+@attrs.frozen
+class AwaitPrefillToken:
+    seq_id: int
+
+
+@attrs.frozen
+class Barrier:
+    pass
+
+
+@attrs.frozen
+class MixedReadback:
+    """Read the decode rows of a mixed step and hand each token to the plain path."""
+
+    seq_ids: tuple[int, ...]
+
+
+@attrs.frozen
+class AwaitMixedReadback:
+    seq_ids: tuple[int, ...]
+
+
+@attrs.frozen
+class Promote:
+    pass
+
+
+def entry_chunk(entry: PrefillEntry, max_prefill_tokens: int) -> tuple[int, bool]:
+    return next_chunk(entry.request.prompt_len, entry.offset, max_prefill_tokens)
+
+
+def single_active_with_speculation(state: SchedulerState) -> bool:
+    config = state.config
+    return len(state.active) == 1 and config.base_draft_count(state.model) > 0
+
+
+def _slice(entry: PrefillEntry, chunk: int, last: bool) -> dc.PrefillSlice:
+    return dc.PrefillSlice(entry.seq_id, entry.request.prompt, entry.offset, chunk, last)
+
+
+def _advance(entry: PrefillEntry, chunk: int) -> PrefillEntry:
+    return replace(entry, offset=entry.offset + chunk)
+
+
+def _decode_rows(state: SchedulerState) -> tuple[SchedulerState, tuple[int, ...], tuple[int, ...]]:
+    """Sort active by slot and feed every last token: (state, tokens, seq ids); seq_len + 1 each."""
+    from fxsched.core.decode import by_slot, grow
+
+    active = by_slot(state.active)
+    tokens = tuple(s.last_token for s in active)
+    ids = tuple(s.seq_id for s in active)
+    block_size = state.model.block_size
+    active = tuple(grow(s, s.seq_len + 1, block_size) for s in active)
+    return replace(state, active=active), tokens, ids
+
+
 @task_rule(ContinuePrefills)
 def _continue_prefills(state: SchedulerState, task, out: list) -> SchedulerState:
+    if not state.prefilling:
+        return state
+    from fxsched.core.tick import policy_declines
+
+    if state.active and policy_declines(state):
+        return state
+    config = state.config
+    limit = config.max_prefill_tokens
+    mixed = bool(state.active) and not single_active_with_speculation(state)
+    if mixed:
+        state = replace(state, last_decode_ms=state.now_ms)
+    if len(state.prefilling) >= 2 and (mixed or not state.active):
+        if mixed:
+            out.append(dc.PollInnerq())
+        chunks = [entry_chunk(e, limit) for e in state.prefilling]
+        slices = tuple(_slice(e, c, last) for e, (c, last) in zip(state.prefilling, chunks))
+        n = 0
+        if mixed:
+            state, tokens, ids = _decode_rows(state)
+            n = len(ids)
+            out.append(dc.MixedForwardBatch(tokens, ids, slices, state.prefill_stream))
+        else:
+            out.append(dc.PrefillBatchChunk(slices, state.prefill_stream))
+        prefilling = tuple(_advance(e, c) for e, (c, _) in zip(state.prefilling, chunks))
+        state = replace(state, prefilling=prefilling, mixed_step_ran=mixed)
+        prefill_barrier(state, out)
+        picks = [PickPrefillToken(e.seq_id, n + r) for r, (e, (_, last)) in enumerate(zip(prefilling, chunks)) if last]
+        tail = (MixedReadback(ids),) if mixed else ()
+        return push(state, *picks, *tail, Promote())
+    head = state.prefilling[0]
+    chunk, last = entry_chunk(head, limit)
+    out.append(dc.PollInnerq())
+    rest = state.prefilling[1:]
+    if mixed:
+        state, tokens, ids = _decode_rows(state)
+        out.append(dc.MixedForward(tokens, ids, _slice(head, chunk, last), state.prefill_stream))
+        prefill_barrier(state, out)
+        state = replace(state, prefilling=(_advance(head, chunk),) + rest, mixed_step_ran=True)
+        picks = (PickPrefillToken(head.seq_id, len(ids)), Barrier()) if last else ()
+        return push(state, *picks, MixedReadback(ids), Promote())
+    req = head.request
+    ep_prefill_preamble(head.slot, chunk, head.offset, req.prompt, out)
+    out.append(dc.PrefillChunk(head.seq_id, req.prompt, head.offset, chunk, last, state.prefill_stream))
+    out.append(dc.NormalizeSsmStates(head.seq_id, state.prefill_stream))
+    state = replace(state, prefilling=(_advance(head, chunk),) + rest)
+    if last:
+        prefill_barrier(state, out)
+        return push(state, PickPrefillToken(head.seq_id, 0), Promote())
+    return push(state, Promote())
+
+
+@task_rule(PickPrefillToken)
+def _pick_prefill_token(state: SchedulerState, task: PickPrefillToken, out: list) -> SchedulerState:
+    entry = next(e for e in state.prefilling if e.seq_id == task.seq_id)
+    return ask(state, out, first_token_query(entry.request, task.row), AwaitPrefillToken(task.seq_id))
+
+
+@answer_rule(AwaitPrefillToken, TokenSampled, TokensSampled)
+def _prefill_token(state, waiting: AwaitPrefillToken, event, out):
+    token = answered_token(event)
+    prefilling = tuple(replace(e, first_token=token) if e.seq_id == waiting.seq_id else e for e in state.prefilling)
+    return replace(state, prefilling=prefilling)
+
+
+@task_rule(Barrier)
+def _barrier(state: SchedulerState, task, out: list) -> SchedulerState:
+    prefill_barrier(state, out)
+    return state
+
+
+@task_rule(MixedReadback)
+def _mixed_readback(state: SchedulerState, task: MixedReadback, out: list) -> SchedulerState:
+    from fxsched.core.decode import greedy_row, host_pick
+
+    by_id = {s.seq_id: s for s in state.active}
+    rows = [by_id[i] for i in task.seq_ids]
+    if all(greedy_row(s) for s in rows):
+        query = dc.ArgmaxBatch(row=0, n=len(rows), stream=0)
+    else:
+        query = dc.CopyLogitsToHost(row=0, n=len(rows), picks=tuple(host_pick(s) for s in rows))
+    return ask(state, out, query, AwaitMixedReadback(task.seq_ids))
+
+
+@answer_rule(AwaitMixedReadback, TokensSampled)
+def _mixed_read(state, waiting: AwaitMixedReadback, event: TokensSampled, out):
+    from fxsched.core.emit import plain_token
+
+    logprobs = event.logprobs or (0,) * len(event.tokens)
+    by_id = {s.seq_id: s for s in state.active}
+    updated = {i: plain_token(by_id[i], t, state.config, out, lp)
+               for i, t, lp in zip(waiting.seq_ids, event.tokens, logprobs)}
+    return put_seqs(state, updated)
+
+
+@task_rule(Promote)
+def _promote(state: SchedulerState, task, out: list) -> SchedulerState:
+    """Walk the prefilling list from last to first; every finished prompt becomes active."""
+    for entry in reversed(state.prefilling):
+        if entry.first_token is None:
+            continue
+        state = replace(state, prefilling=tuple(e for e in state.prefilling if e.seq_id != entry.seq_id))
+        state = become_active(state, entry.request, entry.seq_id, entry.slot, entry.first_token, out)
     return state

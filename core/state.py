@@ -71,6 +71,7 @@ class SchedulerState:
     prefill_stream: int = 1
     prefill_event: int = 2
     mixed_step_ran: bool = False
+    last_decode_ms: float = 0.0
     stopped: bool = False
 
     def describe(self) -> str:

@@ -152,8 +152,11 @@ def in_flight(state: SchedulerState) -> bool:
 
 
 def policy_declines(state: SchedulerState) -> bool:
-    """SLAI declines to prefill while an active sequence is starved (never in the references)."""
-    return False
+    """The admission policy's word on prefilling now (FIFO is always willing)."""
+    config = state.config
+    if config.policy != "slai":
+        return False
+    return admission.slai_declines(state.now_ms, state.last_decode_ms, config.slai_deadline_ms, bool(state.active))
 
 
 from fxsched.core.prefill import ContinuePrefills, StartRequests  # noqa: E402

@@ -251,6 +251,20 @@ class MixedForwardBatch(DeviceCall):
     stream: int
 
 
+@_call("prefill_batch_chunk")
+class PrefillBatchChunk(DeviceCall):
+    """Chunks of several prompts in one forward (no decode rows); slice r answers at row r."""
+
+    prefills: tuple[PrefillSlice, ...] = attrs.field(converter=tuple)
+    stream: int
+
+
+@_call("normalize_ssm_states")
+class NormalizeSsmStates(DeviceCall):
+    seq: int
+    stream: int
+
+
 @_call("decode")
 class DecodeCall(DeviceCall):
     token: int

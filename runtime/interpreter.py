@@ -168,6 +168,10 @@ class Interpreter:
                 d.mixed_forward(toks, seqs, sl, stream)
             case dc.MixedForwardBatch(decode_tokens=toks, decode_seqs=seqs, prefills=sls, stream=stream):
                 d.mixed_forward_batch(toks, seqs, sls, stream)
+            case dc.PrefillBatchChunk(prefills=sls, stream=stream):
+                d.prefill_batch_chunk(sls, stream)
+            case dc.NormalizeSsmStates(seq=seq, stream=stream):
+                d.normalize_ssm_states(seq, stream)
             case dc.DecodeCall(token=token, seq=seq, stream=stream):
                 d.decode(token, seq, stream)
             case dc.DecodeDraft(token=token, seq=seq, stream=stream):

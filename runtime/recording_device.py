@@ -366,6 +366,14 @@ class RecordingDevice:
         slices = ", ".join(f'"{self._slice_text(sl)}"' for sl in prefills)
         self._rec(f"mixed_forward_batch(decode={_list(decode_tokens)}, prefills=[{slices}], stream={stream})")
 
+    def prefill_batch_chunk(self, prefills, stream: int) -> None:
+        self.rows = [self._apply_slice(self._seq(sl.seq), sl.prompt, sl.start, sl.length) for sl in prefills]
+        slices = ", ".join(f'"{self._slice_text(sl)}"' for sl in prefills)
+        self._rec(f"prefill_batch_chunk(streams=[{slices}], stream={stream})")
+
+    def normalize_ssm_states(self, seq: int, stream: int) -> None:
+        self._rec(f"normalize_ssm_states({self._seq(seq).sid}, stream={stream})")
+
     def decode_batch(self, tokens, seqs, stream: int) -> None:
         call = self.decode_batch_calls
         self.decode_batch_calls += 1

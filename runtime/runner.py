@@ -50,8 +50,6 @@ def model_info(scenario: Scenario) -> ModelInfo:
 def unsupported_feature(scenario: Scenario) -> Optional[str]:
     """The first feature the scenario needs that fxsched does not implement yet, if any."""
     o, m = scenario.options, scenario.model
-    if o.max_prefill_tokens > 0:
-        return "chunked prefill"
     if o.use_speculative and m.has_proposer and not o.dflash and len(scenario.requests) > 1:
         return "batched MTP verify"
     if o.ngram_speculative:

@@ -63,6 +63,8 @@ class Script:
             case dc.ArgmaxOnDevice():
                 seq = driver.last_prefilled
                 return ev.TokenSampled(10 * seq if seq else 7)
+            case dc.ArgmaxBatch(n=n):
+                return ev.TokensSampled((7,) * n)
             case dc.CopyLogitsToHost(picks=picks):
                 return ev.TokensSampled((7,) * len(picks), tuple(p.top_logprobs for p in picks))
             case plans.Decode(tokens=tokens):
@@ -115,6 +117,8 @@ class Driver:
         for e in self.effects:
             if isinstance(e, dc.Prefill):
                 self.last_prefilled = e.tokens[0]
+            elif isinstance(e, dc.PrefillChunk):
+                self.last_prefilled = e.prompt[0]
         return self.effects
 
     @property
@@ -138,6 +142,18 @@ class Driver:
 
     def run_to_query(self, query_type: type, limit: int = 500) -> "Driver":
         return self.run_until(lambda d: isinstance(d.query, query_type), limit)
+
+    def finish(self, limit: int = 5000) -> "Driver":
+        """Answer until every request has its final frame, then close the inbox and shut down."""
+        from fxsched.effects.client import TERMINAL_OUTPUTS
+
+        for _ in range(limit):
+            if self.state.stopped:
+                return self
+            if isinstance(self.query, dc.WaitForInput):
+                self.feed(ev.InboxClosed())
+            self.answer()
+        raise AssertionError("the run did not finish")
 
     def outputs(self, kind: type = object) -> list:
         from fxsched.effects.client import ClientOutput

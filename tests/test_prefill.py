@@ -1,0 +1,152 @@
+"""Chunked, mixed and batched prefill: the chunk planner, the policies and the lanes."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from fxsched.core import events as ev
+from fxsched.core.admission import select_fifo, select_slai, slai_declines
+from fxsched.core.chunking import first_chunk_budget, next_chunk, plan_chunks
+from fxsched.effects import device_calls as dc
+from fxsched.effects import plans
+from fxsched.effects.client import DoneOut
+
+from factories import Driver, make_config, make_request, of_type
+
+
+# --- the planner ------------------------------------------------------------------------------------
+
+
+def test_a_prompt_that_fits_the_first_budget_is_one_chunk():
+    assert plan_chunks(20, 8192, 8) == [(0, 20, True)]
+
+
+def test_later_chunks_use_the_prefill_budget_and_non_last_chunks_are_multiples_of_four():
+    assert plan_chunks(20, 8, 8) == [(0, 8, False), (8, 8, False), (16, 4, True)]
+    assert plan_chunks(20, 3, 7) == [(0, 3, False), (3, 4, False), (7, 4, False), (11, 4, False), (15, 5, True)]
+
+
+def test_small_budgets_still_make_progress():
+    assert plan_chunks(5, 1, 2) == [(0, 1, False), (1, 2, False), (3, 2, True)]
+
+
+def test_the_first_budget_is_the_batch_budget_only_when_nothing_is_in_flight():
+    config = make_config(max_prefill_tokens=8, max_batch_tokens=8192)
+    assert first_chunk_budget(config, False) == 8192
+    assert first_chunk_budget(config, True) == 8
+
+
+def test_bad_budgets_are_refused():
+    with pytest.raises(ValueError):
+        plan_chunks(10, 0, 8)
+
+
+@settings(max_examples=500, deadline=None)
+@given(prompt_len=st.integers(1, 5000), first=st.integers(1, 9000), limit=st.integers(1, 600))
+def test_chunks_cover_the_prompt_exactly_once_in_order_within_budget(prompt_len, first, limit):
+    plan = plan_chunks(prompt_len, first, limit)
+    offset = 0
+    for index, (start, length, last) in enumerate(plan):
+        assert start == offset and length > 0
+        assert length <= (first if index == 0 else limit)
+        offset += length
+        assert last == (offset == prompt_len)
+    assert offset == prompt_len and plan[-1][2]
+
+
+# --- policies -------------------------------------------------------------------------------------------
+
+
+def test_fifo_takes_the_front_of_the_queue():
+    reqs = tuple(make_request(i, prompt_len=p) for i, p in [(1, 30), (2, 5), (3, 9)])
+    assert [r.id for r in select_fifo(reqs, 2)] == [1, 2]
+
+
+def test_slai_keeps_seat_zero_for_the_front_and_fills_the_rest_by_prompt_length():
+    reqs = tuple(make_request(i, prompt_len=p) for i, p in [(1, 30), (2, 9), (3, 5), (4, 9)])
+    assert [r.id for r in select_slai(reqs, 3)] == [1, 3, 2]
+    assert select_slai(reqs, 0) == ()
+
+
+def test_slai_declines_to_prefill_only_while_running_sequences_near_their_deadline():
+    assert slai_declines(900.0, 0.0, 1000.0, True)
+    assert not slai_declines(700.0, 0.0, 1000.0, True)
+    assert not slai_declines(900.0, 0.0, 1000.0, False)
+
+
+def test_an_slai_engine_holds_new_requests_back_while_decodes_are_late():
+    config = make_config(policy="slai", slai_deadline_ms=100.0, max_prefill_tokens=8)
+    d = Driver(config=config, requests=[make_request(1, max_tokens=50)]).run_to_query(plans.Decode)
+    d.feed(ev.Clock(1000.0))  # the last decode started at 0: 1000 ms ago
+    d.feed(ev.Arrival(make_request(2)))
+    d.answer()
+    d.run_to_query(dc.NumFreeBlocks)
+    assert d.state.new_requests == () and [r.id for r in d.state.pending] == [2]
+
+
+# --- the lanes ----------------------------------------------------------------------------------------------
+
+
+def _slices(history):
+    """Every prompt chunk the device was asked for, per sequence, in order."""
+    chunks: dict[int, list] = {}
+    for e in history:
+        if isinstance(e, dc.PrefillChunk):
+            chunks.setdefault(e.seq, []).append((e.start, e.length, e.last))
+        elif isinstance(e, dc.MixedForward):
+            chunks.setdefault(e.prefill.seq, []).append((e.prefill.start, e.prefill.length, e.prefill.last))
+        elif isinstance(e, (dc.MixedForwardBatch, dc.PrefillBatchChunk)):
+            for sl in e.prefills:
+                chunks.setdefault(sl.seq, []).append((sl.start, sl.length, sl.last))
+    return chunks
+
+
+def test_a_continuing_prompt_rides_with_the_decode_in_a_mixed_step_and_skips_lane_3():
+    config = make_config(max_prefill_tokens=8)
+    d = Driver(config=config, requests=[make_request(1, prompt_len=4, max_tokens=20)]).run_to_query(plans.Decode)
+    d.feed(ev.Arrival(make_request(2, prompt_len=20, max_tokens=3)))
+    d.run_until(lambda d: any(isinstance(e, dc.MixedForward) for e in d.effects))
+    mixed = of_type(d.effects, dc.MixedForward)[0]
+    assert mixed.prefill.start == 8 and mixed.prefill.length == 8 and not mixed.prefill.last
+    d.run_to_query(dc.NumFreeBlocks)
+    assert not any(isinstance(e, plans.Decode) for e in d.effects)
+
+
+def test_prompts_finishing_in_one_step_are_promoted_from_the_last_one_back():
+    config = make_config(max_prefill_tokens=8)
+    d = Driver(config=config, requests=[make_request(1, prompt_len=4, max_tokens=30)]).run_to_query(plans.Decode)
+    d.feed(ev.Arrival(make_request(2, prompt_len=20, max_tokens=3)))
+    d.feed(ev.Arrival(make_request(3, prompt_len=18, max_tokens=3)))
+    d.run_until(lambda d: any(isinstance(e, dc.MixedForwardBatch) and all(s.last for s in e.prefills)
+                              for e in d.effects))
+    d.run_to_query(dc.NumFreeBlocks)
+    assert [s.request_id for s in d.state.active] == [1, 3, 2]
+
+
+@settings(max_examples=150, deadline=None)
+@given(lens=st.lists(st.integers(1, 70), min_size=1, max_size=5), limit=st.integers(1, 24),
+       batch=st.integers(1, 64), late=st.lists(st.booleans(), min_size=5, max_size=5))
+def test_the_scheduler_feeds_every_prompt_exactly_once_in_order_within_budget(lens, limit, batch, late):
+    config = make_config(max_prefill_tokens=limit, max_batch_tokens=batch)
+    requests = [make_request(i + 1, prompt_len=n, max_tokens=3) for i, n in enumerate(lens)]
+    first = [r for r, l in zip(requests, late) if not l] or requests[:1]
+    rest = [r for r in requests if r not in first]
+    d = Driver(config=config, requests=first)
+    d.run_to_query(dc.NumFreeBlocks).answer()
+    for r in rest:
+        d.feed(ev.Arrival(r))
+    d.finish()
+    assert len(d.outputs(DoneOut)) == len(requests)
+    chunks = _slices(d.history)
+    seq_of = {e.seq: e.session for e in d.history if isinstance(e, (dc.AllocSequenceFor,))}
+    assert sorted(seq_of.values()) == sorted(r.id for r in requests)
+    for seq, plan in chunks.items():
+        prompt_len = lens[seq_of[seq] - 1]
+        offset = 0
+        for index, (start, length, last) in enumerate(plan):
+            assert start == offset and length > 0
+            assert length <= (max(batch, limit) if index == 0 else limit)
+            offset += length
+            assert last == (offset == prompt_len)
+        assert offset == prompt_len
