@@ -64,6 +64,8 @@ def grow(seq: Sequence, seq_len: int, block_size: int) -> Sequence:
 
 
 from fxsched.core.spec_step import SpecStep  # noqa: E402
+from fxsched.core.ngram import NgramStep  # noqa: E402
+from fxsched.core.self_spec import SelfSpecStep  # noqa: E402
 
 
 @task_rule(DecodeLane)
@@ -77,6 +79,10 @@ def _decode_lane(state: SchedulerState, task, out: list) -> SchedulerState:
         out.append(dc.StreamWaitEvent(0, state.prefill_event))
     active = state.active
     covered = all(s.slot < config.speculation_slot_cap for s in active)
+    if config.ngram_speculative and len(active) == 1 and covered:
+        return push(state, NgramStep())
+    if config.self_speculative and model.has_self_speculative and len(active) == 1 and covered:
+        return push(state, SelfSpecStep())
     if (config.uses_mtp(model) and len(active) <= config.mtp_width_limit and covered
             and all(may_speculate(s) for s in active)):
         return push(state, SpecStep())

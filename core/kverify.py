@@ -197,5 +197,7 @@ def shared_verdict(state: SchedulerState, seq: Sequence, drafts, rows, k: int, n
 
 
 def mtp_gate(state: SchedulerState, seq_ids: tuple[int, ...], draft_count: int, out: list) -> SchedulerState:
-    """Batched MTP verify gate. Until the batched MTP verify lands, every sequence verifies serially."""
-    return push(state, *(SerialVerify(i, draft_count) for i in seq_ids))
+    """Two or more MTP verify sequences: the batching gate decides (``mtp_batch``)."""
+    from fxsched.core import mtp_batch
+
+    return mtp_batch.gate(state, seq_ids, draft_count, out)

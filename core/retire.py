@@ -42,14 +42,26 @@ def finish_reason(
     return "stop"
 
 
+def reported_acc(acc: int, completion_tokens: int) -> int:
+    """``acc`` as the client sees it: never more than the tokens that could have been drafted.
+
+    The KV may keep accepted drafts past the point where the budget or EOS ended the output
+    (speculation.md §6.13 counts them); the first token comes from the prefill and is never a
+    draft, so a client is told at most ``completion_tokens - 1`` accepted tokens.
+    """
+    return min(acc, max(completion_tokens - 1, 0))
+
+
 def finish_frame(seq: Sequence, config: SchedulerConfig):
     """The client's final frame for a finished sequence."""
     last = seq.output.last
     reason = finish_reason(seq.guard, last, seq.remaining, seq.seq_len, config)
     req = seq.request
+    n = len(seq.output)
+    acc = reported_acc(seq.acc, n)
     if req.streaming:
-        return DoneOut(req.id, reason, len(seq.output), 0, 0, seq.acc, seq.guard)
-    return ResponseOut(req.id, seq.output.tokens(), reason, 0, 0, seq.acc, seq.logprob_records)
+        return DoneOut(req.id, reason, n, 0, 0, acc, seq.guard)
+    return ResponseOut(req.id, seq.output.tokens(), reason, 0, 0, acc, seq.logprob_records)
 
 
 def finish_and_release(seq: Sequence, config: SchedulerConfig, out: list) -> None:

@@ -138,4 +138,4 @@ def propose_after_batch(state: SchedulerState, pending: list[tuple[int, int]], n
     return state
 
 
-from fxsched.core import dflash, kverify  # noqa: E402  (rule modules that call back into this one)
+from fxsched.core import dflash, kverify, mtp_batch  # noqa: E402,F401  (rule modules that call back into this one)

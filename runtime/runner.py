@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+import attrs
 import structlog
 
 from fxsched.core import events as ev
@@ -50,12 +51,6 @@ def model_info(scenario: Scenario) -> ModelInfo:
 def unsupported_feature(scenario: Scenario) -> Optional[str]:
     """The first feature the scenario needs that fxsched does not implement yet, if any."""
     o, m = scenario.options, scenario.model
-    if o.use_speculative and m.has_proposer and not o.dflash and len(scenario.requests) > 1:
-        return "batched MTP verify"
-    if o.ngram_speculative:
-        return "n-gram speculation"
-    if o.self_speculative:
-        return "self-speculative drafting"
     if m.kv_exhaust_at:
         return "preemption on KV exhaustion"
     if o.swap_space_gb > 0:
@@ -134,8 +129,25 @@ class ScenarioHost:
         return lines
 
 
-def run_scenario(scenario: Scenario) -> str:
-    """Run ``scenario`` and return its trace text (final newline included)."""
+@attrs.frozen
+class RunResult:
+    """What one run produced: the recorded lines and what each client received."""
+
+    scenario: Scenario
+    lines: list
+    host: ScenarioHost
+    steps: int
+
+    def trace(self) -> str:
+        lines = [f"# scenario {self.scenario.name}"] + self.lines
+        if self.scenario.options.lora_rotation:
+            lines.append(f"rotation ack: {self.host.rotation_ack or 'dropped'}")
+        lines += self.host.out_lines()
+        return "\n".join(lines) + "\n"
+
+
+def execute_scenario(scenario: Scenario) -> RunResult:
+    """Run ``scenario`` on a fresh recording device and a fresh scheduler."""
     feature = unsupported_feature(scenario)
     if feature:
         raise ScenarioError(f"not supported yet: {feature} (scenario {scenario.name})")
@@ -153,8 +165,9 @@ def run_scenario(scenario: Scenario) -> str:
     except Exception as err:  # a fault of the run names the scenario
         raise RunError(f"scenario {scenario.name}: {type(err).__name__}: {err}") from err
     log.info("scenario_done", scenario=scenario.name, steps=interpreter.steps, lines=len(device.lines))
-    lines = [f"# scenario {scenario.name}"] + device.lines
-    if scenario.options.lora_rotation:
-        lines.append(f"rotation ack: {host.rotation_ack or 'dropped'}")
-    lines += host.out_lines()
-    return "\n".join(lines) + "\n"
+    return RunResult(scenario, device.lines, host, interpreter.steps)
+
+
+def run_scenario(scenario: Scenario) -> str:
+    """Run ``scenario`` and return its trace text (final newline included)."""
+    return execute_scenario(scenario).trace()

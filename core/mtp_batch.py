@@ -1,0 +1,203 @@
+"""Batched MTP verify across sequences: the gate, D-Cut depths, the verify, catch-up and batched
+propose (speculation.md §6.10–6.11).
+
+Invariants kept: the GDN fold of the batch comes before any per-sequence commit; each sequence's
+verdict is the serial verdict with proposing deferred; only unfinished sequences catch up and
+re-propose.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from fxsched.core.decode import grow
+from fxsched.core.events import BatchVerifyAllowed, VerifyRows
+from fxsched.core.machine import answer_rule, ask, push, put_seqs, task_rule
+from fxsched.core.records import replace
+from fxsched.core.state import SchedulerState
+from fxsched.core.verdict import accepted_prefix
+from fxsched.effects import device_calls as dc
+
+DCUT_WIDTH_CAP = 8
+DCUT_KEEP_RATIO = 0.75
+ROW_BUDGET = 160
+CHUNK_SEQS = 32
+CANONICAL_ORDER_FROM = 8
+CATCHUP_STRIDE = 4
+
+
+def round_half_up(x: float) -> int:
+    return int(x + 0.5)
+
+
+def dcut_depths(confidences: list[tuple[float, ...]], draft_count: int) -> list[int]:
+    """Verify depths (rows) per sequence after D-Cut pruning.
+
+    Candidates ``(i, j)`` (sequence i, depth j = 1 .. draft_count - 1) are scored by the sum of
+    sequence i's confidences for drafts 0 .. j, best first, ties by i then j; the first
+    ``min(round(prunable * 0.75), 160 - 2n, prunable)`` are kept. With equal scores the last
+    sequences lose depth first.
+    """
+    n = len(confidences)
+    prunable = n * (draft_count - 1)
+    candidates = []
+    for i, conf in enumerate(confidences):
+        for j in range(1, draft_count):
+            score = sum(conf[: j + 1]) if conf else 0.0
+            candidates.append((-score, i, j))
+    candidates.sort()
+    keep = min(round_half_up(prunable * DCUT_KEEP_RATIO), ROW_BUDGET - 2 * n, prunable)
+    deepest = [0] * n
+    for _, i, j in candidates[:max(keep, 0)]:
+        deepest[i] = max(deepest[i], j)
+    return [min(1 + d, draft_count) + 1 for d in deepest]
+
+
+def batch_depths(count: int, draft_count: int, confidences=None) -> list[int]:
+    """Rows per sequence: D-Cut for 2+ drafts and 1..8 sequences, else the full depth."""
+    if draft_count >= 2 and 1 <= count <= DCUT_WIDTH_CAP:
+        return dcut_depths(confidences or [()] * count, draft_count)
+    return [draft_count + 1] * count
+
+
+def batch_order(entries: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Order ``(k, slot, index)`` entries: below 8 by (k desc, slot, index); from 8 up by (slot, index)."""
+    if len(entries) >= CANONICAL_ORDER_FROM:
+        return sorted(entries, key=lambda e: (e[1], e[2]))
+    return sorted(entries, key=lambda e: (-e[0], e[1], e[2]))
+
+
+def chunk_by_rows(ks: list[int]) -> list[tuple[int, int]]:
+    """Consecutive ``(start, end)`` runs of at most 32 sequences with at most 160 rows."""
+    runs, start, rows = [], 0, 0
+    for index, k in enumerate(ks):
+        if index > start and (index - start >= CHUNK_SEQS or rows + k > ROW_BUDGET):
+            runs.append((start, index))
+            start, rows = index, 0
+        rows += k
+    if ks:
+        runs.append((start, len(ks)))
+    return runs
+
+
+@attrs.frozen
+class MtpBatch:
+    """One chunk of the batched MTP verify: sequences in batch order with their depths."""
+
+    seq_ids: tuple[int, ...]
+    ks: tuple[int, ...]
+    draft_count: int
+
+
+@attrs.frozen
+class AwaitMtpGate:
+    batch: MtpBatch
+
+
+@attrs.frozen
+class AwaitMtpBatch:
+    seq_ids: tuple[int, ...]
+    ks: tuple[int, ...]
+    drafts: tuple[tuple[int, ...], ...]
+    pre_lens: tuple[int, ...]
+    draft_count: int
+
+
+def gate(state: SchedulerState, seq_ids: tuple[int, ...], draft_count: int, out: list) -> SchedulerState:
+    """Split the verify sequences into batched chunks and serial verifies (speculation.md §6.10)."""
+    from fxsched.core.kverify import SerialVerify
+
+    by_id = {s.seq_id: s for s in state.active}
+    batchable = [i for i in seq_ids if len(by_id[i].drafts) >= draft_count]
+    serial = [i for i in seq_ids if len(by_id[i].drafts) < draft_count]
+    ks = batch_depths(len(batchable), draft_count)
+    ordered = batch_order([(k, by_id[i].slot, n) for n, (i, k) in enumerate(zip(batchable, ks))])
+    order_ids = [batchable[n] for _, _, n in ordered]
+    order_ks = [k for k, _, _ in ordered]
+    tasks: list = []
+    for start, end in chunk_by_rows(order_ks):
+        if end - start >= 2:
+            tasks.append(MtpGateCheck(MtpBatch(tuple(order_ids[start:end]), tuple(order_ks[start:end]), draft_count)))
+        else:
+            serial.extend(order_ids[start:end])
+    tail = [SerialVerify(i, draft_count) for i in seq_ids if i in set(serial)]
+    return push(state, *tasks, *tail)
+
+
+@attrs.frozen
+class MtpGateCheck:
+    batch: MtpBatch
+
+
+@task_rule(MtpGateCheck)
+def _gate_check(state: SchedulerState, task: MtpGateCheck, out: list) -> SchedulerState:
+    return ask(state, out, dc.CanBatchVerify(task.batch.ks), AwaitMtpGate(task.batch))
+
+
+@answer_rule(AwaitMtpGate, BatchVerifyAllowed)
+def _gate_answer(state, waiting: AwaitMtpGate, event: BatchVerifyAllowed, out):
+    from fxsched.core.kverify import SerialVerify
+
+    batch = waiting.batch
+    if not event.allowed:
+        order = [s.seq_id for s in state.active if s.seq_id in set(batch.seq_ids)]
+        return push(state, *(SerialVerify(i, batch.draft_count) for i in order))
+    return start_batch(state, batch, out)
+
+
+def start_batch(state: SchedulerState, batch: MtpBatch, out: list) -> SchedulerState:
+    by_id = {s.seq_id: s for s in state.active}
+    tokens, drafts, pre_lens, grown = [], [], [], {}
+    for seq_id, k in zip(batch.seq_ids, batch.ks):
+        seq = by_id[seq_id]
+        mine = seq.drafts[: k - 1]
+        tokens.append(seq.last_token)
+        tokens.extend(mine)
+        drafts.append(mine)
+        pre_lens.append(seq.seq_len)
+        grown[seq_id] = replace(grow(seq, seq.seq_len + k, state.model.block_size), drafts=())
+    out.append(dc.SyncSecondaryCall())
+    query = dc.DecodeVerifyBatched(tokens=tokens, ks=batch.ks, seqs=batch.seq_ids, stream=0, woa=True)
+    waiting = AwaitMtpBatch(batch.seq_ids, batch.ks, tuple(drafts), tuple(pre_lens), batch.draft_count)
+    return ask(put_seqs(state, grown), out, query, waiting)
+
+
+@answer_rule(AwaitMtpBatch, VerifyRows)
+def _batch_verified(state, waiting: AwaitMtpBatch, event: VerifyRows, out):
+    from fxsched.core.kverify import shared_verdict
+    from fxsched.core.spec_step import propose_after_batch
+
+    offsets, off = [], 0
+    for k in waiting.ks:
+        offsets.append(off)
+        off += k
+    nas = []
+    for i, k in enumerate(waiting.ks):
+        rows = event.rows[offsets[i]:offsets[i] + k]
+        nd = min(len(waiting.drafts[i]), k - 1)
+        nas.append(min(accepted_prefix(waiting.drafts[i][:nd], rows), nd))
+    out.append(dc.StashVerifyHiddenRows(tuple(o + na for o, na in zip(offsets, nas))))
+    pairs = [(CATCHUP_STRIDE * i + j, offsets[i] + j) for i, na in enumerate(nas) for j in range(min(na, CATCHUP_STRIDE))]
+    if pairs:
+        out.append(dc.StashVerifyCatchupRows(tuple(pairs)))
+    by_id = {s.seq_id: s for s in state.active}
+    out.append(dc.GdnFoldAccepted(tuple(by_id[i].slot for i in waiting.seq_ids), tuple(na + 1 for na in nas),
+                                  max(waiting.ks)))
+    for i, (seq_id, k) in enumerate(zip(waiting.seq_ids, waiting.ks)):
+        seq = next(s for s in state.active if s.seq_id == seq_id)
+        rows = event.rows[offsets[i]:offsets[i] + k]
+        nd = min(len(waiting.drafts[i]), k - 1)
+        state = shared_verdict(state, seq, waiting.drafts[i], rows, k, nas[i], nd, waiting.pre_lens[i],
+                               waiting.draft_count, out, deferred=True)
+    by_id = {s.seq_id: s for s in state.active}
+    pending = [(i, seq_id) for i, seq_id in enumerate(waiting.seq_ids) if not by_id[seq_id].finished]
+    if not pending:
+        return state
+    if any(nas[i] for i, _ in pending):
+        caught = [waiting.drafts[i][: min(nas[i], CATCHUP_STRIDE)] for i, _ in pending]
+        out.append(dc.CatchupBatched(
+            tokens=caught,
+            slots=tuple(CATCHUP_STRIDE * i for i, _ in pending),
+            pos=tuple(by_id[seq_id].seq_len - len(c) for (_, seq_id), c in zip(pending, caught)),
+        ))
+    return propose_after_batch(state, pending, waiting.draft_count, out)

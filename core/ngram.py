@@ -1,0 +1,117 @@
+"""N-gram (prompt lookup) drafting over the sequence's own tokens (speculation.md §6.14).
+
+The proposer is a pure function of the tokens in the KV; the step decodes without a draft and
+verifies with K = 2 when one is pending. N-gram steps never count into ``acc``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence as Seq
+
+import attrs
+
+from fxsched.core.decode import grow
+from fxsched.core.emit import spec_token, spec_tokens
+from fxsched.core.events import TokenSampled, VerifyRows
+from fxsched.core.machine import answer_rule, ask, find_seq, put_seq, task_rule
+from fxsched.core.records import replace
+from fxsched.core.state import SchedulerState
+from fxsched.effects import device_calls as dc
+
+K2_VERIFY_CMD = 0xFFFFFFF2
+MIN_MATCH = 2
+
+
+def propose_ngram(history: Seq[int], max_match: int = 16) -> Optional[int]:
+    """The token after the earliest earlier occurrence of the longest matching suffix (2..16 tokens).
+
+    For each n, the suffix is the last n tokens; its earliest start s (with the whole match before
+    the suffix itself, s <= len - n - 1) proposes ``history[s + n]``. The longest n that matches
+    wins; no history of fewer than 3 tokens, or no match, proposes nothing.
+    """
+    size = len(history)
+    if size < 3:
+        return None
+    best, proposal = 0, None
+    history = tuple(history)
+    for n in range(MIN_MATCH, min(max_match, size - 1) + 1):
+        suffix = history[size - n:]
+        for s in range(0, size - n):
+            if history[s:s + n] == suffix:
+                if n > best:
+                    best, proposal = n, history[s + n]
+                break
+    return proposal
+
+
+@attrs.frozen
+class NgramStep:
+    pass
+
+
+@attrs.frozen
+class AwaitNgramDecode:
+    seq_id: int
+
+
+@attrs.frozen
+class AwaitNgramVerify:
+    seq_id: int
+    draft: int
+    pre_len: int
+
+
+def _proposal(state: SchedulerState, seq) -> tuple[int, ...]:
+    p = propose_ngram(seq.kv_tokens(), state.config.ngram_max_match)
+    return () if p is None else (p,)
+
+
+@task_rule(NgramStep)
+def _ngram_step(state: SchedulerState, task, out: list) -> SchedulerState:
+    (seq,) = state.active
+    if not seq.drafts:
+        out.append(dc.EpBroadcastCmdForSeq(seq.slot, seq.last_token))
+        out.append(dc.DecodeCall(seq.last_token, seq.seq_id, 0))
+        state = put_seq(state, grow(seq, seq.seq_len + 1, state.model.block_size))
+        return ask(state, out, dc.ArgmaxOnDevice(row=0, stream=0), AwaitNgramDecode(seq.seq_id))
+    draft = seq.drafts[0]
+    out.append(dc.SyncSecondaryCall())
+    out.append(dc.EpBroadcastCmdForSeq(seq.slot, K2_VERIFY_CMD))
+    out.append(dc.EpBroadcastCmd(seq.last_token))
+    out.append(dc.EpBroadcastCmd(draft))
+    query = dc.DecodeVerifyGraphed(seq.seq_id, (seq.last_token, draft))
+    pre = seq.seq_len
+    state = put_seq(state, replace(grow(seq, pre + 2, state.model.block_size), drafts=()))
+    return ask(state, out, query, AwaitNgramVerify(seq.seq_id, draft, pre))
+
+
+@answer_rule(AwaitNgramDecode, TokenSampled)
+def _ngram_decoded(state, waiting: AwaitNgramDecode, event: TokenSampled, out):
+    seq = spec_token(find_seq(state, waiting.seq_id), event.token, state.config, out)
+    if not seq.finished:
+        drafts = _proposal(state, seq)
+        seq = replace(seq, drafts=drafts)
+        if drafts:
+            out.append(dc.StartCheckpointAsync(seq.seq_id))
+    return put_seq(state, seq)
+
+
+@answer_rule(AwaitNgramVerify, VerifyRows)
+def _ngram_verified(state, waiting: AwaitNgramVerify, event: VerifyRows, out):
+    seq = find_seq(state, waiting.seq_id)
+    v0, v1 = event.rows[0], event.rows[1]
+    accepted = waiting.draft == v0
+    out.append(dc.EpBroadcastCmd(1 if accepted else 0))
+    if accepted:
+        seq = spec_tokens(seq, (waiting.draft, v1), state.config, out)
+        if seq.finished:
+            return put_seq(state, seq)
+        out.append(dc.StartCheckpointAsync(seq.seq_id))
+    else:
+        out.append(dc.TruncateSequence(seq.seq_id, waiting.pre_len + 1))
+        seq = replace(seq, seq_len=waiting.pre_len + 1)
+        out.append(dc.StartRollbackAndCheckpointAsync(seq.seq_id, 1))
+        seq = spec_token(seq, v0, state.config, out)
+        if seq.finished:
+            return put_seq(state, seq)
+    return put_seq(state, replace(seq, drafts=_proposal(state, seq)))
