@@ -25,6 +25,7 @@ class ModelInfo:
     dflash_gamma: Optional[int] = None
     has_self_speculative: bool = False
     supports_beam: bool = False
+    supports_rollback: bool = True
 
     def blocks_for(self, tokens: int) -> int:
         """KV blocks a sequence of ``tokens`` tokens holds: always room for the next token."""
@@ -53,6 +54,9 @@ class SchedulerConfig:
     boundary_tokens: tuple[int, ...] = attrs.field(default=(), converter=int_tuple)
     mtp_width_limit: int = 32
     ngram_max_match: int = 16
+    rollback_resteer: bool = True
+    max_rollbacks: int = 2
+    preemption_immunity_tokens: int = 64
 
     def uses_mtp(self, model: ModelInfo) -> bool:
         """MTP / DFlash speculation runs when asked for and the model has a proposer."""
@@ -68,6 +72,10 @@ class SchedulerConfig:
 
     def __attrs_post_init__(self) -> None:
         object.__setattr__(self, "eos_set", frozenset(self.eos_ids))
+
+    @property
+    def spill_pool(self) -> bool:
+        return self.swap_space_gb > 0
 
     @property
     def chunked_prefill(self) -> bool:

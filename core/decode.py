@@ -106,6 +106,11 @@ def _plain_decode(state: SchedulerState, task, out: list) -> SchedulerState:
 @answer_rule(AwaitDecode, TokensSampled, DeviceFault)
 def _decoded(state, waiting: AwaitDecode, event, out):
     if isinstance(event, DeviceFault):
+        if event.kv_exhausted and len(waiting.seq_ids) > 1:
+            from fxsched.core.lifecycle import preempt, preemption_victim
+
+            rows = tuple(s for s in state.active if s.seq_id in set(waiting.seq_ids))
+            return push(preempt(state, preemption_victim(rows), out), PlainDecode())
         return fail_batch(state, waiting.seq_ids, event.message, out)
     config, block_size = state.config, state.model.block_size
     logprobs = event.logprobs or (0,) * len(event.tokens)
@@ -113,7 +118,7 @@ def _decoded(state, waiting: AwaitDecode, event, out):
     for seq_id, token, lp in zip(waiting.seq_ids, event.tokens, logprobs):
         seq = next(s for s in state.active if s.seq_id == seq_id)
         seq = grow(seq, seq.seq_len + 1, block_size)
-        updated[seq_id] = plain_token(seq, token, config, out, lp)
+        updated[seq_id] = plain_token(seq, token, config, out, lp, state.model)
     return replace(state, active=tuple(updated.get(s.seq_id, s) for s in state.active))
 
 

@@ -12,8 +12,19 @@ import attrs
 
 from fxsched.core.records import replace, with_fields
 
-from fxsched.core.config import SchedulerConfig
+from fxsched.core.config import ModelInfo, SchedulerConfig
 from fxsched.core.sequence import Sequence
+from fxsched.core.watchdog import (
+    CONTENT_LOOP_GUARD,
+    CONTENT_LOOP_SPAN,
+    FUZZY_GUARD,
+    content_loop,
+    content_loop_due,
+    fuzzy_repetition,
+    rollback_or_guard,
+    save_snapshot,
+    snapshot_wanted,
+)
 from fxsched.effects.client import TokenOut, TokensOut
 from fxsched.effects.lifecycle import MarconiCheckpoint
 
@@ -29,20 +40,32 @@ def _is_eos(token: int, config: SchedulerConfig) -> bool:
     return token in config.eos_ids
 
 
-def plain_token(seq: Sequence, token: int, config: SchedulerConfig, out: list, logprobs: int = 0) -> Sequence:
-    """Per-token handling of a plain or mixed decode row. ``seq.seq_len`` is already advanced."""
+def plain_token(seq: Sequence, token: int, config: SchedulerConfig, out: list, logprobs: int = 0,
+                model: ModelInfo | None = None) -> Sequence:
+    """Per-token handling of a plain or mixed decode row (scheduler.md §5.17); ``seq.seq_len`` is
+    already advanced. With the watchdogs armed, a content loop or a fuzzy repetition rolls the
+    sequence back to a boundary, or finishes it with a guard."""
+    armed = config.loop_watchdog and model is not None
     remaining = seq.remaining - 1
     content = seq.content_count + 1
+    if armed and content_loop_due(content) and content_loop(seq.output.tokens()):
+        return rollback_or_guard(seq, CONTENT_LOOP_SPAN, CONTENT_LOOP_GUARD, config, model, out)
     records = seq.logprob_records + (1 if logprobs else 0)
-    if _is_eos(token, config):
+    if token in config.eos_set:
         return replace(seq, output=seq.output.append(token), remaining=remaining,
-                            content_count=content, finished=True, logprob_records=records)
+                       content_count=content, finished=True, logprob_records=records)
     seq = replace(seq, output=seq.output.append(token), remaining=remaining, content_count=content,
-                       last_token=token, logprob_records=records)
+                  last_token=token, logprob_records=records)
+    if model is not None and snapshot_wanted(seq, token, config, model):
+        seq = save_snapshot(seq, model, out)
     out.append(MarconiCheckpoint(seq.seq_id))
     stream_token(seq, token, out)
     if remaining <= 0 or seq.seq_len + 1 >= config.max_seq_len:
-        seq = replace(seq, finished=True)
+        return replace(seq, finished=True)
+    if armed:
+        window = fuzzy_repetition(seq.output.tokens())
+        if window is not None:
+            seq = rollback_or_guard(seq, 3 * window, FUZZY_GUARD, config, model, out)
     return seq
 
 
@@ -59,7 +82,7 @@ def spec_tokens(seq: Sequence, tokens: tuple[int, ...], config: SchedulerConfig,
     n = len(tokens)
     req = seq.request
     if (n and not seq.cancel_requested and seq.remaining > n and seq_len + 1 < config.max_seq_len
-            and config.eos_set.isdisjoint(tokens)):
+            and not config.loop_watchdog and config.eos_set.isdisjoint(tokens)):
         # the common case: every token is streamed and nothing finishes
         if req.streaming:
             k = req.top_logprobs if seq.logprob_records else 0
@@ -74,9 +97,14 @@ def spec_tokens(seq: Sequence, tokens: tuple[int, ...], config: SchedulerConfig,
     eos_ids = config.eos_set
     streamed = []
     taken = 0
+    armed = config.loop_watchdog
+    guard = None
     for token in tokens:
         if seq.cancel_requested:
             finished = True
+            break
+        if armed and content_loop_due(content + 1) and content_loop(seq.output.tokens() + tuple(tokens[:taken])):
+            finished, guard = True, CONTENT_LOOP_GUARD
             break
         before = count
         count += 1
@@ -98,6 +126,8 @@ def spec_tokens(seq: Sequence, tokens: tuple[int, ...], config: SchedulerConfig,
         out.append(TokensOut(req.id, tuple(streamed), k) if len(streamed) > 1 else TokenOut(req.id, streamed[0], k))
     fields.update(output=seq.output.extend(tuple(tokens[:taken])) if taken else seq.output, remaining=remaining,
                   content_count=content, last_token=last, finished=finished)
+    if guard is not None:
+        fields["guard"] = guard
     return with_fields(seq, fields)
 
 

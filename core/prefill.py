@@ -349,7 +349,7 @@ def _mixed_read(state, waiting: AwaitMixedReadback, event: TokensSampled, out):
 
     logprobs = event.logprobs or (0,) * len(event.tokens)
     by_id = {s.seq_id: s for s in state.active}
-    updated = {i: plain_token(by_id[i], t, state.config, out, lp)
+    updated = {i: plain_token(by_id[i], t, state.config, out, lp, state.model)
                for i, t, lp in zip(waiting.seq_ids, event.tokens, logprobs)}
     return put_seqs(state, updated)
 

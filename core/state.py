@@ -63,6 +63,7 @@ class SchedulerState:
     active: tuple[Sequence, ...] = ()
     swapped: tuple[Swapped, ...] = ()
     preempted: tuple[Preempted, ...] = ()
+    restoring: tuple[Sequence, ...] = ()
     cancels: frozenset[int] = frozenset()
     # the loop
     agenda: tuple[Any, ...] = ()

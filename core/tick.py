@@ -161,6 +161,7 @@ def policy_declines(state: SchedulerState) -> bool:
 
 from fxsched.core.prefill import ContinuePrefills, StartRequests  # noqa: E402
 from fxsched.core.decode import DecodeLane  # noqa: E402
+from fxsched.core.lifecycle import RequeueResume, SwapIn, SwapOutRoom  # noqa: E402
 
 
 @task_rule(TickStart)
@@ -174,8 +175,8 @@ def _tick_start(state: SchedulerState, task, out: list) -> SchedulerState:
         new = admission.select_requests(state.config, state.pending, cap)
     state = replace(state, new_requests=new, pending=admission.without(state.pending, new),
                          mixed_step_ran=False)
-    tasks = (Publish(), Rotate(), IdleCheck(), StartRequests(), ContinuePrefills(), EmptyBatchExit(),
-             DecodeLane(), EndOfTick())
+    tasks = (Publish(), Rotate(), IdleCheck(), SwapOutRoom(), StartRequests(), ContinuePrefills(),
+             EmptyBatchExit(), DecodeLane(), EndOfTick())
     if new:
         tasks = (Admit(),) + tasks
     return push(state, *tasks)
@@ -272,9 +273,22 @@ def _idle_check(state: SchedulerState, task, out: list) -> SchedulerState:
     return state
 
 
+@attrs.frozen
+class EmptyBatchSkip:
+    pass
+
+
 @task_rule(EmptyBatchExit)
 def _empty_batch_exit(state: SchedulerState, task, out: list) -> SchedulerState:
-    """After lane 2: with nothing active, skip lane 3 and the end of tick."""
+    """After lane 2: with nothing active, try the requeue resume first."""
+    if state.active:
+        return state
+    return push(state, RequeueResume(), EmptyBatchSkip())
+
+
+@task_rule(EmptyBatchSkip)
+def _empty_batch_skip(state: SchedulerState, task, out: list) -> SchedulerState:
+    """Still nothing active: skip lane 3 and the end of tick."""
     if state.active:
         return state
     return replace(state, agenda=(TickStart(),))
@@ -311,7 +325,9 @@ def retire_finished(state: SchedulerState, out: list) -> SchedulerState:
 def _end_of_tick(state: SchedulerState, task, out: list) -> SchedulerState:
     state = expire_deadlines(state)
     state = retire_finished(state, out)
-    return push(state, TickStart())
+    if state.config.spill_pool:
+        return push(state, SwapIn(), RequeueResume(), TickStart())
+    return push(state, RequeueResume(), TickStart())
 
 
 # --- shutdown ---------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import attrs
 
 from fxsched.runtime.device import DeviceError
+from fxsched.runtime.spill_files import SpillError, SpillFiles
 
 EOS = 63
 BF16_THIRTY = b"\xf0\x41"
@@ -56,6 +57,9 @@ class DeviceConfig:
     kv_exhaust_at: tuple[int, ...] = ()
     twophase_ok: bool = False
     device_token_feed: bool = True
+    decode_fault_at: tuple[int, ...] = ()
+    spill_corrupt_for: tuple[int, ...] = ()
+    spill_missing_for: tuple[int, ...] = ()
 
 
 @attrs.define
@@ -104,7 +108,7 @@ class RecordingDevice:
         self.occupancy_reads = 0
         self.tick = 0
         self.on_tick: Callable[[int], None] = lambda tick: None
-        self.saved_states: dict[int, DeviceSequence] = {}
+        self.spill = SpillFiles()
 
     # --- bookkeeping ----------------------------------------------------------------------
 
@@ -253,12 +257,32 @@ class RecordingDevice:
         self._rec(f"detach_slot_for_reuse({self._seq(seq).sid})")
 
     def save_sequence_state(self, seq: int) -> None:
+        """Spill the sequence to a file; the scenario may corrupt or lose it afterwards."""
         s = self._seq(seq)
         self._rec(f"save_sequence_state({s.sid}, blocks={s.blocks})")
+        path = self.spill.path_for(seq)
+        self.spill.write(seq, {"session": s.session, "tokens": list(s.tokens), "seq_len": s.seq_len,
+                               "blocks": s.blocks})
+        request = s.session or (s.tokens[0] if s.tokens else 0)
+        if request in self.config.spill_corrupt_for:
+            data = bytearray(path.read_bytes())
+            data[-2] ^= 0xFF
+            path.write_bytes(bytes(data))
+        if request in self.config.spill_missing_for:
+            path.unlink()
 
     def restore_sequence_state(self, seq: int, blocks: int) -> None:
+        """Read the spill file back and check it; the session number is not restored."""
         s = self._seq(seq)
-        self._rec(f"restore_sequence_state({s.sid}, blocks={blocks})")
+        head = f"restore_sequence_state({s.sid}, blocks={blocks})"
+        try:
+            saved = self.spill.read(seq)
+        except SpillError as err:
+            self._rec(f"{head} -> ERR {err}")
+            raise DeviceError(str(err)) from None
+        self._rec(head)
+        s.tokens = list(saved["tokens"])
+        s.seq_len = saved["seq_len"]
         s.blocks = blocks
         self.used_blocks += blocks
 
@@ -318,6 +342,7 @@ class RecordingDevice:
 
     def teardown(self) -> None:
         self._rec("teardown()")
+        self.spill.close()
 
     # --- forwards -----------------------------------------------------------------------------------
 
@@ -382,6 +407,9 @@ class RecordingDevice:
         if call in self.config.kv_exhaust_at:
             self._rec(head + " -> ERR KV cache exhausted")
             raise DeviceError("KV cache exhausted", kv_exhausted=True)
+        if call in self.config.decode_fault_at:
+            self._rec(head + " -> ERR scripted device fault")
+            raise DeviceError("scripted device fault")
         rows = []
         for token, seq_id in zip(tokens, seqs):
             s = self._seq(seq_id)

@@ -51,12 +51,6 @@ def model_info(scenario: Scenario) -> ModelInfo:
 def unsupported_feature(scenario: Scenario) -> Optional[str]:
     """The first feature the scenario needs that fxsched does not implement yet, if any."""
     o, m = scenario.options, scenario.model
-    if m.kv_exhaust_at:
-        return "preemption on KV exhaustion"
-    if o.swap_space_gb > 0:
-        return "spill swap-out/in"
-    if o.loop_watchdog:
-        return "watchdog rollback"
     return None
 
 
