@@ -30,16 +30,12 @@ def first_difference(got: str, want: str) -> str:
 
 def cmd_run(args) -> int:
     from fxsched.runtime.interpreter import RunError
-    from fxsched.runtime.runner import run_scenario, unsupported_feature
+    from fxsched.runtime.runner import run_scenario
     from fxsched.runtime.scenario import ScenarioError, load_scenario, scenario_names
 
     if args.list:
         for name in scenario_names():
-            try:
-                feature = unsupported_feature(load_scenario(name))
-            except ScenarioError as err:
-                feature = f"invalid: {err}"
-            print(name if feature is None else f"{name}  (not supported yet: {feature})")
+            print(name)
         return 0
     if not args.name:
         print("fxsched run: give a scenario name or path (or --list)", file=sys.stderr)

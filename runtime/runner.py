@@ -48,12 +48,6 @@ def model_info(scenario: Scenario) -> ModelInfo:
     )
 
 
-def unsupported_feature(scenario: Scenario) -> Optional[str]:
-    """The first feature the scenario needs that fxsched does not implement yet, if any."""
-    o, m = scenario.options, scenario.model
-    return None
-
-
 class ScenarioHost:
     """Clients, the inbox and the late arrivals of one scenario run."""
 
@@ -142,9 +136,6 @@ class RunResult:
 
 def execute_scenario(scenario: Scenario) -> RunResult:
     """Run ``scenario`` on a fresh recording device and a fresh scheduler."""
-    feature = unsupported_feature(scenario)
-    if feature:
-        raise ScenarioError(f"not supported yet: {feature} (scenario {scenario.name})")
     host = ScenarioHost(scenario)
     device = RecordingDevice(scenario.model, {s.id: s.script() for s in scenario.requests},
                              cancel_flags={s.id for s in scenario.requests if s.streaming})
