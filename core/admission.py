@@ -71,6 +71,18 @@ def reserve_kv(
     return tuple(admitted), ()
 
 
+def impossible(model: ModelInfo, config: SchedulerConfig, request: Request):
+    """Why no amount of waiting could serve ``request`` (a prompt past the context, or needing more
+    KV blocks than the device has), or ``None``."""
+    if request.prompt_len >= config.max_seq_len:
+        return (f"request {request.id}: the prompt has {request.prompt_len} tokens, the context holds "
+                f"{config.max_seq_len}")
+    if model.total_blocks and model.blocks_for(request.prompt_len) > model.total_blocks:
+        return (f"request {request.id}: the prompt needs {model.blocks_for(request.prompt_len)} KV blocks, "
+                f"the device has {model.total_blocks}")
+    return None
+
+
 def cohort_split(cohort_id: int, new: tuple[Request, ...], ids: tuple[int, ...]):
     """Split ``new`` into (same adapter cohort, deferred): a request joins only with the cohort's id."""
     same = tuple(r for r, i in zip(new, ids) if i == cohort_id)

@@ -57,6 +57,7 @@ class SchedulerConfig:
     rollback_resteer: bool = True
     max_rollbacks: int = 2
     preemption_immunity_tokens: int = 64
+    planted_bugs: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset, repr=False)
 
     def uses_mtp(self, model: ModelInfo) -> bool:
         """MTP / DFlash speculation runs when asked for and the model has a proposer."""
@@ -72,6 +73,11 @@ class SchedulerConfig:
 
     def __attrs_post_init__(self) -> None:
         object.__setattr__(self, "eos_set", frozenset(self.eos_ids))
+        from fxsched.core.planted import PLANTED_BUGS
+
+        unknown = set(self.planted_bugs) - set(PLANTED_BUGS)
+        if unknown:
+            raise ValueError(f"unknown planted bugs {sorted(unknown)}; known: {sorted(PLANTED_BUGS)}")
 
     @property
     def spill_pool(self) -> bool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import attrs
 
+from fxsched.core.planted import planted
 from fxsched.core.records import replace
 
 from fxsched.core.emit import spec_tokens
@@ -108,7 +109,7 @@ def _settle(seq: Sequence, drafts, rows, pre: int, row: int, out: list, config) 
     from fxsched.core.kverify import settled
 
     na = accepted_prefix(drafts, rows)
-    changes = settled(seq, pre, pre + na + 1, out)
+    changes = settled(seq, pre, pre + na + 1, out, config)
     out.append(dc.CommitCtx(seq.seq_id, na + 1, pre, row))
     seq = spec_tokens(seq, tuple(drafts[:na]) + (rows[na],), config, out, changes)
     return seq, na
@@ -175,6 +176,10 @@ def _batched_verify(state: SchedulerState, task: BatchedDflashVerify, out: list)
     """One verify over every sequence of the chunk. While it is outstanding the sequence records
     still show the KV before it; the waiting record holds the drafts and lengths in flight."""
     by_id = {s.seq_id: s for s in state.active}
+    if any(i not in by_id for i in task.seq_ids):  # a fault failed some since the gate
+        from fxsched.core.kverify import SerialVerify
+
+        return push(state, *(SerialVerify(i, task.draft_count) for i in task.seq_ids if i in by_id))
     seqs = [by_id[i] for i in task.seq_ids]
     tokens = []
     for s in seqs:
@@ -198,22 +203,26 @@ def _batched_verified(state, waiting: AwaitBatchedDflash, event: VerifyRows, out
         seq, drafts, pre = by_id[seq_id], waiting.drafts[i], waiting.pre_lens[i]
         rows = rows_all[i * k:(i + 1) * k]
         na = accepted_prefix(drafts, rows)
+        if planted(config, "accepted_prefix_off_by_one") and na < len(drafts):
+            na += 1
         seq_len = pre + na + 1
-        if seq_len < pre + k:
+        if seq_len < pre + k and not planted(config, "no_rewind_on_reject"):
             truncations.append((seq_id, seq_len))
         contexts.append((seq_id, na + 1, pre, i))
         need = (pre + k) // block_size + 1  # the verify grew the table to cover all k rows
         blocks = seq.blocks if seq.blocks >= need else need
         seq = spec_tokens(seq, drafts[:na] + (rows[na],), config, emits,
-                          {"seq_len": seq_len, "drafts": (), "blocks": blocks, "acc": seq.acc + na})
+                          {"seq_len": seq_len, "drafts": (), "blocks": blocks,
+                           "acc": seq.acc + na + (1 if planted(config, "acc_counts_bonus") else 0)})
         settled.append(seq)
         accepted.append(na + 1)
     if truncations:
         out.append(dc.TruncateSequences(tuple(truncations)))
     out.append(dc.CommitCtxBatch(tuple(contexts)))
     out.extend(emits)
-    out.append(dc.GdnFoldAccepted(tuple(s.slot for s in settled), tuple(accepted), k))
-    out.append(dc.CommitAcceptedPrefixBatch(tuple((s.seq_id, n, k) for s, n in zip(settled, accepted))))
+    fold = dc.GdnFoldAccepted(tuple(s.slot for s in settled), tuple(accepted), k)
+    commits = dc.CommitAcceptedPrefixBatch(tuple((s.seq_id, n, k) for s, n in zip(settled, accepted)))
+    out.extend((commits, fold) if planted(config, "commit_before_fold") else (fold, commits))
     out.append(dc.StashVerifyHiddenRows(tuple(i * k + n - 1 for i, n in enumerate(accepted))))
     pending = [(i, s.seq_id) for i, s in enumerate(settled) if not s.finished]
     if pending:

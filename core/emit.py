@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import attrs
 
+from fxsched.core.planted import planted
 from fxsched.core.records import replace, with_fields
 
 from fxsched.core.config import ModelInfo, SchedulerConfig
@@ -52,6 +53,8 @@ def plain_token(seq: Sequence, token: int, config: SchedulerConfig, out: list, l
         return rollback_or_guard(seq, CONTENT_LOOP_SPAN, CONTENT_LOOP_GUARD, config, model, out)
     records = seq.logprob_records + (1 if logprobs else 0)
     if token in config.eos_set:
+        if planted(config, "token_after_eos"):
+            stream_token(seq, token, out)
         return replace(seq, output=seq.output.append(token), remaining=remaining,
                        content_count=content, finished=True, logprob_records=records)
     seq = replace(seq, output=seq.output.append(token), remaining=remaining, content_count=content,

@@ -77,6 +77,11 @@ class EventCreated(Answer):
 
 
 @attrs.frozen
+class ForwardDone(Answer):
+    """A forward (prefill, chunk, mixed step, decode) completed."""
+
+
+@attrs.frozen
 class InputReady(Answer):
     """The blocking inbox wait returned (what arrived came as input events just before)."""
 

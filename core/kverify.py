@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import attrs
 
+from fxsched.core.planted import planted
 from fxsched.core.records import replace
 
 from fxsched.core.decode import grow
 from fxsched.core.emit import spec_token, spec_tokens
 from fxsched.core.events import TokenSampled, VerifyRows
-from fxsched.core.machine import answer_rule, ask, find_seq, push, put_seq, task_rule
+from fxsched.core.flow import AskQuery, forward
+from fxsched.core.machine import answer_rule, ask, find_seq, has_seq, push, put_seq, task_rule
 from fxsched.core.sequence import Sequence
 from fxsched.core.spec_step import propose
 from fxsched.core.state import SchedulerState
@@ -56,10 +58,10 @@ def mtp_bootstrap(state: SchedulerState, seq_id: int, draft_count: int, out: lis
     """Decode the last token, read its successor, then propose fresh drafts."""
     seq = find_seq(state, seq_id)
     out.append(dc.EpBroadcastCmdForSeq(seq.slot, seq.last_token))
-    out.append(dc.DecodeCall(seq.last_token, seq_id, 0))
     seq = grow(seq, seq.seq_len + 1, state.model.block_size)
     state = put_seq(state, seq)
-    return ask(state, out, dc.ArgmaxOnDevice(row=0, stream=0), AwaitMtpDecode(seq_id, draft_count))
+    read = AskQuery(dc.ArgmaxOnDevice(row=0, stream=0), AwaitMtpDecode(seq_id, draft_count))
+    return forward(state, out, dc.DecodeCall(seq.last_token, seq_id, 0), (seq_id,), read)
 
 
 @answer_rule(AwaitMtpDecode, TokenSampled)
@@ -80,6 +82,8 @@ from fxsched.core import dflash  # noqa: E402
 
 @task_rule(SerialVerify)
 def _serial_verify(state: SchedulerState, task: SerialVerify, out: list) -> SchedulerState:
+    if not has_seq(state, task.seq_id):
+        return state
     seq = find_seq(state, task.seq_id)
     if seq.finished or not seq.drafts:
         return state
@@ -121,6 +125,8 @@ def _k_verified(state, waiting: AwaitKVerify, event: VerifyRows, out):
     k, rows = waiting.k, event.rows
     nd = min(len(waiting.drafts), k - 1)
     na = min(accepted_prefix(waiting.drafts[:nd], rows), nd)
+    if planted(state.config, "accepted_prefix_off_by_one") and na < nd:
+        na += 1
     out.append(dc.EpBroadcastCmd(na))
     if waiting.dflash and k >= 3:
         out.append(dc.CommitCtx(seq.seq_id, na + 1, waiting.pre_len, 0))
@@ -129,23 +135,24 @@ def _k_verified(state, waiting: AwaitKVerify, event: VerifyRows, out):
     return shared_verdict(state, seq, waiting.drafts, rows, k, na, nd, waiting.pre_len, waiting.propose_n, out)
 
 
-def settled(seq: Sequence, pre_len: int, seq_len: int, out: list) -> dict:
+def settled(seq: Sequence, pre_len: int, seq_len: int, out: list, config=None) -> dict:
     """Rewind to ``seq_len`` (telling the device) and count the kept drafts into ``acc``.
 
     ``acc`` grows by ``seq_len - pre_len - 1`` (speculation.md §6.13): a sequence is verified at
     most once per step and nothing else in that step changes its length, so the KV length before
     the verify is the length at the start of the step.
     """
-    if seq_len < seq.seq_len:
+    if seq_len < seq.seq_len and not (config is not None and planted(config, "no_rewind_on_reject")):
         out.append(dc.TruncateSequence(seq.seq_id, seq_len))
-    return {"seq_len": seq_len, "acc": seq.acc + acc_gain(pre_len, seq_len)}
+    bonus = 1 if config is not None and planted(config, "acc_counts_bonus") else 0
+    return {"seq_len": seq_len, "acc": seq.acc + acc_gain(pre_len, seq_len) + bonus}
 
 
 def k2_verdict(state: SchedulerState, seq: Sequence, draft: int, rows, pre_len: int, propose_n: int, out: list):
     """K = 2 (speculation.md §6.6): full accept emits first; a reject commits first."""
     config = state.config
     if draft == rows[0]:
-        seq = spec_tokens(seq, (draft, rows[1]), config, out, settled(seq, pre_len, pre_len + 2, out))
+        seq = spec_tokens(seq, (draft, rows[1]), config, out, settled(seq, pre_len, pre_len + 2, out, config))
         state = put_seq(state, seq)
         if seq.finished:
             return state
@@ -154,7 +161,7 @@ def k2_verdict(state: SchedulerState, seq: Sequence, draft: int, rows, pre_len: 
         out.append(dc.SaveHiddenForMtp(1))
         out.append(dc.TrimProposerState(seq.seq_id, 1))
     else:
-        changes = settled(seq, pre_len, pre_len + 1, out)
+        changes = settled(seq, pre_len, pre_len + 1, out, config)
         out.append(dc.TrimProposerState(seq.seq_id, 0))
         out.append(dc.CommitAcceptedPrefix(seq.seq_id, 1, 2))
         seq = spec_tokens(seq, (rows[0],), config, out, changes)
@@ -174,7 +181,7 @@ def shared_verdict(state: SchedulerState, seq: Sequence, drafts, rows, k: int, n
     """
     config = state.config
     if na == nd:
-        seq = spec_tokens(seq, tuple(drafts[:nd]) + (rows[nd],), config, out, settled(seq, pre_len, pre_len + k, out))
+        seq = spec_tokens(seq, tuple(drafts[:nd]) + (rows[nd],), config, out, settled(seq, pre_len, pre_len + k, out, config))
         state = put_seq(state, seq)
         if seq.finished:
             return state
@@ -183,7 +190,7 @@ def shared_verdict(state: SchedulerState, seq: Sequence, drafts, rows, k: int, n
             out.append(dc.SaveHiddenForMtp(na))
         out.append(dc.TrimProposerState(seq.seq_id, na))
     else:
-        changes = settled(seq, pre_len, pre_len + k - (nd - na), out)
+        changes = settled(seq, pre_len, pre_len + k - (nd - na), out, config)
         out.append(dc.TrimProposerState(seq.seq_id, na))
         out.append(dc.CommitAcceptedPrefix(seq.seq_id, na + 1, k))
         seq = spec_tokens(seq, tuple(drafts[:na]) + (rows[na],), config, out, changes)

@@ -13,8 +13,10 @@ from typing import Optional
 import attrs
 
 from fxsched.core.events import BlocksReclaimed, DeviceFault, FreeBlocks, SlotAllocated, StateRestored
+from fxsched.core.flow import forward
 from fxsched.core.machine import answer_rule, ask, push, task_rule
 from fxsched.core.prefill import ep_prefill_preamble
+from fxsched.core.planted import planted
 from fxsched.core.records import replace
 from fxsched.core.request import Request
 from fxsched.core.sequence import Sequence
@@ -54,7 +56,8 @@ def preempt(state: SchedulerState, victim: Sequence, out: list) -> SchedulerStat
     state = replace(state, active=tuple(s for s in state.active if s.seq_id != victim.seq_id))
     if state.config.spill_pool:
         return spill(state, victim, out)
-    out.append(ReleaseSeq(victim.seq_id, victim.slot, cache=True, reason="preempt_requeue"))
+    if not planted(state.config, "slot_leak_on_preemption"):
+        out.append(ReleaseSeq(victim.seq_id, victim.slot, cache=True, reason="preempt_requeue"))
     entry = Preempted(replace(victim, drafts=()), victim.kv_tokens())
     return replace(state, preempted=state.preempted + (entry,))
 
@@ -298,9 +301,8 @@ def _resume_slot(state, waiting: AwaitResumeSlot, event: SlotAllocated, out):
     seq, tokens = entry.sequence, entry.tokens
     out.append(dc.AcquireAdapterSlot(seq.request.adapter_slot))
     ep_prefill_preamble(event.slot, len(tokens), 0, tokens, out)
-    out.append(dc.Prefill(seq.seq_id, tokens, stream=0))
     seq = replace(seq, slot=event.slot, seq_len=len(tokens), blocks=state.model.blocks_for(len(tokens)), ring=(),
                   ring_cursor=0, immune_until=len(seq.output) + state.config.preemption_immunity_tokens)
     state = replace(state, preempted=tuple(p for p in state.preempted if p is not entry),
                     active=state.active + (seq,))
-    return push(state, RequeueResume())
+    return forward(state, out, dc.Prefill(seq.seq_id, tokens, stream=0), (seq.seq_id,), RequeueResume())

@@ -30,6 +30,7 @@ from fxsched.core.events import (
     Boot,
     Cancel,
     Clock,
+    DeviceFault,
     Event,
     InboxClosed,
     RotationRequested,
@@ -88,6 +89,11 @@ def find_seq(state: SchedulerState, seq_id: int) -> Sequence:
         if seq.seq_id == seq_id:
             return seq
     raise KeyError(f"sequence {seq_id} is not active ({state.describe()})")
+
+
+def has_seq(state: SchedulerState, seq_id: int) -> bool:
+    """Whether ``seq_id`` is still active (a fault may have failed it since a task was planned)."""
+    return any(s.seq_id == seq_id for s in state.active)
 
 
 def put_seqs(state: SchedulerState, updated: dict[int, Sequence]) -> SchedulerState:
@@ -159,6 +165,12 @@ def step(state: SchedulerState, event: Event) -> tuple[SchedulerState, tuple[Eff
     if waiting is None:
         raise PhaseError(f"{type(event).__name__} arrived but no query is outstanding ({state.describe()})")
     accepted, rule = ANSWER_RULES[type(waiting)]
+    if isinstance(event, DeviceFault) and not isinstance(event, accepted):
+        from fxsched.core.faults import fail_in_flight
+
+        failed = fail_in_flight(replace(state, waiting=None), waiting, event.message, out)
+        if failed is not None:
+            return advance(failed, out), tuple(out)
     if not isinstance(event, accepted):
         names = ", ".join(t.__name__ for t in accepted)
         raise PhaseError(

@@ -131,6 +131,11 @@ class MtpGateCheck:
 
 @task_rule(MtpGateCheck)
 def _gate_check(state: SchedulerState, task: MtpGateCheck, out: list) -> SchedulerState:
+    live = {s.seq_id for s in state.active}
+    if any(i not in live for i in task.batch.seq_ids):  # a fault failed some since the gate
+        from fxsched.core.kverify import SerialVerify
+
+        return push(state, *(SerialVerify(i, task.batch.draft_count) for i in task.batch.seq_ids if i in live))
     return ask(state, out, dc.CanBatchVerify(task.batch.ks), AwaitMtpGate(task.batch))
 
 

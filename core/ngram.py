@@ -13,7 +13,9 @@ import attrs
 from fxsched.core.decode import grow
 from fxsched.core.emit import spec_token, spec_tokens
 from fxsched.core.events import TokenSampled, VerifyRows
+from fxsched.core.flow import AskQuery, forward
 from fxsched.core.machine import answer_rule, ask, find_seq, put_seq, task_rule
+from fxsched.core.planted import planted
 from fxsched.core.records import replace
 from fxsched.core.state import SchedulerState
 from fxsched.effects import device_calls as dc
@@ -71,9 +73,9 @@ def _ngram_step(state: SchedulerState, task, out: list) -> SchedulerState:
     (seq,) = state.active
     if not seq.drafts:
         out.append(dc.EpBroadcastCmdForSeq(seq.slot, seq.last_token))
-        out.append(dc.DecodeCall(seq.last_token, seq.seq_id, 0))
         state = put_seq(state, grow(seq, seq.seq_len + 1, state.model.block_size))
-        return ask(state, out, dc.ArgmaxOnDevice(row=0, stream=0), AwaitNgramDecode(seq.seq_id))
+        read = AskQuery(dc.ArgmaxOnDevice(row=0, stream=0), AwaitNgramDecode(seq.seq_id))
+        return forward(state, out, dc.DecodeCall(seq.last_token, seq.seq_id, 0), (seq.seq_id,), read)
     draft = seq.drafts[0]
     out.append(dc.SyncSecondaryCall())
     out.append(dc.EpBroadcastCmdForSeq(seq.slot, K2_VERIFY_CMD))
@@ -108,7 +110,8 @@ def _ngram_verified(state, waiting: AwaitNgramVerify, event: VerifyRows, out):
             return put_seq(state, seq)
         out.append(dc.StartCheckpointAsync(seq.seq_id))
     else:
-        out.append(dc.TruncateSequence(seq.seq_id, waiting.pre_len + 1))
+        if not planted(state.config, "no_rewind_on_reject"):
+            out.append(dc.TruncateSequence(seq.seq_id, waiting.pre_len + 1))
         seq = replace(seq, seq_len=waiting.pre_len + 1)
         out.append(dc.StartRollbackAndCheckpointAsync(seq.seq_id, 1))
         seq = spec_token(seq, v0, state.config, out)

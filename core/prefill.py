@@ -11,6 +11,7 @@ import attrs
 from fxsched.core.records import replace
 
 from fxsched.core.chunking import first_chunk, first_chunk_budget, next_chunk
+from fxsched.core.flow import AskQuery, EmitEffects, forward
 from fxsched.core.events import AdapterIds, BeamHypotheses, SlotAllocated, TokenSampled, TokensSampled
 from fxsched.core.machine import answer_rule, ask, push, put_seqs, task_rule
 from fxsched.core.request import Request
@@ -151,8 +152,9 @@ def _lane_adapter(state, waiting: AwaitLaneAdapter, event, out):
         query = dc.GenerateBeamBatch((req.prompt,), (req.num_beams,))
         return ask(state, out, query, AwaitBeam(req, waiting.seq_id, slot))
     ep_prefill_preamble(slot, req.prompt_len, 0, req.prompt, out)
-    out.append(dc.Prefill(waiting.seq_id, req.prompt, stream=0))
-    return ask(state, out, first_token_query(req, 0), AwaitFirstToken(req, waiting.seq_id, slot))
+    then = AskQuery(first_token_query(req, 0), AwaitFirstToken(req, waiting.seq_id, slot))
+    return forward(state, out, dc.Prefill(waiting.seq_id, req.prompt, stream=0), (waiting.seq_id,), then,
+                   request=req, slot=slot)
 
 
 def start_chunk0(state: SchedulerState, req: Request, seq_id: int, slot: int, out: list) -> SchedulerState:
@@ -160,11 +162,27 @@ def start_chunk0(state: SchedulerState, req: Request, seq_id: int, slot: int, ou
     budget = first_chunk_budget(state.config, bool(state.active or state.prefilling))
     chunk, last = first_chunk(req.prompt_len, budget)
     ep_prefill_preamble(slot, chunk, 0, req.prompt, out)
-    out.append(dc.PrefillChunk(seq_id, req.prompt, 0, chunk, last, state.prefill_stream))
+    query = dc.PrefillChunk(seq_id, req.prompt, 0, chunk, last, state.prefill_stream)
+    return forward(state, out, query, (seq_id,), Chunk0Done(req, seq_id, slot, chunk, last), request=req, slot=slot)
+
+
+@attrs.frozen
+class Chunk0Done:
+    request: Request
+    seq_id: int
+    slot: int
+    chunk: int
+    last: bool
+
+
+@task_rule(Chunk0Done)
+def _chunk0_done(state: SchedulerState, task: Chunk0Done, out: list) -> SchedulerState:
+    """Chunk 0 ran: read the first token of a whole prompt, or keep prefilling the rest."""
     prefill_barrier(state, out)
-    if last:
-        return ask(state, out, first_token_query(req, 0), AwaitFirstToken(req, seq_id, slot))
-    entry = PrefillEntry(seq_id, req, slot, chunk)
+    if task.last:
+        return ask(state, out, first_token_query(task.request, 0),
+                   AwaitFirstToken(task.request, task.seq_id, task.slot))
+    entry = PrefillEntry(task.seq_id, task.request, task.slot, task.chunk)
     return replace(state, prefilling=state.prefilling + (entry,))
 
 
@@ -276,44 +294,43 @@ def _continue_prefills(state: SchedulerState, task, out: list) -> SchedulerState
             out.append(dc.PollInnerq())
         chunks = [entry_chunk(e, limit) for e in state.prefilling]
         slices = tuple(_slice(e, c, last) for e, (c, last) in zip(state.prefilling, chunks))
-        n = 0
+        n, ids = 0, ()
         if mixed:
             state, tokens, ids = _decode_rows(state)
             n = len(ids)
-            out.append(dc.MixedForwardBatch(tokens, ids, slices, state.prefill_stream))
+            query = dc.MixedForwardBatch(tokens, ids, slices, state.prefill_stream)
         else:
-            out.append(dc.PrefillBatchChunk(slices, state.prefill_stream))
+            query = dc.PrefillBatchChunk(slices, state.prefill_stream)
         prefilling = tuple(_advance(e, c) for e, (c, _) in zip(state.prefilling, chunks))
         state = replace(state, prefilling=prefilling, mixed_step_ran=mixed)
-        prefill_barrier(state, out)
         picks = [PickPrefillToken(e.seq_id, n + r) for r, (e, (_, last)) in enumerate(zip(prefilling, chunks)) if last]
         tail = (MixedReadback(ids),) if mixed else ()
-        return push(state, *picks, *tail, Promote())
+        in_flight = ids + tuple(e.seq_id for e in prefilling)
+        return forward(state, out, query, in_flight, Barrier(), *picks, *tail, Promote())
     head = state.prefilling[0]
     chunk, last = entry_chunk(head, limit)
     out.append(dc.PollInnerq())
     rest = state.prefilling[1:]
     if mixed:
         state, tokens, ids = _decode_rows(state)
-        out.append(dc.MixedForward(tokens, ids, _slice(head, chunk, last), state.prefill_stream))
-        prefill_barrier(state, out)
+        query = dc.MixedForward(tokens, ids, _slice(head, chunk, last), state.prefill_stream)
         state = replace(state, prefilling=(_advance(head, chunk),) + rest, mixed_step_ran=True)
         picks = (PickPrefillToken(head.seq_id, len(ids)), Barrier()) if last else ()
-        return push(state, *picks, MixedReadback(ids), Promote())
+        return forward(state, out, query, ids + (head.seq_id,), Barrier(), *picks, MixedReadback(ids), Promote())
     req = head.request
     ep_prefill_preamble(head.slot, chunk, head.offset, req.prompt, out)
-    out.append(dc.PrefillChunk(head.seq_id, req.prompt, head.offset, chunk, last, state.prefill_stream))
-    out.append(dc.NormalizeSsmStates(head.seq_id, state.prefill_stream))
+    query = dc.PrefillChunk(head.seq_id, req.prompt, head.offset, chunk, last, state.prefill_stream)
     state = replace(state, prefilling=(_advance(head, chunk),) + rest)
-    if last:
-        prefill_barrier(state, out)
-        return push(state, PickPrefillToken(head.seq_id, 0), Promote())
-    return push(state, Promote())
+    normalize = EmitEffects((dc.NormalizeSsmStates(head.seq_id, state.prefill_stream),))
+    then = (Barrier(), PickPrefillToken(head.seq_id, 0)) if last else ()
+    return forward(state, out, query, (head.seq_id,), normalize, *then, Promote())
 
 
 @task_rule(PickPrefillToken)
 def _pick_prefill_token(state: SchedulerState, task: PickPrefillToken, out: list) -> SchedulerState:
-    entry = next(e for e in state.prefilling if e.seq_id == task.seq_id)
+    entry = next((e for e in state.prefilling if e.seq_id == task.seq_id), None)
+    if entry is None:
+        return state
     return ask(state, out, first_token_query(entry.request, task.row), AwaitPrefillToken(task.seq_id))
 
 
@@ -335,7 +352,9 @@ def _mixed_readback(state: SchedulerState, task: MixedReadback, out: list) -> Sc
     from fxsched.core.decode import greedy_row, host_pick
 
     by_id = {s.seq_id: s for s in state.active}
-    rows = [by_id[i] for i in task.seq_ids]
+    rows = [by_id[i] for i in task.seq_ids if i in by_id]
+    if len(rows) < len(task.seq_ids):  # a fault failed the step's rows: there is nothing to read
+        return state
     if all(greedy_row(s) for s in rows):
         query = dc.ArgmaxBatch(row=0, n=len(rows), stream=0)
     else:

@@ -70,14 +70,16 @@ def finish_and_release(seq: Sequence, config: SchedulerConfig, out: list) -> Non
     out.append(ReleaseSeq(seq.seq_id, seq.slot, cache=True, reason="finish_sequence"))
 
 
-def compaction_moves(survivor_slots: list[int]) -> list[tuple[int, int]]:
+def compaction_moves(survivor_slots: list[int], pinned_slots: tuple[int, ...] = ()) -> list[tuple[int, int]]:
     """Moves ``(index, target)`` that pack survivors into slots ``[0, n)``.
 
-    Each survivor (in active order) whose slot is >= n takes the largest free target left, where
-    the free targets are the slots below n that no survivor holds. The active order is unchanged.
+    n counts the survivors and the sequences that hold a slot without moving (prompts still
+    prefilling). Each survivor (in active order) whose slot is >= n takes the largest free target
+    left, where the free targets are the slots below n that nobody holds. The active order is
+    unchanged, and no target is ever a held slot.
     """
-    n = len(survivor_slots)
-    held = set(survivor_slots)
+    n = len(survivor_slots) + len(pinned_slots)
+    held = set(survivor_slots) | set(pinned_slots)
     free = [t for t in range(n) if t not in held]
     moves = []
     for index, slot in enumerate(survivor_slots):
@@ -86,9 +88,12 @@ def compaction_moves(survivor_slots: list[int]) -> list[tuple[int, int]]:
     return moves
 
 
-def compact(active: tuple[Sequence, ...], out: list) -> tuple[Sequence, ...]:
+def compact(active: tuple[Sequence, ...], out: list, planted_wrong_target: bool = False,
+            pinned_slots: tuple[int, ...] = ()) -> tuple[Sequence, ...]:
     """Apply ``compaction_moves`` to ``active``, emitting one ``CompactSlot`` per move."""
-    moves = compaction_moves([s.slot for s in active])
+    moves = compaction_moves([s.slot for s in active], pinned_slots)
+    if planted_wrong_target:
+        moves = [(index, len(active) - 1) for index, _ in moves]
     if not moves:
         return active
     seqs = list(active)

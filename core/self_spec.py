@@ -12,6 +12,7 @@ import attrs
 from fxsched.core.decode import grow
 from fxsched.core.emit import spec_tokens
 from fxsched.core.events import DraftCapacity, TokenSampled, VerifyRows
+from fxsched.core.flow import AskQuery, forward
 from fxsched.core.machine import answer_rule, ask, find_seq, put_seq, task_rule
 from fxsched.core.records import replace
 from fxsched.core.state import SchedulerState
@@ -57,9 +58,9 @@ def _self_capacity(state, waiting, event: DraftCapacity, out):
     count = min((state.config.num_drafts,) + event.capacities)
     (seq,) = state.active
     out.append(dc.EpBroadcastCmdForSeq(seq.slot, seq.last_token))
-    out.append(dc.DecodeCall(seq.last_token, seq.seq_id, 0))
     state = put_seq(state, grow(seq, seq.seq_len + 1, state.model.block_size))
-    return ask(state, out, dc.ArgmaxOnDevice(row=0, stream=0), AwaitSelfToken(seq.seq_id, count))
+    read = AskQuery(dc.ArgmaxOnDevice(row=0, stream=0), AwaitSelfToken(seq.seq_id, count))
+    return forward(state, out, dc.DecodeCall(seq.last_token, seq.seq_id, 0), (seq.seq_id,), read)
 
 
 @answer_rule(AwaitSelfToken, TokenSampled)
@@ -71,9 +72,9 @@ def _self_token(state, waiting: AwaitSelfToken, event: TokenSampled, out):
         waiting = replace(waiting, drafts=waiting.drafts + (event.token,))
     x = waiting.drafts[-1] if waiting.drafts else waiting.first
     if len(waiting.drafts) < waiting.draft_count:
-        out.append(dc.DecodeDraft(x, seq.seq_id, 0))
         state = put_seq(state, grow(seq, seq.seq_len + 1, state.model.block_size))
-        return ask(state, out, dc.ArgmaxOnDevice(row=0, stream=0), waiting)
+        read = AskQuery(dc.ArgmaxOnDevice(row=0, stream=0), waiting)
+        return forward(state, out, dc.DecodeDraft(x, seq.seq_id, 0), (seq.seq_id,), read)
     pre = waiting.pre_len
     if seq.seq_len > pre:
         out.append(dc.TruncateSequence(seq.seq_id, pre))

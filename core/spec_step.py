@@ -12,7 +12,7 @@ import attrs
 from fxsched.core.records import replace, with_fields
 
 from fxsched.core.events import BatchedDrafts, DraftCapacity, Drafts
-from fxsched.core.machine import answer_rule, ask, find_seq, push, put_seq, put_seqs, task_rule
+from fxsched.core.machine import answer_rule, ask, find_seq, has_seq, push, put_seq, put_seqs, task_rule
 from fxsched.core.state import SchedulerState
 from fxsched.core.verdict import base_draft_count
 from fxsched.effects import device_calls as dc
@@ -74,6 +74,8 @@ def _capacity(state, waiting: AwaitCapacity, event: DraftCapacity, out):
 
 @task_rule(Bootstrap)
 def _bootstrap(state: SchedulerState, task: Bootstrap, out: list) -> SchedulerState:
+    if not has_seq(state, task.seq_id):
+        return state
     if state.config.dflash:
         return dflash.bootstrap(state, task.seq_id, task.draft_count, out)
     return kverify.mtp_bootstrap(state, task.seq_id, task.draft_count, out)
@@ -81,8 +83,8 @@ def _bootstrap(state: SchedulerState, task: Bootstrap, out: list) -> SchedulerSt
 
 @task_rule(Verifies)
 def _verifies(state: SchedulerState, task: Verifies, out: list) -> SchedulerState:
-    finished = {s.seq_id for s in state.active if s.finished}
-    ids = tuple(i for i in task.seq_ids if i not in finished)
+    live = {s.seq_id for s in state.active if not s.finished}
+    ids = tuple(i for i in task.seq_ids if i in live)
     if len(ids) >= 2 and state.config.dflash:
         return dflash.gate(state, ids, task.draft_count, out)
     if len(ids) >= 2 and task.draft_count >= 1:

@@ -17,11 +17,12 @@ from fxsched.core.events import (
     StreamCreated,
 )
 from fxsched.core.machine import answer_rule, ask, push, task_rule
-from fxsched.core.retire import REQUEST_TIMEOUT, compact, finish_and_release
+from fxsched.core.planted import planted
+from fxsched.core.retire import REQUEST_TIMEOUT, compact, finish_and_release, finish_frame
 from fxsched.core.state import SchedulerState
 from fxsched.effects import device_calls as dc
 from fxsched.effects import lifecycle as lc
-from fxsched.effects.client import RotationAck
+from fxsched.effects.client import ErrorOut, RotationAck
 
 
 # --- tasks ------------------------------------------------------------------------------------
@@ -162,6 +163,7 @@ def policy_declines(state: SchedulerState) -> bool:
 from fxsched.core.prefill import ContinuePrefills, StartRequests  # noqa: E402
 from fxsched.core.decode import DecodeLane  # noqa: E402
 from fxsched.core.lifecycle import RequeueResume, SwapIn, SwapOutRoom  # noqa: E402
+from fxsched.core import flow as _flow  # noqa: E402,F401  (registers the forward continuation)
 
 
 @task_rule(TickStart)
@@ -204,6 +206,19 @@ def _admit(state: SchedulerState, task, out: list) -> SchedulerState:
     return ask(state, out, dc.AdapterIdFor(slots), AwaitAdapterIds(state.new_requests))
 
 
+def refuse_impossible(state: SchedulerState, new: tuple, ids: tuple, out: list):
+    """Fail at once the requests no device state could ever serve; keep the others (and their ids)."""
+    keep, keep_ids = [], []
+    for request, adapter_id in zip(new, ids):
+        problem = admission.impossible(state.model, state.config, request)
+        if problem is None:
+            keep.append(request)
+            keep_ids.append(adapter_id)
+        else:
+            out.append(ErrorOut(request.id, problem, request.streaming))
+    return tuple(keep), tuple(keep_ids)
+
+
 def committed_blocks(state: SchedulerState) -> int:
     """KV blocks committed to everything in flight (scheduler.md §5.5)."""
     model, config = state.model, state.config
@@ -222,7 +237,8 @@ def committed_blocks(state: SchedulerState) -> int:
 @answer_rule(AwaitAdapterIds, AdapterIds)
 def _adapter_ids(state, waiting: AwaitAdapterIds, event: AdapterIds, out):
     cohort_id, ids = event.ids[0], event.ids[1:]
-    same, other = admission.cohort_split(cohort_id, waiting.new, ids)
+    new, ids = refuse_impossible(state, waiting.new, ids, out)
+    same, other = admission.cohort_split(cohort_id, new, ids)
     admitted, deferred = admission.reserve_kv(state.model, state.config, committed_blocks(state), same)
     back = tuple(sorted(deferred + other, key=lambda r: waiting.new.index(r)))
     return replace(state, new_requests=admitted, pending=back + state.pending)
@@ -313,12 +329,18 @@ def expire_deadlines(state: SchedulerState) -> SchedulerState:
 def retire_finished(state: SchedulerState, out: list) -> SchedulerState:
     """Finish and release every finished sequence in active order; compact the survivors."""
     survivors = []
+    config = state.config
     for s in state.active:
-        if s.finished:
-            finish_and_release(s, state.config, out)
-        else:
+        if not s.finished:
             survivors.append(s)
-    return replace(state, active=compact(tuple(survivors), out))
+        elif planted(config, "leak_on_cancel") and s.cancel_requested:
+            out.append(finish_frame(s, config))
+        else:
+            finish_and_release(s, config, out)
+            if planted(config, "double_release"):
+                out.append(lc.ReleaseSeq(s.seq_id, s.slot, cache=True, reason="finish_sequence"))
+    pinned = tuple(e.slot for e in state.prefilling)
+    return replace(state, active=compact(tuple(survivors), out, planted(config, "wrong_compaction_target"), pinned))
 
 
 @task_rule(EndOfTick)
@@ -333,9 +355,20 @@ def _end_of_tick(state: SchedulerState, task, out: list) -> SchedulerState:
 # --- shutdown ---------------------------------------------------------------------------------
 
 
+SHUTDOWN_ABORT = "aborted: the scheduler shut down"
+
+
 @task_rule(Shutdown)
 def _shutdown(state: SchedulerState, task, out: list) -> SchedulerState:
+    from fxsched.core.faults import fail_request
+
     for s in state.active:
         finish_and_release(s, state.config, out)
+    for entry in state.prefilling:
+        fail_request(entry.request, entry.seq_id, entry.slot, SHUTDOWN_ABORT, out)
+    for held in state.swapped:
+        fail_request(held.sequence.request, held.sequence.seq_id, None, SHUTDOWN_ABORT, out)
+    for entry in state.preempted:
+        fail_request(entry.sequence.request, entry.sequence.seq_id, None, SHUTDOWN_ABORT, out)
     out.extend([lc.EpShutdown(), lc.Quiesce(0), lc.Quiesce(state.prefill_stream), lc.Teardown()])
-    return replace(state, active=(), agenda=(), stopped=True)
+    return replace(state, active=(), prefilling=(), swapped=(), preempted=(), agenda=(), stopped=True)

@@ -207,14 +207,14 @@ class TeardownCall(DeviceCall):
 # --- forwards --------------------------------------------------------------------------------
 
 
-@_call("prefill")
+@_call("prefill", query=True)
 class Prefill(DeviceCall):
     seq: int
     tokens: tuple[int, ...] = attrs.field(converter=int_tuple)
     stream: int = 0
 
 
-@_call("prefill_chunk")
+@_call("prefill_chunk", query=True)
 class PrefillChunk(DeviceCall):
     seq: int
     prompt: tuple[int, ...] = attrs.field(converter=int_tuple)
@@ -235,7 +235,7 @@ class PrefillSlice:
     last: bool
 
 
-@_call("mixed_forward")
+@_call("mixed_forward", query=True)
 class MixedForward(DeviceCall):
     decode_tokens: tuple[int, ...] = attrs.field(converter=int_tuple)
     decode_seqs: tuple[int, ...] = attrs.field(converter=int_tuple)
@@ -243,7 +243,7 @@ class MixedForward(DeviceCall):
     stream: int
 
 
-@_call("mixed_forward_batch")
+@_call("mixed_forward_batch", query=True)
 class MixedForwardBatch(DeviceCall):
     decode_tokens: tuple[int, ...] = attrs.field(converter=int_tuple)
     decode_seqs: tuple[int, ...] = attrs.field(converter=int_tuple)
@@ -251,7 +251,7 @@ class MixedForwardBatch(DeviceCall):
     stream: int
 
 
-@_call("prefill_batch_chunk")
+@_call("prefill_batch_chunk", query=True)
 class PrefillBatchChunk(DeviceCall):
     """Chunks of several prompts in one forward (no decode rows); slice r answers at row r."""
 
@@ -265,14 +265,14 @@ class NormalizeSsmStates(DeviceCall):
     stream: int
 
 
-@_call("decode")
+@_call("decode", query=True)
 class DecodeCall(DeviceCall):
     token: int
     seq: int
     stream: int = 0
 
 
-@_call("decode_draft")
+@_call("decode_draft", query=True)
 class DecodeDraft(DeviceCall):
     token: int
     seq: int

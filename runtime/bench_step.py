@@ -43,6 +43,8 @@ class InstantAnswers:
             case dc.AllocSequence():
                 self.next_slot += 1
                 return ev.SlotAllocated(self.next_slot - 1)
+            case dc.Prefill() | dc.DecodeCall():
+                return ev.ForwardDone()
             case dc.ArgmaxOnDevice():
                 return ev.TokenSampled(7)
             case dc.SlotDraftCapacity(slots=slots):

@@ -86,7 +86,7 @@ class Interpreter:
         except DeviceError as err:
             if not effect.QUERY:
                 raise RunError(f"device error in {type(effect).__name__}: {err.message}") from err
-            log.warning("device_fault", effect=type(effect).__name__, message=err.message)
+            log.info("device_fault", effect=type(effect).__name__, message=err.message)
             return ev.DeviceFault(err.message, err.kv_exhausted)
 
     def _perform(self, effect) -> Optional[ev.Event]:
@@ -162,20 +162,27 @@ class Interpreter:
                 d.teardown()
             case dc.Prefill(seq=seq, tokens=tokens, stream=stream):
                 d.prefill(seq, tokens, stream)
+                return ev.ForwardDone()
             case dc.PrefillChunk(seq=seq, prompt=prompt, start=start, length=length, last=last, stream=stream):
                 d.prefill_chunk(seq, prompt, start, length, last, stream)
+                return ev.ForwardDone()
             case dc.MixedForward(decode_tokens=toks, decode_seqs=seqs, prefill=sl, stream=stream):
                 d.mixed_forward(toks, seqs, sl, stream)
+                return ev.ForwardDone()
             case dc.MixedForwardBatch(decode_tokens=toks, decode_seqs=seqs, prefills=sls, stream=stream):
                 d.mixed_forward_batch(toks, seqs, sls, stream)
+                return ev.ForwardDone()
             case dc.PrefillBatchChunk(prefills=sls, stream=stream):
                 d.prefill_batch_chunk(sls, stream)
+                return ev.ForwardDone()
             case dc.NormalizeSsmStates(seq=seq, stream=stream):
                 d.normalize_ssm_states(seq, stream)
             case dc.DecodeCall(token=token, seq=seq, stream=stream):
                 d.decode(token, seq, stream)
+                return ev.ForwardDone()
             case dc.DecodeDraft(token=token, seq=seq, stream=stream):
                 d.decode_draft(token, seq, stream)
+                return ev.ForwardDone()
             case dc.SerialVerify(seq=seq, tokens=tokens):
                 return ev.VerifyRows(getattr(d, effect.CALL)(seq, tokens))
             case dc.DecodeVerifyBatched(tokens=tokens, ks=ks, seqs=seqs, stream=stream, woa=woa):

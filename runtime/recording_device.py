@@ -14,27 +14,12 @@ from typing import Callable, Optional
 import attrs
 
 from fxsched.runtime.device import DeviceError
+from fxsched.runtime.script_model import Script, script_drafts, script_next, script_verify
 from fxsched.runtime.spill_files import SpillError, SpillFiles
 
 EOS = 63
 BF16_THIRTY = b"\xf0\x41"
 BF16_ZERO = b"\x00\x00"
-
-
-@attrs.frozen
-class Script:
-    """What the fake model answers for one request."""
-
-    prompt_len: int
-    tokens: tuple[int, ...]
-    draft_wrong_every: int = 0
-    beam_hyp: tuple[int, ...] = ()
-    cancel_at: Optional[int] = None
-
-    def tok(self, g: int) -> int:
-        """Script token at generated index ``g`` (floored at 0; past the end, the last token)."""
-        g = max(g, 0)
-        return self.tokens[g] if g < len(self.tokens) else self.tokens[-1]
 
 
 @attrs.frozen
@@ -143,8 +128,7 @@ class RecordingDevice:
         self._grow(seq)
 
     def _answer_after(self, seq: DeviceSequence, position: int) -> int:
-        script = self._script(seq)
-        return script.tok(position + 1 - script.prompt_len)
+        return script_next(self._script(seq), position)
 
     def _allocate_slot(self) -> int:
         if self.free_slots:
@@ -170,27 +154,10 @@ class RecordingDevice:
         return fired
 
     def drafts_for(self, seq: DeviceSequence, position: int, n: int) -> list[int]:
-        script = self._script(seq)
-        base = position - script.prompt_len
-        out = []
-        for j in range(1, n + 1):
-            tok = script.tok(base + j)
-            m = script.draft_wrong_every
-            if m > 0 and (base + j) % m == 0:
-                tok = (tok + 1) % (self.config.vocab - 1)
-            out.append(tok)
-        return out
+        return script_drafts(self._script(seq), position, n, self.config.vocab)
 
     def verify_row(self, seq: DeviceSequence, first_position: int, inputs) -> list[int]:
-        script = self._script(seq)
-        poisoned = False
-        out = []
-        for t, token in enumerate(inputs):
-            g_in = first_position + t - script.prompt_len
-            if t > 0 and script.tok(g_in) != token:
-                poisoned = True
-            out.append(1 if poisoned else script.tok(g_in + 1))
-        return out
+        return script_verify(self._script(seq), first_position, inputs)
 
     def free_count(self) -> int:
         return max(self.config.total_blocks - self.used_blocks - self.config.held_blocks, 0)

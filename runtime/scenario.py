@@ -14,7 +14,8 @@ from typing import Any, Optional
 import attrs
 
 from fxsched.core.request import Request
-from fxsched.runtime.recording_device import DeviceConfig, Script
+from fxsched.runtime.recording_device import DeviceConfig
+from fxsched.runtime.script_model import Script
 
 EOS = 63
 

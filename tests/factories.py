@@ -63,6 +63,9 @@ class Script:
             case dc.ArgmaxOnDevice():
                 seq = driver.last_prefilled
                 return ev.TokenSampled(10 * seq if seq else 7)
+            case (dc.Prefill() | dc.PrefillChunk() | dc.MixedForward() | dc.MixedForwardBatch()
+                  | dc.PrefillBatchChunk() | dc.DecodeCall() | dc.DecodeDraft()):
+                return ev.ForwardDone()
             case dc.ArgmaxBatch(n=n):
                 return ev.TokensSampled((7,) * n)
             case dc.CopyLogitsToHost(picks=picks):

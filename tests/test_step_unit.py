@@ -11,7 +11,7 @@ from fxsched.core.verdict import accepted_prefix, acc_gain, base_draft_count
 from fxsched.effects import device_calls as dc
 from fxsched.effects import lifecycle as lc
 from fxsched.effects import plans
-from fxsched.effects.client import DoneOut, ResponseOut, TokenOut, TokensOut
+from fxsched.effects.client import DoneOut, ErrorOut, ResponseOut, TokenOut, TokensOut
 
 from factories import Driver, dflash_config, dflash_model, make_config, make_model, make_request, of_type
 
@@ -103,7 +103,7 @@ def test_kv_reservation_defers_a_request_that_does_not_fit_back_to_the_front():
 
 
 def test_the_first_request_is_admitted_anyway_when_nothing_is_committed():
-    d = Driver(model=make_model(total_blocks=1), requests=[make_request(1, prompt_len=40)])
+    d = Driver(model=make_model(total_blocks=3), requests=[make_request(1, prompt_len=40)])  # commits 4 blocks
     d.run_to_query(dc.AdapterIdFor).answer()
     assert [r.id for r in d.state.new_requests] == [1]
 
@@ -119,11 +119,12 @@ def test_fifo_takes_at_most_the_free_batch_seats():
 
 
 def test_prefill_has_the_ep_preamble_and_reads_the_first_token_by_device_argmax():
-    d = Driver(requests=[make_request(1, prompt_len=5)]).run_to_query(dc.ArgmaxOnDevice)
+    d = Driver(requests=[make_request(1, prompt_len=5)]).run_to_query(dc.Prefill)
     eps = of_type(d.effects, dc.EpBroadcastCmd)
     assert [e.cmd for e in eps] == [5, 0, 5]
     assert of_type(d.effects, dc.EpBroadcastCmdForSeq)[0].cmd == 0xFFFFFFF0
-    assert of_type(d.effects, dc.Prefill)[0].tokens[0] == 1
+    assert d.query.tokens[0] == 1
+    d.feed(ev.ForwardDone())
     assert d.query.row == 0
 
 
@@ -184,6 +185,14 @@ def test_a_blocking_request_gets_one_response_with_every_token():
     d.run_until(lambda d: bool(d.outputs(ResponseOut)))
     assert d.outputs(ResponseOut) == [ResponseOut(1, (10, 11, 12), "length", 0, 0, 0, 0)]
     assert streamed(d, 1) == []
+
+
+def test_a_failed_prefill_fails_only_its_request():
+    d = Driver(requests=[make_request(1), make_request(2)]).run_to_query(dc.Prefill)
+    effects = d.feed(ev.DeviceFault("out of KV blocks"))
+    assert of_type(effects, ErrorOut) == [ErrorOut(1, "out of KV blocks", True)]
+    assert of_type(effects, lc.ReleaseSeq)[0].reason == "send_error"
+    assert isinstance(d.query, dc.AllocSequence) and d.query.session == 2
 
 
 def test_a_device_fault_fails_only_the_batch_and_frees_it_without_caching():
@@ -354,3 +363,22 @@ def test_a_rotation_waits_until_nothing_is_in_flight():
     d.feed(ev.RotationRequested("adapter-x"))
     d.run_to_query(lc.LoraRotate)
     assert d.state.active == () and d.outputs(DoneOut)
+
+
+def test_compaction_never_targets_a_slot_held_by_a_prefilling_prompt():
+    # found by the model checker: survivors at slots 0 and 3, prompts prefilling in slots 1 and 2
+    assert compaction_moves([0, 3], pinned_slots=(1, 2)) == []
+    assert compaction_moves([0, 5], pinned_slots=(1,)) == [(1, 2)]
+
+
+def test_a_prompt_longer_than_the_context_is_refused_at_admission_with_a_clear_error():
+    d = Driver(config=make_config(max_seq_len=8), requests=[make_request(1, prompt_len=9), make_request(2)])
+    effects = d.run_to_query(dc.AdapterIdFor).answer()
+    assert of_type(effects, ErrorOut) == [ErrorOut(1, "request 1: the prompt has 9 tokens, the context holds 8", True)]
+    assert [r.id for r in d.state.new_requests] == [2]
+
+
+def test_a_prompt_that_needs_more_blocks_than_the_device_has_is_refused():
+    d = Driver(model=make_model(total_blocks=2), requests=[make_request(1, prompt_len=40)])
+    effects = d.run_to_query(dc.AdapterIdFor).answer()
+    assert "needs 3 KV blocks, the device has 2" in of_type(effects, ErrorOut)[0].message
