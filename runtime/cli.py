@@ -69,6 +69,70 @@ def cmd_run(args) -> int:
     return 0
 
 
+def _print_coverage(coverage: dict) -> None:
+    groups = {"effects": {}, "finish reasons": {}, "faults": {}}
+    for key, count in coverage.items():
+        if key.startswith("finish:"):
+            groups["finish reasons"][key[7:]] = count
+        elif key.startswith("fault:"):
+            groups["faults"][key[6:]] = count
+        elif key != "rotation_ack":
+            groups["effects"][key] = count
+    for title, counts in groups.items():
+        cells = ", ".join(f"{k}={v}" for k, v in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+        print(f"  {title}: {cells or '-'}")
+
+
+def cmd_check(args) -> int:
+    from tqdm import tqdm
+
+    from fxsched.runtime.walk import walk, write_replay
+
+    if (args.steps is None) == (args.time is None):
+        print("fxsched check: give exactly one of --steps N or --time SECONDS", file=sys.stderr)
+        return EXIT_USAGE
+    planted = tuple(args.plant or ())
+    total = args.steps if args.steps is not None else None
+    show = args.progress if args.progress is not None else (args.time or 0) > 3 or (args.steps or 0) > 50_000
+    bar = tqdm(total=total, unit="step", desc="check", disable=not show, leave=False)
+    try:
+        report = walk(args.seed, steps=args.steps, seconds=args.time, planted=planted, progress=bar.update)
+    except ValueError as err:
+        bar.close()
+        print(f"fxsched check: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    bar.close()
+    print(f"seed {report.seed}: {report.steps} steps in {report.episodes} episodes, {report.seconds:.2f} s, "
+          f"{report.steps_per_second:,.0f} steps/s")
+    _print_coverage(report.coverage)
+    if report.violation is None:
+        print("no invariant broken")
+        return 0
+    path = Path(args.replay_file or f"fxsched-replay-{report.seed}.json")
+    write_replay(report, path)
+    v = report.violation
+    print(f"VIOLATION {v['invariant']} at step {v['step']} of episode {v['episode_index']}: {v['message']}")
+    print(f"replay file: {path}  (fxsched replay {path})")
+    return 1
+
+
+def cmd_replay(args) -> int:
+    from fxsched.runtime.walk import replay
+
+    try:
+        violation, data = replay(args.file)
+    except (OSError, ValueError, KeyError) as err:
+        print(f"fxsched replay: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    if violation is None:
+        print(f"{args.file}: the episode ran clean; the recorded {data['invariant']} did not happen again")
+        return 0
+    same = violation.invariant == data["invariant"]
+    print(f"VIOLATION {violation.invariant}: {violation.message}"
+          + ("" if same else f"  (the file recorded {data['invariant']})"))
+    return 1
+
+
 def cmd_bench(args) -> int:
     if args.what == "step":
         from fxsched.runtime.bench_step import print_step_bench
@@ -87,7 +151,16 @@ def cmd_bench(args) -> int:
         rows = run_kernel_bench("cuda" if _cuda() else "cpu", repeats=args.repeats)
         print_table(rows)
         return 0
-    print(f"fxsched bench: unknown benchmark '{args.what}' (known: step, kernels)", file=sys.stderr)
+    if args.what == "check":
+        import statistics
+
+        from fxsched.runtime.walk import walk
+
+        rates = [walk(seed, steps=args.ticks * 100).steps_per_second for seed in range(args.repeats)]
+        print(f"random walk: median {statistics.median(rates):,.0f} steps/s over {args.repeats} seeds "
+              f"(min {min(rates):,.0f}, max {max(rates):,.0f})")
+        return 0
+    print(f"fxsched bench: unknown benchmark '{args.what}' (known: step, kernels, check)", file=sys.stderr)
     return EXIT_USAGE
 
 
@@ -114,8 +187,22 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("-v", "--verbose", action="store_true", dest="verbose_run", help="structlog events on stderr")
     run.set_defaults(func=cmd_run)
 
+    check = sub.add_parser("check", help="model-check step with a seeded random walk")
+    check.add_argument("--seed", type=int, default=0)
+    check.add_argument("--steps", type=int, help="stop after this many steps")
+    check.add_argument("--time", type=float, help="stop after this many seconds")
+    check.add_argument("--replay-file", help="where to write the replay file of a violation")
+    check.add_argument("--plant", action="append", help="switch on a planted bug (tests of the checker)")
+    check.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
+                       help="show a progress bar (default: on runs longer than a few seconds)")
+    check.set_defaults(func=cmd_check)
+
+    rep = sub.add_parser("replay", help="re-run a replay file to its violation")
+    rep.add_argument("file")
+    rep.set_defaults(func=cmd_replay)
+
     bench = sub.add_parser("bench", help="print speed figures (medians of repeats)")
-    bench.add_argument("what", choices=["step", "kernels"])
+    bench.add_argument("what", choices=["step", "kernels", "check"])
     bench.add_argument("--sizes", default="1,8,64,256", help="running sequences, comma-separated (step)")
     bench.add_argument("--ticks", type=int, default=200, help="ticks per measurement (step)")
     bench.add_argument("--repeats", type=int, default=5, help="repeats; the median is reported")

@@ -230,6 +230,13 @@ class Monitor:
         self.admitted_by: dict[int, int] = {}
         self.work = sum(r.prompt_len + r.max_tokens for r in requests) + 4 * len(requests) + 16
 
+    def add_request(self, request) -> None:
+        """A request that arrived during the run (the hypothesis machine makes them up as it goes)."""
+        self.requests[request.id] = request
+        self.expected[request.id] = expected_output(request.tokens, request.max_tokens)
+        self.streamed[request.id] = []
+        self.work += request.prompt_len + request.max_tokens + 4
+
     def on_effects(self, effects) -> None:
         no_effect_on_released(effects, self.released, self.live)
         fold_before_commit(effects)

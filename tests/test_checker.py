@@ -1,0 +1,217 @@
+"""The model checker: the random walk passes, catches every planted bug, replays failures
+exactly; a hypothesis state machine drives step with arrivals, answers, faults, clocks, cancels,
+rotations and closure, checking the invariants after every rule."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+from hypothesis import settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from fxsched.core import events as ev
+from fxsched.core.config import ModelInfo, SchedulerConfig
+from fxsched.core.machine import step
+from fxsched.core.planted import PLANTED_BUGS
+from fxsched.core.state import initial_state
+from fxsched.runtime.cli import main
+from fxsched.runtime.interpreter import Interpreter
+from fxsched.runtime.invariants import Monitor, Violation
+from fxsched.runtime.sim_device import SimDevice
+from fxsched.runtime.walk import SimRequest, replay, walk, write_replay
+
+BUDGET = 20_000
+
+
+def test_the_walk_from_seed_7_breaks_no_invariant():
+    report = walk(7, steps=BUDGET)
+    assert report.violation is None, report.violation
+    assert report.steps >= BUDGET
+    for key in ("DecodeVerifyBatched", "GdnFoldAccepted", "MixedForwardBatch", "SaveSequenceState",
+                "finish:stop", "finish:length", "finish:timeout", "finish:error", "fault:kv_exhausted",
+                "fault:cancel", "LoraRotate"):
+        assert report.coverage.get(key, 0) > 0, key
+
+
+@pytest.mark.parametrize("bug", sorted(PLANTED_BUGS))
+def test_planted_bug_is_found_within_the_budget(bug):
+    report = walk(7, steps=BUDGET, planted=(bug,))
+    assert report.violation is not None, f"{bug} went unnoticed for {report.steps} steps"
+
+
+def test_planted_bug_replay_file_reproduces_the_same_violation(tmp_path):
+    report = walk(7, steps=BUDGET, planted=("accepted_prefix_off_by_one",))
+    path = tmp_path / "replay.json"
+    write_replay(report, path)
+    data = json.loads(path.read_text())
+    assert data["seed"] == 7 and data["episode"]["planted"] == ["accepted_prefix_off_by_one"] and data["events"]
+    violation, _ = replay(path)
+    assert violation is not None and violation.invariant == report.violation["invariant"]
+    assert violation.message == report.violation["message"]
+
+
+def test_check_and_replay_commands_with_a_planted_bug(tmp_path, capsys):
+    path = tmp_path / "r.json"
+    assert main(["check", "--seed", "7", "--steps", "20000", "--plant", "double_release",
+                 "--replay-file", str(path), "--no-progress"]) == 1
+    out = capsys.readouterr().out
+    assert "VIOLATION no_effect_on_released" in out and "steps/s" in out
+    assert main(["replay", str(path)]) == 1
+    assert "VIOLATION no_effect_on_released" in capsys.readouterr().out
+
+
+def test_check_command_prints_speed_and_coverage(capsys):
+    assert main(["check", "--seed", "7", "--steps", "2000", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "steps/s" in out and "finish reasons:" in out and "no invariant broken" in out
+
+
+def test_a_replay_file_of_the_wrong_format_is_refused(tmp_path, capsys):
+    path = tmp_path / "x.json"
+    path.write_text('{"format": "other"}')
+    assert main(["replay", str(path)]) == 2
+    assert "not an fxsched replay file" in capsys.readouterr().err
+
+
+# --- the hypothesis state machine ---------------------------------------------------------------------
+
+
+class MachineHost:
+    def __init__(self, monitor):
+        self.monitor = monitor
+        self.inputs = []
+
+    def send(self, output):
+        if type(output).__name__ != "RotationAck":
+            self.monitor.on_output(output)
+
+    def wait_for_input(self):
+        return []
+
+    def take_inputs(self):
+        taken, self.inputs = self.inputs, []
+        return taken
+
+
+scripts = st.tuples(st.lists(st.integers(2, 40), min_size=1, max_size=10), st.booleans())
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """step + the simulated device, driven rule by rule."""
+
+    @initialize(mode=st.sampled_from(["plain", "mtp", "dflash", "ngram"]), batch=st.integers(1, 4),
+                chunk=st.sampled_from([0, 4, 8]), blocks=st.sampled_from([8, 20, 1000]), spill=st.booleans())
+    def boot(self, mode, batch, chunk, blocks, spill):
+        options = dict(plain={}, mtp=dict(use_speculative=True, num_drafts=3),
+                       dflash=dict(use_speculative=True, dflash=True, num_drafts=5), ngram=dict(ngram_speculative=True))
+        self.counts_acc = mode in ("mtp", "dflash")
+        config = SchedulerConfig(max_batch_size=batch, max_prefill_tokens=chunk, swap_space_gb=1.0 if spill else 0.0,
+                                 **options[mode])
+        model = ModelInfo(total_blocks=blocks, has_proposer=mode in ("mtp", "dflash"),
+                          dflash_gamma=6 if mode == "dflash" else None)
+        self.device = SimDevice({}, total_blocks=blocks, count_accepted=self.counts_acc)
+        self.monitor = Monitor((), self.device, counts_acc=self.counts_acc)
+        self.host = MachineHost(self.monitor)
+        self.interpreter = Interpreter(self.device, self.host)
+        self.state = initial_state(config, model)
+        self.pending = []
+        self.next_id = 1
+        self.closed = False
+        self.now = 0.0
+        self.feed(ev.Boot())
+
+    def feed(self, event):
+        if isinstance(event, ev.Cancel):
+            self.monitor.cancelled.add(event.request_id)
+        self.state, effects = step(self.state, event)
+        self.monitor.on_effects(effects)
+        answer = self.interpreter.perform_all(effects)
+        self.monitor.on_state(self.state)
+        self.pending.extend(self.interpreter._inputs)
+        self.interpreter._inputs.clear()
+        self.pending.extend(ev.Cancel(r) for r in self.device.take_cancels())
+        if answer is not None:
+            self.pending.append(answer)
+
+    @precondition(lambda self: not self.closed and self.next_id <= 6)
+    @rule(script=scripts, prompt=st.integers(1, 30), budget=st.integers(1, 12), streaming=st.booleans(),
+          wrong=st.integers(0, 4), deadline=st.one_of(st.none(), st.integers(10, 300)))
+    def arrive(self, script, prompt, budget, streaming, wrong, deadline):
+        tokens, eos = script
+        request = SimRequest(id=self.next_id, prompt_len=prompt, tokens=tuple(tokens) + ((63,) if eos else ()),
+                             max_tokens=budget, streaming=streaming, wrong_every=wrong,
+                             deadline_ms=None if deadline is None else self.now + deadline)
+        self.next_id += 1
+        self.device.scripts[request.id] = request.script()
+        if streaming:
+            self.device.cancel_registered.add(request.id)
+        self.monitor.add_request(request)
+        self.feed(ev.Arrival(request.request()))
+
+    @precondition(lambda self: bool(self.pending) and not self.state.stopped)
+    @rule(count=st.integers(1, 12))
+    def deliver(self, count):
+        for _ in range(count):
+            if not self.pending or self.state.stopped:
+                return
+            self.feed(self.pending.pop(0))
+
+    @precondition(lambda self: not self.state.stopped)
+    @rule(kind=st.sampled_from(["kv", "decode", "verify"]))
+    def fault(self, kind):
+        if kind == "kv":
+            self.device.kv_exhaust_at.add(self.device.decode_calls)
+        elif kind == "decode":
+            self.device.decode_fault_at.add(self.device.decode_calls)
+        else:
+            self.device.verify_fault_at.add(self.device.verify_calls)
+
+    @precondition(lambda self: not self.state.stopped)
+    @rule(dt=st.integers(1, 100))
+    def clock(self, dt):
+        self.now += dt
+        self.feed(ev.Clock(self.now))
+
+    @precondition(lambda self: not self.state.stopped and self.next_id > 1)
+    @rule(data=st.data())
+    def cancel(self, data):
+        self.feed(ev.Cancel(data.draw(st.integers(1, self.next_id - 1))))
+
+    @precondition(lambda self: not self.state.stopped)
+    @rule()
+    def rotate(self):
+        self.feed(ev.RotationRequested("adapter-x"))
+
+    @precondition(lambda self: not self.closed and not self.state.stopped)
+    @rule()
+    def close(self):
+        self.closed = True
+        self.feed(ev.InboxClosed())
+
+    @rule()
+    def observe(self):
+        self.monitor.on_state(self.state)
+
+    @invariant()
+    def the_loop_never_stalls(self):
+        if getattr(self, "state", None) is not None and not self.state.stopped:
+            assert self.pending, "no answer is pending and the loop has not stopped"
+
+    def teardown(self):
+        if getattr(self, "state", None) is None:
+            return
+        if not self.closed and not self.state.stopped:
+            self.closed = True
+            self.feed(ev.InboxClosed())
+        for _ in range(20_000):
+            if self.state.stopped or not self.pending:
+                break
+            self.feed(self.pending.pop(0))
+        assert self.state.stopped
+        self.monitor.at_end(self.state)
+
+
+SchedulerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
+test_scheduler_state_machine = SchedulerMachine.TestCase
