@@ -199,21 +199,25 @@ def _batched_verified(state, waiting: AwaitBatchedDflash, event: VerifyRows, out
     by_id = {s.seq_id: s for s in state.active}
     rows_all = event.rows
     settled, accepted, truncations, contexts, emits = [], [], [], [], []
+    # test-only planted bugs, looked up once per batch (the loop is the hot path)
+    off_by_one = planted(config, "accepted_prefix_off_by_one")
+    rewind = not planted(config, "no_rewind_on_reject")
+    bonus = 1 if planted(config, "acc_counts_bonus") else 0
     for i, seq_id in enumerate(waiting.seq_ids):
         seq, drafts, pre = by_id[seq_id], waiting.drafts[i], waiting.pre_lens[i]
         rows = rows_all[i * k:(i + 1) * k]
         na = accepted_prefix(drafts, rows)
-        if planted(config, "accepted_prefix_off_by_one") and na < len(drafts):
+        if off_by_one and na < len(drafts):
             na += 1
         seq_len = pre + na + 1
-        if seq_len < pre + k and not planted(config, "no_rewind_on_reject"):
+        if seq_len < pre + k and rewind:
             truncations.append((seq_id, seq_len))
         contexts.append((seq_id, na + 1, pre, i))
         need = (pre + k) // block_size + 1  # the verify grew the table to cover all k rows
         blocks = seq.blocks if seq.blocks >= need else need
         seq = spec_tokens(seq, drafts[:na] + (rows[na],), config, emits,
                           {"seq_len": seq_len, "drafts": (), "blocks": blocks,
-                           "acc": seq.acc + na + (1 if planted(config, "acc_counts_bonus") else 0)})
+                           "acc": seq.acc + na + bonus})
         settled.append(seq)
         accepted.append(na + 1)
     if truncations:
