@@ -77,8 +77,10 @@ def bootstrap(state: SchedulerState, seq_id: int, draft_count: int, out: list) -
 def _bootstrap_drafts(state, waiting: AwaitDflashDrafts, event: Drafts, out):
     from fxsched.core.kverify import start_k_verify
 
-    if not event.drafts:
-        return state
+    if not event.drafts:  # nothing to verify: decode the last token instead, so the sequence moves on
+        from fxsched.core.kverify import mtp_bootstrap
+
+        return mtp_bootstrap(state, waiting.seq_id, waiting.draft_count, out)
     seq = find_seq(state, waiting.seq_id)
     k = verify_width(len(event.drafts), len(event.drafts))
     return start_k_verify(state, seq, event.drafts, k, waiting.draft_count, True, out)

@@ -78,7 +78,10 @@ class EventCreated(Answer):
 
 @attrs.frozen
 class ForwardDone(Answer):
-    """A forward (prefill, chunk, mixed step, decode) completed."""
+    """A forward (prefill, chunk, mixed step, decode) completed; a first prefill says how many
+    prompt tokens it found in the prefix cache."""
+
+    cached_tokens: int = 0
 
 
 @attrs.frozen

@@ -59,6 +59,7 @@ def fail_sequences(state: SchedulerState, seq_ids, message: str, out: list,
         prefilling=() if also_prefilling else tuple(e for e in state.prefilling if e.seq_id not in ids),
         restoring=tuple(s for s in state.restoring if s.seq_id not in ids),
         preempted=tuple(p for p in state.preempted if p.sequence.seq_id not in ids),
+        prefix_hits=tuple(h for h in state.prefix_hits if h[0] not in ids),
     )
 
 
@@ -73,6 +74,6 @@ def fail_in_flight(state: SchedulerState, waiting: Any, message: str, out: list)
     if request is not None and not (set(ids) & held):
         slot = getattr(waiting, "slot", None)
         fail_request(request, ids[0], slot, message, out)
-        return state
+        return replace(state, prefix_hits=tuple(h for h in state.prefix_hits if h[0] not in ids))
     mixed = type(waiting).__name__ == "AwaitMixedReadback"
     return fail_sequences(state, ids, message, out, also_prefilling=mixed)

@@ -14,6 +14,7 @@ import attrs
 
 from fxsched.core.events import ForwardDone
 from fxsched.core.machine import answer_rule, ask, push, task_rule
+from fxsched.core.records import replace
 from fxsched.core.request import Request
 from fxsched.core.state import SchedulerState
 
@@ -50,7 +51,11 @@ def forward(state: SchedulerState, out: list, query, seq_ids, *then, request: Op
 
 
 @answer_rule(AwaitForward, ForwardDone)
-def _forward_done(state, waiting: AwaitForward, event, out):
+def _forward_done(state, waiting: AwaitForward, event: ForwardDone, out):
+    if event.cached_tokens and waiting.seq_ids:
+        # a first prefill found prompt tokens in the prefix cache: remembered until the sequence
+        # becomes active, then reported in its final frame
+        state = replace(state, prefix_hits=state.prefix_hits + ((waiting.seq_ids[0], event.cached_tokens),))
     return push(state, *waiting.then) if waiting.then else state
 
 

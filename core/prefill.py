@@ -98,11 +98,14 @@ def become_active(state: SchedulerState, request: Request, seq_id: int, slot: in
                   out: list) -> SchedulerState:
     """Turn a fully prefilled request into an active sequence whose first token is ``token``."""
     model, config = state.model, state.config
+    cached = next((n for s, n in state.prefix_hits if s == seq_id), 0)
+    if cached:
+        state = replace(state, prefix_hits=tuple(h for h in state.prefix_hits if h[0] != seq_id))
     seq = Sequence(
         seq_id=seq_id, request=request, slot=slot, seq_len=request.prompt_len,
         blocks=model.blocks_for(request.prompt_len), output=(token,),
         remaining=request.max_tokens - 1, last_token=token,
-        has_cancel_flag=request.streaming, cancel_requested=request.id in state.cancels,
+        has_cancel_flag=request.streaming, cancel_requested=request.id in state.cancels, cached=cached,
     )
     is_eos = token in config.eos_ids
     if not is_eos and request.max_tokens > 0 and request.streaming:

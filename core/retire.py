@@ -60,8 +60,8 @@ def finish_frame(seq: Sequence, config: SchedulerConfig):
     n = len(seq.output)
     acc = reported_acc(seq.acc, n)
     if req.streaming:
-        return DoneOut(req.id, reason, n, 0, 0, acc, seq.guard)
-    return ResponseOut(req.id, seq.output.tokens(), reason, 0, 0, acc, seq.logprob_records)
+        return DoneOut(req.id, reason, n, 0, seq.cached, acc, seq.guard)
+    return ResponseOut(req.id, seq.output.tokens(), reason, 0, seq.cached, acc, seq.logprob_records)
 
 
 def finish_and_release(seq: Sequence, config: SchedulerConfig, out: list) -> None:

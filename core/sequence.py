@@ -36,6 +36,7 @@ class Sequence:
     has_cancel_flag: bool = True
     cancel_requested: bool = False
     immune_until: int = 0
+    cached: int = 0
     ring: tuple[tuple[int, int], ...] = ()
     ring_cursor: int = 0
 

@@ -64,6 +64,10 @@ def _spec_step(state: SchedulerState, task, out: list) -> SchedulerState:
 @answer_rule(AwaitCapacity, DraftCapacity)
 def _capacity(state, waiting: AwaitCapacity, event: DraftCapacity, out):
     count = min((waiting.base,) + event.capacities)
+    if count < 1:  # no slot can hold a draft this step: decode plainly
+        from fxsched.core.decode import PlainDecode
+
+        return push(state, PlainDecode())
     bootstrap = tuple(s.seq_id for s in state.active if not s.drafts)
     verify = tuple(s.seq_id for s in state.active if s.drafts)
     if bootstrap:

@@ -64,6 +64,7 @@ class SchedulerState:
     swapped: tuple[Swapped, ...] = ()
     preempted: tuple[Preempted, ...] = ()
     restoring: tuple[Sequence, ...] = ()
+    prefix_hits: tuple[tuple[int, int], ...] = ()
     cancels: frozenset[int] = frozenset()
     # the loop
     agenda: tuple[Any, ...] = ()

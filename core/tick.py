@@ -284,7 +284,8 @@ def _idle_check(state: SchedulerState, task, out: list) -> SchedulerState:
     if state.new_requests or in_flight(state):
         return state
     state = drain_inbox(state)
-    if state.closed:
+    # a request drained here is still owed an answer: the loop ends only with nothing pending
+    if state.closed and not state.pending and not state.swapped and not state.preempted:
         return replace(state, agenda=(Shutdown(),))
     return state
 
@@ -370,5 +371,8 @@ def _shutdown(state: SchedulerState, task, out: list) -> SchedulerState:
         fail_request(held.sequence.request, held.sequence.seq_id, None, SHUTDOWN_ABORT, out)
     for entry in state.preempted:
         fail_request(entry.sequence.request, entry.sequence.seq_id, None, SHUTDOWN_ABORT, out)
+    for request in state.pending + state.inbox:
+        out.append(ErrorOut(request.id, SHUTDOWN_ABORT, request.streaming))
     out.extend([lc.EpShutdown(), lc.Quiesce(0), lc.Quiesce(state.prefill_stream), lc.Teardown()])
-    return replace(state, active=(), prefilling=(), swapped=(), preempted=(), agenda=(), stopped=True)
+    return replace(state, active=(), prefilling=(), swapped=(), preempted=(), pending=(), inbox=(), agenda=(),
+                   stopped=True)

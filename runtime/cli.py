@@ -207,6 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--ticks", type=int, default=200, help="ticks per measurement (step)")
     bench.add_argument("--repeats", type=int, default=5, help="repeats; the median is reported")
     bench.set_defaults(func=cmd_bench)
+
+    from fxsched.runtime.cli_generate import add_bench_generate, add_generate_command  # imports torch lazily
+
+    add_generate_command(sub)
+    add_bench_generate(bench)
     return parser
 
 

@@ -161,11 +161,9 @@ class Interpreter:
             case dc.TeardownCall():
                 d.teardown()
             case dc.Prefill(seq=seq, tokens=tokens, stream=stream):
-                d.prefill(seq, tokens, stream)
-                return ev.ForwardDone()
+                return ev.ForwardDone(d.prefill(seq, tokens, stream) or 0)
             case dc.PrefillChunk(seq=seq, prompt=prompt, start=start, length=length, last=last, stream=stream):
-                d.prefill_chunk(seq, prompt, start, length, last, stream)
-                return ev.ForwardDone()
+                return ev.ForwardDone(d.prefill_chunk(seq, prompt, start, length, last, stream) or 0)
             case dc.MixedForward(decode_tokens=toks, decode_seqs=seqs, prefill=sl, stream=stream):
                 d.mixed_forward(toks, seqs, sl, stream)
                 return ev.ForwardDone()

@@ -382,3 +382,15 @@ def test_a_prompt_that_needs_more_blocks_than_the_device_has_is_refused():
     d = Driver(model=make_model(total_blocks=2), requests=[make_request(1, prompt_len=40)])
     effects = d.run_to_query(dc.AdapterIdFor).answer()
     assert "needs 3 KV blocks, the device has 2" in of_type(effects, ErrorOut)[0].message
+
+
+def test_a_request_drained_by_the_idle_check_is_still_served_after_the_inbox_closes():
+    # found by the hypothesis state machine: a rotation made the tick non-blocking, the idle
+    # check drained a new request together with the closure, and the loop shut down without it
+    d = Driver(requests=[make_request(1, max_tokens=2)])
+    d.feed(ev.RotationRequested("a"))
+    d.run_to_query(lc.LoraRotate)
+    d.feed(ev.Arrival(make_request(2, max_tokens=2)))
+    d.feed(ev.InboxClosed())
+    d.finish()
+    assert sorted(o.request_id for o in d.outputs(DoneOut)) == [1, 2]
