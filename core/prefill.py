@@ -15,11 +15,11 @@ from fxsched.core.flow import AskQuery, EmitEffects, forward
 from fxsched.core.events import AdapterIds, BeamHypotheses, SlotAllocated, TokenSampled, TokensSampled
 from fxsched.core.machine import answer_rule, ask, push, put_seqs, task_rule
 from fxsched.core.request import Request
-from fxsched.core.retire import finish_and_release
+from fxsched.core.retire import finish_and_release, finish_reason
 from fxsched.core.sequence import Sequence
 from fxsched.core.state import PrefillEntry, SchedulerState
 from fxsched.effects import device_calls as dc
-from fxsched.effects.client import TokenOut
+from fxsched.effects.client import ResponseOut, TokenOut
 
 PREFILL_CMD = 0xFFFFFFF0
 
@@ -123,7 +123,54 @@ def become_active(state: SchedulerState, request: Request, seq_id: int, slot: in
 def _start_requests(state: SchedulerState, task, out: list) -> SchedulerState:
     new = state.new_requests
     state = replace(state, new_requests=())
-    return push(state, *(StartRequest(r) for r in new))
+    groups = beam_groups(new) if state.model.supports_beam and not state.config.chunked_prefill else []
+    grouped = {r.id for group in groups for r in group}
+    rest = tuple(StartRequest(r) for r in new if r.id not in grouped)
+    return push(state, *(BeamGroup(group) for group in groups), *rest)
+
+
+MAX_BEAMS_PER_GROUP = 320
+
+
+def beam_groups(requests) -> list[tuple[Request, ...]]:
+    """Blocking beam requests grouped by adapter and packed up to 320 beams; only groups of two or
+    more requests are co-dispatched (a lone beam request takes the per-request path)."""
+    by_adapter: dict[int, list[list[Request]]] = {}
+    for r in requests:
+        if r.streaming or r.num_beams <= 1:
+            continue
+        packs = by_adapter.setdefault(r.adapter_slot, [[]])
+        if sum(x.num_beams for x in packs[-1]) + r.num_beams > MAX_BEAMS_PER_GROUP:
+            packs.append([])
+        packs[-1].append(r)
+    return [tuple(pack) for packs in by_adapter.values() for pack in packs if len(pack) >= 2]
+
+
+@attrs.frozen
+class BeamGroup:
+    requests: tuple[Request, ...]
+
+
+@attrs.frozen
+class AwaitBeamGroup:
+    requests: tuple[Request, ...]
+
+
+@task_rule(BeamGroup)
+def _beam_group(state: SchedulerState, task: BeamGroup, out: list) -> SchedulerState:
+    query = dc.GenerateBeamBatch(tuple(r.prompt for r in task.requests), tuple(r.num_beams for r in task.requests))
+    return ask(state, out, query, AwaitBeamGroup(task.requests))
+
+
+@answer_rule(AwaitBeamGroup, BeamHypotheses)
+def _beam_group_done(state, waiting: AwaitBeamGroup, event: BeamHypotheses, out):
+    """Each request of the group is answered with its hypothesis; no slot was ever held."""
+    for index, req in enumerate(waiting.requests):
+        hyp = event.hypotheses[index] if index < len(event.hypotheses) else ()
+        last = hyp[-1] if hyp else None
+        reason = finish_reason(None, last, req.max_tokens - len(hyp), len(hyp), state.config)
+        out.append(ResponseOut(req.id, hyp, reason, 0, 0, 0, 0))
+    return state
 
 
 @task_rule(StartRequest)

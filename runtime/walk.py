@@ -25,7 +25,7 @@ from fxsched.core.request import Request
 from fxsched.core.state import initial_state
 from fxsched.effects.client import ClientOutput, DoneOut, ResponseOut, RotationAck
 from fxsched.runtime.interpreter import Interpreter
-from fxsched.runtime.invariants import Monitor, Violation
+from fxsched.runtime.invariants import Monitor, Violation, expected_output
 from fxsched.runtime.script_model import Script
 from fxsched.runtime.sim_device import SimDevice
 
@@ -45,14 +45,16 @@ class SimRequest:
     cancel_at: Optional[int] = None
     deadline_ms: Optional[float] = None
     arrive_tick: int = 0
+    num_beams: int = 1
 
     def request(self) -> Request:
         prompt = (self.id,) + tuple(2 + (i % 7) for i in range(1, self.prompt_len))
         return Request(id=self.id, prompt=prompt, max_tokens=self.max_tokens, streaming=self.streaming,
-                       deadline_ms=self.deadline_ms)
+                       deadline_ms=self.deadline_ms, num_beams=self.num_beams)
 
     def script(self) -> Script:
-        return Script(self.prompt_len, self.tokens, self.wrong_every, (), self.cancel_at)
+        beam = expected_output(self.tokens, self.max_tokens) if self.num_beams > 1 else ()
+        return Script(self.prompt_len, self.tokens, self.wrong_every, beam, self.cancel_at)
 
 
 @attrs.frozen
@@ -94,7 +96,8 @@ class Episode:
     def model(self) -> ModelInfo:
         return ModelInfo(total_blocks=self.total_blocks, has_proposer=self.mode.startswith(("mtp", "dflash")),
                          dflash_gamma=6 if self.mode == "dflash" else None,
-                         has_self_speculative=self.mode == "self_spec")
+                         has_self_speculative=self.mode == "self_spec",
+                         supports_beam=any(r.num_beams > 1 for r in self.requests))
 
 
 def random_episode(rng: random.Random, planted: tuple[str, ...] = ()) -> Episode:
@@ -118,6 +121,7 @@ def random_episode(rng: random.Random, planted: tuple[str, ...] = ()) -> Episode
             cancel_at=rng.randint(1, 10) if streaming and rng.random() < 0.15 else None,
             deadline_ms=(arrive * TICK_MS + rng.randint(20, 200)) if rng.random() < 0.1 else None,
             arrive_tick=arrive,
+            num_beams=rng.choice([2, 3]) if not streaming and rng.random() < 0.3 else 1,
         ))
     spill = rng.random() < 0.3
     return Episode(

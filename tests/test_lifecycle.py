@@ -205,3 +205,17 @@ def test_a_blocking_request_failed_by_a_fault_gets_err():
     requests = [RequestSpec(id=1, prompt_len=5, tokens=(10, 11, 12, 63), max_tokens=4, streaming=False)]
     result = _run(dict(decode_fault_at=(0,)), {}, requests)
     assert result.host.answers[1] == "Err(scripted device fault)"
+
+
+def test_two_blocking_beam_requests_are_answered_by_one_beam_batch_without_slots():
+    from fxsched.core.config import ModelInfo
+    from fxsched.effects.client import ResponseOut
+
+    reqs = [make_request(1, streaming=False, num_beams=2), make_request(2, streaming=False, num_beams=3),
+            make_request(3)]
+    d = Driver(model=ModelInfo(supports_beam=True), requests=reqs).run_to_query(dc.GenerateBeamBatch)
+    assert d.query.num_beams == (2, 3)
+    assert not any(isinstance(e, dc.AllocSequence) for e in d.history)
+    d.answer()
+    assert [(o.request_id, o.tokens, o.reason) for o in d.outputs(ResponseOut)] == [(1, (10, 63), "stop"), (2, (10, 63), "stop")]
+    assert isinstance(d.query, dc.AllocSequence) and d.query.session == 3
