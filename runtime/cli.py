@@ -42,7 +42,12 @@ def cmd_run(args) -> int:
         return EXIT_USAGE
     try:
         scenario = load_scenario(args.name)
-        trace = run_scenario(scenario)
+        if args.ep_ranks > 1:
+            from fxsched.runtime.cli_ep import run_with_ep
+
+            trace = run_with_ep(args, scenario)
+        else:
+            trace = run_scenario(scenario)
     except ScenarioError as err:
         print(f"fxsched run: {err}", file=sys.stderr)
         return EXIT_USAGE
@@ -185,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--check", action="store_true", help="compare with specs/goldens; print the first differing line")
     mode.add_argument("--write", action="store_true", help="regenerate specs/goldens/<name>.trace")
     run.add_argument("-v", "--verbose", action="store_true", dest="verbose_run", help="structlog events on stderr")
+    from fxsched.runtime.cli_ep import add_ep_ranks_argument
+
+    add_ep_ranks_argument(run)
     run.set_defaults(func=cmd_run)
 
     check = sub.add_parser("check", help="model-check step with a seeded random walk")

@@ -46,6 +46,9 @@ def add_generate_command(sub) -> None:
     p.add_argument("--weights", help="a safetensors weights file (default: the seeded random model)")
     p.add_argument("--threads", default=None, help="torch CPU threads (default 1: the model is tiny)")
     p.add_argument("--no-progress", action="store_true", help="never show the progress bar")
+    from fxsched.runtime.cli_ep import add_ep_ranks_argument
+
+    add_ep_ranks_argument(p)
     p.set_defaults(func=cmd_generate)
 
 
@@ -179,8 +182,10 @@ def run_generate(args, out=None) -> int:
 
         bar = tqdm(total=total, unit="tok", desc=f"generate ({args.spec})", disable=None, leave=False)
     try:
-        result = generate(engine, prompts, max_tokens, args.spec, batch,
-                          progress=bar.update if bar is not None else None)
+        from fxsched.runtime.cli_ep import generate_function
+
+        run = generate_function(args) if getattr(args, "ep_ranks", 1) > 1 else generate
+        result = run(engine, prompts, max_tokens, args.spec, batch, progress=bar.update if bar is not None else None)
     except GenerateError as err:
         raise UsageError(str(err)) from None
     finally:

@@ -134,14 +134,15 @@ class RunResult:
         return "\n".join(lines) + "\n"
 
 
-def execute_scenario(scenario: Scenario) -> RunResult:
-    """Run ``scenario`` on a fresh recording device and a fresh scheduler."""
+def execute_scenario(scenario: Scenario, wrap_device=None) -> RunResult:
+    """Run ``scenario`` on a fresh recording device and a fresh scheduler; ``wrap_device`` may put
+    a layer (expert-parallel broadcast) between the interpreter and the device."""
     host = ScenarioHost(scenario)
     device = RecordingDevice(scenario.model, {s.id: s.script() for s in scenario.requests},
                              cancel_flags={s.id for s in scenario.requests if s.streaming})
     device.on_tick = host.on_tick
     config = scheduler_config(scenario)
-    interpreter = Interpreter(device, host, config.eos_ids)
+    interpreter = Interpreter(wrap_device(device) if wrap_device else device, host, config.eos_ids)
     state = initial_state(config, model_info(scenario))
     try:
         interpreter.run(state, host.initial_events() + [ev.Boot()])

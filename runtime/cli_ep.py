@@ -1,0 +1,78 @@
+"""``--ep-ranks N`` for ``fxsched run`` and ``fxsched generate``: helpers the CLI calls.
+
+Wiring (``fxsched.runtime.cli``), three lines::
+
+    add_ep_ranks_argument(run)                        # in build_parser, after the run options
+    trace = run_with_ep(args) if args.ep_ranks > 1 else run_scenario(scenario)   # in cmd_run
+
+and for ``generate`` (``fxsched.runtime.cli_generate``)::
+
+    add_ep_ranks_argument(p)                          # in add_generate_command
+    result = generate_function(args)(engine, prompts, max_tokens, args.spec, batch, progress=...)
+
+``--ep-ranks 1`` (the default) is the plain single-rank run. A failed EP group raises
+``EpRunError``, a ``RunError``: the commands print it (``fxsched run: EP worker 1 did not answer
+within 30s``) and exit 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable
+
+from fxsched.runtime.ep_run import DEFAULT_TIMEOUT_S
+
+
+def _ranks(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text}: not an integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be at least 1")
+    return n
+
+
+def _seconds(text: str) -> float:
+    try:
+        s = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text}: not a number of seconds") from None
+    if not s > 0:
+        raise argparse.ArgumentTypeError(f"{text}: must be more than 0")
+    return s
+
+
+def add_ep_ranks_argument(parser: argparse.ArgumentParser) -> None:
+    """``--ep-ranks N`` and ``--ep-timeout S`` on a ``run`` or ``generate`` parser."""
+    parser.add_argument("--ep-ranks", type=_ranks, default=1, metavar="N",
+                        help="expert-parallel ranks: rank 0 schedules, ranks 1..N-1 are worker processes "
+                             "(torch.distributed over loopback; default 1)")
+    parser.add_argument("--ep-timeout", type=_seconds, default=DEFAULT_TIMEOUT_S, metavar="S",
+                        help=f"seconds the leader waits on a worker before failing the requests in flight "
+                             f"(default {DEFAULT_TIMEOUT_S:g})")
+
+
+def run_with_ep(args, scenario=None) -> str:
+    """The trace of ``fxsched run NAME --ep-ranks N`` (byte for byte the single-rank trace).
+    Raises ScenarioError for a bad name and RunError (EpRunError) when the run or the group fails."""
+    from fxsched.runtime.ep_run import run_scenario_ep
+    from fxsched.runtime.scenario import load_scenario
+
+    return run_scenario_ep(scenario if scenario is not None else load_scenario(args.name), args.ep_ranks,
+                           args.ep_timeout)
+
+
+def generate_function(args) -> Callable:
+    """``generate.generate`` for one rank, else ``generate_ep`` bound to the EP options (same
+    positional and keyword arguments, same result type)."""
+    if getattr(args, "ep_ranks", 1) <= 1:
+        from fxsched.runtime.generate import generate
+
+        return generate
+    from functools import partial
+
+    from fxsched.runtime.ep_generate import generate_ep
+
+    return partial(generate_ep, ep_ranks=args.ep_ranks, weights=getattr(args, "weights", None),
+                   timeout_s=args.ep_timeout)

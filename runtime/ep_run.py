@@ -1,0 +1,226 @@
+"""Running with expert-parallel ranks: the cluster of worker processes, and scenario runs whose
+recording device is wrapped in ``EpLeaderDevice``.
+
+``EpCluster`` (a context manager) spawns ``ep_ranks - 1`` workers with torch.multiprocessing
+(spawn context), rendezvous on a loopback ``TCPStore`` with a free port, and sets up the EP group
+(the default process group for start-up, then an EP group whose collective timeout is the leader's
+``timeout_s``). On exit it never leaves a process behind: workers that acknowledged the shutdown
+are joined, the others terminated, then killed.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Callable, Optional
+
+import attrs
+import structlog
+
+from fxsched.runtime.ep_leader import EpLeaderDevice
+from fxsched.runtime.ep_link import LinkError, LoopbackLink, TorchLeaderLink, await_key, ready_key
+from fxsched.runtime.ep_mirror import Snapshot
+from fxsched.runtime.ep_worker import EpWorker, WorkerOptions, comm_device, run_worker, snapshot_from_json
+from fxsched.runtime.interpreter import RunError
+from fxsched.runtime.recording_device import RecordingDevice
+from fxsched.runtime.runner import RunResult, execute_scenario
+from fxsched.runtime.scenario import Scenario, load_scenario
+
+log = structlog.get_logger("fxsched.ep")
+
+DEFAULT_TIMEOUT_S = 30.0
+JOIN_S = 10.0  # how long a worker that acknowledged the shutdown may take to exit
+
+
+class EpRunError(RunError):
+    """The EP group failed during a run; ``trace`` is what the leader recorded (requests in
+    flight end with the group's error)."""
+
+    def __init__(self, message: str, trace: Optional[str] = None):
+        super().__init__(message)
+        self.trace = trace
+
+
+class EpCluster:
+    """Rank 0 in this process, ranks 1.. in spawned processes."""
+
+    def __init__(self, ep_ranks: int, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 options: WorkerOptions = WorkerOptions(), worker_options: Optional[dict[int, WorkerOptions]] = None):
+        if ep_ranks < 2:
+            raise ValueError(f"--ep-ranks {ep_ranks}: an EP cluster needs at least 2 ranks")
+        self.world_size = ep_ranks
+        self.timeout_s = timeout_s
+        self.options = options
+        self.per_rank = worker_options or {}
+        self.processes: list = []
+        self.store = None
+        self.link: Optional[TorchLeaderLink] = None
+        self.leader: Optional[EpLeaderDevice] = None
+
+    def __enter__(self) -> "EpCluster":
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def exitcode(self, rank: int) -> Optional[int]:
+        return self.processes[rank - 1].exitcode
+
+    def exitcodes(self) -> dict[int, Optional[int]]:
+        return {rank: p.exitcode for rank, p in enumerate(self.processes, 1)}
+
+    def _start(self) -> None:
+        import torch.distributed as dist
+        import torch.multiprocessing as mp
+
+        if dist.is_initialized():
+            raise RunError("EP: this process already has a default torch.distributed process group")
+        startup = timedelta(seconds=self.options.startup_timeout_s)
+        self.store = dist.TCPStore("127.0.0.1", 0, self.world_size, is_master=True, timeout=startup,
+                                   wait_for_workers=False)
+        ctx = mp.get_context("spawn")
+        for rank in range(1, self.world_size):
+            options = self.per_rank.get(rank, self.options)
+            p = ctx.Process(target=run_worker, args=(rank, self.world_size, "127.0.0.1", self.store.port, options),
+                            name=f"fxsched-ep-worker-{rank}", daemon=True)
+            p.start()
+            self.processes.append(p)
+        self._await_ready()
+        dist.init_process_group(self.options.backend, store=dist.PrefixStore("ep/pg", self.store), rank=0,
+                                world_size=self.world_size, timeout=startup)
+        group = dist.new_group(backend=self.options.backend, timeout=timedelta(seconds=self.timeout_s))
+        self.link = TorchLeaderLink(group, self.store, self.world_size, self.timeout_s,
+                                    comm_device(self.options.backend, 0), self.exitcode)
+        log.info("ep_cluster_up", ranks=self.world_size, port=self.store.port)
+
+    def _await_ready(self) -> None:
+        """Every worker reached the store (a worker that dies on the way is named at once)."""
+        deadline = time.monotonic() + self.options.startup_timeout_s
+        for rank in range(1, self.world_size):
+            if not await_key(self.store, ready_key(rank), deadline, lambda: self.exitcode(rank)):
+                code = self.exitcode(rank)
+                if code is not None:
+                    raise RunError(f"EP worker {rank} exited with code {code} while starting")
+                raise RunError(f"EP worker {rank} did not start within {self.options.startup_timeout_s:g}s")
+
+    def wrap(self, inner) -> EpLeaderDevice:
+        """``inner`` as rank 0 of this cluster."""
+        self.leader = EpLeaderDevice(inner, self.link, self.timeout_s)
+        return self.leader
+
+    def close(self) -> None:
+        """Stop the workers (shutdown word if the run did not send it), then reap every process."""
+        import torch.distributed as dist
+
+        if self.leader is not None:
+            try:
+                self.leader.stop_workers()
+            except Exception as err:  # noqa: BLE001 — closing must go on
+                log.warning("ep_stop_workers_failed", error=str(err))
+        clean = self.leader is not None and self.leader.shut_down and self.leader.failure is None
+        deadline = time.monotonic() + (JOIN_S if clean else 0.5)
+        for p in self.processes:
+            p.join(max(deadline - time.monotonic(), 0.01))
+        for p in self.processes:
+            if p.is_alive():
+                log.warning("ep_worker_terminated", name=p.name, pid=p.pid)
+                p.terminate()
+                p.join(2.0)
+            if p.is_alive():
+                p.kill()
+                p.join(2.0)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.store = None
+
+
+# --- scenario runs ---------------------------------------------------------------------------------
+
+
+def execute_with(scenario: Scenario, wrap: Callable[[RecordingDevice], object]) -> RunResult:
+    """``runner.execute_scenario`` with the recording device wrapped."""
+    return execute_scenario(scenario, wrap_device=wrap)
+
+
+@attrs.frozen
+class EpRunResult:
+    """A finished EP run: the trace, the leader's mirror at every tick, the workers' reports."""
+
+    trace: str
+    leader_ticks: list
+    worker_reports: dict
+    exitcodes: dict = attrs.field(factory=dict)  # rank -> exit code, once the cluster is closed
+
+    def worker_ticks(self, rank: int) -> list[tuple[int, Snapshot]]:
+        return [(tick, snapshot_from_json(snap)) for tick, snap in self.worker_reports[rank]["ticks"]]
+
+
+def _scenario(name_or_scenario) -> Scenario:
+    return name_or_scenario if isinstance(name_or_scenario, Scenario) else load_scenario(name_or_scenario)
+
+
+def run_on_cluster(name_or_scenario, cluster: EpCluster) -> EpRunResult:
+    """Run a scenario with its recording device as rank 0 of ``cluster`` (which must be up)."""
+    return _run_wrapped(_scenario(name_or_scenario), cluster.wrap)
+
+
+def _run_wrapped(scenario: Scenario, make_leader: Callable[[RecordingDevice], EpLeaderDevice]) -> EpRunResult:
+    """Run ``scenario`` with its recording device wrapped by ``make_leader``; an EP failure raises
+    EpRunError with the leader's message (and the trace when the run itself finished)."""
+    leaders: list[EpLeaderDevice] = []
+
+    def wrap(device: RecordingDevice) -> EpLeaderDevice:
+        leaders.append(make_leader(device))
+        return leaders[-1]
+
+    try:
+        result = execute_with(scenario, wrap)
+        leaders[0].stop_workers()  # a no-op after the scenario's own EpShutdown
+    except RunError as err:
+        failure = leaders[0].failure if leaders else None
+        if failure is not None and not isinstance(err, EpRunError):
+            raise EpRunError(str(err) if failure in str(err) else f"{err} (EP: {failure})") from err
+        raise
+    leader = leaders[0]
+    trace = result.trace()
+    if leader.failure is not None:
+        raise EpRunError(leader.failure, trace)
+    return EpRunResult(trace, list(leader.tick_snapshots), dict(leader.worker_reports))
+
+
+def execute_scenario_ep(name_or_scenario, ep_ranks: int, timeout_s: float = DEFAULT_TIMEOUT_S,
+                        options: WorkerOptions = WorkerOptions(),
+                        worker_options: Optional[dict[int, WorkerOptions]] = None) -> EpRunResult:
+    """Run a scenario with rank 0 here and ``ep_ranks - 1`` worker processes. Raises EpRunError
+    (a RunError) if the group fails; never waits longer than ``timeout_s`` on a worker."""
+    scenario = _scenario(name_or_scenario)
+    if ep_ranks == 1:
+        from fxsched.runtime.runner import execute_scenario
+
+        return EpRunResult(execute_scenario(scenario).trace(), [], {})
+    with EpCluster(ep_ranks, timeout_s, options, worker_options) as cluster:
+        result = _run_wrapped(scenario, cluster.wrap)
+    return attrs.evolve(result, exitcodes=cluster.exitcodes())
+
+
+def run_scenario_ep(name_or_scenario, ep_ranks: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> str:
+    """The trace of a scenario run with ``ep_ranks`` EP ranks (equal to the single-rank trace)."""
+    return execute_scenario_ep(name_or_scenario, ep_ranks, timeout_s).trace
+
+
+def execute_scenario_loopback(name_or_scenario, workers: int = 1, replica: Optional[Callable[[], object]] = None,
+                              timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[EpRunResult, list[EpWorker]]:
+    """The same run with in-process workers (no torch.distributed): tests of the protocol."""
+    link = LoopbackLink(lambda lk: [EpWorker(r, lk.poster(r), replica() if replica else None)
+                                    for r in range(1, workers + 1)])
+    result = _run_wrapped(_scenario(name_or_scenario), lambda device: EpLeaderDevice(device, link, timeout_s))
+    return result, link.workers
+
+
+__all__ = ["EpCluster", "EpRunError", "EpRunResult", "LinkError", "execute_scenario_ep", "execute_scenario_loopback",
+           "execute_with", "run_on_cluster", "run_scenario_ep"]

@@ -1,0 +1,191 @@
+"""The EP worker: ranks >= 1 take the leader's stream, mirror every slot, and (given a model
+replica) run the same forwards.
+
+``EpWorker.handle`` takes one message at a time: the parser makes commands, the mirror applies
+them and hands the slot operations to the replica. Control messages: TICK compares the mirror's
+digest with the leader's (and the replica's tokens with the mirror); SYNC posts ``ok`` or the
+first error; the shutdown word posts the final report (``report()``, JSON) and stops. After an
+error the worker keeps taking messages (the leader must never block on it) but applies no more.
+
+``run_worker`` is the process entry (``torch.multiprocessing`` spawn target).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from typing import Callable, Optional, Protocol
+
+import attrs
+import structlog
+
+from fxsched.runtime.ep_mirror import EpMirror, MirrorError, Snapshot, SlotOp
+from fxsched.runtime.ep_protocol import CommandParser, Message, ProtocolError, Shutdown, Sync, Tick
+
+log = structlog.get_logger("fxsched.ep")
+
+EXIT_LINK_LOST = 3  # the leader went away or stopped sending for longer than the idle timeout
+EXIT_INJECTED = 17  # the test-only ``exit_after`` fault
+
+
+class Replica(Protocol):
+    """A model copy driven by slot operations."""
+
+    def run(self, ops: list[SlotOp]) -> None: ...
+    def check(self, snapshot: Snapshot) -> None: ...
+    def stats(self) -> dict: ...
+
+
+class EpWorker:
+    def __init__(self, rank: int, post: Callable[[str, bytes], None], replica: Optional[Replica] = None):
+        self.rank = rank
+        self.post = post
+        self.replica = replica
+        self.parser = CommandParser()
+        self.mirror = EpMirror()
+        self.ticks: list[tuple[int, Snapshot]] = []
+        self.error: Optional[str] = None
+        self.messages = 0
+        self.stopped = False
+
+    def handle(self, message: Message) -> bool:
+        """Take one message; False once the shutdown word has come."""
+        self.messages += 1
+        if message.number != self.messages and self.error is None:
+            self._fail(f"message {message.number} arrived as number {self.messages}")
+        try:
+            command = self.parser.feed(message)
+        except ProtocolError as err:
+            self._fail(str(err))
+            return True
+        match command:
+            case None:
+                pass
+            case Sync(number=n):
+                self.post(f"sync/{n}", b"ok" if self.error is None else self.error.encode())
+            case Tick():
+                self._tick(command)
+            case Shutdown():
+                self.post("final", json.dumps(self.report()).encode())
+                self.stopped = True
+                return False
+            case _ if self.error is None:
+                try:
+                    ops = self.mirror.apply(command)
+                    if self.replica is not None:
+                        self.replica.run(ops)
+                except (MirrorError, ProtocolError) as err:
+                    self._fail(str(err))
+                except Exception as err:  # noqa: BLE001 — a replica fault is reported, never fatal here
+                    self._fail(f"replica: {type(err).__name__}: {err}")
+        return True
+
+    def _tick(self, tick: Tick) -> None:
+        snapshot = self.mirror.snapshot()
+        self.ticks.append((tick.tick, snapshot))
+        if self.error is not None:
+            return
+        if self.mirror.digest() != tick.digest:
+            self._fail(f"mirror differs from the leader's at tick {tick.tick}")
+            return
+        if self.replica is not None:
+            try:
+                self.replica.check(snapshot)
+            except Exception as err:  # noqa: BLE001
+                self._fail(f"replica at tick {tick.tick}: {err}")
+
+    def _fail(self, message: str) -> None:
+        if self.error is None:
+            self.error = message
+            log.error("ep_worker_error", rank=self.rank, message=message)
+
+    def report(self) -> dict:
+        """What the worker saw: per-tick snapshots, counts, the first error."""
+        return {
+            "rank": self.rank,
+            "messages": self.messages,
+            "ticks": [[tick, [[slot, list(toks)] for slot, toks in snap]] for tick, snap in self.ticks],
+            "final": [[slot, list(toks)] for slot, toks in self.mirror.snapshot()],
+            "replica": self.replica.stats() if self.replica is not None else None,
+            "error": self.error,
+        }
+
+
+def snapshot_from_json(raw) -> Snapshot:
+    return tuple((slot, tuple(toks)) for slot, toks in raw)
+
+
+# --- the worker process ---------------------------------------------------------------------------
+
+
+@attrs.frozen
+class WorkerOptions:
+    """How a worker process runs. ``replica`` builds its model copy (picklable; None: mirror only).
+    ``exit_after`` / ``stall_after``: test-only faults after that many messages."""
+
+    backend: str = "gloo"
+    startup_timeout_s: float = 60.0
+    idle_timeout_s: float = 600.0
+    replica: Optional[Callable[[], Replica]] = None
+    exit_after: Optional[int] = None
+    stall_after: Optional[int] = None
+
+
+def comm_device(backend: str, rank: int) -> str:
+    """Where the message tensors live: CPU for gloo, the rank's GPU for NCCL."""
+    if backend != "nccl":
+        return "cpu"
+    import torch
+
+    index = rank % max(torch.cuda.device_count(), 1)
+    torch.cuda.set_device(index)
+    return f"cuda:{index}"
+
+
+def serve(worker: EpWorker, receive: Callable[[], Message], options: WorkerOptions) -> None:
+    """Take messages until the shutdown word (the injected faults act here)."""
+    while True:
+        message = receive()
+        if options.exit_after is not None and worker.messages >= options.exit_after:
+            log.warning("ep_worker_injected_exit", rank=worker.rank, after=worker.messages)
+            os._exit(EXIT_INJECTED)
+        if options.stall_after is not None and worker.messages >= options.stall_after:
+            log.warning("ep_worker_injected_stall", rank=worker.rank, after=worker.messages)
+            while True:
+                time.sleep(3600)
+        if not worker.handle(message):
+            return
+
+
+def run_worker(rank: int, world_size: int, host: str, port: int, options: WorkerOptions = WorkerOptions()) -> None:
+    """Process entry of worker ``rank``: join the group through the leader's store, serve, leave.
+    Exits 0 after the shutdown word, ``EXIT_LINK_LOST`` when the leader is gone."""
+    import torch.distributed as dist
+
+    from fxsched.runtime.ep_link import TorchWorkerLink, ready_key
+    from fxsched.runtime.logs import ensure_configured
+
+    ensure_configured()
+    startup = timedelta(seconds=options.startup_timeout_s)
+    store = dist.TCPStore(host, port, world_size, is_master=False, timeout=startup)
+    store.set(ready_key(rank), b"1")
+    dist.init_process_group(options.backend, store=dist.PrefixStore("ep/pg", store), rank=rank,
+                            world_size=world_size, timeout=startup)
+    code = 0
+    try:
+        group = dist.new_group(backend=options.backend, timeout=timedelta(seconds=options.idle_timeout_s))
+        replica = options.replica() if options.replica is not None else None
+        link = TorchWorkerLink(group, store, rank, comm_device(options.backend, rank))
+        worker = EpWorker(rank, link.post, replica)
+        try:
+            serve(worker, link.receive, options)
+        except RuntimeError as err:
+            log.error("ep_worker_link_lost", rank=rank, error=str(err).splitlines()[0] if str(err) else "")
+            code = EXIT_LINK_LOST
+    finally:
+        dist.destroy_process_group()
+    if code:
+        sys.exit(code)
