@@ -12,7 +12,9 @@ accepted row and drops the rest:
 * ``slot_ids``: integer ``[B]``, cache slot of each sequence; a negative slot
   marks a padding entry that writes nothing. Non-negative slots must be unique.
 * ``state``: ``[S, H, Dk, Dv]`` and ``conv``: ``[S, C, W]``, the per-slot caches,
-  updated in place.
+  updated in place. ``W`` is whatever width the caller keeps per conv state (the
+  torch model keeps the last ``conv_width - 1`` inputs); only the shapes of
+  ``conv_rows[b, k]`` and ``conv[s]`` must agree.
 
 Effect: for every ``b`` with ``slot_ids[b] >= 0``::
 

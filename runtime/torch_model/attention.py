@@ -1,7 +1,8 @@
 """Softmax attention: rotary embedding, masked GQA attention, and attention over a paged KV cache.
 
 Invariant: `paged_attention` over a block cache gives the same result as dense causal attention
-over the same keys/values laid out contiguously (tested in test_torch_model_paged.py).
+over the same keys/values laid out contiguously (tested in test_torch_model_paged.py), and so do
+the Triton kernels `attention_layer` takes for uniform batches (see kernel_paths.py).
 """
 
 from __future__ import annotations
@@ -10,6 +11,10 @@ import math
 
 import torch
 
+from fxsched.kernels.paged_attention import paged_attention as paged_attention_kernel
+from fxsched.kernels.paged_kv_append import paged_kv_append
+
+from .kernel_paths import attention_kernels_apply
 from .ops import linear
 from .paged_kv import PagedKVCache
 
@@ -62,12 +67,18 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 def attention_layer(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, *, num_heads: int,
                     num_kv_heads: int, head_dim: int, rope_theta: float, cache: PagedKVCache,
                     cache_layer: int, positions: torch.Tensor, valid: torch.Tensor,
-                    write_index: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+                    write_index: torch.Tensor, block_tables: torch.Tensor, uniform: bool = False) -> torch.Tensor:
     """One target attention layer over a right-padded batch x [B, T, D].
 
     Writes K/V of the valid rows (valid [B, T]) at flat cache indices write_index [N] (row-major
     order of the valid rows), then attends causally over the paged cache. Padded rows produce
     garbage outputs that callers must ignore.
+
+    `uniform` promises that every row is valid (each sequence has T new rows at consecutive
+    positions): then, where kernel_paths allows Triton, the rows go through the `paged_kv_append`
+    and `paged_attention` kernels (start = positions[:, 0], context = start + T, so row j sees
+    positions <= positions[:, j]; query head h reads kv head h // (Hq // Hkv), as in
+    `masked_attention`). Ragged batches, and uniform ones without Triton, take the torch path.
     """
     b, t, _ = x.shape
     q = linear(x, w[f"{prefix}.q_proj"]).view(b, t, num_heads, head_dim)
@@ -75,7 +86,13 @@ def attention_layer(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, *,
     v = linear(x, w[f"{prefix}.v_proj"]).view(b, t, num_kv_heads, head_dim)
     q = apply_rope(q, positions, rope_theta)
     k = apply_rope(k, positions, rope_theta)
-    cache.write(cache_layer, write_index, k[valid], v[valid])
-    out = paged_attention(q, cache.k[cache_layer], cache.v[cache_layer], block_tables,
-                          torch.where(valid, positions, torch.zeros_like(positions)))
+    k_cache, v_cache = cache.k[cache_layer], cache.v[cache_layer]
+    if uniform and attention_kernels_apply(q, k, v, k_cache, v_cache, block_tables, positions):
+        start = positions[:, 0]
+        paged_kv_append(k, v, k_cache, v_cache, block_tables, start)
+        out = paged_attention_kernel(q, k_cache, v_cache, block_tables, start + t, head_dim ** -0.5)
+    else:
+        cache.write(cache_layer, write_index, k[valid], v[valid])
+        out = paged_attention(q, k_cache, v_cache, block_tables,
+                              torch.where(valid, positions, torch.zeros_like(positions)))
     return linear(out.reshape(b, t, num_heads * head_dim), w[f"{prefix}.o_proj"])

@@ -22,10 +22,13 @@ from typing import Sequence
 
 import torch
 
+from fxsched.kernels.gdn_fold import gdn_fold, gdn_fold_reference
+
 from .config import ModelConfig, default_config
 from .drafters import DFlashDrafter, MtpHead
 from .errors import OutOfBlocksError, SlotError
 from .gdn import GdnSnapshot, GdnStateCache
+from .kernel_paths import gdn_fold_kernel_applies
 from .model import ForwardOutput, HybridModel, RowBatch
 from .paged_kv import BlockPool, PagedKVCache, blocks_for, flat_indices
 from .prefix_cache import CachedBlock, PrefixCache
@@ -235,8 +238,9 @@ class HybridEngine:
             tables[i, :len(state.block_table)] = torch.tensor(state.block_table)
             write += flat_indices(state.block_table, state.seq_len, n, self.cfg.block_size)
         dev = self.device
+        uniform = all(len(toks) == t for toks in token_lists)
         return RowBatch(tokens.to(dev), positions.to(dev), valid.to(dev), torch.tensor(write, device=dev),
-                        tables.to(dev), torch.tensor(list(slots), dtype=torch.long, device=dev))
+                        tables.to(dev), torch.tensor(list(slots), dtype=torch.long, device=dev), uniform)
 
     @torch.no_grad()
     def prefill(self, slot: int, tokens: Sequence[int]) -> torch.Tensor:
@@ -309,8 +313,8 @@ class HybridEngine:
         """Commit accepted[i] leading rows of each slot's pending forward, in one batched state write.
 
         seq_len grows by accepted[i]; the GDN state becomes the state after the last accepted row
-        (unchanged if 0); blocks wholly beyond the new seq_len return to the pool; the pending
-        rows are consumed.
+        (unchanged if 0; copied by the `gdn_fold` kernel, see _fold_gdn_states); blocks wholly
+        beyond the new seq_len return to the pool; the pending rows are consumed.
         """
         if len(slots) != len(accepted):
             raise ValueError(f"{len(slots)} slots but {len(accepted)} accept counts")
@@ -325,12 +329,7 @@ class HybridEngine:
             if not 0 <= n <= len(pending.tokens):
                 raise ValueError(f"slot {slot}: cannot accept {n} of {len(pending.tokens)} rows")
             pendings.append(pending)
-        kept = [(slot, n, p) for slot, n, p in zip(slots, accepted, pendings) if n > 0]
-        if kept:
-            index = torch.tensor([slot for slot, _, _ in kept], dtype=torch.long, device=self.device)
-            for layer in range(self.gdn.num_layers):
-                rows = [p.out.gdn_rows[layer].row(p.batch_index, n - 1) for _, n, p in kept]
-                self.gdn.write_rows(layer, index, torch.stack([r for r, _ in rows]), torch.stack([c for _, c in rows]))
+        self._fold_gdn_states(slots, accepted, pendings)
         bs = self.cfg.block_size
         for slot, n, pending in zip(slots, accepted, pendings):
             state = self._slot(slot)
@@ -347,6 +346,34 @@ class HybridEngine:
                 self.pool.decref(block)
             del state.block_table[keep:]
             self._pending[slot] = None
+
+    def _fold_gdn_states(self, slots: Sequence[int], accepted: Sequence[int],
+                         pendings: Sequence[PendingRows]) -> None:
+        """Set each slot's GDN state (every layer) to the state after its last accepted row (none: kept).
+
+        One `fxsched.kernels.gdn_fold` call per (GDN layer, forward the pending rows come from), on the
+        forward's own per-row tensors: batch entry b keeps row accepted - 1 into its slot; entries
+        not committed here carry slot -1 (padding) and write nothing. The Triton kernel where
+        kernel_paths allows it, `gdn_fold_reference` otherwise (both copy exactly).
+        """
+        groups: dict[int, tuple[ForwardOutput, list[int], list[int]]] = {}
+        for slot, n, pending in zip(slots, accepted, pendings):
+            if n <= 0:
+                continue
+            out = pending.out
+            if id(out) not in groups:
+                batch = out.hidden.shape[0]
+                groups[id(out)] = (out, [-1] * batch, [0] * batch)
+            _, slot_ids, rows = groups[id(out)]
+            slot_ids[pending.batch_index] = slot
+            rows[pending.batch_index] = n - 1
+        for out, slot_ids, rows in groups.values():
+            slot_t = torch.tensor(slot_ids, dtype=torch.long, device=self.device)
+            rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
+            for layer, gdn_rows in enumerate(out.gdn_rows):
+                args = (gdn_rows.states, gdn_rows.conv_rows(), rows_t, slot_t,
+                        self.gdn.recurrent[layer], self.gdn.conv[layer])
+                (gdn_fold if gdn_fold_kernel_applies(*args) else gdn_fold_reference)(*args)
 
     # ---- drafters -----------------------------------------------------------------------------
     def save_hidden_for_mtp(self, slot: int, row: int) -> None:

@@ -7,6 +7,13 @@ q, k, v first pass a causal depthwise short conv (width W) + SiLU, whose state i
 
 Invariant: the forward never mutates the cache; it returns the state after *every* row, so a caller
 can keep the state after any accepted prefix (write-on-accept) without recomputation.
+
+Kernels (see kernel_paths.py): the recurrence runs as `fxsched.kernels.gated_delta` where
+kernel_paths allows Triton. Its conventions match this layer exactly: S is [Dk, Dv]; with
+g_t = log a_t = -exp(A_log) * softplus(x W_a + dt_bias) it computes S' = exp(g_t) S,
+u = b_t (v_t - S'^T k_t), S_t = S' + k_t u^T, o_t = scale * S_t^T q_t -- our q is already
+L2-normalised and scaled by 1/sqrt(Dk), so scale = 1 -- and it returns every per-row state, as the
+commit needs. The short conv, the normalisations, the gate and the projections stay in torch.
 """
 
 from __future__ import annotations
@@ -16,7 +23,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fxsched.kernels.gated_delta import gated_delta
+
 from .config import ModelConfig
+from .kernel_paths import gdn_recurrence_kernel_applies
 from .ops import l2_normalize, linear, rms_norm
 
 GdnSnapshot = list[tuple[torch.Tensor, torch.Tensor]]  # per GDN layer: (recurrent [H,Dk,Dv], conv [C,W-1])
@@ -26,16 +36,20 @@ GdnSnapshot = list[tuple[torch.Tensor, torch.Tensor]]  # per GDN layer: (recurre
 class GdnRows:
     """Per-row states of one GDN layer forward over a batch [B, T].
 
-    states[t] is the recurrent state [B, H, Dk, Dv] after row t; windows [B, C, T, W] are the conv
-    input windows, whose [..., 1:] slice is the conv state after each row.
+    states [B, T, H, Dk, Dv]: states[:, t] is the recurrent state after row t; windows [B, C, T, W]
+    are the conv input windows, whose [..., 1:] slice is the conv state after each row.
     """
 
-    states: list[torch.Tensor]
+    states: torch.Tensor
     windows: torch.Tensor
 
     def row(self, b: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(recurrent [H, Dk, Dv], conv [C, W-1]) of batch element b after row t (views)."""
-        return self.states[t][b], self.windows[b, :, t, 1:]
+        return self.states[b, t], self.windows[b, :, t, 1:]
+
+    def conv_rows(self) -> torch.Tensor:
+        """Conv state after each row, [B, T, C, W-1] (a view), the `conv_rows` layout of `gdn_fold`."""
+        return self.windows[..., 1:].permute(0, 2, 1, 3)
 
 
 class GdnStateCache:
@@ -101,10 +115,23 @@ def gdn_layer(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg: Mod
     k = l2_normalize(k.reshape(b, t, h, dk))
     v = v.reshape(b, t, h, dv)
     beta = torch.sigmoid(linear(x, w[f"{prefix}.b_proj"]))  # [B, T, H]
-    decay = torch.exp(-torch.exp(w[f"{prefix}.A_log"]) * F.softplus(linear(x, w[f"{prefix}.a_proj"])
-                                                                     + w[f"{prefix}.dt_bias"]))
+    log_decay = -torch.exp(w[f"{prefix}.A_log"]) * F.softplus(linear(x, w[f"{prefix}.a_proj"])
+                                                               + w[f"{prefix}.dt_bias"])  # [B, T, H]
+    if gdn_recurrence_kernel_applies(q, k, v, log_decay, beta, state0):
+        o, states = gated_delta(q, k, v, log_decay, beta, state0, scale=1.0)  # [B,T,H,Dv], [B,T,H,Dk,Dv]
+    else:
+        o, states = _recurrence(q, k, v, torch.exp(log_decay), beta, state0)
+    gate = F.silu(linear(x, w[f"{prefix}.g_proj"])).view(b, t, h, dv)
+    o = rms_norm(o, w[f"{prefix}.o_norm"], cfg.rms_norm_eps) * gate
+    return linear(o.reshape(b, t, h * dv), w[f"{prefix}.o_proj"]), GdnRows(states, windows)
+
+
+def _recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
+                state0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Torch delta-rule loop: outputs [B, T, H, Dv] and the state after every row [B, T, H, Dk, Dv]."""
+    b, t, h, dk = k.shape
     state = state0
-    states: list[torch.Tensor] = []
+    states = torch.empty(b, t, h, dk, v.shape[-1], dtype=state0.dtype, device=state0.device)
     outs: list[torch.Tensor] = []
     for i in range(t):
         state = state * decay[:, i, :, None, None]
@@ -113,8 +140,5 @@ def gdn_layer(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg: Mod
         delta = (v[:, i] - predicted) * beta[:, i, :, None]
         state = state + k_i[..., None] * delta[..., None, :]
         outs.append(torch.einsum("bhk,bhkv->bhv", q[:, i], state))
-        states.append(state)
-    o = torch.stack(outs, dim=1)  # [B, T, H, Dv]
-    gate = F.silu(linear(x, w[f"{prefix}.g_proj"])).view(b, t, h, dv)
-    o = rms_norm(o, w[f"{prefix}.o_norm"], cfg.rms_norm_eps) * gate
-    return linear(o.reshape(b, t, h * dv), w[f"{prefix}.o_proj"]), GdnRows(states, windows)
+        states[:, i] = state
+    return torch.stack(outs, dim=1), states

@@ -24,6 +24,8 @@ class RowBatch:
 
     valid [B, T] marks real rows; write_index [N] holds the flat KV-cache index of each valid row in
     row-major order; block_tables [B, nb] map positions to blocks; slots [B] pick GDN state rows.
+    uniform promises that every row is valid (all B sequences have T rows): attention may then take
+    the paged Triton kernels (see kernel_paths.py).
     """
 
     tokens: torch.Tensor
@@ -32,6 +34,7 @@ class RowBatch:
     write_index: torch.Tensor
     block_tables: torch.Tensor
     slots: torch.Tensor
+    uniform: bool = False
 
 
 @dataclass
@@ -78,7 +81,8 @@ class HybridModel:
                                       num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                                       rope_theta=cfg.rope_theta, cache=kv, cache_layer=attn_index,
                                       positions=batch.positions, valid=batch.valid,
-                                      write_index=batch.write_index, block_tables=batch.block_tables)
+                                      write_index=batch.write_index, block_tables=batch.block_tables,
+                                      uniform=batch.uniform)
                 attn_index += 1
             h = h + out
             h = h + swiglu_mlp(rms_norm(h, w[f"layers.{i}.post_norm"], cfg.rms_norm_eps), w, f"layers.{i}.mlp")

@@ -1,0 +1,60 @@
+"""Where the torch model runs the Triton kernels of `fxsched.kernels`, and when.
+
+Rule: a kernel runs when `fxsched.kernels._triton.use_triton` says Triton can run for the tensors
+at hand -- CUDA tensors with Triton installed, or CPU tensors when the kernels were built for the
+interpreter (TRITON_INTERPRET=1 set before `fxsched.kernels` was first imported) -- with two
+environment switches, read at every call (so they can be flipped at run time):
+
+* FXSCHED_KERNELS=torch forces the torch code everywhere (use_triton's own rule);
+* on CPU the model takes the *interpreted* kernels only with FXSCHED_KERNELS=triton. The Triton
+  interpreter is ~40x slower than torch even at toy sizes, and TRITON_INTERPRET=1 leaks easily
+  into a whole process (tests/test_kernels.py sets it at import, so every later test of the same
+  pytest run would get interpreted kernels): a CPU engine keeps the torch path unless asked.
+  CUDA engines need no opt-in.
+
+Wired hot spots (the torch code stays as the fallback and is what runs on a plain CPU):
+
+* `gated_delta` -- `gdn.gdn_layer`'s recurrence, every batch (rows are independent per sequence, so
+  right padding is harmless); the torch loop otherwise.
+* `paged_kv_append` + `paged_attention` -- `attention.attention_layer` for *uniform* batches (every
+  sequence has the same number T of new rows: decode, uniform-K verify, single-slot prefill); ragged
+  batches keep the torch path (masked dense attention over the gathered blocks).
+* `gdn_fold` -- `HybridEngine.gdn_fold_accepted`, i.e. every commit (prefill chunks, decode, verify +
+  fold, `commit_accepted_prefix`); `gdn_fold_reference` (the same gather/scatter copy) otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from fxsched.kernels import gated_delta as _gated_delta
+from fxsched.kernels import gdn_fold as _gdn_fold
+from fxsched.kernels import paged_attention as _paged_attention
+from fxsched.kernels import paged_kv_append as _paged_kv_append
+from fxsched.kernels._triton import use_triton
+
+__all__ = ["attention_kernels_apply", "gdn_fold_kernel_applies", "gdn_recurrence_kernel_applies"]
+
+
+def _device_opted_in(tensor: torch.Tensor) -> bool:
+    """CUDA (or any non-CPU) tensors always; CPU tensors only with FXSCHED_KERNELS=triton."""
+    return tensor.device.type != "cpu" or os.environ.get("FXSCHED_KERNELS", "").strip().lower() == "triton"
+
+
+def attention_kernels_apply(*tensors: torch.Tensor) -> bool:
+    """Whether `paged_kv_append` and `paged_attention` run as Triton kernels for these tensors."""
+    return (_device_opted_in(tensors[0])
+            and use_triton(*tensors, kernel=_paged_kv_append._paged_kv_append_kernel)
+            and use_triton(*tensors, kernel=_paged_attention._paged_attention_kernel))
+
+
+def gdn_recurrence_kernel_applies(*tensors: torch.Tensor) -> bool:
+    """Whether `gated_delta` runs as a Triton kernel for these tensors."""
+    return _device_opted_in(tensors[0]) and use_triton(*tensors, kernel=_gated_delta._gated_delta_kernel)
+
+
+def gdn_fold_kernel_applies(*tensors: torch.Tensor) -> bool:
+    """Whether `gdn_fold` runs as a Triton kernel for these tensors."""
+    return _device_opted_in(tensors[0]) and use_triton(*tensors, kernel=_gdn_fold._gather_rows_to_slots_kernel)
