@@ -231,12 +231,14 @@ class GenerateResult:
 
 def generate(engine: HybridEngine, prompts: Seq[Seq[int]], max_tokens: int, spec: str = "none",
              batch: Optional[int] = None, drafter: Optional[Drafter] = None, strict: bool = False,
-             progress: Optional[Callable[[int], None]] = None) -> GenerateResult:
+             progress: Optional[Callable[[int], None]] = None,
+             wrap_device: Optional[Callable[[TorchDevice], object]] = None) -> GenerateResult:
     """Generate up to ``max_tokens`` greedy tokens for each prompt through the scheduler.
 
     ``batch`` caps the sequences running at once (default: every prompt, up to the model's
     slots). ``drafter`` replaces the model's drafter (tests). ``progress(n)`` is called as tokens
-    arrive. Raises ``GenerateError`` for bad input and ``RunError`` if the run cannot finish.
+    arrive. ``wrap_device`` may put a layer between the interpreter and the device (expert
+    parallelism). Raises ``GenerateError`` for bad input and ``RunError`` if the run cannot finish.
     """
     ensure_configured()
     cfg = engine.cfg
@@ -252,7 +254,7 @@ def generate(engine: HybridEngine, prompts: Seq[Seq[int]], max_tokens: int, spec
                 for i, p in enumerate(prompts)]
     device = TorchDevice(engine, proposer=proposer, drafter=drafter, strict=strict)
     host = GenerateHost(requests, cfg.eos_id, progress or (lambda n: None))
-    interpreter = Interpreter(device, host, config.eos_ids)
+    interpreter = Interpreter(wrap_device(device) if wrap_device else device, host, config.eos_ids)
     start = time.perf_counter()
     try:
         with torch.no_grad():

@@ -56,8 +56,7 @@ class Interpreter:
             state, effects = step(state, event)
             self.steps += 1
             answer = self.perform_all(effects)
-            queue.extend(self._inputs)
-            self._inputs.clear()
+            queue.extend(self.take_inputs())
             queue.extend(self.host.take_inputs())
             queue.extend(ev.Cancel(r) for r in self._device_cancels())
             if answer is not None:
@@ -65,6 +64,11 @@ class Interpreter:
             if state.stopped:
                 break
         return state
+
+    def take_inputs(self) -> list[ev.Event]:
+        """Input events that arose while the last batch ran (a blocking wait's arrivals, closure)."""
+        taken, self._inputs = self._inputs, []
+        return taken
 
     def _device_cancels(self) -> list[int]:
         take = getattr(self.device, "take_cancels", None)

@@ -241,8 +241,7 @@ def run_episode(episode: Episode, coverage: Counter, step_limit: int = 20000, ke
                 coverage[type(effect).__name__] += 1
             answer = interpreter.perform_all(effects)
             monitor.on_state(state)
-            queue.extend(interpreter._inputs)
-            interpreter._inputs.clear()
+            queue.extend(interpreter.take_inputs())
             queue.extend(host.take_inputs())
             queue.extend(ev.Cancel(r) for r in device.take_cancels())
             if answer is not None:

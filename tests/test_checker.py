@@ -129,8 +129,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.monitor.on_effects(effects)
         answer = self.interpreter.perform_all(effects)
         self.monitor.on_state(self.state)
-        self.pending.extend(self.interpreter._inputs)
-        self.interpreter._inputs.clear()
+        self.pending.extend(self.interpreter.take_inputs())
         self.pending.extend(ev.Cancel(r) for r in self.device.take_cancels())
         if answer is not None:
             self.pending.append(answer)
