@@ -97,3 +97,24 @@ def test_core_reads_no_clock_randomness_logging_or_environment(banned):
     users = [str(p.relative_to(ROOT)) for p in sorted((ROOT / "core").glob("*.py"))
              if any(n.split(".")[0] == banned for n in _imports(p))]
     assert users == []
+
+
+def _effect_classes():
+    from fxsched.effects import client, device_calls, lifecycle, plans
+    from fxsched.effects.base import Effect
+
+    for module in (device_calls, lifecycle, plans, client):
+        for obj in vars(module).values():
+            if isinstance(obj, type) and issubclass(obj, Effect) and obj.__module__ == module.__name__:
+                yield obj
+
+
+def test_the_interpreter_has_a_case_for_every_effect_kind():
+    import re
+
+    source = (ROOT / "runtime" / "interpreter.py").read_text()
+    abstract = {"DeviceCall", "SerialVerify", "Plan", "Lifecycle", "ClientOutput"}
+    missing = [cls.__name__ for cls in _effect_classes()
+               if cls.__name__ not in abstract and not re.search(rf"\b{cls.__name__}\b", source)
+               and not any(base.__name__ in ("SerialVerify", "ClientOutput") for base in cls.__mro__[1:])]
+    assert missing == []
