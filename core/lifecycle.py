@@ -63,17 +63,24 @@ def preempt(state: SchedulerState, victim: Sequence, out: list) -> SchedulerStat
 
 
 def swap_out(state: SchedulerState, victim: Sequence, out: list) -> SchedulerState:
-    """Remove the victim by moving the last active sequence into its place, then spill it."""
+    """Spill the victim, then move the last active sequence into its place in the active order;
+    if that sequence sits in a higher slot it moves into the victim's slot, freed by the spill.
+
+    (The rule of scheduler.md §5.9 moves it to "its new index" before the spill, which would
+    target a slot the victim still holds; found by the model checker.)
+    """
     active = list(state.active)
     index = next(i for i, s in enumerate(active) if s.seq_id == victim.seq_id)
     last = active.pop()
-    if last.seq_id != victim.seq_id:
-        active[index] = last
-        if last.slot != index:
-            out.append(CompactSlot(last.seq_id, index))
-            out.append(DetachSlot(last.seq_id))
-            active[index] = replace(last, slot=index)
-    return spill(replace(state, active=tuple(active)), victim, out)
+    state = spill(replace(state, active=tuple(active)), victim, out)
+    if last.seq_id == victim.seq_id:
+        return state
+    if last.slot > victim.slot:
+        out.append(CompactSlot(last.seq_id, victim.slot))
+        out.append(DetachSlot(last.seq_id))
+        last = replace(last, slot=victim.slot)
+    active[index] = last
+    return replace(state, active=tuple(active))
 
 
 # --- admission-time swap-out ------------------------------------------------------------------

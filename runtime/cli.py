@@ -125,10 +125,13 @@ def cmd_replay(args) -> int:
     from fxsched.runtime.walk import replay
 
     try:
-        violation, data = replay(args.file)
+        violation, data, diverged = replay(args.file)
     except (OSError, ValueError, KeyError) as err:
         print(f"fxsched replay: {err}", file=sys.stderr)
         return EXIT_USAGE
+    if diverged is not None:
+        print(f"{args.file}: the run departs from the recorded events at event {diverged} "
+              f"(the code changed since the file was written)")
     if violation is None:
         print(f"{args.file}: the episode ran clean; the recorded {data['invariant']} did not happen again")
         return 0

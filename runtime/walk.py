@@ -311,14 +311,19 @@ def write_replay(report: WalkReport, path) -> None:
         json.dump(data, fh, indent=1)
 
 
-def replay(path) -> tuple[Optional[Violation], dict]:
-    """Re-run a replay file's episode; returns the violation it reproduces (or None) and the file."""
+def replay(path) -> tuple[Optional[Violation], dict, Optional[int]]:
+    """Re-run a replay file's episode: (the violation it reaches or None, the file's data, the index
+    of the first event that differs from the recorded log, or None when the runs are identical —
+    they differ only when the code changed since the file was written)."""
     with open(path) as fh:
         data = json.load(fh)
     if data.get("format") != "fxsched-replay-1":
         raise ValueError(f"{path}: not an fxsched replay file (format {data.get('format')!r})")
     episode = Episode.from_json(data["episode"])
     result = run_episode(episode, Counter(), keep_log=True)
-    if list(result.events) != data["events"]:
-        raise ValueError(f"{path}: the replayed events differ from the recorded ones")
-    return result.violation, data
+    recorded, replayed = data["events"], list(result.events)
+    diverged = None
+    if replayed != recorded:
+        diverged = next((i for i, (a, b) in enumerate(zip(replayed, recorded)) if a != b),
+                        min(len(replayed), len(recorded)))
+    return result.violation, data, diverged

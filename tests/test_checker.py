@@ -47,7 +47,8 @@ def test_planted_bug_replay_file_reproduces_the_same_violation(tmp_path):
     write_replay(report, path)
     data = json.loads(path.read_text())
     assert data["seed"] == 7 and data["episode"]["planted"] == ["accepted_prefix_off_by_one"] and data["events"]
-    violation, _ = replay(path)
+    violation, _, diverged = replay(path)
+    assert diverged is None
     assert violation is not None and violation.invariant == report.violation["invariant"]
     assert violation.message == report.violation["message"]
 

@@ -219,3 +219,18 @@ def test_two_blocking_beam_requests_are_answered_by_one_beam_batch_without_slots
     d.answer()
     assert [(o.request_id, o.tokens, o.reason) for o in d.outputs(ResponseOut)] == [(1, (10, 63), "stop"), (2, (10, 63), "stop")]
     assert isinstance(d.query, dc.AllocSequence) and d.query.session == 3
+
+
+def test_a_swap_out_moves_the_last_sequence_into_the_victims_slot_only_after_the_spill_frees_it():
+    # found by the model checker: the move targeted a slot the victim still held
+    from fxsched.core.lifecycle import swap_out
+    from fxsched.core.state import initial_state
+    import attrs as _attrs
+
+    state = _attrs.evolve(initial_state(SchedulerConfig(swap_space_gb=1.0), ModelInfo()),
+                          active=(seq(1, slot=0, blocks=5), seq(2, slot=1), seq(3, slot=2)))
+    effects: list = []
+    state = swap_out(state, state.active[0], effects)
+    kinds = [type(e).__name__ for e in effects]
+    assert kinds == ["SaveSequenceState", "ReleaseSeq", "CompactSlot", "DetachSlot"]
+    assert effects[2].target == 0 and [(s.seq_id, s.slot) for s in state.active] == [(3, 0), (2, 1)]
