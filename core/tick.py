@@ -297,9 +297,15 @@ class EmptyBatchSkip:
 
 @task_rule(EmptyBatchExit)
 def _empty_batch_exit(state: SchedulerState, task, out: list) -> SchedulerState:
-    """After lane 2: with nothing active, try the requeue resume first."""
+    """After lane 2: with nothing active, try to bring back swapped and preempted sequences first.
+
+    (scheduler.md §5.14 tries only the requeue resume; a swapped sequence would then wait forever
+    once nothing else runs, since swap-in lives in the end of tick. Found by the model checker.)
+    """
     if state.active:
         return state
+    if state.config.spill_pool:
+        return push(state, SwapIn(), RequeueResume(), EmptyBatchSkip())
     return push(state, RequeueResume(), EmptyBatchSkip())
 
 

@@ -215,3 +215,13 @@ class SchedulerMachine(RuleBasedStateMachine):
 
 SchedulerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
 test_scheduler_state_machine = SchedulerMachine.TestCase
+
+
+REGRESSIONS = sorted((__import__("pathlib").Path(__file__).parent / "regressions").glob("*.json"))
+
+
+@pytest.mark.parametrize("path", REGRESSIONS, ids=[p.stem for p in REGRESSIONS])
+def test_a_fixed_checker_failure_stays_fixed(path):
+    """Replay files of violations the checker found; each episode must now run clean."""
+    violation, data, _ = replay(path)
+    assert violation is None, f"{data['invariant']} is back: {violation}"
