@@ -102,7 +102,7 @@ class Episode:
 
 def random_episode(rng: random.Random, planted: tuple[str, ...] = ()) -> Episode:
     mode = rng.choice(MODES)
-    n = rng.randint(1, 6)
+    n = rng.randint(1, 6) if rng.random() < 0.8 else rng.randint(7, 12)
     requests = []
     last_arrival = 0
     for i in range(n):
@@ -125,7 +125,7 @@ def random_episode(rng: random.Random, planted: tuple[str, ...] = ()) -> Episode
         ))
     spill = rng.random() < 0.3
     return Episode(
-        mode=mode, max_batch_size=rng.choice([1, 2, 3, 4, 8]), max_prefill_tokens=rng.choice([0, 0, 4, 8, 16]),
+        mode=mode, max_batch_size=rng.choice([1, 2, 3, 4, 8, 12]), max_prefill_tokens=rng.choice([0, 0, 4, 8, 16]),
         spill=spill, total_blocks=rng.choice([6, 8, 12, 24, 1000]), held_blocks=rng.choice([0, 0, 1]),
         requests=tuple(requests),
         kv_exhaust_at=tuple(sorted(rng.sample(range(30), rng.randint(0, 2)))),
