@@ -71,9 +71,14 @@ def reserve_kv(
     return tuple(admitted), ()
 
 
-def impossible(model: ModelInfo, config: SchedulerConfig, request: Request):
-    """Why no amount of waiting could serve ``request`` (a prompt past the context, or needing more
-    KV blocks than the device has), or ``None``."""
+UNKNOWN_ADAPTER = -1
+
+
+def impossible(model: ModelInfo, config: SchedulerConfig, request: Request, adapter_id: int = 0):
+    """Why no amount of waiting could serve ``request`` (an adapter the device does not know, a
+    prompt past the context, or needing more KV blocks than the device has), or ``None``."""
+    if adapter_id == UNKNOWN_ADAPTER:
+        return f"request {request.id}: unknown adapter slot {request.adapter_slot}"
     if request.prompt_len >= config.max_seq_len:
         return (f"request {request.id}: the prompt has {request.prompt_len} tokens, the context holds "
                 f"{config.max_seq_len}")

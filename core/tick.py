@@ -210,7 +210,7 @@ def refuse_impossible(state: SchedulerState, new: tuple, ids: tuple, out: list):
     """Fail at once the requests no device state could ever serve; keep the others (and their ids)."""
     keep, keep_ids = [], []
     for request, adapter_id in zip(new, ids):
-        problem = admission.impossible(state.model, state.config, request)
+        problem = admission.impossible(state.model, state.config, request, adapter_id)
         if problem is None:
             keep.append(request)
             keep_ids.append(adapter_id)
@@ -238,6 +238,8 @@ def committed_blocks(state: SchedulerState) -> int:
 def _adapter_ids(state, waiting: AwaitAdapterIds, event: AdapterIds, out):
     cohort_id, ids = event.ids[0], event.ids[1:]
     new, ids = refuse_impossible(state, waiting.new, ids, out)
+    if new and not (state.active or state.prefilling):
+        cohort_id = ids[0]  # the cohort is the first new request that can be served
     same, other = admission.cohort_split(cohort_id, new, ids)
     admitted, deferred = admission.reserve_kv(state.model, state.config, committed_blocks(state), same)
     back = tuple(sorted(deferred + other, key=lambda r: waiting.new.index(r)))

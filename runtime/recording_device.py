@@ -269,7 +269,7 @@ class RecordingDevice:
 
     def adapter_id_for(self, slot: int) -> int:
         self._rec(f"adapter_id_for({slot})")
-        return 0
+        return 0 if slot == -1 else -1  # only the active adapter (slot -1) is loaded
 
     def acquire_adapter_slot(self, slot: int) -> int:
         self._rec(f"acquire_adapter_slot({slot})")

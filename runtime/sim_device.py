@@ -220,7 +220,7 @@ class SimDevice:
     # --- adapters, EP, streams (no state) ----------------------------------------------------------
 
     def adapter_id_for(self, slot: int) -> int:
-        return 0
+        return 0 if slot == -1 else -1
 
     def acquire_adapter_slot(self, slot: int) -> int:
         return slot

@@ -444,7 +444,9 @@ class TorchDevice:
     # ======================================================================================
 
     def adapter_id_for(self, slot: int) -> int:
-        return 0
+        """0 for the active (base) adapter, slot -1; no LoRA adapter is loaded, so any other slot
+        is unknown (-1)."""
+        return 0 if slot == -1 else -1
 
     def acquire_adapter_slot(self, slot: int) -> int:
         return slot

@@ -394,3 +394,11 @@ def test_a_request_drained_by_the_idle_check_is_still_served_after_the_inbox_clo
     d.feed(ev.InboxClosed())
     d.finish()
     assert sorted(o.request_id for o in d.outputs(DoneOut)) == [1, 2]
+
+
+def test_a_request_for_an_unknown_adapter_is_refused_by_name():
+    d = Driver(requests=[make_request(1, adapter_slot=7), make_request(2)]).run_to_query(dc.AdapterIdFor)
+    assert d.query.slots == (7, 7, -1)
+    effects = d.feed(ev.AdapterIds((-1, -1, 0)))
+    assert of_type(effects, ErrorOut) == [ErrorOut(1, "request 1: unknown adapter slot 7", True)]
+    assert [r.id for r in d.state.new_requests] == [2]
