@@ -14,7 +14,14 @@ from typing import Callable, Optional
 import attrs
 
 from fxsched.runtime.device import DeviceError
-from fxsched.runtime.script_model import Script, script_drafts, script_next, script_verify
+from fxsched.runtime.script_model import (
+    Script,
+    cancel_due,
+    script_drafts,
+    script_key,
+    script_next,
+    script_verify,
+)
 from fxsched.runtime.spill_files import SpillError, SpillFiles
 
 EOS = 63
@@ -110,7 +117,7 @@ class RecordingDevice:
             raise DeviceError(f"unknown sequence {seq_id}") from None
 
     def _script(self, seq: DeviceSequence) -> Script:
-        key = seq.session if seq.session else (seq.tokens[0] if seq.tokens else 0)
+        key = script_key(seq.session, seq.tokens)
         try:
             return self.scripts[key]
         except KeyError:
@@ -143,9 +150,7 @@ class RecordingDevice:
             self.free_slots.append(slot)
 
     def _cancel_trigger(self, seq: DeviceSequence) -> None:
-        script = self._script(seq)
-        g = len(seq.tokens) - script.prompt_len
-        if script.cancel_at is not None and script.cancel_at == g and seq.session in self.cancel_registered:
+        if cancel_due(self._script(seq), len(seq.tokens)) and seq.session in self.cancel_registered:
             self.cancels_fired.append(seq.session)
 
     def take_cancels(self) -> list[int]:

@@ -24,6 +24,18 @@ class Script:
         return self.tokens[g] if g < len(self.tokens) else self.tokens[-1]
 
 
+def script_key(session: int, tokens) -> int:
+    """Whose script answers a sequence: its session number, or (once swap-in lost it) the first
+    token it holds, which is the request id (scenarios.md §2.1)."""
+    return session if session else (tokens[0] if tokens else 0)
+
+
+def cancel_due(script: Script, tokens_held: int) -> bool:
+    """The scripted client cancels when a cancel-checking call starts with exactly ``cancel_at``
+    generated tokens in the sequence's KV."""
+    return script.cancel_at is not None and script.cancel_at == tokens_held - script.prompt_len
+
+
 def script_next(script: Script, position: int) -> int:
     """The answer after feeding ``position``: the script token at ``position + 1 - prompt_len``."""
     return script.tok(position + 1 - script.prompt_len)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Optional
 
 from fxsched.runtime.device import DeviceError
-from fxsched.runtime.script_model import Script, script_drafts, script_next, script_verify
+from fxsched.runtime.script_model import Script, cancel_due, script_drafts, script_key, script_next, script_verify
 
 
 class SimSequence:
@@ -76,7 +76,7 @@ class SimDevice:
         return seq
 
     def _script(self, seq: SimSequence) -> Script:
-        key = seq.session if seq.session else (seq.tokens[0] if seq.tokens else 0)
+        key = script_key(seq.session, seq.tokens)
         script = self.scripts.get(key)
         if script is None:
             raise DeviceError(f"no script for request {key}")
@@ -102,9 +102,7 @@ class SimDevice:
         seq.seq_len += len(tokens)
 
     def _cancel_trigger(self, seq: SimSequence) -> None:
-        script = self._script(seq)
-        g = len(seq.tokens) - script.prompt_len
-        if script.cancel_at is not None and script.cancel_at == g and seq.session in self.cancel_registered:
+        if cancel_due(self._script(seq), len(seq.tokens)) and seq.session in self.cancel_registered:
             self.cancels_fired.append(seq.session)
 
     def take_cancels(self) -> list[int]:

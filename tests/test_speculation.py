@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from fxsched.core.mtp_batch import batch_depths, batch_order, chunk_by_rows, dcut_depths
 from fxsched.core.ngram import propose_ngram
+from fxsched.runtime.invariants import expected_output
 from fxsched.runtime.recording_device import DeviceConfig
 from fxsched.runtime.runner import execute_scenario
 from fxsched.runtime.scenario import RequestSpec, RunOptions, Scenario
@@ -129,16 +130,6 @@ def accepted_drafts_in_trace(lines) -> dict[int, int]:
     return acc
 
 
-def expected_output(tokens: tuple[int, ...], max_tokens: int) -> list[int]:
-    out = []
-    for g in range(max_tokens):
-        tok = tokens[g] if g < len(tokens) else tokens[-1]
-        out.append(tok)
-        if tok == EOS:
-            break
-    return out
-
-
 requests_strategy = st.lists(
     st.tuples(
         st.integers(2, 20),                                   # prompt length
@@ -165,7 +156,7 @@ def test_lossless_speculation_never_changes_greedy_output(mode, specs):
     result = execute_scenario(scenario)
     trace_acc = accepted_drafts_in_trace(result.lines)
     for spec in requests:
-        want = expected_output(spec.tokens, spec.max_tokens)
+        want = list(expected_output(spec.tokens, spec.max_tokens))
         frames = result.host.streams[spec.id]
         streamed = [int(t[1:]) for f in frames[:-1] for t in f.split()]
         done = frames[-1]

@@ -13,13 +13,9 @@ pytest.importorskip("safetensors")
 from fxsched.runtime import cli  # noqa: E402
 from fxsched.runtime.cli_generate import add_bench_generate, add_generate_command  # noqa: E402
 from fxsched.runtime.torch_model import HybridEngine, default_config, init_weights, save_weights  # noqa: E402
-from fxsched.runtime.torch_model.testing import single_thread  # noqa: E402
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def wired_parser() -> argparse.ArgumentParser:

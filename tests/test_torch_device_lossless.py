@@ -17,16 +17,13 @@ pytest.importorskip("safetensors")
 
 from fxsched.runtime.generate import OracleDrafter, generate  # noqa: E402
 from fxsched.runtime.torch_model import HybridEngine, default_config  # noqa: E402
-from fxsched.runtime.torch_model.testing import random_prompts, single_thread  # noqa: E402
+from fxsched.runtime.torch_model.testing import random_prompts  # noqa: E402
 
 NUM_PROMPTS = 21
 MAX_TOKENS = 12
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -17,13 +17,10 @@ from fxsched.runtime.sampling import decode_bf16_row  # noqa: E402
 from fxsched.runtime.streams import CpuStream, StreamError, StreamSet  # noqa: E402
 from fxsched.runtime.torch_device import DeviceStateError, TorchDevice  # noqa: E402
 from fxsched.runtime.torch_model import HybridEngine, ModelConfig, default_config  # noqa: E402
-from fxsched.runtime.torch_model.testing import random_prompts, single_thread  # noqa: E402
+from fxsched.runtime.torch_model.testing import random_prompts  # noqa: E402
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

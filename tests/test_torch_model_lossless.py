@@ -14,17 +14,14 @@ from fxsched.runtime.torch_model.drafters import ngram_propose  # noqa: E402
 from fxsched.runtime.torch_model.engine import HybridEngine  # noqa: E402
 from fxsched.runtime.torch_model.speculative import (  # noqa: E402
     DFlashProposer, MtpProposer, NgramProposer, speculative_generate)
-from fxsched.runtime.torch_model.testing import random_prompts, single_thread  # noqa: E402
+from fxsched.runtime.torch_model.testing import random_prompts  # noqa: E402
 
 NUM_PROMPTS = 21  # a multiple of the batch of 3
 MAX_TOKENS = 24
 BATCH = 3
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

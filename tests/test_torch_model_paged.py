@@ -15,13 +15,10 @@ from fxsched.runtime.torch_model.config import default_config  # noqa: E402
 from fxsched.runtime.torch_model.engine import HybridEngine  # noqa: E402
 from fxsched.runtime.torch_model.errors import OutOfBlocksError  # noqa: E402
 from fxsched.runtime.torch_model.paged_kv import BlockPool, PagedKVCache, flat_indices  # noqa: E402
-from fxsched.runtime.torch_model.testing import random_prompts, single_thread  # noqa: E402
+from fxsched.runtime.torch_model.testing import random_prompts  # noqa: E402
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def dense_causal_attention(q, k, v, q_start):

@@ -14,15 +14,12 @@ from fxsched.runtime.torch_model.engine import HybridEngine  # noqa: E402
 from fxsched.runtime.torch_model.errors import OutOfBlocksError  # noqa: E402
 from fxsched.runtime.torch_model.prefix_cache import chain_hash  # noqa: E402
 from fxsched.runtime.torch_model.speculative import DFlashProposer, MtpProposer, speculative_generate  # noqa: E402
-from fxsched.runtime.torch_model.testing import random_prompts, single_thread  # noqa: E402
+from fxsched.runtime.torch_model.testing import random_prompts  # noqa: E402
 
 MAX_TOKENS = 20
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

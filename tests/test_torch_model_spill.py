@@ -12,16 +12,13 @@ pytest.importorskip("safetensors")
 from fxsched.runtime.torch_model.config import default_config  # noqa: E402
 from fxsched.runtime.torch_model.engine import HybridEngine  # noqa: E402
 from fxsched.runtime.torch_model.errors import SlotError, SpillError  # noqa: E402
-from fxsched.runtime.torch_model.testing import random_prompts, single_thread  # noqa: E402
+from fxsched.runtime.torch_model.testing import random_prompts  # noqa: E402
 
 TOTAL = 30
 BEFORE_SPILL = 12
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -13,14 +13,11 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from fxsched.runtime.torch_model.config import ModelConfig, default_config, load_config  # noqa: E402
 from fxsched.runtime.torch_model.engine import HybridEngine  # noqa: E402
 from fxsched.runtime.torch_model.errors import ConfigError, WeightsError  # noqa: E402
-from fxsched.runtime.torch_model.testing import random_prompts, single_thread  # noqa: E402
+from fxsched.runtime.torch_model.testing import random_prompts  # noqa: E402
 from fxsched.runtime.torch_model.weights import init_weights, load_weights, param_shapes, save_weights  # noqa: E402
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    with single_thread():
-        yield
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_weights_default_toml_matches_dataclass_defaults():
