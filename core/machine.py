@@ -115,9 +115,10 @@ def _take_input(state: SchedulerState, event: Event) -> SchedulerState:
     if isinstance(event, Arrival):
         return replace(state, inbox=state.inbox + (event.request,))
     if isinstance(event, Cancel):
-        seqs = {s.seq_id: replace(s, cancel_requested=True)
-                for s in state.active if s.request_id == event.request_id and s.has_cancel_flag}
-        state = put_seqs(state, seqs)
+        active = [s for s in state.active if s.request_id == event.request_id]
+        if active:
+            return put_seqs(state, {s.seq_id: replace(s, cancel_requested=True) for s in active if s.has_cancel_flag})
+        # not running yet: remembered until the request becomes active (then it moves to the flag)
         return replace(state, cancels=state.cancels | {event.request_id})
     if isinstance(event, Clock):
         return replace(state, now_ms=event.now_ms)

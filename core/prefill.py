@@ -101,11 +101,14 @@ def become_active(state: SchedulerState, request: Request, seq_id: int, slot: in
     cached = next((n for s, n in state.prefix_hits if s == seq_id), 0)
     if cached:
         state = replace(state, prefix_hits=tuple(h for h in state.prefix_hits if h[0] != seq_id))
+    cancelled = request.id in state.cancels
+    if cancelled:
+        state = replace(state, cancels=state.cancels - {request.id})
     seq = Sequence(
         seq_id=seq_id, request=request, slot=slot, seq_len=request.prompt_len,
         blocks=model.blocks_for(request.prompt_len), output=(token,),
         remaining=request.max_tokens - 1, last_token=token,
-        has_cancel_flag=request.streaming, cancel_requested=request.id in state.cancels, cached=cached,
+        has_cancel_flag=request.streaming, cancel_requested=cancelled, cached=cached,
     )
     is_eos = token in config.eos_ids
     if not is_eos and request.max_tokens > 0 and request.streaming:

@@ -402,3 +402,17 @@ def test_a_request_for_an_unknown_adapter_is_refused_by_name():
     effects = d.feed(ev.AdapterIds((-1, -1, 0)))
     assert of_type(effects, ErrorOut) == [ErrorOut(1, "request 1: unknown adapter slot 7", True)]
     assert [r.id for r in d.state.new_requests] == [2]
+
+
+def test_a_cancel_for_a_running_request_goes_to_its_flag_and_is_not_kept_around():
+    d = Driver(requests=[make_request(1, max_tokens=9)]).run_to_query(plans.Decode)
+    d.feed(ev.Cancel(1))
+    assert d.state.active[0].cancel_requested and d.state.cancels == frozenset()
+
+
+def test_a_cancel_before_the_request_runs_is_consumed_when_it_becomes_active():
+    d = Driver(requests=[make_request(1)], boot=False)
+    d.feed(ev.Cancel(1))
+    d.feed(ev.Boot())
+    d.run_to_query(plans.Decode)
+    assert d.state.active[0].cancel_requested and d.state.cancels == frozenset()
