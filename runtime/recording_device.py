@@ -8,7 +8,6 @@ the same list, so the three kinds of recorded lines interleave in call order.
 
 from __future__ import annotations
 
-import struct
 from typing import Callable, Optional
 
 import attrs
@@ -565,8 +564,3 @@ class RecordingDevice:
 
     def save_hidden_for_catchup(self, row: int, pos: int) -> None:
         self._rec(f"save_hidden_for_catchup({row}, pos={pos})")
-
-
-def decode_bf16(slab: bytes) -> list[float]:
-    """BF16 little-endian values to floats (the upper half of an fp32)."""
-    return [struct.unpack("<f", b"\x00\x00" + slab[i:i + 2])[0] for i in range(0, len(slab), 2)]

@@ -200,10 +200,6 @@ class EpisodeResult:
     events: tuple
 
 
-def describe_event(event) -> str:
-    return repr(event)
-
-
 def run_episode(episode: Episode, coverage: Counter, step_limit: int = 20000, keep_log: bool = False) -> EpisodeResult:
     """Run one episode to its end; the first broken invariant stops it."""
     scripts = {r.id: r.script() for r in episode.requests}
@@ -225,7 +221,7 @@ def run_episode(episode: Episode, coverage: Counter, step_limit: int = 20000, ke
         while queue:
             event = queue.pop(0)
             if keep_log:
-                log.append(describe_event(event))
+                log.append(repr(event))
             if isinstance(event, ev.DeviceFault):
                 coverage["fault:kv_exhausted" if event.kv_exhausted else "fault:fatal"] += 1
             elif isinstance(event, ev.Cancel):
