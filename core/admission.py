@@ -1,9 +1,15 @@
-"""Admission: which pending requests start this tick (scheduler.md §5.4–5.5). Pure functions."""
+"""Admission: which pending requests start this tick, the policies and the KV reservation
+(specs/scheduler.md §5.4–5.5). Pure functions."""
 
 from __future__ import annotations
 
+from typing import Optional
+
 from fxsched.core.config import ModelInfo, SchedulerConfig
 from fxsched.core.request import Request
+from fxsched.core.state import SchedulerState
+from fxsched.effects.base import Effect
+from fxsched.effects.client import ErrorOut
 
 
 def select_fifo(pending: tuple[Request, ...], cap: int) -> tuple[Request, ...]:
@@ -74,7 +80,7 @@ def reserve_kv(
 UNKNOWN_ADAPTER = -1
 
 
-def impossible(model: ModelInfo, config: SchedulerConfig, request: Request, adapter_id: int = 0):
+def impossible(model: ModelInfo, config: SchedulerConfig, request: Request, adapter_id: int = 0) -> Optional[str]:
     """Why no amount of waiting could serve ``request`` (an adapter the device does not know, a
     prompt past the context, or needing more KV blocks than the device has), or ``None``."""
     if adapter_id == UNKNOWN_ADAPTER:
@@ -88,8 +94,46 @@ def impossible(model: ModelInfo, config: SchedulerConfig, request: Request, adap
     return None
 
 
-def cohort_split(cohort_id: int, new: tuple[Request, ...], ids: tuple[int, ...]):
+def cohort_split(cohort_id: int, new: tuple[Request, ...],
+                 ids: tuple[int, ...]) -> tuple[tuple[Request, ...], tuple[Request, ...]]:
     """Split ``new`` into (same adapter cohort, deferred): a request joins only with the cohort's id."""
-    same = tuple(r for r, i in zip(new, ids) if i == cohort_id)
-    other = tuple(r for r, i in zip(new, ids) if i != cohort_id)
+    same = tuple(r for r, i in zip(new, ids, strict=True) if i == cohort_id)
+    other = tuple(r for r, i in zip(new, ids, strict=True) if i != cohort_id)
     return same, other
+
+
+def policy_declines(state: SchedulerState) -> bool:
+    """The admission policy's word on prefilling now (FIFO is always willing)."""
+    config = state.config
+    if config.policy != "slai":
+        return False
+    return slai_declines(state.now_ms, state.last_decode_ms, config.slai_deadline_ms, bool(state.active))
+
+
+def committed_blocks(state: SchedulerState) -> int:
+    """KV blocks committed to everything in flight (specs/scheduler.md §5.5)."""
+    model, config = state.model, state.config
+    total = 0
+    for s in state.active:
+        total += commitment(model, config, s.seq_len + 1, s.remaining)
+    for p in state.prefilling:
+        total += commitment(model, config, p.request.prompt_len, p.request.max_tokens)
+    for w in state.swapped:
+        total += commitment(model, config, w.sequence.seq_len + 1, w.sequence.remaining)
+    for q in state.preempted:
+        total += commitment(model, config, len(q.tokens) + 1, q.sequence.remaining)
+    return total
+
+
+def refuse_impossible(state: SchedulerState, new: tuple[Request, ...], ids: tuple[int, ...],
+                      out: list[Effect]) -> tuple[tuple[Request, ...], tuple[int, ...]]:
+    """Fail at once the requests no device state could ever serve; keep the others (and their ids)."""
+    keep, keep_ids = [], []
+    for request, adapter_id in zip(new, ids, strict=True):
+        problem = impossible(state.model, state.config, request, adapter_id)
+        if problem is None:
+            keep.append(request)
+            keep_ids.append(adapter_id)
+        else:
+            out.append(ErrorOut(request.id, problem, request.streaming))
+    return tuple(keep), tuple(keep_ids)

@@ -9,12 +9,13 @@ from typing import Optional
 
 import attrs
 
+from fxsched.core.kv import blocks_for
 from fxsched.effects.base import int_tuple
 
 
 @attrs.frozen
 class ModelInfo:
-    """Fixed answers of the device that record nothing (recording-device.md §3.9)."""
+    """Fixed answers of the device that record nothing (specs/recording-device.md §3.9)."""
 
     vocab: int = 64
     block_size: int = 16
@@ -29,12 +30,12 @@ class ModelInfo:
 
     def blocks_for(self, tokens: int) -> int:
         """KV blocks a sequence of ``tokens`` tokens holds: always room for the next token."""
-        return tokens // self.block_size + 1
+        return blocks_for(tokens, self.block_size)
 
 
 @attrs.frozen
 class SchedulerConfig:
-    """Scheduler settings (runner.md §4.2, scheduler.md §5.1)."""
+    """Scheduler settings (specs/runner.md §4.2, specs/scheduler.md §5.1)."""
 
     eos_ids: tuple[int, ...] = attrs.field(default=(63,), converter=int_tuple)
     max_batch_size: int = 8
@@ -57,7 +58,6 @@ class SchedulerConfig:
     rollback_resteer: bool = True
     max_rollbacks: int = 2
     preemption_immunity_tokens: int = 64
-    planted_bugs: frozenset[str] = attrs.field(default=frozenset(), converter=frozenset, repr=False)
 
     def uses_mtp(self, model: ModelInfo) -> bool:
         """MTP / DFlash speculation runs when asked for and the model has a proposer."""
@@ -73,11 +73,6 @@ class SchedulerConfig:
 
     def __attrs_post_init__(self) -> None:
         object.__setattr__(self, "eos_set", frozenset(self.eos_ids))
-        from fxsched.core.planted import PLANTED_BUGS
-
-        unknown = set(self.planted_bugs) - set(PLANTED_BUGS)
-        if unknown:
-            raise ValueError(f"unknown planted bugs {sorted(unknown)}; known: {sorted(PLANTED_BUGS)}")
 
     @property
     def spill_pool(self) -> bool:

@@ -1,4 +1,5 @@
-"""Lane 3: choosing the decode path, and the plain decode step (scheduler.md §5.15–5.17).
+"""Rules of lane 3: choosing the decode path, and the plain decode step
+(specs/scheduler.md §5.15–5.17).
 
 Invariant kept: after a plain decode every row's ``seq_len`` has grown by one (the fed token) and
 its ``blocks`` cover ``seq_len``; a failed batch changes no sequence it did not fail or preempt.
@@ -6,77 +7,26 @@ its ``blocks`` cover ``seq_len``; a failed batch changes no sequence it did not 
 
 from __future__ import annotations
 
-import attrs
-
-from fxsched.core.records import replace
-
+from fxsched.core.agenda import ask, by_id, push
 from fxsched.core.emit import plain_token
 from fxsched.core.events import DeviceFault, TokensSampled
-from fxsched.core.machine import answer_rule, ask, push, task_rule
-from fxsched.core.sequence import Sequence
+from fxsched.core.faults import fail_sequences
+from fxsched.core.memory import preempt, preemption_victim
+from fxsched.core.phases import AwaitDecode, DecodeLane, NgramStep, PlainDecode, SelfSpecStep, SpecStep
+from fxsched.core.records import replace
+from fxsched.core.rows import by_slot, greedy_row, grow, host_pick, may_speculate, prefill_barrier
 from fxsched.core.state import SchedulerState
-from fxsched.effects import device_calls as dc
 from fxsched.effects import plans
-from fxsched.effects.client import ErrorOut
-from fxsched.effects.lifecycle import ReleaseSeq
+from fxsched.effects.base import Effect
 
 
-@attrs.frozen
-class DecodeLane:
-    pass
-
-
-@attrs.frozen
-class PlainDecode:
-    pass
-
-
-@attrs.frozen
-class AwaitDecode:
-    seq_ids: tuple[int, ...]
-
-
-def may_speculate(seq: Sequence) -> bool:
-    """Not thinking and no guard set."""
-    return seq.guard is None
-
-
-def by_slot(active: tuple[Sequence, ...]) -> tuple[Sequence, ...]:
-    return tuple(sorted(active, key=lambda s: s.slot)) if len(active) > 1 else active
-
-
-def greedy_row(seq: Sequence) -> bool:
-    """A row whose pick is the device argmax (scheduler.md §5.16 step 2)."""
-    req = seq.request
-    return req.temperature == 0 and req.top_logprobs == 0 and req.min_tokens <= len(seq.output)
-
-
-def host_pick(seq: Sequence) -> dc.HostPick:
-    req = seq.request
-    return dc.HostPick(req.temperature, req.seed + len(seq.output), len(seq.output) < req.min_tokens,
-                       req.top_logprobs)
-
-
-def grow(seq: Sequence, seq_len: int, block_size: int) -> Sequence:
-    """New KV length; the block table grows to cover it and never shrinks."""
-    blocks = max(seq.blocks, seq_len // block_size + 1)
-    return replace(seq, seq_len=seq_len, blocks=blocks)
-
-
-from fxsched.core.spec_step import SpecStep  # noqa: E402
-from fxsched.core.ngram import NgramStep  # noqa: E402
-from fxsched.core.self_spec import SelfSpecStep  # noqa: E402
-
-
-@task_rule(DecodeLane)
-def _decode_lane(state: SchedulerState, task, out: list) -> SchedulerState:
+def decode_lane(state: SchedulerState, task: DecodeLane, out: list[Effect]) -> SchedulerState:
     if state.mixed_step_ran:
         return state
     state = replace(state, last_decode_ms=state.now_ms)
     config, model = state.config, state.model
     if state.prefilling:
-        out.append(dc.RecordEvent(state.prefill_event, state.prefill_stream))
-        out.append(dc.StreamWaitEvent(0, state.prefill_event))
+        prefill_barrier(state, out)
     active = state.active
     covered = all(s.slot < config.speculation_slot_cap for s in active)
     if config.ngram_speculative and len(active) == 1 and covered:
@@ -89,8 +39,7 @@ def _decode_lane(state: SchedulerState, task, out: list) -> SchedulerState:
     return push(state, PlainDecode())
 
 
-@task_rule(PlainDecode)
-def _plain_decode(state: SchedulerState, task, out: list) -> SchedulerState:
+def plain_decode(state: SchedulerState, task: PlainDecode, out: list[Effect]) -> SchedulerState:
     active = by_slot(state.active)
     state = replace(state, active=active)
     picks = () if all(greedy_row(s) for s in active) else tuple(host_pick(s) for s in active)
@@ -103,30 +52,23 @@ def _plain_decode(state: SchedulerState, task, out: list) -> SchedulerState:
     return ask(state, out, plan, AwaitDecode(plan.seqs))
 
 
-@answer_rule(AwaitDecode, TokensSampled, DeviceFault)
-def _decoded(state, waiting: AwaitDecode, event, out):
+def decoded(state: SchedulerState, waiting: AwaitDecode, event: TokensSampled | DeviceFault,
+            out: list[Effect]) -> SchedulerState:
     if isinstance(event, DeviceFault):
         if event.kv_exhausted and len(waiting.seq_ids) > 1:
-            from fxsched.core.lifecycle import preempt, preemption_victim
-
-            rows = tuple(s for s in state.active if s.seq_id in set(waiting.seq_ids))
-            return push(preempt(state, preemption_victim(rows), out), PlainDecode())
-        return fail_batch(state, waiting.seq_ids, event.message, out)
+            batch = set(waiting.seq_ids)
+            rows = tuple(s for s in state.active if s.seq_id in batch)
+            victim = preemption_victim(rows)
+            if victim is not None:
+                return push(preempt(state, victim, out), PlainDecode())
+        # a fatal device error fails only the sequences of its batch; the others go on
+        return fail_sequences(state, waiting.seq_ids, event.message, out)
     config, block_size = state.config, state.model.block_size
     logprobs = event.logprobs or (0,) * len(event.tokens)
+    active = by_id(state)
     updated = {}
-    for seq_id, token, lp in zip(waiting.seq_ids, event.tokens, logprobs):
-        seq = next(s for s in state.active if s.seq_id == seq_id)
+    for seq_id, token, lp in zip(waiting.seq_ids, event.tokens, logprobs, strict=True):
+        seq = active[seq_id]
         seq = grow(seq, seq.seq_len + 1, block_size)
         updated[seq_id] = plain_token(seq, token, config, out, lp, state.model)
     return replace(state, active=tuple(updated.get(s.seq_id, s) for s in state.active))
-
-
-def fail_batch(state: SchedulerState, seq_ids, message: str, out: list) -> SchedulerState:
-    """A fatal device error fails only the sequences of its batch; the others go on."""
-    failed = set(seq_ids)
-    for seq in state.active:
-        if seq.seq_id in failed:
-            out.append(ReleaseSeq(seq.seq_id, seq.slot, cache=False, reason="send_error"))
-            out.append(ErrorOut(seq.request_id, message, seq.request.streaming))
-    return replace(state, active=tuple(s for s in state.active if s.seq_id not in failed))

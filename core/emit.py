@@ -1,24 +1,22 @@
 """Token sinks: what happens to each token a step produces for a sequence.
 
-``plain_token`` is the plain and mixed decode path (scheduler.md §5.17): it checkpoints and never
-looks at the cancel flag. ``spec_token`` is the speculative sink (speculation.md §6.1): it checks
+``plain_token`` is the plain and mixed decode path (specs/scheduler.md §5.17): it checkpoints and never
+looks at the cancel flag. ``spec_token`` is the speculative sink (specs/speculation.md §6.1): it checks
 the cancel flag first and takes no checkpoint. Both keep: a finished sequence never streams again,
 EOS is appended but never streamed.
 """
 
 from __future__ import annotations
 
-import attrs
+from typing import Any
 
-from fxsched.core.planted import planted
 from fxsched.core.records import replace, with_fields
 
 from fxsched.core.config import ModelInfo, SchedulerConfig
 from fxsched.core.sequence import Sequence
+from fxsched.core.sequence import Guard
 from fxsched.core.watchdog import (
-    CONTENT_LOOP_GUARD,
     CONTENT_LOOP_SPAN,
-    FUZZY_GUARD,
     content_loop,
     content_loop_due,
     fuzzy_repetition,
@@ -26,35 +24,30 @@ from fxsched.core.watchdog import (
     save_snapshot,
     snapshot_wanted,
 )
+from fxsched.effects.base import Effect
 from fxsched.effects.client import TokenOut, TokensOut
 from fxsched.effects.lifecycle import MarconiCheckpoint
 
 
-def stream_token(seq: Sequence, token: int, out: list) -> None:
+def stream_token(seq: Sequence, token: int, out: list[Effect]) -> None:
     """Send ``token`` to a streaming client (``TL`` form once the request has logprob records)."""
     if seq.request.streaming:
         k = seq.request.top_logprobs if seq.logprob_records else 0
         out.append(TokenOut(seq.request_id, token, k))
 
 
-def _is_eos(token: int, config: SchedulerConfig) -> bool:
-    return token in config.eos_ids
-
-
-def plain_token(seq: Sequence, token: int, config: SchedulerConfig, out: list, logprobs: int = 0,
+def plain_token(seq: Sequence, token: int, config: SchedulerConfig, out: list[Effect], logprobs: int = 0,
                 model: ModelInfo | None = None) -> Sequence:
-    """Per-token handling of a plain or mixed decode row (scheduler.md §5.17); ``seq.seq_len`` is
+    """Per-token handling of a plain or mixed decode row (specs/scheduler.md §5.17); ``seq.seq_len`` is
     already advanced. With the watchdogs armed, a content loop or a fuzzy repetition rolls the
     sequence back to a boundary, or finishes it with a guard."""
     armed = config.loop_watchdog and model is not None
     remaining = seq.remaining - 1
     content = seq.content_count + 1
-    if armed and content_loop_due(content) and content_loop(seq.output.tokens()):
-        return rollback_or_guard(seq, CONTENT_LOOP_SPAN, CONTENT_LOOP_GUARD, config, model, out)
+    if armed and model is not None and content_loop_due(content) and content_loop(seq.output.tokens()):
+        return rollback_or_guard(seq, CONTENT_LOOP_SPAN, Guard.CONTENT_LOOP, config, model, out)
     records = seq.logprob_records + (1 if logprobs else 0)
     if token in config.eos_set:
-        if planted(config, "token_after_eos"):
-            stream_token(seq, token, out)
         return replace(seq, output=seq.output.append(token), remaining=remaining,
                        content_count=content, finished=True, logprob_records=records)
     seq = replace(seq, output=seq.output.append(token), remaining=remaining, content_count=content,
@@ -65,16 +58,16 @@ def plain_token(seq: Sequence, token: int, config: SchedulerConfig, out: list, l
     stream_token(seq, token, out)
     if remaining <= 0 or seq.seq_len + 1 >= config.max_seq_len:
         return replace(seq, finished=True)
-    if armed:
+    if armed and model is not None:
         window = fuzzy_repetition(seq.output.tokens())
         if window is not None:
-            seq = rollback_or_guard(seq, 3 * window, FUZZY_GUARD, config, model, out)
+            seq = rollback_or_guard(seq, 3 * window, Guard.FUZZY_REPETITION, config, model, out)
     return seq
 
 
-def spec_tokens(seq: Sequence, tokens: tuple[int, ...], config: SchedulerConfig, out: list,
-                changes: dict | None = None) -> Sequence:
-    """The speculative sink (speculation.md §6.1) for ``tokens`` in order; stops at the first token
+def spec_tokens(seq: Sequence, tokens: tuple[int, ...], config: SchedulerConfig, out: list[Effect],
+                changes: dict[str, Any] | None = None) -> Sequence:
+    """The speculative sink (specs/speculation.md §6.1) for ``tokens`` in order; stops at the first token
     that finishes the sequence. ``changes`` (a settled ``seq_len``, ``acc``, ...) are applied in the
     same rebuild, so a verify costs one record copy per sequence. ``changes`` must be a fresh dict:
     the sink takes it over."""
@@ -98,16 +91,16 @@ def spec_tokens(seq: Sequence, tokens: tuple[int, ...], config: SchedulerConfig,
     count, remaining, content, last = len(seq.output), seq.remaining, seq.content_count, seq.last_token
     finished = False
     eos_ids = config.eos_set
-    streamed = []
+    streamed: list[int] = []
     taken = 0
     armed = config.loop_watchdog
-    guard = None
+    guard: Guard | None = None
     for token in tokens:
         if seq.cancel_requested:
             finished = True
             break
         if armed and content_loop_due(content + 1) and content_loop(seq.output.tokens() + tuple(tokens[:taken])):
-            finished, guard = True, CONTENT_LOOP_GUARD
+            finished, guard = True, Guard.CONTENT_LOOP
             break
         before = count
         count += 1
@@ -134,6 +127,6 @@ def spec_tokens(seq: Sequence, tokens: tuple[int, ...], config: SchedulerConfig,
     return with_fields(seq, fields)
 
 
-def spec_token(seq: Sequence, token: int, config: SchedulerConfig, out: list) -> Sequence:
+def spec_token(seq: Sequence, token: int, config: SchedulerConfig, out: list[Effect]) -> Sequence:
     """The speculative sink for one token."""
     return spec_tokens(seq, (token,), config, out)

@@ -1,5 +1,5 @@
-"""Batched MTP verify across sequences: the gate, D-Cut depths, the verify, catch-up and batched
-propose (speculation.md §6.10–6.11).
+"""Rules of the batched MTP verify across sequences: the gate, D-Cut depths, the verify, catch-up
+and batched propose (specs/speculation.md §6.10–6.11).
 
 Invariants kept: the GDN fold of the batch comes before any per-sequence commit; each sequence's
 verdict is the serial verdict with proposing deferred; only unfinished sequences catch up and
@@ -8,15 +8,19 @@ re-propose.
 
 from __future__ import annotations
 
-import attrs
+from typing import Optional
 
-from fxsched.core.decode import grow
+from fxsched.core.agenda import ask, by_id, push, put_seqs
 from fxsched.core.events import BatchVerifyAllowed, VerifyRows
-from fxsched.core.machine import answer_rule, ask, push, put_seqs, task_rule
+from fxsched.core.phases import AwaitMtpBatch, AwaitMtpGate, MtpBatch, MtpGate, MtpGateCheck, SerialVerify
 from fxsched.core.records import replace
+from fxsched.core.rows import grow
+from fxsched.core.sequence import Sequence
 from fxsched.core.state import SchedulerState
 from fxsched.core.verdict import accepted_prefix
+from fxsched.core.verifying import propose_after_batch, shared_verdict
 from fxsched.effects import device_calls as dc
+from fxsched.effects.base import Effect
 
 DCUT_WIDTH_CAP = 8
 DCUT_KEEP_RATIO = 0.75
@@ -40,7 +44,7 @@ def dcut_depths(confidences: list[tuple[float, ...]], draft_count: int) -> list[
     """
     n = len(confidences)
     prunable = n * (draft_count - 1)
-    candidates = []
+    candidates: list[tuple[float, int, int]] = []
     for i, conf in enumerate(confidences):
         for j in range(1, draft_count):
             score = sum(conf[: j + 1]) if conf else 0.0
@@ -53,7 +57,8 @@ def dcut_depths(confidences: list[tuple[float, ...]], draft_count: int) -> list[
     return [min(1 + d, draft_count) + 1 for d in deepest]
 
 
-def batch_depths(count: int, draft_count: int, confidences=None) -> list[int]:
+def batch_depths(count: int, draft_count: int,
+                 confidences: Optional[list[tuple[float, ...]]] = None) -> list[int]:
     """Rows per sequence: D-Cut for 2+ drafts and 1..8 sequences, else the full depth."""
     if draft_count >= 2 and 1 <= count <= DCUT_WIDTH_CAP:
         return dcut_depths(confidences or [()] * count, draft_count)
@@ -69,7 +74,8 @@ def batch_order(entries: list[tuple[int, int, int]]) -> list[tuple[int, int, int
 
 def chunk_by_rows(ks: list[int]) -> list[tuple[int, int]]:
     """Consecutive ``(start, end)`` runs of at most 32 sequences with at most 160 rows."""
-    runs, start, rows = [], 0, 0
+    runs: list[tuple[int, int]] = []
+    start, rows = 0, 0
     for index, k in enumerate(ks):
         if index > start and (index - start >= CHUNK_SEQS or rows + k > ROW_BUDGET):
             runs.append((start, index))
@@ -80,81 +86,51 @@ def chunk_by_rows(ks: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-@attrs.frozen
-class MtpBatch:
-    """One chunk of the batched MTP verify: sequences in batch order with their depths."""
-
-    seq_ids: tuple[int, ...]
-    ks: tuple[int, ...]
-    draft_count: int
-
-
-@attrs.frozen
-class AwaitMtpGate:
-    batch: MtpBatch
-
-
-@attrs.frozen
-class AwaitMtpBatch:
-    seq_ids: tuple[int, ...]
-    ks: tuple[int, ...]
-    drafts: tuple[tuple[int, ...], ...]
-    pre_lens: tuple[int, ...]
-    draft_count: int
-
-
-def gate(state: SchedulerState, seq_ids: tuple[int, ...], draft_count: int, out: list) -> SchedulerState:
-    """Split the verify sequences into batched chunks and serial verifies (speculation.md §6.10)."""
-    from fxsched.core.kverify import SerialVerify
-
-    by_id = {s.seq_id: s for s in state.active}
-    batchable = [i for i in seq_ids if len(by_id[i].drafts) >= draft_count]
-    serial = [i for i in seq_ids if len(by_id[i].drafts) < draft_count]
+def gate(state: SchedulerState, task: MtpGate, out: list[Effect]) -> SchedulerState:
+    """Split the verify sequences into batched chunks and serial verifies (specs/speculation.md §6.10)."""
+    seq_ids, draft_count = task.seq_ids, task.draft_count
+    active = by_id(state)
+    batchable = [i for i in seq_ids if len(active[i].drafts) >= draft_count]
+    serial = [i for i in seq_ids if len(active[i].drafts) < draft_count]
     ks = batch_depths(len(batchable), draft_count)
-    ordered = batch_order([(k, by_id[i].slot, n) for n, (i, k) in enumerate(zip(batchable, ks))])
+    ordered = batch_order([(k, active[i].slot, n) for n, (i, k) in enumerate(zip(batchable, ks, strict=True))])
     order_ids = [batchable[n] for _, _, n in ordered]
     order_ks = [k for k, _, _ in ordered]
-    tasks: list = []
+    tasks: list[object] = []
     for start, end in chunk_by_rows(order_ks):
         if end - start >= 2:
             tasks.append(MtpGateCheck(MtpBatch(tuple(order_ids[start:end]), tuple(order_ks[start:end]), draft_count)))
         else:
             serial.extend(order_ids[start:end])
-    tail = [SerialVerify(i, draft_count) for i in seq_ids if i in set(serial)]
+    chosen = set(serial)
+    tail = [SerialVerify(i, draft_count) for i in seq_ids if i in chosen]
     return push(state, *tasks, *tail)
 
 
-@attrs.frozen
-class MtpGateCheck:
-    batch: MtpBatch
-
-
-@task_rule(MtpGateCheck)
-def _gate_check(state: SchedulerState, task: MtpGateCheck, out: list) -> SchedulerState:
+def gate_check(state: SchedulerState, task: MtpGateCheck, out: list[Effect]) -> SchedulerState:
     live = {s.seq_id for s in state.active}
     if any(i not in live for i in task.batch.seq_ids):  # a fault failed some since the gate
-        from fxsched.core.kverify import SerialVerify
-
         return push(state, *(SerialVerify(i, task.batch.draft_count) for i in task.batch.seq_ids if i in live))
     return ask(state, out, dc.CanBatchVerify(task.batch.ks), AwaitMtpGate(task.batch))
 
 
-@answer_rule(AwaitMtpGate, BatchVerifyAllowed)
-def _gate_answer(state, waiting: AwaitMtpGate, event: BatchVerifyAllowed, out):
-    from fxsched.core.kverify import SerialVerify
-
+def gate_answer(state: SchedulerState, waiting: AwaitMtpGate, event: BatchVerifyAllowed,
+                out: list[Effect]) -> SchedulerState:
     batch = waiting.batch
     if not event.allowed:
-        order = [s.seq_id for s in state.active if s.seq_id in set(batch.seq_ids)]
+        members = set(batch.seq_ids)
+        order = [s.seq_id for s in state.active if s.seq_id in members]
         return push(state, *(SerialVerify(i, batch.draft_count) for i in order))
-    return start_batch(state, batch, out)
+    return _start_batch(state, batch, out)
 
 
-def start_batch(state: SchedulerState, batch: MtpBatch, out: list) -> SchedulerState:
-    by_id = {s.seq_id: s for s in state.active}
-    tokens, drafts, pre_lens, grown = [], [], [], {}
-    for seq_id, k in zip(batch.seq_ids, batch.ks):
-        seq = by_id[seq_id]
+def _start_batch(state: SchedulerState, batch: MtpBatch, out: list[Effect]) -> SchedulerState:
+    active = by_id(state)
+    tokens: list[int] = []
+    drafts, pre_lens = [], []
+    grown: dict[int, Sequence] = {}
+    for seq_id, k in zip(batch.seq_ids, batch.ks, strict=True):
+        seq = active[seq_id]
         mine = seq.drafts[: k - 1]
         tokens.append(seq.last_token)
         tokens.extend(mine)
@@ -167,11 +143,8 @@ def start_batch(state: SchedulerState, batch: MtpBatch, out: list) -> SchedulerS
     return ask(put_seqs(state, grown), out, query, waiting)
 
 
-@answer_rule(AwaitMtpBatch, VerifyRows)
-def _batch_verified(state, waiting: AwaitMtpBatch, event: VerifyRows, out):
-    from fxsched.core.kverify import shared_verdict
-    from fxsched.core.spec_step import propose_after_batch
-
+def batch_verified(state: SchedulerState, waiting: AwaitMtpBatch, event: VerifyRows,
+                   out: list[Effect]) -> SchedulerState:
     offsets, off = [], 0
     for k in waiting.ks:
         offsets.append(off)
@@ -181,21 +154,20 @@ def _batch_verified(state, waiting: AwaitMtpBatch, event: VerifyRows, out):
         rows = event.rows[offsets[i]:offsets[i] + k]
         nd = min(len(waiting.drafts[i]), k - 1)
         nas.append(min(accepted_prefix(waiting.drafts[i][:nd], rows), nd))
-    out.append(dc.StashVerifyHiddenRows(tuple(o + na for o, na in zip(offsets, nas))))
+    out.append(dc.StashVerifyHiddenRows(tuple(o + na for o, na in zip(offsets, nas, strict=True))))
     pairs = [(CATCHUP_STRIDE * i + j, offsets[i] + j) for i, na in enumerate(nas) for j in range(min(na, CATCHUP_STRIDE))]
     if pairs:
         out.append(dc.StashVerifyCatchupRows(tuple(pairs)))
-    by_id = {s.seq_id: s for s in state.active}
-    out.append(dc.GdnFoldAccepted(tuple(by_id[i].slot for i in waiting.seq_ids), tuple(na + 1 for na in nas),
+    active = by_id(state)
+    out.append(dc.GdnFoldAccepted(tuple(active[i].slot for i in waiting.seq_ids), tuple(na + 1 for na in nas),
                                   max(waiting.ks)))
-    for i, (seq_id, k) in enumerate(zip(waiting.seq_ids, waiting.ks)):
-        seq = next(s for s in state.active if s.seq_id == seq_id)
+    for i, (seq_id, k) in enumerate(zip(waiting.seq_ids, waiting.ks, strict=True)):
         rows = event.rows[offsets[i]:offsets[i] + k]
         nd = min(len(waiting.drafts[i]), k - 1)
-        state = shared_verdict(state, seq, waiting.drafts[i], rows, k, nas[i], nd, waiting.pre_lens[i],
+        state = shared_verdict(state, active[seq_id], waiting.drafts[i], rows, k, nas[i], nd, waiting.pre_lens[i],
                                waiting.draft_count, out, deferred=True)
-    by_id = {s.seq_id: s for s in state.active}
-    pending = [(i, seq_id) for i, seq_id in enumerate(waiting.seq_ids) if not by_id[seq_id].finished]
+    active = by_id(state)
+    pending = [(i, seq_id) for i, seq_id in enumerate(waiting.seq_ids) if not active[seq_id].finished]
     if not pending:
         return state
     if any(nas[i] for i, _ in pending):
@@ -203,6 +175,6 @@ def _batch_verified(state, waiting: AwaitMtpBatch, event: VerifyRows, out):
         out.append(dc.CatchupBatched(
             tokens=caught,
             slots=tuple(CATCHUP_STRIDE * i for i, _ in pending),
-            pos=tuple(by_id[seq_id].seq_len - len(c) for (_, seq_id), c in zip(pending, caught)),
+            pos=tuple(active[seq_id].seq_len - len(c) for (_, seq_id), c in zip(pending, caught, strict=True)),
         ))
     return propose_after_batch(state, pending, waiting.draft_count, out)

@@ -1,4 +1,4 @@
-"""N-gram (prompt lookup) drafting over the sequence's own tokens (speculation.md §6.14).
+"""N-gram (prompt lookup) drafting over the sequence's own tokens (specs/speculation.md §6.14).
 
 The proposer is a pure function of the tokens in the KV; the step decodes without a draft and
 verifies with K = 2 when one is pending. N-gram steps never count into ``acc``.
@@ -8,19 +8,18 @@ from __future__ import annotations
 
 from typing import Optional, Sequence as Seq
 
-import attrs
-
-from fxsched.core.decode import grow
+from fxsched.core.agenda import ask, find_seq, forward, put_seq
 from fxsched.core.emit import spec_token, spec_tokens
 from fxsched.core.events import TokenSampled, VerifyRows
-from fxsched.core.flow import AskQuery, forward
-from fxsched.core.machine import answer_rule, ask, find_seq, put_seq, task_rule
-from fxsched.core.planted import planted
+from fxsched.core.phases import AskQuery, AwaitNgramDecode, AwaitNgramVerify, NgramStep
 from fxsched.core.records import replace
+from fxsched.core.rows import grow
+from fxsched.core.sequence import Sequence
 from fxsched.core.state import SchedulerState
 from fxsched.effects import device_calls as dc
+from fxsched.effects.base import Effect
+from fxsched.effects.ep_words import VERIFY_CMD
 
-K2_VERIFY_CMD = 0xFFFFFFF2
 MIN_MATCH = 2
 
 
@@ -34,42 +33,25 @@ def propose_ngram(history: Seq[int], max_match: int = 16) -> Optional[int]:
     size = len(history)
     if size < 3:
         return None
-    best, proposal = 0, None
-    history = tuple(history)
+    best: int = 0
+    proposal: Optional[int] = None
+    tokens = tuple(history)
     for n in range(MIN_MATCH, min(max_match, size - 1) + 1):
-        suffix = history[size - n:]
+        suffix = tokens[size - n:]
         for s in range(0, size - n):
-            if history[s:s + n] == suffix:
+            if tokens[s:s + n] == suffix:
                 if n > best:
-                    best, proposal = n, history[s + n]
+                    best, proposal = n, tokens[s + n]
                 break
     return proposal
 
 
-@attrs.frozen
-class NgramStep:
-    pass
-
-
-@attrs.frozen
-class AwaitNgramDecode:
-    seq_id: int
-
-
-@attrs.frozen
-class AwaitNgramVerify:
-    seq_id: int
-    draft: int
-    pre_len: int
-
-
-def _proposal(state: SchedulerState, seq) -> tuple[int, ...]:
+def _proposal(state: SchedulerState, seq: Sequence) -> tuple[int, ...]:
     p = propose_ngram(seq.kv_tokens(), state.config.ngram_max_match)
     return () if p is None else (p,)
 
 
-@task_rule(NgramStep)
-def _ngram_step(state: SchedulerState, task, out: list) -> SchedulerState:
+def ngram_step(state: SchedulerState, task: NgramStep, out: list[Effect]) -> SchedulerState:
     (seq,) = state.active
     if not seq.drafts:
         out.append(dc.EpBroadcastCmdForSeq(seq.slot, seq.last_token))
@@ -78,7 +60,7 @@ def _ngram_step(state: SchedulerState, task, out: list) -> SchedulerState:
         return forward(state, out, dc.DecodeCall(seq.last_token, seq.seq_id, 0), (seq.seq_id,), read)
     draft = seq.drafts[0]
     out.append(dc.SyncSecondaryCall())
-    out.append(dc.EpBroadcastCmdForSeq(seq.slot, K2_VERIFY_CMD))
+    out.append(dc.EpBroadcastCmdForSeq(seq.slot, VERIFY_CMD[2]))
     out.append(dc.EpBroadcastCmd(seq.last_token))
     out.append(dc.EpBroadcastCmd(draft))
     query = dc.DecodeVerifyGraphed(seq.seq_id, (seq.last_token, draft))
@@ -87,8 +69,8 @@ def _ngram_step(state: SchedulerState, task, out: list) -> SchedulerState:
     return ask(state, out, query, AwaitNgramVerify(seq.seq_id, draft, pre))
 
 
-@answer_rule(AwaitNgramDecode, TokenSampled)
-def _ngram_decoded(state, waiting: AwaitNgramDecode, event: TokenSampled, out):
+def ngram_decoded(state: SchedulerState, waiting: AwaitNgramDecode, event: TokenSampled,
+                  out: list[Effect]) -> SchedulerState:
     seq = spec_token(find_seq(state, waiting.seq_id), event.token, state.config, out)
     if not seq.finished:
         drafts = _proposal(state, seq)
@@ -98,8 +80,8 @@ def _ngram_decoded(state, waiting: AwaitNgramDecode, event: TokenSampled, out):
     return put_seq(state, seq)
 
 
-@answer_rule(AwaitNgramVerify, VerifyRows)
-def _ngram_verified(state, waiting: AwaitNgramVerify, event: VerifyRows, out):
+def ngram_verified(state: SchedulerState, waiting: AwaitNgramVerify, event: VerifyRows,
+                   out: list[Effect]) -> SchedulerState:
     seq = find_seq(state, waiting.seq_id)
     v0, v1 = event.rows[0], event.rows[1]
     accepted = waiting.draft == v0
@@ -110,8 +92,7 @@ def _ngram_verified(state, waiting: AwaitNgramVerify, event: VerifyRows, out):
             return put_seq(state, seq)
         out.append(dc.StartCheckpointAsync(seq.seq_id))
     else:
-        if not planted(state.config, "no_rewind_on_reject"):
-            out.append(dc.TruncateSequence(seq.seq_id, waiting.pre_len + 1))
+        out.append(dc.TruncateSequence(seq.seq_id, waiting.pre_len + 1))
         seq = replace(seq, seq_len=waiting.pre_len + 1)
         out.append(dc.StartRollbackAndCheckpointAsync(seq.seq_id, 1))
         seq = spec_token(seq, v0, state.config, out)

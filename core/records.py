@@ -1,35 +1,67 @@
-"""A fast ``replace`` for the hot records (sequences, the scheduler state).
+"""Fast copies of the hot records (sequences, the scheduler state).
 
-``attrs.evolve`` re-runs every converter and validator and costs several microseconds per call;
-``step`` rebuilds sequences many times per tick, so the hot records are dict-backed frozen attrs
-classes that ``replace`` copies directly. Callers pass final values (tuples, not lists): nothing is
-converted. The result is a new frozen record equal to ``attrs.evolve(record, **changes)``.
+``attrs.evolve`` re-runs every converter and validator of every field and costs several
+microseconds per call; ``step`` rebuilds sequences many times per tick, so the hot records are
+dict-backed frozen attrs classes copied directly:
+
+- ``replace(record, **changes)`` runs the converter and validator of each *changed* field (looked
+  up once per class), so a copy keeps every conversion the constructor would make
+  (``replace(seq, drafts=[1, 2])`` stores a tuple). The result equals ``attrs.evolve``'s.
+- ``with_fields(record, changes)`` is the hot path's copy: it takes final values as they are.
+  Its callers pass only values their converters would leave unchanged (tuples, token logs); a
+  test runs every reference scenario and the random walk with a checking ``with_fields`` to keep
+  that true.
 """
 
 from __future__ import annotations
 
-from typing import TypeVar
+from typing import Any, Callable, TypeVar
 
 import attrs
 
 T = TypeVar("T")
 
+_Check = tuple[str, Callable[[Any], Any] | None, Callable[[Any, Any, Any], Any] | None, Any]
+_CHECKS: dict[type, tuple[_Check, ...] | None] = {}
 
-def replace(record: T, **changes) -> T:
-    """A copy of ``record`` with ``changes`` applied; ``record`` is left as it was."""
-    if not hasattr(record, "__dict__"):  # slotted records are small and rare: evolve them
-        return attrs.evolve(record, **changes)
+
+def field_checks(cls: type) -> tuple[_Check, ...] | None:
+    """(name, converter, validator, attribute) of each field of ``cls`` that converts or validates;
+    ``None`` for slotted records, which ``replace`` evolves."""
+    if cls in _CHECKS:
+        return _CHECKS[cls]
+    found: tuple[_Check, ...] | None = None
+    if "__slots__" not in cls.__dict__:
+        found = tuple((a.name, a.converter, a.validator, a) for a in attrs.fields(cls)
+                      if a.converter is not None or a.validator is not None)
+    _CHECKS[cls] = found
+    return found
+
+
+def with_fields(record: T, changes: dict[str, Any]) -> T:
+    """A copy of ``record`` with ``changes`` (final values) applied; ``record`` is left as it was."""
     new = object.__new__(type(record))
     fields = new.__dict__
-    fields.update(record.__dict__)
+    fields.update(record.__dict__)  # type: ignore[attr-defined]
     fields.update(changes)
     return new
 
 
-def with_fields(record: T, changes: dict) -> T:
-    """``replace`` taking the changes as a dict (no keyword packing on the hot path)."""
-    new = object.__new__(type(record))
+def replace(record: T, **changes: Any) -> T:
+    """A copy of ``record`` with ``changes`` converted, validated and applied."""
+    cls = type(record)
+    checks = _CHECKS[cls] if cls in _CHECKS else field_checks(cls)
+    if checks is None:
+        return attrs.evolve(record, **changes)  # type: ignore[misc]
+    new = object.__new__(cls)
+    for name, converter, validator, attribute in checks:
+        if name in changes:
+            value = changes[name]
+            if converter is not None:
+                value = changes[name] = converter(value)
+            if validator is not None:
+                validator(new, attribute, value)
     fields = new.__dict__
-    fields.update(record.__dict__)
+    fields.update(record.__dict__)  # type: ignore[attr-defined]
     fields.update(changes)
     return new

@@ -1,19 +1,16 @@
-"""Finishing a request, releasing its sequence and compacting the survivors (scheduler.md §5.19–5.20)."""
+"""Finishing a request, releasing its sequence and compacting the survivors
+(specs/scheduler.md §5.19–5.20). Pure functions."""
 
 from __future__ import annotations
 
 from typing import Optional
 
-import attrs
-
-from fxsched.core.records import replace
-
 from fxsched.core.config import SchedulerConfig
-from fxsched.core.sequence import Sequence
-from fxsched.effects.client import DoneOut, ResponseOut
-from fxsched.effects.lifecycle import CompactSlot, ReleaseSeq
-
-REQUEST_TIMEOUT = "request_timeout"
+from fxsched.core.records import replace
+from fxsched.core.sequence import Guard, Sequence
+from fxsched.effects.base import Effect
+from fxsched.effects.client import DoneOut, FinishReason, ResponseOut
+from fxsched.effects.lifecycle import CompactSlot, ReleaseReason, ReleaseSeq
 
 
 def finish_reason(
@@ -23,36 +20,36 @@ def finish_reason(
     seq_len: int,
     config: SchedulerConfig,
     tool_call_end: Optional[int] = None,
-) -> str:
-    """The finish reason; the first matching rule wins.
+) -> FinishReason:
+    """The finish reason; the first matching rule wins (specs/scheduler.md §5.19).
 
     timeout guard > EOS (``stop``) > tool-call end (``tool_calls``) > any other guard (``length``) >
     budget or context ceiling (``length``) > ``stop`` (e.g. a cancelled stream).
     """
-    if guard == REQUEST_TIMEOUT:
-        return "timeout"
-    if last_token is not None and last_token in config.eos_ids:
-        return "stop"
+    if guard == Guard.REQUEST_TIMEOUT:
+        return FinishReason.TIMEOUT
+    if last_token is not None and last_token in config.eos_set:
+        return FinishReason.STOP
     if tool_call_end is not None and last_token == tool_call_end:
-        return "tool_calls"
+        return FinishReason.TOOL_CALLS
     if guard is not None:
-        return "length"
+        return FinishReason.LENGTH
     if remaining <= 0 or seq_len + 1 >= config.max_seq_len:
-        return "length"
-    return "stop"
+        return FinishReason.LENGTH
+    return FinishReason.STOP
 
 
 def reported_acc(acc: int, completion_tokens: int) -> int:
     """``acc`` as the client sees it: never more than the tokens that could have been drafted.
 
     The KV may keep accepted drafts past the point where the budget or EOS ended the output
-    (speculation.md §6.13 counts them); the first token comes from the prefill and is never a
-    draft, so a client is told at most ``completion_tokens - 1`` accepted tokens.
+    (specs/speculation.md §6.13 counts them); the first token comes from the prefill and is never
+    a draft, so a client is told at most ``completion_tokens - 1`` accepted tokens.
     """
     return min(acc, max(completion_tokens - 1, 0))
 
 
-def finish_frame(seq: Sequence, config: SchedulerConfig):
+def finish_frame(seq: Sequence, config: SchedulerConfig) -> DoneOut | ResponseOut:
     """The client's final frame for a finished sequence."""
     last = seq.output.last
     reason = finish_reason(seq.guard, last, seq.remaining, seq.seq_len, config)
@@ -64,10 +61,10 @@ def finish_frame(seq: Sequence, config: SchedulerConfig):
     return ResponseOut(req.id, seq.output.tokens(), reason, 0, seq.cached, acc, seq.logprob_records)
 
 
-def finish_and_release(seq: Sequence, config: SchedulerConfig, out: list) -> None:
+def finish_and_release(seq: Sequence, config: SchedulerConfig, out: list[Effect]) -> None:
     """Send the final frame and give the sequence's slot and blocks back (into the prefix cache)."""
     out.append(finish_frame(seq, config))
-    out.append(ReleaseSeq(seq.seq_id, seq.slot, cache=True, reason="finish_sequence"))
+    out.append(ReleaseSeq(seq.seq_id, seq.slot, cache=True, reason=ReleaseReason.FINISH_SEQUENCE))
 
 
 def compaction_moves(survivor_slots: list[int], pinned_slots: tuple[int, ...] = ()) -> list[tuple[int, int]]:
@@ -88,12 +85,9 @@ def compaction_moves(survivor_slots: list[int], pinned_slots: tuple[int, ...] = 
     return moves
 
 
-def compact(active: tuple[Sequence, ...], out: list, planted_wrong_target: bool = False,
-            pinned_slots: tuple[int, ...] = ()) -> tuple[Sequence, ...]:
+def compact(active: tuple[Sequence, ...], out: list[Effect], pinned_slots: tuple[int, ...] = ()) -> tuple[Sequence, ...]:
     """Apply ``compaction_moves`` to ``active``, emitting one ``CompactSlot`` per move."""
     moves = compaction_moves([s.slot for s in active], pinned_slots)
-    if planted_wrong_target:
-        moves = [(index, len(active) - 1) for index, _ in moves]
     if not moves:
         return active
     seqs = list(active)

@@ -1,5 +1,5 @@
-"""Self-speculative drafting: the model drafts with cheap decodes of itself, then verifies them in
-one forward (speculation.md §6.15). Never counts into ``acc``.
+"""Rules of self-speculative drafting: the model drafts with cheap decodes of itself, then
+verifies them in one forward (specs/speculation.md §6.15). Never counts into ``acc``.
 
 Invariant kept: after the step the KV holds the first token plus the accepted drafts; the draft
 decodes are rewound before the verify and a partial accept rolls the SSM state back.
@@ -7,54 +7,23 @@ decodes are rewound before the verify and a partial accept rolls the SSM state b
 
 from __future__ import annotations
 
-import attrs
-
-from fxsched.core.decode import grow
+from fxsched.core.agenda import ask, find_seq, forward, put_seq
 from fxsched.core.emit import spec_tokens
 from fxsched.core.events import DraftCapacity, TokenSampled, VerifyRows
-from fxsched.core.flow import AskQuery, forward
-from fxsched.core.machine import answer_rule, ask, find_seq, put_seq, task_rule
+from fxsched.core.phases import AskQuery, AwaitSelfCapacity, AwaitSelfToken, AwaitSelfVerify, SelfSpecStep
 from fxsched.core.records import replace
+from fxsched.core.rows import grow
 from fxsched.core.state import SchedulerState
 from fxsched.effects import device_calls as dc
+from fxsched.effects.base import Effect
 
 
-@attrs.frozen
-class SelfSpecStep:
-    pass
-
-
-@attrs.frozen
-class AwaitSelfCapacity:
-    pass
-
-
-@attrs.frozen
-class AwaitSelfToken:
-    """The decode (``drafts`` empty, ``first`` unset) or a draft decode of the step."""
-
-    seq_id: int
-    draft_count: int
-    pre_len: int = 0
-    first: int = -1
-    drafts: tuple[int, ...] = ()
-
-
-@attrs.frozen
-class AwaitSelfVerify:
-    seq_id: int
-    first: int
-    drafts: tuple[int, ...]
-    pre_len: int
-
-
-@task_rule(SelfSpecStep)
-def _self_spec_step(state: SchedulerState, task, out: list) -> SchedulerState:
+def self_spec_step(state: SchedulerState, task: SelfSpecStep, out: list[Effect]) -> SchedulerState:
     return ask(state, out, dc.SlotDraftCapacity(tuple(s.slot for s in state.active)), AwaitSelfCapacity())
 
 
-@answer_rule(AwaitSelfCapacity, DraftCapacity)
-def _self_capacity(state, waiting, event: DraftCapacity, out):
+def self_capacity(state: SchedulerState, waiting: AwaitSelfCapacity, event: DraftCapacity,
+                  out: list[Effect]) -> SchedulerState:
     count = min((state.config.num_drafts,) + event.capacities)
     (seq,) = state.active
     out.append(dc.EpBroadcastCmdForSeq(seq.slot, seq.last_token))
@@ -63,8 +32,8 @@ def _self_capacity(state, waiting, event: DraftCapacity, out):
     return forward(state, out, dc.DecodeCall(seq.last_token, seq.seq_id, 0), (seq.seq_id,), read)
 
 
-@answer_rule(AwaitSelfToken, TokenSampled)
-def _self_token(state, waiting: AwaitSelfToken, event: TokenSampled, out):
+def self_token(state: SchedulerState, waiting: AwaitSelfToken, event: TokenSampled,
+               out: list[Effect]) -> SchedulerState:
     seq = find_seq(state, waiting.seq_id)
     if waiting.first < 0:
         waiting = replace(waiting, first=event.token, pre_len=seq.seq_len)
@@ -85,8 +54,8 @@ def _self_token(state, waiting: AwaitSelfToken, event: TokenSampled, out):
     return ask(state, out, query, AwaitSelfVerify(seq.seq_id, waiting.first, waiting.drafts, pre))
 
 
-@answer_rule(AwaitSelfVerify, VerifyRows)
-def _self_verified(state, waiting: AwaitSelfVerify, event: VerifyRows, out):
+def self_verified(state: SchedulerState, waiting: AwaitSelfVerify, event: VerifyRows,
+                  out: list[Effect]) -> SchedulerState:
     seq = find_seq(state, waiting.seq_id)
     rows = event.rows
     emitted = [waiting.first]

@@ -7,6 +7,7 @@ between steps. ``blocks`` mirrors the device's block table, which never shrinks 
 
 from __future__ import annotations
 
+import enum
 from typing import Optional
 
 import attrs
@@ -14,6 +15,15 @@ import attrs
 from fxsched.core.request import Request
 from fxsched.core.token_log import TokenLog, as_log
 from fxsched.effects.base import int_tuple
+
+
+class Guard(enum.StrEnum):
+    """Why a sequence was stopped by the scheduler rather than by its own tokens
+    (specs/scheduler.md §5.19, specs/watchdog.md §7.5)."""
+
+    REQUEST_TIMEOUT = "request_timeout"
+    CONTENT_LOOP = "content_loop_watchdog"
+    FUZZY_REPETITION = "fuzzy_repetition"
 
 
 @attrs.frozen(slots=False)
@@ -27,7 +37,7 @@ class Sequence:
     remaining: int
     last_token: int
     finished: bool = False
-    guard: Optional[str] = None
+    guard: Optional[Guard] = None
     content_count: int = 0
     drafts: tuple[int, ...] = attrs.field(default=(), converter=int_tuple)
     acc: int = 0

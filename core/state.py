@@ -83,6 +83,21 @@ class SchedulerState:
         return f"tick {self.tick}, {waiting}, next task {head}"
 
 
+def queue_idle(state: SchedulerState) -> bool:
+    """Nothing pending, no rotation asked for, the inbox still open."""
+    return not state.pending and not state.rotations and not state.closed
+
+
+def in_flight(state: SchedulerState) -> bool:
+    """Some sequence is active or prefilling."""
+    return bool(state.active or state.prefilling)
+
+
+def quiescent(state: SchedulerState) -> bool:
+    """Nothing active, prefilling, newly admitted, swapped or preempted."""
+    return not (state.active or state.prefilling or state.new_requests or state.swapped or state.preempted)
+
+
 def initial_state(config: SchedulerConfig, model: ModelInfo) -> SchedulerState:
     """A scheduler that has not booted yet; ``Boot`` starts it."""
     return SchedulerState(config=config, model=model)

@@ -1,128 +1,63 @@
-"""The loop: start-up, inbox, admission check, snapshot, rotation, idle check, end of tick and
-shutdown (scheduler.md §5.3–5.8, §5.19, §5.21). The lanes live in ``prefill`` and ``decode``."""
+"""Rules of the loop: start-up, inbox, admission check, snapshot, rotation, idle check, end of tick
+and shutdown (specs/scheduler.md §5.3–5.8, §5.19, §5.21). The lanes live in ``prefill`` and
+``decode``; this module hands work to them only by pushing records of ``core/phases.py``."""
 
 from __future__ import annotations
 
-import attrs
-
-from fxsched.core.records import replace
-
 from fxsched.core import admission
-from fxsched.core.events import (
-    AdapterIds,
-    EventCreated,
-    FreeBlocks,
-    InputReady,
-    LoraApplied,
-    StreamCreated,
+from fxsched.core.agenda import ask, push
+from fxsched.core.events import AdapterIds, EventCreated, FreeBlocks, InputReady, LoraApplied, StreamCreated
+from fxsched.core.faults import SHUTDOWN_ABORT, fail_request
+from fxsched.core.phases import (
+    Admit,
+    AwaitAdapterIds,
+    AwaitEvent,
+    AwaitInput,
+    AwaitPublishBlocks,
+    AwaitRotation,
+    AwaitStream,
+    ContinuePrefills,
+    DecodeLane,
+    EmptyBatchExit,
+    EmptyBatchSkip,
+    EndOfTick,
+    IdleCheck,
+    Publish,
+    RequeueResume,
+    Rotate,
+    Shutdown,
+    StartRequests,
+    StartUp,
+    SwapIn,
+    SwapOutRoom,
+    TickStart,
 )
-from fxsched.core.machine import answer_rule, ask, push, task_rule
-from fxsched.core.planted import planted
-from fxsched.core.retire import REQUEST_TIMEOUT, compact, finish_and_release, finish_frame
-from fxsched.core.state import SchedulerState
+from fxsched.core.records import replace
+from fxsched.core.request import Request
+from fxsched.core.retire import compact, finish_and_release
+from fxsched.core.sequence import Guard
+from fxsched.core.state import SchedulerState, in_flight, queue_idle, quiescent
 from fxsched.effects import device_calls as dc
 from fxsched.effects import lifecycle as lc
+from fxsched.effects.base import Effect
 from fxsched.effects.client import ErrorOut, RotationAck
-
-
-# --- tasks ------------------------------------------------------------------------------------
-
-
-@attrs.frozen
-class StartUp:
-    pass
-
-
-@attrs.frozen
-class TickStart:
-    pass
-
-
-@attrs.frozen
-class Admit:
-    pass
-
-
-@attrs.frozen
-class Publish:
-    pass
-
-
-@attrs.frozen
-class Rotate:
-    pass
-
-
-@attrs.frozen
-class IdleCheck:
-    pass
-
-
-@attrs.frozen
-class EmptyBatchExit:
-    pass
-
-
-@attrs.frozen
-class EndOfTick:
-    pass
-
-
-@attrs.frozen
-class Shutdown:
-    pass
-
-
-# --- waiting records --------------------------------------------------------------------------
-
-
-@attrs.frozen
-class AwaitStream:
-    pass
-
-
-@attrs.frozen
-class AwaitEvent:
-    pass
-
-
-@attrs.frozen
-class AwaitInput:
-    """Blocked on the inbox: nothing in flight and nothing pending."""
-
-
-@attrs.frozen
-class AwaitAdapterIds:
-    new: tuple
-
-
-@attrs.frozen
-class AwaitPublishBlocks:
-    pass
-
-
-@attrs.frozen
-class AwaitRotation:
-    name: str
-
 
 # --- start-up ---------------------------------------------------------------------------------
 
 
-@task_rule(StartUp)
-def _start_up(state: SchedulerState, task, out: list) -> SchedulerState:
+def start_up(state: SchedulerState, task: StartUp, out: list[Effect]) -> SchedulerState:
     out.append(dc.BindGpuToThread())
     return ask(state, out, dc.CreateStream(), AwaitStream())
 
 
-@answer_rule(AwaitStream, StreamCreated)
-def _stream_created(state, waiting, event: StreamCreated, out):
+def stream_created(state: SchedulerState, waiting: AwaitStream, event: StreamCreated,
+                   out: list[Effect]) -> SchedulerState:
     state = replace(state, prefill_stream=event.stream)
     return ask(state, out, dc.CreateEvent(), AwaitEvent())
 
 
-@answer_rule(AwaitEvent, EventCreated)
-def _event_created(state, waiting, event: EventCreated, out):
+def event_created(state: SchedulerState, waiting: AwaitEvent, event: EventCreated,
+                  out: list[Effect]) -> SchedulerState:
     return push(replace(state, prefill_event=event.event), TickStart())
 
 
@@ -144,48 +79,24 @@ def drain_inbox(state: SchedulerState) -> SchedulerState:
     )
 
 
-def queue_idle(state: SchedulerState) -> bool:
-    return not state.pending and not state.rotations and not state.closed
-
-
-def in_flight(state: SchedulerState) -> bool:
-    return bool(state.active or state.prefilling)
-
-
-def policy_declines(state: SchedulerState) -> bool:
-    """The admission policy's word on prefilling now (FIFO is always willing)."""
-    config = state.config
-    if config.policy != "slai":
-        return False
-    return admission.slai_declines(state.now_ms, state.last_decode_ms, config.slai_deadline_ms, bool(state.active))
-
-
-from fxsched.core.prefill import ContinuePrefills, StartRequests  # noqa: E402
-from fxsched.core.decode import DecodeLane  # noqa: E402
-from fxsched.core.lifecycle import RequeueResume, SwapIn, SwapOutRoom  # noqa: E402
-from fxsched.core import flow as _flow  # noqa: E402,F401  (registers the forward continuation)
-
-
-@task_rule(TickStart)
-def _tick_start(state: SchedulerState, task, out: list) -> SchedulerState:
+def tick_start(state: SchedulerState, task: TickStart, out: list[Effect]) -> SchedulerState:
     state = drain_inbox(state)
     if not in_flight(state) and not state.swapped and not state.preempted and queue_idle(state):
         return ask(push(state, TickStart()), out, dc.WaitForInput(), AwaitInput())
-    new = ()
-    if state.pending and not policy_declines(state):
+    new: tuple[Request, ...] = ()
+    if state.pending and not admission.policy_declines(state):
         cap = state.config.max_batch_size - len(state.active) - len(state.prefilling)
         new = admission.select_requests(state.config, state.pending, cap)
     state = replace(state, new_requests=new, pending=admission.without(state.pending, new),
-                         mixed_step_ran=False)
-    tasks = (Publish(), Rotate(), IdleCheck(), SwapOutRoom(), StartRequests(), ContinuePrefills(),
-             EmptyBatchExit(), DecodeLane(), EndOfTick())
+                    mixed_step_ran=False)
+    tasks: tuple[object, ...] = (Publish(), Rotate(), IdleCheck(), SwapOutRoom(), StartRequests(), ContinuePrefills(),
+                    EmptyBatchExit(), DecodeLane(), EndOfTick())
     if new:
         tasks = (Admit(),) + tasks
     return push(state, *tasks)
 
 
-@answer_rule(AwaitInput, InputReady)
-def _input_ready(state, waiting, event, out):
+def input_ready(state: SchedulerState, waiting: AwaitInput, event: InputReady, out: list[Effect]) -> SchedulerState:
     return state  # TickStart is already back on the agenda and drains again
 
 
@@ -200,48 +111,19 @@ def _cohort_slot(state: SchedulerState) -> int:
     return state.new_requests[0].adapter_slot
 
 
-@task_rule(Admit)
-def _admit(state: SchedulerState, task, out: list) -> SchedulerState:
+def admit(state: SchedulerState, task: Admit, out: list[Effect]) -> SchedulerState:
     slots = (_cohort_slot(state),) + tuple(r.adapter_slot for r in state.new_requests)
     return ask(state, out, dc.AdapterIdFor(slots), AwaitAdapterIds(state.new_requests))
 
 
-def refuse_impossible(state: SchedulerState, new: tuple, ids: tuple, out: list):
-    """Fail at once the requests no device state could ever serve; keep the others (and their ids)."""
-    keep, keep_ids = [], []
-    for request, adapter_id in zip(new, ids):
-        problem = admission.impossible(state.model, state.config, request, adapter_id)
-        if problem is None:
-            keep.append(request)
-            keep_ids.append(adapter_id)
-        else:
-            out.append(ErrorOut(request.id, problem, request.streaming))
-    return tuple(keep), tuple(keep_ids)
-
-
-def committed_blocks(state: SchedulerState) -> int:
-    """KV blocks committed to everything in flight (scheduler.md §5.5)."""
-    model, config = state.model, state.config
-    total = 0
-    for s in state.active:
-        total += admission.commitment(model, config, s.seq_len + 1, s.remaining)
-    for p in state.prefilling:
-        total += admission.commitment(model, config, p.request.prompt_len, p.request.max_tokens)
-    for w in state.swapped:
-        total += admission.commitment(model, config, w.sequence.seq_len + 1, w.sequence.remaining)
-    for p in state.preempted:
-        total += admission.commitment(model, config, len(p.tokens) + 1, p.sequence.remaining)
-    return total
-
-
-@answer_rule(AwaitAdapterIds, AdapterIds)
-def _adapter_ids(state, waiting: AwaitAdapterIds, event: AdapterIds, out):
+def adapter_ids(state: SchedulerState, waiting: AwaitAdapterIds, event: AdapterIds,
+                out: list[Effect]) -> SchedulerState:
     cohort_id, ids = event.ids[0], event.ids[1:]
-    new, ids = refuse_impossible(state, waiting.new, ids, out)
+    new, ids = admission.refuse_impossible(state, waiting.new, ids, out)
     if new and not (state.active or state.prefilling):
         cohort_id = ids[0]  # the cohort is the first new request that can be served
     same, other = admission.cohort_split(cohort_id, new, ids)
-    admitted, deferred = admission.reserve_kv(state.model, state.config, committed_blocks(state), same)
+    admitted, deferred = admission.reserve_kv(state.model, state.config, admission.committed_blocks(state), same)
     back = tuple(sorted(deferred + other, key=lambda r: waiting.new.index(r)))
     return replace(state, new_requests=admitted, pending=back + state.pending)
 
@@ -249,25 +131,18 @@ def _adapter_ids(state, waiting: AwaitAdapterIds, event: AdapterIds, out):
 # --- snapshot publish, rotation, idle check ----------------------------------------------------
 
 
-@task_rule(Publish)
-def _publish(state: SchedulerState, task, out: list) -> SchedulerState:
+def publish(state: SchedulerState, task: Publish, out: list[Effect]) -> SchedulerState:
     return ask(state, out, dc.NumFreeBlocks(), AwaitPublishBlocks())
 
 
-@answer_rule(AwaitPublishBlocks, FreeBlocks)
-def _published(state, waiting, event, out):
+def published(state: SchedulerState, waiting: AwaitPublishBlocks, event: FreeBlocks,
+              out: list[Effect]) -> SchedulerState:
     out.append(dc.SsmSnapshotOccupancy())
     out.append(dc.SsmSnapshotOccupancy())
     return replace(state, tick=state.tick + 1)
 
 
-def quiescent(state: SchedulerState) -> bool:
-    """Nothing active, prefilling, newly admitted, swapped or preempted."""
-    return not (state.active or state.prefilling or state.new_requests or state.swapped or state.preempted)
-
-
-@task_rule(Rotate)
-def _rotate(state: SchedulerState, task, out: list) -> SchedulerState:
+def rotate(state: SchedulerState, task: Rotate, out: list[Effect]) -> SchedulerState:
     if not state.rotations or not quiescent(state):
         return state
     name = state.rotations[0]
@@ -275,14 +150,12 @@ def _rotate(state: SchedulerState, task, out: list) -> SchedulerState:
     return ask(push(state, Rotate()), out, lc.LoraRotate(name), AwaitRotation(name))
 
 
-@answer_rule(AwaitRotation, LoraApplied)
-def _rotated(state, waiting: AwaitRotation, event: LoraApplied, out):
+def rotated(state: SchedulerState, waiting: AwaitRotation, event: LoraApplied, out: list[Effect]) -> SchedulerState:
     out.append(RotationAck(waiting.name, event.error))
     return state
 
 
-@task_rule(IdleCheck)
-def _idle_check(state: SchedulerState, task, out: list) -> SchedulerState:
+def idle_check(state: SchedulerState, task: IdleCheck, out: list[Effect]) -> SchedulerState:
     if state.new_requests or in_flight(state):
         return state
     state = drain_inbox(state)
@@ -292,17 +165,12 @@ def _idle_check(state: SchedulerState, task, out: list) -> SchedulerState:
     return state
 
 
-@attrs.frozen
-class EmptyBatchSkip:
-    pass
-
-
-@task_rule(EmptyBatchExit)
-def _empty_batch_exit(state: SchedulerState, task, out: list) -> SchedulerState:
+def empty_batch_exit(state: SchedulerState, task: EmptyBatchExit, out: list[Effect]) -> SchedulerState:
     """After lane 2: with nothing active, try to bring back swapped and preempted sequences first.
 
-    (scheduler.md §5.14 tries only the requeue resume; a swapped sequence would then wait forever
-    once nothing else runs, since swap-in lives in the end of tick. Found by the model checker.)
+    (Trying only the requeue resume here would leave a swapped sequence waiting forever once
+    nothing else runs, since swap-in lives in the end of tick; found by the model checker,
+    specs/scheduler.md §5.14.)
     """
     if state.active:
         return state
@@ -311,8 +179,7 @@ def _empty_batch_exit(state: SchedulerState, task, out: list) -> SchedulerState:
     return push(state, RequeueResume(), EmptyBatchSkip())
 
 
-@task_rule(EmptyBatchSkip)
-def _empty_batch_skip(state: SchedulerState, task, out: list) -> SchedulerState:
+def empty_batch_skip(state: SchedulerState, task: EmptyBatchSkip, out: list[Effect]) -> SchedulerState:
     """Still nothing active: skip lane 3 and the end of tick."""
     if state.active:
         return state
@@ -329,31 +196,26 @@ def expire_deadlines(state: SchedulerState) -> SchedulerState:
     for s in state.active:
         deadline = s.request.deadline_ms
         if deadline is not None and not s.finished and deadline <= now:
-            changed[s.seq_id] = replace(s, guard=REQUEST_TIMEOUT, finished=True)
+            changed[s.seq_id] = replace(s, guard=Guard.REQUEST_TIMEOUT, finished=True)
     if not changed:
         return state
     return replace(state, active=tuple(changed.get(s.seq_id, s) for s in state.active))
 
 
-def retire_finished(state: SchedulerState, out: list) -> SchedulerState:
+def retire_finished(state: SchedulerState, out: list[Effect]) -> SchedulerState:
     """Finish and release every finished sequence in active order; compact the survivors."""
     survivors = []
     config = state.config
     for s in state.active:
         if not s.finished:
             survivors.append(s)
-        elif planted(config, "leak_on_cancel") and s.cancel_requested:
-            out.append(finish_frame(s, config))
         else:
             finish_and_release(s, config, out)
-            if planted(config, "double_release"):
-                out.append(lc.ReleaseSeq(s.seq_id, s.slot, cache=True, reason="finish_sequence"))
     pinned = tuple(e.slot for e in state.prefilling)
-    return replace(state, active=compact(tuple(survivors), out, planted(config, "wrong_compaction_target"), pinned))
+    return replace(state, active=compact(tuple(survivors), out, pinned))
 
 
-@task_rule(EndOfTick)
-def _end_of_tick(state: SchedulerState, task, out: list) -> SchedulerState:
+def end_of_tick(state: SchedulerState, task: EndOfTick, out: list[Effect]) -> SchedulerState:
     state = expire_deadlines(state)
     state = retire_finished(state, out)
     if state.config.spill_pool:
@@ -364,23 +226,18 @@ def _end_of_tick(state: SchedulerState, task, out: list) -> SchedulerState:
 # --- shutdown ---------------------------------------------------------------------------------
 
 
-SHUTDOWN_ABORT = "aborted: the scheduler shut down"
-
-
-@task_rule(Shutdown)
-def _shutdown(state: SchedulerState, task, out: list) -> SchedulerState:
-    from fxsched.core.faults import fail_request
-
+def shutdown(state: SchedulerState, task: Shutdown, out: list[Effect]) -> SchedulerState:
     for s in state.active:
         finish_and_release(s, state.config, out)
     for entry in state.prefilling:
         fail_request(entry.request, entry.seq_id, entry.slot, SHUTDOWN_ABORT, out)
     for held in state.swapped:
         fail_request(held.sequence.request, held.sequence.seq_id, None, SHUTDOWN_ABORT, out)
-    for entry in state.preempted:
-        fail_request(entry.sequence.request, entry.sequence.seq_id, None, SHUTDOWN_ABORT, out)
+    for entry_p in state.preempted:
+        fail_request(entry_p.sequence.request, entry_p.sequence.seq_id, None, SHUTDOWN_ABORT, out)
     for request in state.pending + state.inbox:
         out.append(ErrorOut(request.id, SHUTDOWN_ABORT, request.streaming))
     out.extend([lc.EpShutdown(), lc.Quiesce(0), lc.Quiesce(state.prefill_stream), lc.Teardown()])
     return replace(state, active=(), prefilling=(), swapped=(), preempted=(), pending=(), inbox=(), agenda=(),
                    stopped=True)
+

@@ -1,4 +1,4 @@
-"""Watchdogs, the SSM snapshot ring and rollback to a boundary (watchdog.md). Pure functions.
+"""Watchdogs, the SSM snapshot ring and rollback to a boundary (specs/watchdog.md §7.1–7.6). Pure functions.
 
 Invariants kept: a ring holds at most ``ring_slots`` entries, one per slot; a rollback keeps the
 output up to and including a boundary token that has a snapshot right after it, and rewinds the
@@ -11,9 +11,10 @@ from typing import Optional
 
 from fxsched.core.config import ModelInfo, SchedulerConfig
 from fxsched.core.records import replace
-from fxsched.core.sequence import Sequence
+from fxsched.core.sequence import Guard, Sequence
 from fxsched.core.token_log import TokenLog
 from fxsched.effects import device_calls as dc
+from fxsched.effects.base import Effect
 from fxsched.effects.lifecycle import SsmSnapshotRestore, SsmSnapshotSave
 
 CONTENT_LOOP_MIN = 48
@@ -22,8 +23,6 @@ CONTENT_LOOP_PERIODS = range(2, 65)
 CONTENT_LOOP_SPAN = 64
 FUZZY_MIN_OUTPUT = 90
 FUZZY_WINDOWS = range(40, 14, -1)
-CONTENT_LOOP_GUARD = "content_loop_watchdog"
-FUZZY_GUARD = "fuzzy_repetition"
 
 
 def content_loop_due(content_count: int) -> bool:
@@ -61,14 +60,16 @@ def fuzzy_repetition(out: tuple[int, ...]) -> Optional[int]:
     return None
 
 
-def ring_save(ring: tuple[tuple[int, int], ...], cursor: int, capacity: int, position: int):
+def ring_save(ring: tuple[tuple[int, int], ...], cursor: int, capacity: int,
+              position: int) -> tuple[tuple[tuple[int, int], ...], int, int]:
     """Save a snapshot at ``position`` in slot ``cursor``: returns (ring, cursor, slot)."""
     slot = cursor
     kept = tuple(e for e in ring if e[0] != slot)
     return kept + ((slot, position),), (cursor + 1) % capacity, slot
 
 
-def ring_truncate(ring: tuple[tuple[int, int], ...], after: int, capacity: int):
+def ring_truncate(ring: tuple[tuple[int, int], ...], after: int,
+                  capacity: int) -> tuple[tuple[tuple[int, int], ...], int]:
     """Keep the entries at positions <= ``after``; the cursor follows the newest survivor."""
     kept = tuple(e for e in ring if e[1] <= after)
     if not kept:
@@ -82,7 +83,7 @@ def snapshot_wanted(seq: Sequence, token: int, config: SchedulerConfig, model: M
             and token in config.boundary_tokens)
 
 
-def save_snapshot(seq: Sequence, model: ModelInfo, out: list) -> Sequence:
+def save_snapshot(seq: Sequence, model: ModelInfo, out: list[Effect]) -> Sequence:
     """Snapshot the SSM state at a boundary token just appended (before its checkpoint)."""
     ring, cursor, slot = ring_save(seq.ring, seq.ring_cursor, model.ring_slots, len(seq.output))
     out.append(SsmSnapshotSave(seq.seq_id, slot))
@@ -91,7 +92,7 @@ def save_snapshot(seq: Sequence, model: ModelInfo, out: list) -> Sequence:
 
 def rollback_boundary(seq: Sequence, span: int, config: SchedulerConfig, model: ModelInfo) -> Optional[tuple[int, int]]:
     """(boundary index, ring slot) a rollback of at least ``span`` tokens would go back to, or
-    ``None`` when the rollback is declined (watchdog.md §7.5, in that order)."""
+    ``None`` when the rollback is declined (specs/watchdog.md §7.5, in that order)."""
     if not config.rollback_resteer or seq.has_cancel_flag or not model.supports_rollback:
         return None
     if seq.rollbacks >= config.max_rollbacks or not config.boundary_tokens:
@@ -109,7 +110,7 @@ def rollback_boundary(seq: Sequence, span: int, config: SchedulerConfig, model: 
     return None
 
 
-def roll_back(seq: Sequence, index: int, slot: int, model: ModelInfo, out: list) -> Sequence:
+def roll_back(seq: Sequence, index: int, slot: int, model: ModelInfo, out: list[Effect]) -> Sequence:
     """Restore the snapshot after boundary ``index`` and cut everything after it."""
     if slot >= 0:
         out.append(SsmSnapshotRestore(seq.seq_id, slot))
@@ -124,8 +125,8 @@ def roll_back(seq: Sequence, index: int, slot: int, model: ModelInfo, out: list)
                    rollbacks=seq.rollbacks + 1, ring=ring, ring_cursor=cursor)
 
 
-def rollback_or_guard(seq: Sequence, span: int, guard: str, config: SchedulerConfig, model: ModelInfo,
-                      out: list) -> Sequence:
+def rollback_or_guard(seq: Sequence, span: int, guard: Guard, config: SchedulerConfig, model: ModelInfo,
+                      out: list[Effect]) -> Sequence:
     """Roll back at least ``span`` tokens, or finish the sequence with ``guard`` when declined."""
     target = rollback_boundary(seq, span, config, model)
     if target is None:
