@@ -12,7 +12,7 @@ from typing import Optional
 import attrs
 
 from fxsched.core.request import Request
-from fxsched.effects.base import int_tuple
+from fxsched.effects.base import int_tuple, int_tuples
 
 
 @attrs.frozen
@@ -131,7 +131,7 @@ class Drafts(Answer):
 
 @attrs.frozen
 class BatchedDrafts(Answer):
-    drafts: tuple[tuple[int, ...], ...] = attrs.field(converter=lambda v: tuple(int_tuple(x) for x in v))
+    drafts: tuple[tuple[int, ...], ...] = attrs.field(converter=int_tuples)
 
 
 @attrs.frozen
@@ -146,7 +146,7 @@ class BatchVerifyAllowed(Answer):
 
 @attrs.frozen
 class BeamHypotheses(Answer):
-    hypotheses: tuple[tuple[int, ...], ...] = attrs.field(converter=lambda v: tuple(int_tuple(x) for x in v))
+    hypotheses: tuple[tuple[int, ...], ...] = attrs.field(converter=int_tuples)
 
 
 @attrs.frozen

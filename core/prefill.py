@@ -132,6 +132,7 @@ def start_request(state: SchedulerState, task: StartRequest, out: list[Effect]) 
     req = task.request
     seq_id = state.next_seq_id
     state = replace(state, next_seq_id=seq_id + 1)
+    query: dc.DeviceCall
     if state.config.chunked_prefill:
         query = dc.AllocSequenceFor(seq_id, req.id, req.prompt_len + req.max_tokens)
     else:
@@ -239,7 +240,8 @@ def continue_prefills(state: SchedulerState, task: ContinuePrefills, out: list[E
             out.append(dc.PollInnerq())
         chunks = [entry_chunk(e, limit) for e in state.prefilling]
         slices = tuple(_slice(e, c, last) for e, (c, last) in zip(state.prefilling, chunks, strict=True))
-        n, ids = 0, ()
+        n = 0
+        ids: tuple[int, ...] = ()
         query: dc.DeviceCall
         if mixed:
             state, tokens, ids = _decode_rows(state)
@@ -262,8 +264,8 @@ def continue_prefills(state: SchedulerState, task: ContinuePrefills, out: list[E
         state, tokens, ids = _decode_rows(state)
         query = dc.MixedForward(tokens, ids, _slice(head, chunk, last), state.prefill_stream)
         state = replace(state, prefilling=(_advance(head, chunk),) + rest, mixed_step_ran=True)
-        picks = (PickPrefillToken(head.seq_id, len(ids)), Barrier()) if last else ()
-        return forward(state, out, query, ids + (head.seq_id,), Barrier(), *picks, MixedReadback(ids), Promote())
+        pick = (PickPrefillToken(head.seq_id, len(ids)), Barrier()) if last else ()
+        return forward(state, out, query, ids + (head.seq_id,), Barrier(), *pick, MixedReadback(ids), Promote())
     req = head.request
     ep_prefill_preamble(head.slot, chunk, head.offset, req.prompt, out)
     query = dc.PrefillChunk(head.seq_id, req.prompt, head.offset, chunk, last, state.prefill_stream)
@@ -297,6 +299,7 @@ def mixed_readback(state: SchedulerState, task: MixedReadback, out: list[Effect]
     rows = [by_id[i] for i in task.seq_ids if i in by_id]
     if len(rows) < len(task.seq_ids):  # a fault failed the step's rows: there is nothing to read
         return state
+    query: dc.DeviceCall
     if all(greedy_row(s) for s in rows):
         query = dc.ArgmaxBatch(row=0, n=len(rows), stream=0)
     else:

@@ -42,7 +42,7 @@ def with_fields(record: T, changes: dict[str, Any]) -> T:
     """A copy of ``record`` with ``changes`` (final values) applied; ``record`` is left as it was."""
     new = object.__new__(type(record))
     fields = new.__dict__
-    fields.update(record.__dict__)  # type: ignore[attr-defined]
+    fields.update(record.__dict__)
     fields.update(changes)
     return new
 
@@ -62,6 +62,6 @@ def replace(record: T, **changes: Any) -> T:
             if validator is not None:
                 validator(new, attribute, value)
     fields = new.__dict__
-    fields.update(record.__dict__)  # type: ignore[attr-defined]
+    fields.update(record.__dict__)
     fields.update(changes)
     return new

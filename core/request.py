@@ -9,7 +9,7 @@ import attrs
 from fxsched.effects.base import int_tuple
 
 
-def _non_empty(instance, attribute, value):
+def _non_empty(instance: "Request", attribute: object, value: tuple[int, ...]) -> None:
     if not value:
         raise ValueError(f"request {instance.id}: the prompt is empty")
 

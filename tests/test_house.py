@@ -1,0 +1,124 @@
+"""The house rules of core/: layers without cycles, rule modules that never import each other, and
+one transition table that names every task and waiting record exactly once."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import pathlib
+
+import attrs
+import pytest
+
+from fxsched.core import phases, table
+
+CORE = pathlib.Path(__file__).resolve().parent.parent / "core"
+
+LAYERS = {
+    1: {"records", "kv", "token_log", "request", "config", "events"},
+    2: {"sequence", "state", "phases"},
+    3: {"agenda", "rows", "admission", "chunking", "verdict", "watchdog", "emit", "retire", "faults", "memory",
+        "verifying"},
+    4: {"tick", "flow", "prefill", "decode", "spec_step", "kverify", "dflash", "mtp_batch", "ngram", "self_spec",
+        "lifecycle"},
+    5: {"table"},
+    6: {"machine"},
+}
+RULE_MODULES = LAYERS[4]
+
+
+def core_imports(source: str) -> set[str]:
+    """The core modules a module's source imports (module level or inside functions)."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fxsched.core"):
+            parts = node.module.split(".")
+            if len(parts) > 2:
+                found.add(parts[2])
+            else:  # from fxsched.core import x, y
+                found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("fxsched.core."):
+                    found.add(alias.name.split(".")[2])
+    return found
+
+
+def module_graph() -> dict[str, set[str]]:
+    mods = {p.stem: p for p in CORE.glob("*.py") if p.stem != "__init__"}
+    return {m: {t for t in core_imports(p.read_text()) if t in mods and t != m} for m, p in mods.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[str]:
+    """Modules that can reach themselves."""
+    looped = []
+    for start in graph:
+        seen, todo = set(), list(graph[start])
+        while todo:
+            m = todo.pop()
+            if m == start:
+                looped.append(start)
+                break
+            if m not in seen:
+                seen.add(m)
+                todo.extend(graph[m])
+    return looped
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c"]
+    assert core_imports("def f():\n    from fxsched.core.tick import x\n") == {"tick"}
+
+
+def test_core_has_no_import_cycle():
+    assert cycles(module_graph()) == []
+
+
+def test_every_core_module_has_a_layer():
+    graph = module_graph()
+    assert set(graph) == set().union(*LAYERS.values())
+
+
+def test_each_module_imports_only_lower_layers_and_rule_modules_never_each_other():
+    layer_of = {m: n for n, mods in LAYERS.items() for m in mods}
+    bad = []
+    for module, targets in module_graph().items():
+        for target in targets:
+            if layer_of[target] > layer_of[module] or (layer_of[target] == layer_of[module] == 4):
+                bad.append(f"{module} -> {target}")
+    assert bad == []
+
+
+def _records():
+    return [c for _, c in inspect.getmembers(phases, inspect.isclass)
+            if c.__module__ == phases.__name__ and attrs.has(c)]
+
+
+def test_every_task_and_waiting_record_has_exactly_one_table_entry():
+    waiting = {c for c in _records() if c.__name__.startswith("Await")}
+    values = {phases.MtpBatch}  # a record carried inside tasks, never on the agenda itself
+    tasks = set(_records()) - waiting - values
+    assert set(table.ANSWERS) == waiting
+    assert set(table.TASKS) == tasks
+    assert not set(table.ANSWERS) & set(table.TASKS)
+    assert len(table.ANSWERS) == 40
+
+
+def test_table_rules_live_in_rule_modules():
+    rules = list(table.TASKS.values()) + [p.rule for p in table.ANSWERS.values()]
+    assert {r.__module__.rsplit(".", 1)[-1] for r in rules} <= RULE_MODULES
+
+
+def test_string_typed_phase_fields_are_enums():
+    assert isinstance(phases.AwaitProposal(1).then, phases.AfterProposal)
+    assert attrs.fields(phases.AwaitSwapOutFree).stage.type in ("SwapOutStage", phases.SwapOutStage)
+    with pytest.raises(ValueError):
+        phases.SwapOutStage("swap-out")
+
+
+def test_table_rows_print_every_phase():
+    rows = table.rows()
+    assert len(rows) == len(table.TASKS) + len(table.ANSWERS)
+    by_name = {r[0]: r for r in rows}
+    assert by_name["AwaitDecode"][1] == "TokensSampled | DeviceFault"
+    assert by_name["AwaitBeamGroup"][3].startswith("the requests in requests")
