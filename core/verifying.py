@@ -115,7 +115,7 @@ def start_k_verify(state: SchedulerState, seq: Sequence, drafts: tuple[int, ...]
 
 
 def dflash_serial_verify(state: SchedulerState, seq: Sequence, draft_count: int, out: list[Effect]) -> SchedulerState:
-    """One sequence's block verify over ``[L] + drafts`` (specs/speculation.md §6.4)."""
+    """One sequence's block verify over ``[L] + drafts`` (specs/speculation.md §6.9)."""
     drafts = seq.drafts
     out.append(dc.SyncSecondaryCall())
     query = dc.DecodeVerifyDflash(seq.seq_id, (seq.last_token,) + drafts)

@@ -15,6 +15,6 @@ next event. Every batch of effects returned by ``step`` ends with exactly one qu
 last batch of a run (shutdown), which ends with ``Teardown``.
 """
 
-from fxsched.effects.base import Effect, is_query
+from .base import Effect, is_query
 
 __all__ = ["Effect", "is_query"]

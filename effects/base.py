@@ -7,6 +7,7 @@ else; their answer comes back as an event.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import ClassVar
 
 import attrs
@@ -24,7 +25,7 @@ def is_query(effect: Effect) -> bool:
     return effect.QUERY
 
 
-def int_tuple(value) -> tuple[int, ...]:
+def int_tuple(value: Iterable[int]) -> tuple[int, ...]:
     """Converter: any iterable of ints becomes a tuple (records stay hashable).
 
     A tuple is taken as is: records are rebuilt on every step, and re-converting long tuples
@@ -33,3 +34,13 @@ def int_tuple(value) -> tuple[int, ...]:
     if type(value) is tuple:
         return value
     return tuple(int(v) for v in value)
+
+
+def int_tuples(value: Iterable[Iterable[int]]) -> tuple[tuple[int, ...], ...]:
+    """Converter: an iterable of iterables of ints becomes a tuple of ``int_tuple``s."""
+    return tuple(int_tuple(x) for x in value)
+
+
+def int_pairs(value: Iterable[Iterable[int]]) -> tuple[tuple[int, int], ...]:
+    """Converter: an iterable of ``(a, b)`` pairs becomes a tuple of int pairs."""
+    return tuple((int(a), int(b)) for a, b in value)

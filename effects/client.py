@@ -2,11 +2,25 @@
 
 from __future__ import annotations
 
+import enum
 from typing import Optional
 
 import attrs
 
-from fxsched.effects.base import Effect, int_tuple
+from .base import Effect, int_tuple
+
+
+class FinishReason(enum.StrEnum):
+    """Why a request finished, as its final frame (``Done`` / ``Response``) names it.
+
+    The members are strings: a record built with the plain string (``"stop"``) is equal to one
+    built with the member, and both render the bare value.
+    """
+
+    STOP = "stop"
+    LENGTH = "length"
+    TIMEOUT = "timeout"
+    TOOL_CALLS = "tool_calls"
 
 
 @attrs.frozen
@@ -48,7 +62,7 @@ def render_guard(guard: Optional[str]) -> str:
 class DoneOut(ClientOutput):
     """The final frame of a streaming request."""
 
-    reason: str
+    reason: FinishReason
     n: int
     think: int
     cached: int
@@ -67,7 +81,7 @@ class ResponseOut(ClientOutput):
     """The single answer of a blocking request."""
 
     tokens: tuple[int, ...] = attrs.field(converter=int_tuple)
-    reason: str = "stop"
+    reason: FinishReason = FinishReason.STOP
     think: int = 0
     cached: int = 0
     acc: int = 0

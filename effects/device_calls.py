@@ -8,11 +8,12 @@ Records whose ``QUERY`` is true are answered with an event; the rest are fire-an
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import ClassVar
 
 import attrs
 
-from fxsched.effects.base import Effect, int_tuple
+from .base import Effect, int_pairs, int_tuple, int_tuples
 
 
 @attrs.frozen
@@ -22,108 +23,121 @@ class DeviceCall(Effect):
     CALL: ClassVar[str] = ""
 
 
-def _call(name: str, query: bool = False):
-    def decorate(cls):
-        cls.CALL = name
-        cls.QUERY = query
-        return attrs.frozen(cls)
-
-    return decorate
-
-
 # --- start-up, snapshot, inbox -------------------------------------------------------------
 
 
-@_call("bind_gpu_to_thread")
+@attrs.frozen
 class BindGpuToThread(DeviceCall):
-    pass
+    CALL: ClassVar[str] = "bind_gpu_to_thread"
 
 
-@_call("create_stream", query=True)
+@attrs.frozen
 class CreateStream(DeviceCall):
-    pass
+    CALL: ClassVar[str] = "create_stream"
+    QUERY: ClassVar[bool] = True
 
 
-@_call("create_event", query=True)
+@attrs.frozen
 class CreateEvent(DeviceCall):
-    pass
+    CALL: ClassVar[str] = "create_event"
+    QUERY: ClassVar[bool] = True
 
 
-@_call("num_free_blocks", query=True)
+@attrs.frozen
 class NumFreeBlocks(DeviceCall):
-    pass
+    CALL: ClassVar[str] = "num_free_blocks"
+    QUERY: ClassVar[bool] = True
 
 
-@_call("ssm_snapshot_occupancy")
+@attrs.frozen
 class SsmSnapshotOccupancy(DeviceCall):
     """Read of the snapshot occupancy; the recording device marks ticks with these reads."""
 
+    CALL: ClassVar[str] = "ssm_snapshot_occupancy"
 
-@_call("wait_for_input", query=True)
+
+@attrs.frozen
 class WaitForInput(DeviceCall):
     """Blocking wait on the request inbox; answered by the host with arrivals or closure."""
+
+    CALL: ClassVar[str] = "wait_for_input"
+    QUERY: ClassVar[bool] = True
 
 
 # --- sequence management -------------------------------------------------------------------
 
 
-@_call("alloc_sequence", query=True)
+@attrs.frozen
 class AllocSequence(DeviceCall):
+    CALL: ClassVar[str] = "alloc_sequence"
+    QUERY: ClassVar[bool] = True
     seq: int
     session: int
 
 
-@_call("alloc_sequence_for", query=True)
+@attrs.frozen
 class AllocSequenceFor(DeviceCall):
+    CALL: ClassVar[str] = "alloc_sequence_for"
+    QUERY: ClassVar[bool] = True
     seq: int
     session: int
     budget: int
 
 
-@_call("free_sequence")
+@attrs.frozen
 class FreeSequence(DeviceCall):
+    CALL: ClassVar[str] = "free_sequence"
     seq: int
 
 
-@_call("cache_sequence")
+@attrs.frozen
 class CacheSequence(DeviceCall):
+    CALL: ClassVar[str] = "cache_sequence"
     seq: int
 
 
-@_call("compact_sequence")
+@attrs.frozen
 class CompactSequence(DeviceCall):
+    CALL: ClassVar[str] = "compact_sequence"
     seq: int
     new_slot: int
 
 
-@_call("detach_slot_for_reuse")
+@attrs.frozen
 class DetachSlotForReuse(DeviceCall):
+    CALL: ClassVar[str] = "detach_slot_for_reuse"
     seq: int
 
 
-@_call("save_sequence_state")
+@attrs.frozen
 class SaveSequenceStateCall(DeviceCall):
+    CALL: ClassVar[str] = "save_sequence_state"
     seq: int
 
 
-@_call("restore_sequence_state", query=True)
+@attrs.frozen
 class RestoreSequenceState(DeviceCall):
+    CALL: ClassVar[str] = "restore_sequence_state"
+    QUERY: ClassVar[bool] = True
     seq: int
     blocks: int
 
 
-@_call("reclaim_prefix_blocks", query=True)
+@attrs.frozen
 class ReclaimPrefixBlocks(DeviceCall):
+    CALL: ClassVar[str] = "reclaim_prefix_blocks"
+    QUERY: ClassVar[bool] = True
     n: int
 
 
-@_call("truncate_sequence")
+@attrs.frozen
 class TruncateSequence(DeviceCall):
     """Rewind the device's KV length to ``seq_len`` (the scheduler's accepted prefix).
 
     It renders no line: the device never rewinds by itself, the scheduler tells it to.
     """
 
+    CALL: ClassVar[str] = "truncate_sequence"
     seq: int
     seq_len: int
 
@@ -131,91 +145,107 @@ class TruncateSequence(DeviceCall):
 # --- adapters, EP words --------------------------------------------------------------------
 
 
-@_call("adapter_id_for", query=True)
+@attrs.frozen
 class AdapterIdFor(DeviceCall):
     """One ``adapter_id_for`` line per slot, answered with the list of adapter ids."""
 
+    CALL: ClassVar[str] = "adapter_id_for"
+    QUERY: ClassVar[bool] = True
     slots: tuple[int, ...] = attrs.field(converter=int_tuple)
 
 
-@_call("acquire_adapter_slot")
+@attrs.frozen
 class AcquireAdapterSlot(DeviceCall):
+    CALL: ClassVar[str] = "acquire_adapter_slot"
     slot: int
 
 
-@_call("set_active_lora", query=True)
+@attrs.frozen
 class SetActiveLora(DeviceCall):
+    CALL: ClassVar[str] = "set_active_lora"
+    QUERY: ClassVar[bool] = True
     name: str
 
 
-@_call("ep_broadcast_cmd_for_seq")
+@attrs.frozen
 class EpBroadcastCmdForSeq(DeviceCall):
+    CALL: ClassVar[str] = "ep_broadcast_cmd_for_seq"
     seq_slot: int
     cmd: int
 
 
-@_call("ep_broadcast_cmd")
+@attrs.frozen
 class EpBroadcastCmd(DeviceCall):
+    CALL: ClassVar[str] = "ep_broadcast_cmd"
     cmd: int
 
 
-@_call("ep_broadcast_tokens")
+@attrs.frozen
 class EpBroadcastTokens(DeviceCall):
+    CALL: ClassVar[str] = "ep_broadcast_tokens"
     tokens: tuple[int, ...] = attrs.field(converter=int_tuple)
 
 
-@_call("ep_sync_vision_embeds")
+@attrs.frozen
 class EpSyncVisionEmbeds(DeviceCall):
+    CALL: ClassVar[str] = "ep_sync_vision_embeds"
     n: int
 
 
 # --- streams ---------------------------------------------------------------------------------
 
 
-@_call("poll_innerq")
+@attrs.frozen
 class PollInnerq(DeviceCall):
-    pass
+    CALL: ClassVar[str] = "poll_innerq"
 
 
-@_call("record_event")
+@attrs.frozen
 class RecordEvent(DeviceCall):
+    CALL: ClassVar[str] = "record_event"
     event: int
     stream: int
 
 
-@_call("stream_wait_event")
+@attrs.frozen
 class StreamWaitEvent(DeviceCall):
+    CALL: ClassVar[str] = "stream_wait_event"
     stream: int
     event: int
 
 
-@_call("synchronize")
+@attrs.frozen
 class Synchronize(DeviceCall):
+    CALL: ClassVar[str] = "synchronize"
     stream: int
 
 
-@_call("sync_secondary")
+@attrs.frozen
 class SyncSecondaryCall(DeviceCall):
-    pass
+    CALL: ClassVar[str] = "sync_secondary"
 
 
-@_call("teardown")
+@attrs.frozen
 class TeardownCall(DeviceCall):
-    pass
+    CALL: ClassVar[str] = "teardown"
 
 
 # --- forwards --------------------------------------------------------------------------------
 
 
-@_call("prefill", query=True)
+@attrs.frozen
 class Prefill(DeviceCall):
+    CALL: ClassVar[str] = "prefill"
+    QUERY: ClassVar[bool] = True
     seq: int
     tokens: tuple[int, ...] = attrs.field(converter=int_tuple)
     stream: int = 0
 
 
-@_call("prefill_chunk", query=True)
+@attrs.frozen
 class PrefillChunk(DeviceCall):
+    CALL: ClassVar[str] = "prefill_chunk"
+    QUERY: ClassVar[bool] = True
     seq: int
     prompt: tuple[int, ...] = attrs.field(converter=int_tuple)
     start: int
@@ -235,45 +265,61 @@ class PrefillSlice:
     last: bool
 
 
-@_call("mixed_forward", query=True)
+def prefill_slices(value: Iterable[PrefillSlice]) -> tuple[PrefillSlice, ...]:
+    """Converter: the slices of a batched forward, as a tuple."""
+    return tuple(value)
+
+
+@attrs.frozen
 class MixedForward(DeviceCall):
+    CALL: ClassVar[str] = "mixed_forward"
+    QUERY: ClassVar[bool] = True
     decode_tokens: tuple[int, ...] = attrs.field(converter=int_tuple)
     decode_seqs: tuple[int, ...] = attrs.field(converter=int_tuple)
     prefill: PrefillSlice
     stream: int
 
 
-@_call("mixed_forward_batch", query=True)
+@attrs.frozen
 class MixedForwardBatch(DeviceCall):
+    CALL: ClassVar[str] = "mixed_forward_batch"
+    QUERY: ClassVar[bool] = True
     decode_tokens: tuple[int, ...] = attrs.field(converter=int_tuple)
     decode_seqs: tuple[int, ...] = attrs.field(converter=int_tuple)
-    prefills: tuple[PrefillSlice, ...] = attrs.field(converter=tuple)
+    prefills: tuple[PrefillSlice, ...] = attrs.field(converter=prefill_slices)
     stream: int
 
 
-@_call("prefill_batch_chunk", query=True)
+@attrs.frozen
 class PrefillBatchChunk(DeviceCall):
     """Chunks of several prompts in one forward (no decode rows); slice r answers at row r."""
 
-    prefills: tuple[PrefillSlice, ...] = attrs.field(converter=tuple)
+    CALL: ClassVar[str] = "prefill_batch_chunk"
+    QUERY: ClassVar[bool] = True
+    prefills: tuple[PrefillSlice, ...] = attrs.field(converter=prefill_slices)
     stream: int
 
 
-@_call("normalize_ssm_states")
+@attrs.frozen
 class NormalizeSsmStates(DeviceCall):
+    CALL: ClassVar[str] = "normalize_ssm_states"
     seq: int
     stream: int
 
 
-@_call("decode", query=True)
+@attrs.frozen
 class DecodeCall(DeviceCall):
+    CALL: ClassVar[str] = "decode"
+    QUERY: ClassVar[bool] = True
     token: int
     seq: int
     stream: int = 0
 
 
-@_call("decode_draft", query=True)
+@attrs.frozen
 class DecodeDraft(DeviceCall):
+    CALL: ClassVar[str] = "decode_draft"
+    QUERY: ClassVar[bool] = True
     token: int
     seq: int
     stream: int = 0
@@ -288,38 +334,46 @@ class SerialVerify(DeviceCall):
     tokens: tuple[int, ...] = attrs.field(converter=int_tuple)
 
 
-@_call("decode_verify", query=True)
+@attrs.frozen
 class DecodeVerify(SerialVerify):
-    pass
+    CALL: ClassVar[str] = "decode_verify"
+    QUERY: ClassVar[bool] = True
 
 
-@_call("decode_verify_graphed", query=True)
+@attrs.frozen
 class DecodeVerifyGraphed(SerialVerify):
-    pass
+    CALL: ClassVar[str] = "decode_verify_graphed"
+    QUERY: ClassVar[bool] = True
 
 
-@_call("decode_verify_graphed_k3", query=True)
+@attrs.frozen
 class DecodeVerifyGraphedK3(SerialVerify):
-    pass
+    CALL: ClassVar[str] = "decode_verify_graphed_k3"
+    QUERY: ClassVar[bool] = True
 
 
-@_call("decode_verify_graphed_k4", query=True)
+@attrs.frozen
 class DecodeVerifyGraphedK4(SerialVerify):
-    pass
+    CALL: ClassVar[str] = "decode_verify_graphed_k4"
+    QUERY: ClassVar[bool] = True
 
 
-@_call("decode_verify_dflash", query=True)
+@attrs.frozen
 class DecodeVerifyDflash(SerialVerify):
-    pass
+    CALL: ClassVar[str] = "decode_verify_dflash"
+    QUERY: ClassVar[bool] = True
 
 
-@_call("decode_and_verify_fused", query=True)
+@attrs.frozen
 class DecodeAndVerifyFused(SerialVerify):
-    pass
+    CALL: ClassVar[str] = "decode_and_verify_fused"
+    QUERY: ClassVar[bool] = True
 
 
-@_call("decode_verify_batched", query=True)
+@attrs.frozen
 class DecodeVerifyBatched(DeviceCall):
+    CALL: ClassVar[str] = "decode_verify_batched"
+    QUERY: ClassVar[bool] = True
     tokens: tuple[int, ...] = attrs.field(converter=int_tuple)
     ks: tuple[int, ...] = attrs.field(converter=int_tuple)
     seqs: tuple[int, ...] = attrs.field(converter=int_tuple)
@@ -330,8 +384,10 @@ class DecodeVerifyBatched(DeviceCall):
 # --- proposers -------------------------------------------------------------------------------
 
 
-@_call("run_mtp_propose_multi", query=True)
+@attrs.frozen
 class ProposeMulti(DeviceCall):
+    CALL: ClassVar[str] = "run_mtp_propose_multi"
+    QUERY: ClassVar[bool] = True
     token: int
     pos: int
     n: int
@@ -340,8 +396,10 @@ class ProposeMulti(DeviceCall):
     mask: bool = False
 
 
-@_call("run_mtp_propose_batched", query=True)
+@attrs.frozen
 class ProposeBatched(DeviceCall):
+    CALL: ClassVar[str] = "run_mtp_propose_batched"
+    QUERY: ClassVar[bool] = True
     tokens: tuple[int, ...] = attrs.field(converter=int_tuple)
     positions: tuple[int, ...] = attrs.field(converter=int_tuple)
     stash: tuple[int, ...] = attrs.field(converter=int_tuple)
@@ -350,42 +408,53 @@ class ProposeBatched(DeviceCall):
     stream: int = 0
 
 
-@_call("run_mtp_catchup_batched")
+@attrs.frozen
 class CatchupBatched(DeviceCall):
-    tokens: tuple[tuple[int, ...], ...] = attrs.field(converter=lambda v: tuple(int_tuple(x) for x in v))
+    CALL: ClassVar[str] = "run_mtp_catchup_batched"
+    tokens: tuple[tuple[int, ...], ...] = attrs.field(converter=int_tuples)
     slots: tuple[int, ...] = attrs.field(converter=int_tuple)
     pos: tuple[int, ...] = attrs.field(converter=int_tuple)
 
 
-@_call("generate_beam_batch", query=True)
+@attrs.frozen
 class GenerateBeamBatch(DeviceCall):
-    prompts: tuple[tuple[int, ...], ...] = attrs.field(converter=lambda v: tuple(int_tuple(x) for x in v))
+    CALL: ClassVar[str] = "generate_beam_batch"
+    QUERY: ClassVar[bool] = True
+    prompts: tuple[tuple[int, ...], ...] = attrs.field(converter=int_tuples)
     num_beams: tuple[int, ...] = attrs.field(converter=int_tuple)
 
 
-@_call("mtp_slot_draft_capacity", query=True)
+@attrs.frozen
 class SlotDraftCapacity(DeviceCall):
     """One ``mtp_slot_draft_capacity`` line per slot, answered with the list of capacities."""
 
+    CALL: ClassVar[str] = "mtp_slot_draft_capacity"
+    QUERY: ClassVar[bool] = True
     slots: tuple[int, ...] = attrs.field(converter=int_tuple)
 
 
-@_call("can_batch_verify", query=True)
+@attrs.frozen
 class CanBatchVerify(DeviceCall):
+    CALL: ClassVar[str] = "can_batch_verify"
+    QUERY: ClassVar[bool] = True
     ks: tuple[int, ...] = attrs.field(converter=int_tuple)
 
 
 # --- logits readers --------------------------------------------------------------------------
 
 
-@_call("argmax_on_device", query=True)
+@attrs.frozen
 class ArgmaxOnDevice(DeviceCall):
+    CALL: ClassVar[str] = "argmax_on_device"
+    QUERY: ClassVar[bool] = True
     row: int
     stream: int = 0
 
 
-@_call("argmax_batch", query=True)
+@attrs.frozen
 class ArgmaxBatch(DeviceCall):
+    CALL: ClassVar[str] = "argmax_batch"
+    QUERY: ClassVar[bool] = True
     row: int
     n: int
     stream: int = 0
@@ -401,116 +470,140 @@ class HostPick:
     top_logprobs: int = 0
 
 
-@_call("copy_logits_to_host", query=True)
+def host_picks(value: Iterable[HostPick]) -> tuple[HostPick, ...]:
+    """Converter: the host picks of a logits readback, as a tuple."""
+    return tuple(value)
+
+
+@attrs.frozen
 class CopyLogitsToHost(DeviceCall):
     """Copy ``n`` rows to the host; answered with one pick per row, made by the rule in ``picks``."""
 
+    CALL: ClassVar[str] = "copy_logits_to_host"
+    QUERY: ClassVar[bool] = True
     row: int
     n: int
-    picks: tuple[HostPick, ...] = attrs.field(converter=tuple)
+    picks: tuple[HostPick, ...] = attrs.field(converter=host_picks)
 
 
 # --- speculative bookkeeping (fire-and-forget) -----------------------------------------------
 
 
-@_call("gdn_fold_accepted")
+@attrs.frozen
 class GdnFoldAccepted(DeviceCall):
+    CALL: ClassVar[str] = "gdn_fold_accepted"
     slots: tuple[int, ...] = attrs.field(converter=int_tuple)
     accepted: tuple[int, ...] = attrs.field(converter=int_tuple)
     k: int
 
 
-@_call("commit_accepted_prefix")
+@attrs.frozen
 class CommitAcceptedPrefix(DeviceCall):
+    CALL: ClassVar[str] = "commit_accepted_prefix"
     seq: int
     na: int
     k: int
 
 
-@_call("commit_ctx")
+@attrs.frozen
 class CommitCtx(DeviceCall):
+    CALL: ClassVar[str] = "commit_ctx"
     seq: int
     n: int
     base: int
     row: int
 
 
-@_call("trim_proposer_state")
+@attrs.frozen
 class TrimProposerState(DeviceCall):
+    CALL: ClassVar[str] = "trim_proposer_state"
     seq: int
     na: int
     stream: int = 0
 
 
-@_call("save_hidden_for_mtp")
+@attrs.frozen
 class SaveHiddenForMtp(DeviceCall):
+    CALL: ClassVar[str] = "save_hidden_for_mtp"
     row: int
     stream: int = 0
 
 
-@_call("save_hidden_for_mtp_from_stash")
+@attrs.frozen
 class SaveHiddenForMtpFromStash(DeviceCall):
+    CALL: ClassVar[str] = "save_hidden_for_mtp_from_stash"
     index: int
     stream: int = 0
 
 
-@_call("stash_verify_hidden_rows")
+@attrs.frozen
 class StashVerifyHiddenRows(DeviceCall):
+    CALL: ClassVar[str] = "stash_verify_hidden_rows"
     rows: tuple[int, ...] = attrs.field(converter=int_tuple)
     stream: int = 0
 
 
-@_call("stash_verify_catchup_rows")
+@attrs.frozen
 class StashVerifyCatchupRows(DeviceCall):
-    pairs: tuple[tuple[int, int], ...] = attrs.field(converter=lambda v: tuple((int(a), int(b)) for a, b in v))
+    CALL: ClassVar[str] = "stash_verify_catchup_rows"
+    pairs: tuple[tuple[int, int], ...] = attrs.field(converter=int_pairs)
 
 
-@_call("dflash_eagle_accept_append")
+@attrs.frozen
 class DflashEagleAcceptAppend(DeviceCall):
+    CALL: ClassVar[str] = "dflash_eagle_accept_append"
     seq: int
 
 
-@_call("start_checkpoint_async")
+@attrs.frozen
 class StartCheckpointAsync(DeviceCall):
+    CALL: ClassVar[str] = "start_checkpoint_async"
     seq: int
 
 
-@_call("start_rollback_and_checkpoint_async")
+@attrs.frozen
 class StartRollbackAndCheckpointAsync(DeviceCall):
+    CALL: ClassVar[str] = "start_rollback_and_checkpoint_async"
     seq: int
     na: int
 
 
-@_call("checkpoint_ssm_states")
+@attrs.frozen
 class CheckpointSsmStates(DeviceCall):
+    CALL: ClassVar[str] = "checkpoint_ssm_states"
     seq: int
 
 
-@_call("rollback_ssm_states")
+@attrs.frozen
 class RollbackSsmStates(DeviceCall):
+    CALL: ClassVar[str] = "rollback_ssm_states"
     seq: int
     n: int
 
 
-@_call("decode_marconi_checkpoint")
+@attrs.frozen
 class DecodeMarconiCheckpoint(DeviceCall):
+    CALL: ClassVar[str] = "decode_marconi_checkpoint"
     seq: int
 
 
-@_call("save_decode_ssm_snapshot")
+@attrs.frozen
 class SaveDecodeSsmSnapshot(DeviceCall):
+    CALL: ClassVar[str] = "save_decode_ssm_snapshot"
     seq: int
     ring: int
 
 
-@_call("restore_decode_ssm_snapshot")
+@attrs.frozen
 class RestoreDecodeSsmSnapshot(DeviceCall):
+    CALL: ClassVar[str] = "restore_decode_ssm_snapshot"
     seq: int
     ring: int
 
 
-@_call("save_hidden_for_catchup")
+@attrs.frozen
 class SaveHiddenForCatchupCall(DeviceCall):
+    CALL: ClassVar[str] = "save_hidden_for_catchup"
     row: int
     pos: int
 
@@ -518,30 +611,49 @@ class SaveHiddenForCatchupCall(DeviceCall):
 # --- batched forms: one record for the same call on many sequences, in order ------------------
 
 
-@_call("commit_ctx")
+def entries4(value: Iterable[tuple[int, int, int, int]]) -> tuple[tuple[int, int, int, int], ...]:
+    """Converter: 4-field entries of a batched record, as a tuple (entries are kept as given)."""
+    return tuple(value)
+
+
+def entries3(value: Iterable[tuple[int, int, int]]) -> tuple[tuple[int, int, int], ...]:
+    """Converter: 3-field entries of a batched record, as a tuple (entries are kept as given)."""
+    return tuple(value)
+
+
+def entries2(value: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """Converter: 2-field entries of a batched record, as a tuple (entries are kept as given)."""
+    return tuple(value)
+
+
+@attrs.frozen
 class CommitCtxBatch(DeviceCall):
     """``commit_ctx`` for each ``(seq, n, base, row)`` entry, in order."""
 
-    entries: tuple[tuple[int, int, int, int], ...] = attrs.field(converter=tuple)
+    CALL: ClassVar[str] = "commit_ctx"
+    entries: tuple[tuple[int, int, int, int], ...] = attrs.field(converter=entries4)
 
 
-@_call("commit_accepted_prefix")
+@attrs.frozen
 class CommitAcceptedPrefixBatch(DeviceCall):
     """``commit_accepted_prefix`` for each ``(seq, na, k)`` entry, in order."""
 
-    entries: tuple[tuple[int, int, int], ...] = attrs.field(converter=tuple)
+    CALL: ClassVar[str] = "commit_accepted_prefix"
+    entries: tuple[tuple[int, int, int], ...] = attrs.field(converter=entries3)
 
 
-@_call("trim_proposer_state")
+@attrs.frozen
 class TrimProposerStateBatch(DeviceCall):
     """``trim_proposer_state`` for each ``(seq, na)`` entry, in order, on ``stream``."""
 
-    entries: tuple[tuple[int, int], ...] = attrs.field(converter=tuple)
+    CALL: ClassVar[str] = "trim_proposer_state"
+    entries: tuple[tuple[int, int], ...] = attrs.field(converter=entries2)
     stream: int = 0
 
 
-@_call("truncate_sequence")
+@attrs.frozen
 class TruncateSequences(DeviceCall):
     """``TruncateSequence`` for each ``(seq, seq_len)`` entry; renders no line."""
 
-    entries: tuple[tuple[int, int], ...] = attrs.field(converter=tuple)
+    CALL: ClassVar[str] = "truncate_sequence"
+    entries: tuple[tuple[int, int], ...] = attrs.field(converter=entries2)

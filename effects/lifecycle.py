@@ -5,11 +5,12 @@ Each record expands, in the interpreter, into the device calls listed in trace-f
 
 from __future__ import annotations
 
+import enum
 from typing import ClassVar
 
 import attrs
 
-from fxsched.effects.base import Effect
+from .base import Effect
 
 
 @attrs.frozen
@@ -29,7 +30,20 @@ class Lifecycle(Effect):
         return f"fx {self.KIND} {self.label}"
 
 
-RELEASE_REASONS = ("finish_sequence", "preempt_requeue", "spill_out_sequence", "send_error")
+class ReleaseReason(enum.StrEnum):
+    """Why a sequence's slot is given back; ``ReleaseSeq`` renders the bare value.
+
+    The members are strings: a ``ReleaseSeq`` built with the plain string is equal to one built
+    with the member.
+    """
+
+    FINISH_SEQUENCE = "finish_sequence"
+    PREEMPT_REQUEUE = "preempt_requeue"
+    SPILL_OUT_SEQUENCE = "spill_out_sequence"
+    SEND_ERROR = "send_error"
+
+
+RELEASE_REASONS: tuple[ReleaseReason, ...] = tuple(ReleaseReason)
 
 
 @attrs.frozen
@@ -39,7 +53,7 @@ class ReleaseSeq(Lifecycle):
     seq: int
     slot: int
     cache: bool
-    reason: str = attrs.field(validator=attrs.validators.in_(RELEASE_REASONS))
+    reason: ReleaseReason = attrs.field(validator=attrs.validators.in_(RELEASE_REASONS))
 
     @property
     def label(self) -> str:

@@ -11,8 +11,8 @@ from typing import ClassVar
 
 import attrs
 
-from fxsched.effects.base import Effect, int_tuple
-from fxsched.effects.device_calls import HostPick
+from .base import Effect, int_tuple
+from .device_calls import HostPick, host_picks
 
 
 @attrs.frozen
@@ -36,7 +36,7 @@ class Decode(Plan):
     tokens: tuple[int, ...] = attrs.field(converter=int_tuple)
     seqs: tuple[int, ...] = attrs.field(converter=int_tuple)
     seq_lens: tuple[int, ...] = attrs.field(converter=int_tuple)
-    picks: tuple[HostPick, ...] = attrs.field(converter=tuple, default=())
+    picks: tuple[HostPick, ...] = attrs.field(converter=host_picks, default=())
     ctx: str = "Unified"
 
     @property

@@ -79,7 +79,7 @@ def _max_abs_diff(a: Any, b: Any) -> float:
         if a.is_floating_point():
             return float((a.float() - b.float()).abs().max()) if a.numel() else 0.0
         return float((a != b).sum())  # integer outputs: count of mismatches
-    return max((_max_abs_diff(x, y) for x, y in zip(a, b)), default=0.0)
+    return max((_max_abs_diff(x, y) for x, y in zip(a, b, strict=True)), default=0.0)
 
 
 def _compare(case: _Case) -> float:
@@ -89,11 +89,11 @@ def _compare(case: _Case) -> float:
     before = [t.clone() for t in case.mutated]
     case.triton_fn()
     from_triton = [t.clone() for t in case.mutated]
-    for t, saved in zip(case.mutated, before):
+    for t, saved in zip(case.mutated, before, strict=True):
         t.copy_(saved)
     case.torch_fn()
     diff = _max_abs_diff(from_triton, list(case.mutated))
-    for t, saved in zip(case.mutated, before):
+    for t, saved in zip(case.mutated, before, strict=True):
         t.copy_(saved)
     return diff
 

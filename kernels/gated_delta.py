@@ -180,7 +180,7 @@ def gated_delta_triton(
         v.contiguous(),
         g.contiguous(),
         beta.contiguous(),
-        initial_state.contiguous() if has_initial_state else states,  # dummy pointer when absent
+        initial_state.contiguous() if initial_state is not None else states,  # dummy pointer when absent
         outputs,
         states,
         float(scale),

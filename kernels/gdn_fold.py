@@ -103,7 +103,7 @@ else:  # pragma: no cover
 def _inner_contiguous(t: torch.Tensor, leading: int) -> bool:
     """Whether dims ``leading..`` of ``t`` form one contiguous block."""
     expected = 1
-    for size, stride in zip(reversed(t.shape[leading:]), reversed(t.stride()[leading:])):
+    for size, stride in zip(reversed(t.shape[leading:]), reversed(t.stride()[leading:]), strict=True):
         if size != 1 and stride != expected:
             return False
         expected *= size

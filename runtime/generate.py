@@ -2,8 +2,7 @@
 ``TorchDevice``, tokens collected per request, and a summary of the run.
 
 ``generate`` is the library entry point (the CLI, the benchmarks and the tests use it);
-``bench_generate`` measures tokens/s and target forwards per generated token, with and without
-speculation, at several batch sizes.
+``fxsched.runtime.bench.generate`` measures it.
 
 Speculation modes (``SPECS``) map onto the scheduler configuration as follows:
 
@@ -19,7 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional, Sequence as Seq
+from typing import Any, Callable, Optional, Sequence as Seq
 
 import torch
 
@@ -28,9 +27,10 @@ from fxsched.core.config import ModelInfo, SchedulerConfig
 from fxsched.core.request import Request
 from fxsched.core.state import initial_state
 from fxsched.effects.client import DoneOut, ErrorOut, ResponseOut, TokenOut, TokensOut
-from fxsched.runtime.interpreter import Interpreter, RunError
+from fxsched.runtime.devices.device import Device
+from fxsched.runtime.interpreter import Host, Interpreter, RunError
 from fxsched.runtime.logs import ensure_configured
-from fxsched.runtime.torch_device import Drafter, TorchDevice
+from fxsched.runtime.devices.torch import Drafter, TorchDevice
 from fxsched.runtime.torch_model import HybridEngine, ModelConfig
 
 SPECS = ("none", "mtp", "dflash", "ngram")
@@ -66,9 +66,9 @@ def scheduler_setup(cfg: ModelConfig, spec: str, batch: int) -> tuple[SchedulerC
         raise GenerateError("--spec mtp: the model has no MTP head (config mtp = false)")
     if spec == "dflash" and cfg.dflash_gamma <= 0:
         raise GenerateError("--spec dflash: the model has no DFlash drafter (config dflash_gamma = 0)")
-    common = dict(eos_ids=(cfg.eos_id,), max_batch_size=batch, max_seq_len=context_limit(cfg),
-                  admission_watermark=cfg.max_seq_len)
-    model = dict(vocab=cfg.vocab_size, block_size=cfg.block_size, total_blocks=cfg.num_blocks)
+    common: dict[str, Any] = dict(eos_ids=(cfg.eos_id,), max_batch_size=batch, max_seq_len=context_limit(cfg),
+                                  admission_watermark=cfg.max_seq_len)
+    model: dict[str, Any] = dict(vocab=cfg.vocab_size, block_size=cfg.block_size, total_blocks=cfg.num_blocks)
     if spec == "mtp":
         return (SchedulerConfig(use_speculative=True, dflash=False, num_drafts=MTP_DRAFTS, **common),
                 ModelInfo(has_proposer=True, **model), "mtp")
@@ -139,17 +139,19 @@ class RequestResult:
         return f"request {self.id}: {toks} ({self.reason}, n={len(self.tokens)}, acc={self.acc})"
 
 
-class GenerateHost:
+class GenerateHost(Host):
     """Clients of one run: collects each request's tokens and final frame."""
 
     def __init__(self, requests: Seq[Request], eos_id: int, on_tokens: Callable[[int], None] = lambda n: None):
+        super().__init__()
         self.results = {r.id: RequestResult(r.id, list(r.prompt)) for r in requests}
         self.eos_id = eos_id
         self.on_tokens = on_tokens
         self.finished: set[int] = set()
 
     def send(self, output) -> None:
-        result = self.results.get(getattr(output, "request_id", None))
+        rid = getattr(output, "request_id", None)
+        result = self.results.get(rid) if rid is not None else None
         if result is None:
             return
         if isinstance(output, TokenOut):
@@ -178,9 +180,6 @@ class GenerateHost:
             return [ev.InboxClosed()]
         missing = sorted(set(self.results) - self.finished)
         raise RunError(f"the scheduler waits for input that can never come (requests without a final frame: {missing})")
-
-    def take_inputs(self) -> list[ev.Event]:
-        return []
 
 
 # --- the run ---------------------------------------------------------------------------------
@@ -232,13 +231,12 @@ class GenerateResult:
 def generate(engine: HybridEngine, prompts: Seq[Seq[int]], max_tokens: int, spec: str = "none",
              batch: Optional[int] = None, drafter: Optional[Drafter] = None, strict: bool = False,
              progress: Optional[Callable[[int], None]] = None,
-             wrap_device: Optional[Callable[[TorchDevice], object]] = None) -> GenerateResult:
+             wrap_device: Optional[Callable[[TorchDevice], Device]] = None) -> GenerateResult:
     """Generate up to ``max_tokens`` greedy tokens for each prompt through the scheduler.
 
     ``batch`` caps the sequences running at once (default: every prompt, up to the model's
-    slots). ``drafter`` replaces the model's drafter (tests). ``progress(n)`` is called as tokens
-    arrive. ``wrap_device`` may put a layer between the interpreter and the device (expert
-    parallelism). Raises ``GenerateError`` for bad input and ``RunError`` if the run cannot finish.
+    slots). ``drafter`` replaces the model's drafter. ``progress(n)`` is called as tokens arrive.
+    ``wrap_device`` may put a layer between the interpreter and the device (expert parallelism). Raises ``GenerateError`` for bad input and ``RunError`` if the run cannot finish.
     """
     ensure_configured()
     cfg = engine.cfg
@@ -276,97 +274,3 @@ def generate(engine: HybridEngine, prompts: Seq[Seq[int]], max_tokens: int, spec
         cached_prompt_tokens=stats.cached_prompt_tokens, steps=interpreter.steps,
     )
     return GenerateResult(results, summary, device)
-
-
-# --- test / benchmark drafters ---------------------------------------------------------------------
-
-
-class OracleDrafter:
-    """Drafts the known greedy continuation (from a reference run), corrupting each draft with
-    probability ``noise``: exercises every acceptance length through the real verifies."""
-
-    def __init__(self, prompts: Seq[Seq[int]], outputs: Seq[Seq[int]], vocab: int, noise: float = 0.2,
-                 seed: int = 0) -> None:
-        self.reference = [(list(p), list(o)) for p, o in zip(prompts, outputs)]
-        self.vocab = vocab
-        self.noise = noise
-        self.gen = torch.Generator().manual_seed(seed)
-
-    def __call__(self, tokens: list[int], last: int, n: int) -> list[int]:
-        for prompt, out in self.reference:
-            full = prompt + out
-            if len(tokens) < len(full) and full[:len(tokens)] == tokens and full[len(tokens)] == last:
-                draft = full[len(tokens) + 1:len(tokens) + 1 + n]
-                break
-        else:
-            draft = []
-        draft = draft + [0] * (n - len(draft))
-        for i in range(len(draft)):
-            if float(torch.rand((), generator=self.gen)) < self.noise:
-                draft[i] = (draft[i] + 1) % self.vocab
-        return draft
-
-
-# --- the benchmark ---------------------------------------------------------------------------------
-
-
-def bench_prompts(cfg: ModelConfig, count: int, seed: int = 7, min_len: int = 8, max_len: int = 24) -> list[list[int]]:
-    from fxsched.runtime.torch_model.testing import random_prompts
-
-    return random_prompts(seed, count, cfg.vocab_size, min_len, max_len)
-
-
-def bench_generate(engine_factory: Callable[[], HybridEngine], batches: Iterable[int] = (1, 4, 16),
-                   max_tokens: int = 32, specs: Iterable[str] = ("none", "mtp", "dflash"),
-                   oracle: bool = True, progress: Optional[Callable[[str], None]] = None) -> list[dict]:
-    """Rows of tokens/s and target forwards per generated token for each (spec, batch).
-
-    Each batch runs ``batch`` prompts at once on a fresh engine (so no prefix-cache reuse between
-    rows). With ``oracle``, the speculative modes are also run with an oracle drafter (the
-    reference continuation with 20 % corrupted drafts) to show the scheduler's behaviour at a
-    realistic acceptance rate; the model's own drafters on random weights accept almost nothing.
-    """
-    rows = []
-    for batch in batches:
-        engine = engine_factory()
-        prompts = bench_prompts(engine.cfg, batch)
-        base = None
-        plan = [(spec, False) for spec in specs]
-        if oracle:
-            plan += [(spec, True) for spec in specs if spec in ("mtp", "dflash")]
-        for spec, use_oracle in plan:
-            if progress:
-                progress(f"{spec}{'+oracle' if use_oracle else ''} batch {batch}")
-            engine = engine_factory()
-            drafter = None
-            if use_oracle:
-                if base is None:
-                    base = generate(engine_factory(), prompts, max_tokens, "none", batch)
-                drafter = OracleDrafter(prompts, base.outputs, engine.cfg.vocab_size, noise=0.2, seed=batch)
-            result = generate(engine, prompts, max_tokens, spec, batch, drafter=drafter)
-            if spec == "none" and not use_oracle:
-                base = result
-            s = result.summary
-            lossless = base is None or result.outputs == base.outputs
-            rows.append({
-                "spec": spec + ("+oracle" if use_oracle else ""), "batch": batch, "tokens": s.generated_tokens,
-                "tokens/s": s.tokens_per_s, "fwd/token": s.forwards_per_token,
-                "mean_acc_len": s.mean_accepted_length if s.mean_accepted_length is not None else "-",
-                "lossless": "yes" if lossless else "NO",
-            })
-    return rows
-
-
-def format_table(rows: list[dict]) -> str:
-    if not rows:
-        return ""
-    keys = list(rows[0])
-    widths = {k: max(len(k), *(len(_cell(r[k])) for r in rows)) for k in keys}
-    lines = ["  ".join(f"{k:>{widths[k]}}" for k in keys)]
-    for r in rows:
-        lines.append("  ".join(f"{_cell(r[k]):>{widths[k]}}" for k in keys))
-    return "\n".join(lines)
-
-
-def _cell(value) -> str:
-    return f"{value:.2f}" if isinstance(value, float) else str(value)

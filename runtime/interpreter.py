@@ -1,14 +1,20 @@
 """The interpreter: drives ``step``, carries out each effect on a Device, and turns answers into
-events. It is the only place where effects touch the world.
+events. It is the only place where effects touch the world, and ``Interpreter.run`` is the one
+drive loop: the scenario runner, the model checker's walk, generation and the hypothesis machine
+(step by step, through ``Interpreter.feed``) all go through it.
 
-Order of delivery after a batch: input events that arose while it ran (scripted cancels, late
-arrivals from the host) first, then the answer of the batch's query.
+Order of delivery after a batch: input events that arose while it ran (the arrivals a blocking
+wait returned, then the host's inputs, then scripted cancels from the device) first, then the
+answer of the batch's query.
+
+Every batch that ``step`` returns ends in exactly one query, whose answer is the next event, or in
+the teardown; an input event's batch is empty. Anything else is a ``BatchError``.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterable, Optional, Protocol
+from typing import Iterable, Optional, Sequence as Seq
 
 import structlog
 
@@ -19,60 +25,128 @@ from fxsched.effects import device_calls as dc
 from fxsched.effects import lifecycle as lc
 from fxsched.effects import plans
 from fxsched.effects.client import ClientOutput, RotationAck
-from fxsched.runtime.device import Device, DeviceError
-from fxsched.runtime.sampling import decode_bf16_row, host_pick
+from fxsched.effects.ep_words import RELEASE_CMD, SHUTDOWN_CMD
+from fxsched.runtime.devices.device import Device, DeviceError
+from fxsched.runtime.devices.sampling import decode_bf16_row, host_pick
 
 log = structlog.get_logger("fxsched.interpreter")
 
-RELEASE_CMD = 0xFFFFFFF1
-SHUTDOWN_CMD = 0xFFFFFFFF
+
+class Host:
+    """The world outside the device: clients and the request inbox.
+
+    ``inputs`` collects input events that arise while a batch runs (late arrivals, clock
+    readings, rotation requests); the interpreter takes them after the batch. ``send`` gets every
+    client output and rotation acknowledgement; ``wait_for_input`` answers a blocking wait with
+    the events that arrived (none by default). Subclasses override what they need.
+    """
+
+    def __init__(self) -> None:
+        self.inputs: list[ev.Event] = []
+
+    def take_inputs(self) -> list[ev.Event]:
+        """The input events posted since the last call, in order."""
+        taken, self.inputs = self.inputs, []
+        return taken
+
+    def send(self, output) -> None:
+        pass
+
+    def wait_for_input(self) -> list[ev.Event]:
+        return []
 
 
-class Host(Protocol):
-    """The world outside the device: clients and the request inbox."""
+class Observer:
+    """Watches the drive loop; every method is a no-op here, subclasses override what they need.
 
-    def send(self, output) -> None: ...
-    def wait_for_input(self) -> list[ev.Event]: ...
-    def take_inputs(self) -> list[ev.Event]: ...
+    For each event: ``before_step(event)``, then ``stepped(event, state, effects)`` with what
+    ``step`` returned (before any effect is carried out), then ``performed(state)`` once the batch
+    has been carried out. ``output`` gets every client output (and rotation acknowledgement) when
+    the host does.
+    """
+
+    def before_step(self, event: ev.Event) -> None:
+        pass
+
+    def stepped(self, event: ev.Event, state: SchedulerState, effects: Seq) -> None:
+        pass
+
+    def performed(self, state: SchedulerState) -> None:
+        pass
+
+    def output(self, output) -> None:
+        pass
 
 
 class RunError(Exception):
     """The run cannot go on (a wait that can never be satisfied, a fatal device error)."""
 
 
+class BatchError(RunError):
+    """A batch of effects from ``step`` that does not end in exactly one query (or the teardown)."""
+
+
+def check_batch(event: ev.Event, effects: Seq, stopped: bool) -> None:
+    """Raise ``BatchError`` unless ``effects`` is empty (an input event's batch), ends in its only
+    query, or ends the run with the teardown and holds no query."""
+    if not effects:
+        return
+    queries = [i for i, effect in enumerate(effects) if effect.QUERY]
+    last = effects[-1]
+    if queries == [len(effects) - 1]:
+        return
+    if not queries and stopped and isinstance(last, (lc.Teardown, dc.TeardownCall)):
+        return
+    names = [type(effects[i]).__name__ for i in queries]
+    if not queries:
+        shape = f"ends in {type(last).__name__} with no query" + ("" if stopped else " and the loop has not stopped")
+    elif len(queries) > 1:
+        shape = f"holds {len(queries)} queries ({', '.join(names)})"
+    else:
+        shape = f"has its query {names[0]} at position {queries[0] + 1} of {len(effects)}, not last"
+    raise BatchError(f"step({type(event).__name__}) returned a batch of {len(effects)} effects that {shape}; "
+                     f"a batch must end in exactly one query or in the teardown")
+
+
 class Interpreter:
-    def __init__(self, device: Device, host: Host, eos_ids: tuple[int, ...] = (63,)):
+    def __init__(self, device: Device, host: Host, eos_ids: tuple[int, ...] = (63,),
+                 observer: Optional[Observer] = None):
         self.device = device
         self.host = host
         self.eos_ids = eos_ids
+        self.observer = observer if observer is not None else Observer()
         self.steps = 0
-        self._inputs: list[ev.Event] = []
+        self._waited: list[ev.Event] = []  # what a blocking wait of the current batch returned
+        self._take_cancels = getattr(device, "take_cancels", None)  # scripted devices' client cancels
 
     def run(self, state: SchedulerState, first: Iterable[ev.Event]) -> SchedulerState:
-        """Feed ``first`` then every answer until the loop stops."""
+        """Feed ``first`` then every event that follows until the loop stops (or no event is left)."""
         queue = deque(first)
         while queue:
-            event = queue.popleft()
-            state, effects = step(state, event)
-            self.steps += 1
-            answer = self.perform_all(effects)
-            queue.extend(self.take_inputs())
-            queue.extend(self.host.take_inputs())
-            queue.extend(ev.Cancel(r) for r in self._device_cancels())
-            if answer is not None:
-                queue.append(answer)
+            state, follow = self.feed(state, queue.popleft())
+            queue.extend(follow)
             if state.stopped:
                 break
         return state
 
-    def take_inputs(self) -> list[ev.Event]:
-        """Input events that arose while the last batch ran (a blocking wait's arrivals, closure)."""
-        taken, self._inputs = self._inputs, []
-        return taken
-
-    def _device_cancels(self) -> list[int]:
-        take = getattr(self.device, "take_cancels", None)
-        return take() if take else []
+    def feed(self, state: SchedulerState, event: ev.Event) -> tuple[SchedulerState, list[ev.Event]]:
+        """One step of the loop: step on ``event``, check the batch, carry it out. Returns the new
+        state and the events that follow, in delivery order (inputs first, the answer last)."""
+        observer = self.observer
+        observer.before_step(event)
+        state, effects = step(state, event)
+        self.steps += 1
+        check_batch(event, effects, state.stopped)
+        observer.stepped(event, state, effects)
+        answer = self.perform_all(effects)
+        observer.performed(state)
+        follow, self._waited = self._waited, []
+        follow.extend(self.host.take_inputs())
+        if self._take_cancels is not None:
+            follow.extend(ev.Cancel(r) for r in self._take_cancels())
+        if answer is not None:
+            follow.append(answer)
+        return state, follow
 
     def perform_all(self, effects) -> Optional[ev.Event]:
         answer = None
@@ -95,8 +169,9 @@ class Interpreter:
 
     def _perform(self, effect) -> Optional[ev.Event]:
         d = self.device
-        if isinstance(effect, ClientOutput) or isinstance(effect, RotationAck):
+        if isinstance(effect, (ClientOutput, RotationAck)):
             self.host.send(effect)
+            self.observer.output(effect)
             return None
         if isinstance(effect, plans.Decode):
             return self._decode_plan(effect)
@@ -114,7 +189,7 @@ class Interpreter:
             case dc.SsmSnapshotOccupancy():
                 d.ssm_snapshot_occupancy()
             case dc.WaitForInput():
-                self._inputs.extend(self.host.wait_for_input())
+                self._waited.extend(self.host.wait_for_input())
                 return ev.InputReady()
             case dc.AllocSequence(seq=seq, session=session):
                 return ev.SlotAllocated(d.alloc_sequence(seq, session))
@@ -273,7 +348,7 @@ class Interpreter:
             d.decode_batch(plan.tokens, plan.seqs, 0)
         except DeviceError as err:
             return ev.DeviceFault(err.message, err.kv_exhausted)
-        for row, (seq, base) in enumerate(zip(plan.seqs, plan.seq_lens)):
+        for row, (seq, base) in enumerate(zip(plan.seqs, plan.seq_lens, strict=True)):
             d.commit_ctx(seq, 1, base, row)
         if plan.picks:
             return self._host_picks(0, plan.picks)

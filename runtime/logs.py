@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import TextIO, cast
 
 import structlog
 
@@ -28,7 +29,8 @@ def configure_logging(verbose: bool = False) -> None:
             structlog.dev.ConsoleRenderer(colors=False),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
-        logger_factory=structlog.PrintLoggerFactory(file=_CurrentStderr()),
+        # structlog only writes and flushes its file, which is all _CurrentStderr offers
+        logger_factory=structlog.PrintLoggerFactory(file=cast(TextIO, _CurrentStderr())),
         cache_logger_on_first_use=False,
     )
 

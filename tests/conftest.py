@@ -9,7 +9,7 @@ import pytest
 def one_torch_thread():
     """One torch CPU thread for a whole module: the model is tiny, and two threads on this 2-core
     machine make every step far slower. The previous count is restored afterwards."""
-    from fxsched.runtime.torch_model.testing import single_thread
+    from support.torch_testing import single_thread
 
     with single_thread():
         yield

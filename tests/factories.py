@@ -148,8 +148,6 @@ class Driver:
 
     def finish(self, limit: int = 5000) -> "Driver":
         """Answer until every request has its final frame, then close the inbox and shut down."""
-        from fxsched.effects.client import TERMINAL_OUTPUTS
-
         for _ in range(limit):
             if self.state.stopped:
                 return self

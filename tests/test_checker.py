@@ -1,11 +1,11 @@
-"""The model checker: the random walk passes, catches every planted bug, replays failures
-exactly; a hypothesis state machine drives step with arrivals, answers, faults, clocks, cancels,
-rotations and closure, checking the invariants after every rule."""
+"""The model checker: the random walk passes and replay files re-run their episodes; a hypothesis
+state machine drives step (through the interpreter, event by event) with arrivals, answers,
+faults, clocks, cancels, rotations and closure, checking the invariants after every rule.
+(Whether the checker catches bugs is tests/test_planted.py: source mutations of core/.)"""
 
 from __future__ import annotations
 
 import json
-from collections import Counter
 
 import pytest
 from hypothesis import settings, strategies as st
@@ -13,14 +13,13 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from fxsched.core import events as ev
 from fxsched.core.config import ModelInfo, SchedulerConfig
-from fxsched.core.machine import step
-from fxsched.core.planted import PLANTED_BUGS
 from fxsched.core.state import initial_state
-from fxsched.runtime.cli import main
-from fxsched.runtime.interpreter import Interpreter
-from fxsched.runtime.invariants import Monitor, Violation
-from fxsched.runtime.sim_device import SimDevice
-from fxsched.runtime.walk import SimRequest, replay, walk, write_replay
+from fxsched.runtime.check.invariants import Monitor
+from fxsched.runtime.check.replay import replay
+from fxsched.runtime.check.walk import MonitorObserver, SimRequest, walk
+from fxsched.runtime.cli.app import main
+from fxsched.runtime.devices.simulated import SimDevice
+from fxsched.runtime.interpreter import Host, Interpreter
 
 BUDGET = 20_000
 
@@ -35,38 +34,35 @@ def test_the_walk_from_seed_7_breaks_no_invariant():
         assert report.coverage.get(key, 0) > 0, key
 
 
-@pytest.mark.parametrize("bug", sorted(PLANTED_BUGS))
-def test_planted_bug_is_found_within_the_budget(bug):
-    report = walk(7, steps=BUDGET, planted=(bug,))
-    assert report.violation is not None, f"{bug} went unnoticed for {report.steps} steps"
-
-
-def test_planted_bug_replay_file_reproduces_the_same_violation(tmp_path):
-    report = walk(7, steps=BUDGET, planted=("accepted_prefix_off_by_one",))
-    path = tmp_path / "replay.json"
-    write_replay(report, path)
-    data = json.loads(path.read_text())
-    assert data["seed"] == 7 and data["episode"]["planted"] == ["accepted_prefix_off_by_one"] and data["events"]
-    violation, _, diverged = replay(path)
-    assert diverged is None
-    assert violation is not None and violation.invariant == report.violation["invariant"]
-    assert violation.message == report.violation["message"]
-
-
-def test_check_and_replay_commands_with_a_planted_bug(tmp_path, capsys):
-    path = tmp_path / "r.json"
-    assert main(["check", "--seed", "7", "--steps", "20000", "--plant", "double_release",
-                 "--replay-file", str(path), "--no-progress"]) == 1
-    out = capsys.readouterr().out
-    assert "VIOLATION no_effect_on_released" in out and "steps/s" in out
-    assert main(["replay", str(path)]) == 1
-    assert "VIOLATION no_effect_on_released" in capsys.readouterr().out
-
-
 def test_check_command_prints_speed_and_coverage(capsys):
     assert main(["check", "--seed", "7", "--steps", "2000", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "steps/s" in out and "finish reasons:" in out and "no invariant broken" in out
+
+
+def test_a_violation_writes_a_replay_file_that_reruns_to_it(tmp_path, capsys, monkeypatch):
+    """The reporting path, with an invariant made to fail on the third tick of an episode."""
+    from fxsched.runtime.check import invariants
+    from fxsched.runtime.check.invariants import Violation
+
+    real = invariants.slots_unique
+
+    def fails_at_tick_3(state, device):
+        real(state, device)
+        if device.tick >= 3:
+            raise Violation("slots_unique", f"made to fail at tick {device.tick}")
+
+    monkeypatch.setattr(invariants, "slots_unique", fails_at_tick_3)
+    path = tmp_path / "r.json"
+    assert main(["check", "--seed", "7", "--steps", "2000", "--replay-file", str(path), "--no-progress"]) == 1
+    out = capsys.readouterr().out
+    assert "VIOLATION slots_unique at step" in out and "made to fail at tick 3" in out and str(path) in out
+    data = json.loads(path.read_text())
+    assert data["seed"] == 7 and data["invariant"] == "slots_unique" and data["events"]
+    violation, _, diverged = replay(path)
+    assert diverged is None and violation is not None and violation.message == data["message"]
+    assert main(["replay", str(path)]) == 1
+    assert "VIOLATION slots_unique: made to fail at tick 3" in capsys.readouterr().out
 
 
 def test_a_replay_file_of_the_wrong_format_is_refused(tmp_path, capsys):
@@ -77,23 +73,6 @@ def test_a_replay_file_of_the_wrong_format_is_refused(tmp_path, capsys):
 
 
 # --- the hypothesis state machine ---------------------------------------------------------------------
-
-
-class MachineHost:
-    def __init__(self, monitor):
-        self.monitor = monitor
-        self.inputs = []
-
-    def send(self, output):
-        if type(output).__name__ != "RotationAck":
-            self.monitor.on_output(output)
-
-    def wait_for_input(self):
-        return []
-
-    def take_inputs(self):
-        taken, self.inputs = self.inputs, []
-        return taken
 
 
 scripts = st.tuples(st.lists(st.integers(2, 40), min_size=1, max_size=10), st.booleans())
@@ -114,8 +93,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                           dflash_gamma=6 if mode == "dflash" else None)
         self.device = SimDevice({}, total_blocks=blocks, count_accepted=self.counts_acc)
         self.monitor = Monitor((), self.device, counts_acc=self.counts_acc)
-        self.host = MachineHost(self.monitor)
-        self.interpreter = Interpreter(self.device, self.host)
+        self.interpreter = Interpreter(self.device, Host(), observer=MonitorObserver(self.monitor))
         self.state = initial_state(config, model)
         self.pending = []
         self.next_id = 1
@@ -124,16 +102,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.feed(ev.Boot())
 
     def feed(self, event):
-        if isinstance(event, ev.Cancel):
-            self.monitor.cancelled.add(event.request_id)
-        self.state, effects = step(self.state, event)
-        self.monitor.on_effects(effects)
-        answer = self.interpreter.perform_all(effects)
-        self.monitor.on_state(self.state)
-        self.pending.extend(self.interpreter.take_inputs())
-        self.pending.extend(ev.Cancel(r) for r in self.device.take_cancels())
-        if answer is not None:
-            self.pending.append(answer)
+        """One step of the interpreter's loop; what follows waits in ``pending`` for the rules."""
+        self.state, follow = self.interpreter.feed(self.state, event)
+        self.pending.extend(follow)
 
     @precondition(lambda self: not self.closed and self.next_id <= 6)
     @rule(script=scripts, prompt=st.integers(1, 30), budget=st.integers(1, 12), streaming=st.booleans(),

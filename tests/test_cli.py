@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from fxsched.runtime.cli import main
-from fxsched.runtime.scenario import specs_dir
+from fxsched.runtime.cli.app import main
+from fxsched.runtime.scenarios.loader import specs_dir
 
 
 def test_run_prints_the_trace(capsys):

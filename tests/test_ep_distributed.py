@@ -15,17 +15,18 @@ pytest.importorskip("torch.distributed")
 
 import torch.distributed as dist  # noqa: E402
 
-from fxsched.runtime.cli_ep import add_ep_ranks_argument, generate_function, run_with_ep  # noqa: E402
-from fxsched.runtime.ep_run import (  # noqa: E402
+from fxsched.runtime.cli.ep import add_ep_ranks_argument, generate_function, run_with_ep  # noqa: E402
+from fxsched.runtime.ep.run import (  # noqa: E402
     EpCluster,
     EpRunError,
     execute_scenario_ep,
     run_on_cluster,
     run_scenario_ep,
 )
-from fxsched.runtime.ep_worker import EXIT_INJECTED, WorkerOptions, snapshot_from_json  # noqa: E402
-from fxsched.runtime.runner import run_scenario  # noqa: E402
-from fxsched.runtime.scenario import load_scenario, specs_dir  # noqa: E402
+from fxsched.runtime.ep.worker import snapshot_from_json  # noqa: E402
+from fxsched.runtime.scenarios.runner import run_scenario  # noqa: E402
+from fxsched.runtime.scenarios.loader import load_scenario, specs_dir  # noqa: E402
+from support.ep_faults import EXIT_INJECTED, ExitAfter, StallAfter, faulty  # noqa: E402
 
 SHORT_S = 2.0  # the leader's timeout in the failure tests
 MARGIN_S = 1.5  # detection and clean-up on top of it (a loaded 2-core machine)
@@ -63,9 +64,10 @@ def test_three_ranks_mirror_alike():
     assert result.exitcodes == {1: 0, 2: 0}
 
 
-def _failing_run(options: WorkerOptions, before=lambda cluster: None):
-    """Run dflash_batched with a faulty worker 1; (the EpRunError, seconds from the start of the run)."""
-    with EpCluster(2, SHORT_S, worker_options={1: options}) as cluster:
+def _failing_run(serve=None, before=lambda cluster: None):
+    """Run dflash_batched with worker 1 serving through ``serve`` (a fault of support.ep_faults);
+    (the EpRunError, seconds from the start of the run, the cluster)."""
+    with EpCluster(2, SHORT_S, entries={1: faulty(serve)} if serve is not None else None) as cluster:
         before(cluster)
         start = time.monotonic()
         with pytest.raises(EpRunError) as info:
@@ -75,7 +77,7 @@ def _failing_run(options: WorkerOptions, before=lambda cluster: None):
 
 
 def test_a_worker_that_dies_mid_run_fails_the_requests_in_flight_within_the_timeout():
-    err, elapsed, cluster = _failing_run(WorkerOptions(exit_after=20))
+    err, elapsed, cluster = _failing_run(ExitAfter(20))
     assert str(err) == f"EP worker 1 did not answer within {SHORT_S:g}s (its process exited with code {EXIT_INJECTED})"
     assert elapsed < SHORT_S + MARGIN_S
     assert "out s1: T10 Error(EP worker 1 did not answer within 2s" in err.trace
@@ -88,14 +90,14 @@ def test_a_killed_worker_is_reported_at_the_first_message():
         os.kill(cluster.processes[0].pid, signal.SIGKILL)
         cluster.processes[0].join(5)
 
-    err, elapsed, cluster = _failing_run(WorkerOptions(), before=kill)
+    err, elapsed, cluster = _failing_run(before=kill)
     assert str(err).startswith(f"EP worker 1 did not answer within {SHORT_S:g}s (its process exited with code -9)")
     assert elapsed < SHORT_S + MARGIN_S
     assert "out s1: Error(EP worker 1 did not answer" in err.trace
 
 
 def test_a_worker_that_stops_answering_is_given_up_after_the_timeout():
-    err, elapsed, cluster = _failing_run(WorkerOptions(stall_after=20))
+    err, elapsed, cluster = _failing_run(StallAfter(20))
     assert str(err) == f"EP worker 1 did not answer within {SHORT_S:g}s"
     assert SHORT_S <= elapsed < SHORT_S + MARGIN_S
     assert "Error(EP worker 1 did not answer within 2s)" in err.trace
@@ -128,10 +130,12 @@ SINGLE = [[3, 4, 5, 6]]
     ("ngram", SINGLE),  # K = 2 verifies and decode words
 ])
 def test_generate_with_two_ranks_matches_one_rank_and_the_worker_model_keeps_up(spec, prompts):
-    pytest.importorskip("fxsched.runtime.torch_device")
-    from fxsched.runtime.ep_generate import generate_ep
-    from fxsched.runtime.generate import OracleDrafter, generate
+    pytest.importorskip("fxsched.runtime.devices.torch")
+    from fxsched.runtime.ep.generate import generate_ep
+    from fxsched.runtime.generate import generate
     from fxsched.runtime.torch_model import HybridEngine, default_config
+
+    from support.oracle import OracleDrafter
 
     cfg = default_config()
     plain = generate(HybridEngine(cfg), prompts, 20, "none")
@@ -148,7 +152,7 @@ def test_generate_with_two_ranks_matches_one_rank_and_the_worker_model_keeps_up(
 
 
 def test_generate_function_picks_the_ep_run_for_more_than_one_rank():
-    pytest.importorskip("fxsched.runtime.torch_device")
+    pytest.importorskip("fxsched.runtime.devices.torch")
     from fxsched.runtime.generate import generate
 
     assert generate_function(argparse.Namespace(ep_ranks=1)) is generate

@@ -6,17 +6,12 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, strategies as st
 
-from fxsched.core.kverify import VERIFY_CMD
-from fxsched.core.prefill import PREFILL_CMD
-from fxsched.runtime import interpreter
-from fxsched.runtime.ep_leader import EpLeaderDevice
-from fxsched.runtime.ep_link import LoopbackLink
-from fxsched.runtime.ep_mirror import EpMirror, MirrorError
-from fxsched.runtime.ep_protocol import (
+from fxsched.effects.ep_words import PREFILL_CMD, RELEASE_CMD, SHUTDOWN_CMD
+from fxsched.runtime.ep.leader import EpLeaderDevice
+from fxsched.runtime.ep.link import LoopbackLink
+from fxsched.runtime.ep.mirror import EpMirror, MirrorError
+from fxsched.runtime.ep.protocol import (
     HEADER_LEN,
-    RELEASE_CMD,
-    SHUTDOWN_CMD,
-    VERIFY_CMDS,
     Accept,
     CommandParser,
     Decode,
@@ -37,18 +32,12 @@ from fxsched.runtime.ep_protocol import (
     pack_rows,
     unpack_rows,
 )
-from fxsched.runtime.ep_run import EpRunError, _run_wrapped, execute_scenario_loopback
-from fxsched.runtime.ep_worker import EpWorker
-from fxsched.runtime.runner import run_scenario
-from fxsched.runtime.scenario import load_scenario, scenario_names
+from fxsched.runtime.ep.run import EpRunError, _run_wrapped, execute_scenario_loopback
+from fxsched.runtime.ep.worker import EpWorker
+from fxsched.runtime.scenarios.runner import run_scenario
+from fxsched.runtime.scenarios.loader import load_scenario, scenario_names
 
 ALL = scenario_names()
-
-
-def test_the_words_are_the_schedulers_words():
-    assert PREFILL_CMD == 0xFFFFFFF0
-    assert {w: k for k, w in VERIFY_CMD.items()} == VERIFY_CMDS
-    assert (RELEASE_CMD, SHUTDOWN_CMD) == (interpreter.RELEASE_CMD, interpreter.SHUTDOWN_CMD)
 
 
 # --- wire format ---------------------------------------------------------------------------------

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from fxsched.runtime.runner import run_scenario
-from fxsched.runtime.scenario import load_scenario, scenario_names, specs_dir
+from fxsched.runtime.scenarios.runner import run_scenario
+from fxsched.runtime.scenarios.loader import load_scenario, scenario_names, specs_dir
 
 GOLDENS = specs_dir() / "goldens"
 SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "goldens"

@@ -6,7 +6,7 @@ import pytest
 
 from fxsched.core import events as ev
 from fxsched.core.config import ModelInfo, SchedulerConfig
-from fxsched.core.lifecycle import preemption_victim, swap_victim
+from fxsched.core.memory import preemption_victim, swap_victim
 from fxsched.core.retire import finish_reason
 from fxsched.core.sequence import Sequence
 from fxsched.core.watchdog import (
@@ -21,9 +21,9 @@ from fxsched.effects import device_calls as dc
 from fxsched.effects import lifecycle as lc
 from fxsched.effects import plans
 from fxsched.effects.client import DoneOut, ErrorOut
-from fxsched.runtime.recording_device import DeviceConfig
-from fxsched.runtime.runner import execute_scenario
-from fxsched.runtime.scenario import RequestSpec, RunOptions, Scenario
+from fxsched.runtime.devices.recording import DeviceConfig
+from fxsched.runtime.scenarios.runner import execute_scenario
+from fxsched.runtime.scenarios.loader import RequestSpec, RunOptions, Scenario
 
 from factories import Driver, make_config, make_request, of_type
 
@@ -223,7 +223,7 @@ def test_two_blocking_beam_requests_are_answered_by_one_beam_batch_without_slots
 
 def test_a_swap_out_moves_the_last_sequence_into_the_victims_slot_only_after_the_spill_frees_it():
     # found by the model checker: the move targeted a slot the victim still held
-    from fxsched.core.lifecycle import swap_out
+    from fxsched.core.memory import swap_out
     from fxsched.core.state import initial_state
     import attrs as _attrs
 

@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from fxsched.core import events as ev
 from fxsched.core.admission import select_fifo, select_slai, slai_declines
-from fxsched.core.chunking import first_chunk_budget, next_chunk, plan_chunks
+from fxsched.core.chunking import first_chunk_budget, plan_chunks
 from fxsched.effects import device_calls as dc
 from fxsched.effects import plans
 from fxsched.effects.client import DoneOut
@@ -130,7 +130,8 @@ def test_prompts_finishing_in_one_step_are_promoted_from_the_last_one_back():
 def test_the_scheduler_feeds_every_prompt_exactly_once_in_order_within_budget(lens, limit, batch, late):
     config = make_config(max_prefill_tokens=limit, max_batch_tokens=batch)
     requests = [make_request(i + 1, prompt_len=n, max_tokens=3) for i, n in enumerate(lens)]
-    first = [r for r, l in zip(requests, late) if not l] or requests[:1]
+    # five lateness flags for one to five requests: the flags past the last request are unused
+    first = [r for r, l in zip(requests, late, strict=False) if not l] or requests[:1]
     rest = [r for r in requests if r not in first]
     d = Driver(config=config, requests=first)
     d.run_to_query(dc.NumFreeBlocks).answer()

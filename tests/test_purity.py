@@ -11,8 +11,8 @@ import pytest
 
 from fxsched.core import events as ev
 from fxsched.core.machine import step
-from fxsched.runtime.runner import run_scenario
-from fxsched.runtime.scenario import load_scenario
+from fxsched.runtime.scenarios.runner import run_scenario
+from fxsched.runtime.scenarios.loader import load_scenario
 
 from factories import Driver, dflash_config, dflash_model, make_request
 

@@ -10,10 +10,10 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from fxsched.core.mtp_batch import batch_depths, batch_order, chunk_by_rows, dcut_depths
 from fxsched.core.ngram import propose_ngram
-from fxsched.runtime.invariants import expected_output
-from fxsched.runtime.recording_device import DeviceConfig
-from fxsched.runtime.runner import execute_scenario
-from fxsched.runtime.scenario import RequestSpec, RunOptions, Scenario
+from fxsched.runtime.check.invariants import expected_output
+from fxsched.runtime.devices.recording import DeviceConfig
+from fxsched.runtime.scenarios.runner import execute_scenario
+from fxsched.runtime.scenarios.loader import RequestSpec, RunOptions, Scenario
 
 EOS = 63
 
@@ -119,7 +119,7 @@ def accepted_drafts_in_trace(lines) -> dict[int, int]:
             tokens, ks, outputs = _ints(m.group(1)), _ints(m.group(2)), _ints(m.group(4))
             sessions = [int(s) for s in re.findall(r'"s(\d+)@', m.group(3))]
             groups, off = [], 0
-            for session, k in zip(sessions, ks):
+            for session, k in zip(sessions, ks, strict=True):
                 groups.append((session, tokens[off:off + k], outputs[off:off + k]))
                 off += k
         for session, toks, outs in groups:

@@ -14,10 +14,11 @@ pytest.importorskip("safetensors")
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
-from fxsched.runtime.generate import OracleDrafter, generate  # noqa: E402
-from fxsched.runtime.streams import StreamSet  # noqa: E402
+from fxsched.runtime.generate import generate  # noqa: E402
+from support.oracle import OracleDrafter  # noqa: E402
+from fxsched.runtime.devices.streams import StreamSet  # noqa: E402
 from fxsched.runtime.torch_model import HybridEngine, default_config  # noqa: E402
-from fxsched.runtime.torch_model.testing import random_prompts  # noqa: E402
+from fxsched.runtime.bench.prompts import random_prompts  # noqa: E402
 
 MAX_TOKENS = 16
 

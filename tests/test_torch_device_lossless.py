@@ -15,9 +15,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 
-from fxsched.runtime.generate import OracleDrafter, generate  # noqa: E402
+from fxsched.runtime.generate import generate  # noqa: E402
+from support.oracle import OracleDrafter  # noqa: E402
 from fxsched.runtime.torch_model import HybridEngine, default_config  # noqa: E402
-from fxsched.runtime.torch_model.testing import random_prompts  # noqa: E402
+from fxsched.runtime.bench.prompts import random_prompts  # noqa: E402
 
 NUM_PROMPTS = 21
 MAX_TOKENS = 12
@@ -53,7 +54,7 @@ def oracle(cfg, prompts, reference, seed):
 
 
 def assert_same(got, want, prompts):
-    for i, (g, w) in enumerate(zip(got, want)):
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g == w, f"prompt {i} {prompts[i]}: got {g}, want {w}"
 
 

@@ -11,13 +11,13 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 
-from fxsched.runtime.device import DeviceError  # noqa: E402
+from fxsched.runtime.devices.device import DeviceError  # noqa: E402
 from fxsched.runtime.generate import generate  # noqa: E402
-from fxsched.runtime.sampling import decode_bf16_row  # noqa: E402
-from fxsched.runtime.streams import CpuStream, StreamError, StreamSet  # noqa: E402
-from fxsched.runtime.torch_device import DeviceStateError, TorchDevice  # noqa: E402
+from fxsched.runtime.devices.sampling import decode_bf16_row  # noqa: E402
+from fxsched.runtime.devices.streams import CpuStream, StreamError, StreamSet  # noqa: E402
+from fxsched.runtime.devices.torch import DeviceStateError, TorchDevice  # noqa: E402
 from fxsched.runtime.torch_model import HybridEngine, ModelConfig, default_config  # noqa: E402
-from fxsched.runtime.torch_model.testing import random_prompts  # noqa: E402
+from fxsched.runtime.bench.prompts import random_prompts  # noqa: E402
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -341,8 +341,8 @@ def test_scheduler_run_uses_streams_and_tears_down(cfg, engine):
 def test_every_device_call_is_implemented_with_the_protocol_signature():
     import inspect
 
-    from fxsched.runtime.device import Device
-    from fxsched.runtime.recording_device import RecordingDevice
+    from fxsched.runtime.devices.device import Device
+    from fxsched.runtime.devices.recording import RecordingDevice
 
     names = [n for n, v in vars(Device).items() if inspect.isfunction(v) and not n.startswith("_")]
     assert len(names) > 60

@@ -147,7 +147,7 @@ def _both(counter: _Counter, fn):
 
 
 def _prompts():
-    from fxsched.runtime.torch_model.testing import random_prompts
+    from fxsched.runtime.bench.prompts import random_prompts
 
     # Lengths 3..20 with block 16: prefills and decodes cross block boundaries.
     return random_prompts(seed=7, count=4, vocab_size=64, min_len=3, max_len=20)
@@ -197,12 +197,12 @@ def check_decode(counter: _Counter) -> dict:
         engine = HybridEngine(cfg)
         slots = list(range(len(prompts)))
         out = []
-        for slot, prompt in zip(slots, prompts):
+        for slot, prompt in zip(slots, prompts, strict=True):
             engine.alloc(slot)
             out.append([int(engine.prefill(slot, prompt).argmax())])
         for _ in range(max_tokens - 1):
             logits = engine.decode_batch(slots, [o[-1] for o in out])
-            for o, row in zip(out, logits):
+            for o, row in zip(out, logits, strict=True):
                 o.append(int(row.argmax()))
         return out
 
@@ -223,7 +223,7 @@ class _Oracle:
     def __init__(self, prompts, reference, gamma: int, stats: dict) -> None:
         import random
 
-        self.by_prompt = {tuple(p): r for p, r in zip(prompts, reference)}
+        self.by_prompt = {tuple(p): r for p, r in zip(prompts, reference, strict=True)}
         self.gamma, self.rng, self.stats, self.prompt_len = gamma, random.Random(11), stats, {}
 
     def after_prefill(self, engine, slot, prompt_len):
@@ -246,7 +246,8 @@ class _Oracle:
 
 
 def check_dflash(counter: _Counter) -> dict:
-    from fxsched.runtime.torch_model import DFlashProposer, HybridEngine, speculative_generate
+    from fxsched.runtime.torch_model import HybridEngine
+    from support.speculative import DFlashProposer, speculative_generate  # tests/ is the script's folder
 
     cfg, prompts, max_tokens = _tiny_config(), _prompts(), 10
     _kernels(False)
@@ -310,7 +311,7 @@ def check_layers(counter: _Counter) -> dict:
         width = max(map(len, tables))
         table_t = torch.tensor([t + [0] * (width - len(t)) for t in tables])
         positions = torch.tensor([[n + j for j in range(rows)] for n in seq_lens])
-        write = torch.tensor(sum((flat_indices(t, n, rows, bs) for t, n in zip(tables, seq_lens)), []))
+        write = torch.tensor(sum((flat_indices(t, n, rows, bs) for t, n in zip(tables, seq_lens, strict=True)), []))
         x = torch.randn(len(seq_lens), rows, cfg.hidden_size, generator=gen)
         valid = torch.ones(len(seq_lens), rows, dtype=torch.bool)
 
@@ -334,7 +335,7 @@ def check_layers(counter: _Counter) -> dict:
         x = torch.randn(batch, rows, cfg.hidden_size, generator=gen)
         state0 = 0.3 * torch.randn(batch, cfg.gdn_num_heads, cfg.gdn_key_dim, cfg.gdn_value_dim, generator=gen)
         conv0 = torch.randn(batch, cfg.gdn_conv_channels, cfg.conv_width - 1, generator=gen)
-        (o_on, r_on), (o_off, r_off), calls, _ = _both(counter, lambda: gdn_layer(x, w, prefix, cfg, state0, conv0))
+        (o_on, r_on), (o_off, r_off), calls, _ = _both(counter, lambda x=x, s=state0, c=conv0: gdn_layer(x, w, prefix, cfg, s, c))  # called at once
         assert calls.get("gated_delta_triton") == 1, calls
         compare(f"gdn[T={rows}].out", o_on, o_off)
         compare(f"gdn[T={rows}].states", r_on.states, r_off.states)
@@ -354,18 +355,18 @@ def check_layers(counter: _Counter) -> dict:
         engines.append(engine)
     slots, verify_rows, keeps = [0, 1, 2], [[1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]], [1, 3, 4]
     outs = []
-    for engine, on in zip(engines, (True, False)):
+    for engine, on in zip(engines, (True, False), strict=True):
         _kernels(on)
         engine.verify_batched(slots, verify_rows)
         outs.append(engine._pending[0].out)
         engine.gdn_fold_accepted(slots, keeps)
     _kernels(True)
     compare("engine.verify.logits", outs[0].logits, outs[1].logits)
-    for i, (a, b) in enumerate(zip(outs[0].gdn_rows, outs[1].gdn_rows)):
+    for i, (a, b) in enumerate(zip(outs[0].gdn_rows, outs[1].gdn_rows, strict=True)):
         compare(f"engine.verify.gdn{i}.states", a.states, b.states)
     on_gdn, off_gdn = engines[0].gdn, engines[1].gdn
     for i in range(on_gdn.num_layers):
-        for slot, keep in zip(slots, keeps):  # slot s is batch entry s of the verify
+        for slot, keep in zip(slots, keeps, strict=True):  # slot s is batch entry s of the verify
             compare(f"engine.fold.gdn{i}.slot{slot}", on_gdn.recurrent[i][slot], off_gdn.recurrent[i][slot])
             compare(f"engine.fold.conv{i}.slot{slot}", on_gdn.conv[i][slot], off_gdn.conv[i][slot])
             # The fold itself is a copy: the cache holds the forward's row exactly.
@@ -377,7 +378,7 @@ def check_layers(counter: _Counter) -> dict:
         compare(f"engine.kv{i}.v", engines[0].kv.v[i], engines[1].kv.v[i])
     # A ragged verify keeps the torch attention path (GDN recurrence and fold still use kernels).
     ragged_logits, ragged_calls = [], {}
-    for engine, on in zip(engines, (True, False)):
+    for engine, on in zip(engines, (True, False), strict=True):
         _kernels(on)
         counter.take()
         ragged_logits.append(torch.cat(engine.verify_batched(slots, [[1], [2, 3], [4, 5, 6]])))

@@ -12,9 +12,9 @@ pytest.importorskip("safetensors")
 from fxsched.runtime.torch_model.config import default_config  # noqa: E402
 from fxsched.runtime.torch_model.drafters import ngram_propose  # noqa: E402
 from fxsched.runtime.torch_model.engine import HybridEngine  # noqa: E402
-from fxsched.runtime.torch_model.speculative import (  # noqa: E402
+from support.speculative import (  # noqa: E402
     DFlashProposer, MtpProposer, NgramProposer, speculative_generate)
-from fxsched.runtime.torch_model.testing import random_prompts  # noqa: E402
+from fxsched.runtime.bench.prompts import random_prompts  # noqa: E402
 
 NUM_PROMPTS = 21  # a multiple of the batch of 3
 MAX_TOKENS = 24
@@ -43,7 +43,7 @@ class CorruptedOracle:
     """Drafts the true greedy continuation with random corruptions, to exercise every accept length."""
 
     def __init__(self, prompts: list[list[int]], reference: list[list[int]], k: int, seed: int) -> None:
-        self.by_prompt = {tuple(p): r for p, r in zip(prompts, reference)}
+        self.by_prompt = {tuple(p): r for p, r in zip(prompts, reference, strict=True)}
         self.k = k
         self.gen = torch.Generator().manual_seed(seed)
         self.prompt_len: dict[int, int] = {}
@@ -87,7 +87,7 @@ def test_reference_is_interesting(reference):
                                       NgramProposer(max_drafts=5)], ids=lambda p: repr(p))
 def test_lossless_speculative_equals_greedy(engine, prompts, reference, proposer):
     outputs, _ = _run_batched(engine, prompts, proposer)
-    for prompt, out, ref in zip(prompts, outputs, reference):
+    for prompt, out, ref in zip(prompts, outputs, reference, strict=True):
         assert out == ref, f"prompt {prompt}"
     assert engine.num_free_blocks() == engine.cfg.num_blocks
     assert engine.free_slots() == list(range(engine.cfg.max_slots))

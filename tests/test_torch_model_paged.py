@@ -15,7 +15,7 @@ from fxsched.runtime.torch_model.config import default_config  # noqa: E402
 from fxsched.runtime.torch_model.engine import HybridEngine  # noqa: E402
 from fxsched.runtime.torch_model.errors import OutOfBlocksError  # noqa: E402
 from fxsched.runtime.torch_model.paged_kv import BlockPool, PagedKVCache, flat_indices  # noqa: E402
-from fxsched.runtime.torch_model.testing import random_prompts  # noqa: E402
+from fxsched.runtime.bench.prompts import random_prompts  # noqa: E402
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -45,7 +45,7 @@ def test_paged_attention_equals_dense(seq_len, num_queries, seed):
     tables = [perm[:nb], perm[nb:2 * nb]]
     ks = [torch.randn(seq_len, hkv, d, generator=gen) for _ in tables]
     vs = [torch.randn(seq_len, hkv, d, generator=gen) for _ in tables]
-    for table, k, v in zip(tables, ks, vs):
+    for table, k, v in zip(tables, ks, vs, strict=True):
         cache.write(0, torch.tensor(flat_indices(table, 0, seq_len, bs)), k, v)
     q = torch.randn(2, num_queries, hq, d, generator=gen)
     start = seq_len - num_queries

@@ -13,8 +13,8 @@ from fxsched.runtime.torch_model.config import default_config  # noqa: E402
 from fxsched.runtime.torch_model.engine import HybridEngine  # noqa: E402
 from fxsched.runtime.torch_model.errors import OutOfBlocksError  # noqa: E402
 from fxsched.runtime.torch_model.prefix_cache import chain_hash  # noqa: E402
-from fxsched.runtime.torch_model.speculative import DFlashProposer, MtpProposer, speculative_generate  # noqa: E402
-from fxsched.runtime.torch_model.testing import random_prompts  # noqa: E402
+from support.speculative import DFlashProposer, MtpProposer, speculative_generate  # noqa: E402
+from fxsched.runtime.bench.prompts import random_prompts  # noqa: E402
 
 MAX_TOKENS = 20
 
@@ -151,7 +151,7 @@ def test_prefix_cache_hit_restores_gdn_and_drafter_state_exactly(reference_engin
         e.commit_ctx(2, len(prompt))
         e.save_hidden_for_mtp(2, -1)
     assert engine.cached_prompt_tokens(2) == 48 and reference_engine.cached_prompt_tokens(2) == 0
-    for (ra, ca), (rb, cb) in zip(engine.gdn_state(2), reference_engine.gdn_state(2)):
+    for (ra, ca), (rb, cb) in zip(engine.gdn_state(2), reference_engine.gdn_state(2), strict=True):
         torch.testing.assert_close(ra, rb, atol=1e-5, rtol=0)
         torch.testing.assert_close(ca, cb, atol=1e-5, rtol=0)
     assert engine.dflash_propose([2], [last]) == reference_engine.dflash_propose([2], [last])

@@ -14,7 +14,7 @@ from hypothesis import strategies as st  # noqa: E402
 from fxsched.runtime.torch_model.config import default_config  # noqa: E402
 from fxsched.runtime.torch_model.engine import HybridEngine  # noqa: E402
 from fxsched.runtime.torch_model.errors import SlotError  # noqa: E402
-from fxsched.runtime.torch_model.testing import random_prompts  # noqa: E402
+from fxsched.runtime.bench.prompts import random_prompts  # noqa: E402
 
 ATOL = 1e-5
 
@@ -30,7 +30,7 @@ def engine() -> HybridEngine:
 def _assert_same_state(engine: HybridEngine, a: int, b: int) -> None:
     assert engine.seq_len(a) == engine.seq_len(b)
     assert engine.tokens(a) == engine.tokens(b)
-    for (ra, ca), (rb, cb) in zip(engine.gdn_state(a), engine.gdn_state(b)):
+    for (ra, ca), (rb, cb) in zip(engine.gdn_state(a), engine.gdn_state(b), strict=True):
         torch.testing.assert_close(ra, rb, atol=ATOL, rtol=0)
         torch.testing.assert_close(ca, cb, atol=ATOL, rtol=0)
 

@@ -12,7 +12,7 @@ pytest.importorskip("safetensors")
 from fxsched.runtime.torch_model.config import default_config  # noqa: E402
 from fxsched.runtime.torch_model.engine import HybridEngine  # noqa: E402
 from fxsched.runtime.torch_model.errors import SlotError, SpillError  # noqa: E402
-from fxsched.runtime.torch_model.testing import random_prompts  # noqa: E402
+from fxsched.runtime.bench.prompts import random_prompts  # noqa: E402
 
 TOTAL = 30
 BEFORE_SPILL = 12

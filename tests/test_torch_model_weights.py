@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from fxsched.runtime.torch_model.config import ModelConfig, default_config, load_config  # noqa: E402
 from fxsched.runtime.torch_model.engine import HybridEngine  # noqa: E402
 from fxsched.runtime.torch_model.errors import ConfigError, WeightsError  # noqa: E402
-from fxsched.runtime.torch_model.testing import random_prompts  # noqa: E402
+from fxsched.runtime.bench.prompts import random_prompts  # noqa: E402
 from fxsched.runtime.torch_model.weights import init_weights, load_weights, param_shapes, save_weights  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""The model checker's invariants, in one place (style.md #6).
+"""The model checker's invariants, in one place.
 
 Each invariant is a named function with the rule in its docstring; ``Monitor`` calls them after
 every step of the random walk and the hypothesis machine, and raises ``Violation`` naming the
@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Optional
 
 from fxsched.core.state import SchedulerState
-from fxsched.core.tick import AwaitPublishBlocks
+from fxsched.core.phases import AwaitPublishBlocks
 from fxsched.effects import device_calls as dc
 from fxsched.effects import lifecycle as lc
 from fxsched.effects.client import DoneOut, ErrorOut, ResponseOut, TokenOut, TokensOut
@@ -125,7 +125,7 @@ def no_effect_on_released(effects, released: set, live: set) -> None:
             released.discard(effect.seq)
             live.add(effect.seq)
             continue
-        seqs = ()
+        seqs: tuple[int, ...] = ()
         seq = getattr(effect, "seq", None)
         if seq is not None:
             seqs = (seq,)
@@ -193,6 +193,49 @@ def kv_mirror(state: SchedulerState, device) -> None:
                                          f"slot={seq.slot}, device len={dev.seq_len} blocks={dev.blocks} slot={dev.slot}")
 
 
+def compaction_target_free(effects, device) -> None:
+    """compaction: a CompactSlot moves its sequence into a slot no other live sequence holds. The
+    holders are the device's slots when the batch starts, updated in order by the batch's own
+    releases and moves (a retire releases the finished sequences before it packs the survivors)."""
+    if not any(isinstance(e, (lc.CompactSlot, dc.CompactSequence)) for e in effects):
+        return
+    slot_of = {seq_id: s.slot for seq_id, s in device.live.items()}
+    for effect in effects:
+        if isinstance(effect, (lc.ReleaseSeq, dc.FreeSequence)):
+            slot_of.pop(effect.seq, None)
+        elif isinstance(effect, (lc.CompactSlot, dc.CompactSequence)):
+            target = effect.target if isinstance(effect, lc.CompactSlot) else effect.new_slot
+            holders = [s for s, slot in slot_of.items() if slot == target and s != effect.seq]
+            if holders:
+                raise Violation("compaction_target_free", f"{type(effect).__name__} moves sequence {effect.seq} "
+                                                          f"into slot {target}, held by sequence {holders[0]}")
+            slot_of[effect.seq] = target
+
+
+def running_sequences(state: SchedulerState) -> set[int]:
+    """The sequences the scheduler runs, which may hold a device sequence: active, prefilling and
+    being restored."""
+    return ({s.seq_id for s in state.active} | {e.seq_id for e in state.prefilling}
+            | {s.seq_id for s in state.restoring})
+
+
+def no_orphan_sequence(device, running: set[int], dropped: Optional[set[int]] = None) -> None:
+    """no orphan: every sequence the device holds (a slot, blocks) is one the scheduler runs. One
+    it stopped running (finished, cancelled, preempted, spilled, failed) without a ReleaseSeq
+    leaks its slot and blocks. Checked after every step for the sequences that step stopped
+    running (``dropped``: their release is in the same batch), and at tick boundaries for all."""
+    if not device.live:
+        return
+    if dropped is None:
+        orphans = sorted(set(device.live) - running)
+    else:
+        orphans = sorted(i for i in dropped if i in device.live)
+    if orphans:
+        held = {i: device.live[i].slot for i in orphans}
+        raise Violation("no_orphan_sequence", f"the device holds sequences {held} (id: slot) that the scheduler "
+                                              f"no longer runs")
+
+
 def no_starvation(tick: int, deadline_tick: dict[int, int], finished: set) -> None:
     """no starvation: under FIFO an admitted request finishes within its bound (see Monitor)."""
     for rid, limit in deadline_tick.items():
@@ -228,6 +271,7 @@ class Monitor:
         self.shutdown_tail: list[str] = []
         self.cancelled: set = set()
         self.admitted_by: dict[int, int] = {}
+        self.running: set[int] = set()
         self.work = sum(r.prompt_len + r.max_tokens for r in requests) + 4 * len(requests) + 16
 
     def add_request(self, request) -> None:
@@ -240,6 +284,7 @@ class Monitor:
     def on_effects(self, effects) -> None:
         no_effect_on_released(effects, self.released, self.live)
         fold_before_commit(effects)
+        compaction_target_free(effects, self.device)
         for effect in effects:
             if self.shutdown_tail or isinstance(effect, (lc.EpShutdown, lc.Quiesce, lc.Teardown)):
                 shutdown_order(self.shutdown_tail, effect)
@@ -265,12 +310,16 @@ class Monitor:
     def on_state(self, state: SchedulerState) -> None:
         blocks_balance(self.device)
         slots_unique(state, self.device)
+        running = running_sequences(state)
+        no_orphan_sequence(self.device, running, self.running - running)
+        self.running = running
         for request in state.new_requests:
             self.admitted_by.setdefault(request.id, state.tick + self.work)
         if isinstance(state.waiting, AwaitPublishBlocks):
             kv_mirror(state, self.device)
             blocks_free_at_quiescence(state, self.device)
             no_starvation(state.tick, self.admitted_by, set(self.final))
+            no_orphan_sequence(self.device, running)
 
     def at_end(self, state: SchedulerState) -> None:
         blocks_free_at_quiescence(state, self.device)

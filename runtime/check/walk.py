@@ -1,5 +1,5 @@
 """The random walk of the model checker: random episodes of ``step`` on the simulated device with
-invariants checked after every step; a seed replays any failure exactly.
+invariants checked after every step; a seed replays any failure exactly (``replay``).
 
 An episode is drawn from a seeded generator: a drafting mode, batch size, chunking, a spill pool,
 a block pool, 1–6 requests with random scripts (EOS placement, budgets, draft errors, cancel
@@ -10,24 +10,22 @@ at a random tick after the last arrival.
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from collections import Counter
-from typing import Optional
+from typing import Any, Optional
 
 import attrs
 
 from fxsched.core import events as ev
 from fxsched.core.config import ModelInfo, SchedulerConfig
-from fxsched.core.machine import step
 from fxsched.core.request import Request
 from fxsched.core.state import initial_state
-from fxsched.effects.client import ClientOutput, DoneOut, ResponseOut, RotationAck
-from fxsched.runtime.interpreter import Interpreter
-from fxsched.runtime.invariants import Monitor, Violation, expected_output
-from fxsched.runtime.script_model import Script
-from fxsched.runtime.sim_device import SimDevice
+from fxsched.effects.client import DoneOut, ErrorOut, ResponseOut, RotationAck
+from fxsched.runtime.interpreter import BatchError, Host, Interpreter, Observer
+from fxsched.runtime.check.invariants import Monitor, Violation, expected_output
+from fxsched.runtime.devices.scripted import Script
+from fxsched.runtime.devices.simulated import SimDevice
 
 EOS = 63
 MODES = ("plain", "mtp1", "mtp2", "mtp3", "dflash", "ngram", "self_spec")
@@ -73,25 +71,29 @@ class Episode:
     can_batch_verify: bool = True
     rotation_tick: Optional[int] = None
     close_tick: int = 0
-    planted: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
         return attrs.asdict(self)
 
     @classmethod
     def from_json(cls, data: dict) -> "Episode":
+        """The episode of a replay file. Files from before planted bugs left the checker carry an
+        empty ``planted`` list, which is dropped; a file that planted a bug cannot be replayed."""
         data = dict(data)
-        data["requests"] = tuple(SimRequest(**{k: tuple(v) if isinstance(v, list) else v for k, v in r.items()})
-                                 for r in data["requests"])
-        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in data.items()})
+        if data.pop("planted", None):
+            raise ValueError("the episode plants bugs, which the checker no longer does "
+                             "(planted bugs are source mutations run by the tests)")
+        requests = tuple(SimRequest(**_lists_as_tuples(r)) for r in data.pop("requests"))
+        return cls(requests=requests, **_lists_as_tuples(data))
 
     def config(self) -> SchedulerConfig:
-        spec = dict(plain={}, mtp1=dict(use_speculative=True, num_drafts=1), mtp2=dict(use_speculative=True, num_drafts=2),
-                    mtp3=dict(use_speculative=True, num_drafts=3),
-                    dflash=dict(use_speculative=True, dflash=True, num_drafts=5),
-                    ngram=dict(ngram_speculative=True), self_spec=dict(self_speculative=True, num_drafts=2))[self.mode]
+        modes: dict[str, dict[str, Any]] = dict(
+            plain={}, mtp1=dict(use_speculative=True, num_drafts=1), mtp2=dict(use_speculative=True, num_drafts=2),
+            mtp3=dict(use_speculative=True, num_drafts=3), dflash=dict(use_speculative=True, dflash=True, num_drafts=5),
+            ngram=dict(ngram_speculative=True), self_spec=dict(self_speculative=True, num_drafts=2))
+        spec = modes[self.mode]
         return SchedulerConfig(max_batch_size=self.max_batch_size, max_prefill_tokens=self.max_prefill_tokens,
-                               swap_space_gb=1.0 if self.spill else 0.0, planted_bugs=frozenset(self.planted), **spec)
+                               swap_space_gb=1.0 if self.spill else 0.0, **spec)
 
     def model(self) -> ModelInfo:
         return ModelInfo(total_blocks=self.total_blocks, has_proposer=self.mode.startswith(("mtp", "dflash")),
@@ -100,7 +102,12 @@ class Episode:
                          supports_beam=any(r.num_beams > 1 for r in self.requests))
 
 
-def random_episode(rng: random.Random, planted: tuple[str, ...] = ()) -> Episode:
+def _lists_as_tuples(data: dict[str, Any]) -> dict[str, Any]:
+    """A record's fields from JSON: lists back to the tuples of the frozen records."""
+    return {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
+
+
+def random_episode(rng: random.Random) -> Episode:
     mode = rng.choice(MODES)
     n = rng.randint(1, 6) if rng.random() < 0.8 else rng.randint(7, 12)
     requests = []
@@ -135,23 +142,20 @@ def random_episode(rng: random.Random, planted: tuple[str, ...] = ()) -> Episode
         can_batch_verify=rng.random() < 0.85,
         rotation_tick=rng.randint(1, 10) if rng.random() < 0.15 else None,
         close_tick=last_arrival + rng.randint(0, 6),
-        planted=tuple(planted),
     )
 
 
-class WalkHost:
-    """The clients and the inbox of one episode: delivers arrivals, clock readings, rotation
-    requests and the closure; hands every client output to the monitor."""
+class WalkHost(Host):
+    """The inbox of one episode: delivers arrivals, clock readings, rotation requests and the
+    closure."""
 
-    def __init__(self, episode: Episode, monitor: Monitor, coverage: Counter):
+    def __init__(self, episode: Episode):
+        super().__init__()
         self.episode = episode
-        self.monitor = monitor
-        self.coverage = coverage
         self.pending: dict[int, list] = {}
         for r in episode.requests:
             if r.arrive_tick > 0:
                 self.pending.setdefault(r.arrive_tick, []).append(ev.Arrival(r.request()))
-        self.inputs: list = []
         self.closed = False
 
     def initial_events(self) -> list:
@@ -166,10 +170,6 @@ class WalkHost:
             self.closed = True
             self.inputs.append(ev.InboxClosed())
 
-    def take_inputs(self) -> list:
-        taken, self.inputs = self.inputs, []
-        return taken
-
     def wait_for_input(self) -> list:
         events = []
         for tick in sorted(self.pending):
@@ -179,16 +179,73 @@ class WalkHost:
             events.append(ev.InboxClosed())
         return events
 
-    def send(self, output) -> None:
+
+class MonitorObserver(Observer):
+    """The invariants on the drive loop: the monitor sees every batch before it is carried out,
+    the device after it, and every client output; cancels are told to it as they are fed."""
+
+    def __init__(self, monitor: Monitor):
+        self.monitor = monitor
+
+    def before_step(self, event) -> None:
+        if isinstance(event, ev.Cancel):
+            self.monitor.cancelled.add(event.request_id)
+
+    def stepped(self, event, state, effects) -> None:
+        self.monitor.on_effects(effects)
+
+    def performed(self, state) -> None:
+        self.monitor.on_state(state)
+
+    def output(self, output) -> None:
+        if not isinstance(output, RotationAck):
+            self.monitor.on_output(output)
+
+
+class WalkObserver(MonitorObserver):
+    """The random walk's watch: the invariants, coverage counts, the event log of a replay, the
+    end-of-run checks and the step limit."""
+
+    def __init__(self, monitor: Monitor, coverage: Counter, step_limit: int, keep_log: bool):
+        super().__init__(monitor)
+        self.coverage = coverage
+        self.step_limit = step_limit
+        self.log: Optional[list[str]] = [] if keep_log else None
+        self.steps = 0
+        self.stepping: Optional[ev.Event] = None  # the event ``step`` is working on
+
+    def before_step(self, event) -> None:
+        self.stepping = event
+        if self.log is not None:
+            self.log.append(repr(event))
+        if isinstance(event, ev.DeviceFault):
+            self.coverage["fault:kv_exhausted" if event.kv_exhausted else "fault:fatal"] += 1
+        elif isinstance(event, ev.Cancel):
+            self.coverage["fault:cancel"] += 1
+        super().before_step(event)
+
+    def stepped(self, event, state, effects) -> None:
+        self.stepping = None
+        self.steps += 1
+        super().stepped(event, state, effects)
+        for effect in effects:
+            self.coverage[type(effect).__name__] += 1
+
+    def performed(self, state) -> None:
+        super().performed(state)
+        if state.stopped:
+            self.monitor.at_end(state)
+        elif self.steps >= self.step_limit:
+            raise Violation("step_limit", f"the episode did not end within {self.step_limit} steps")
+
+    def output(self, output) -> None:
         if isinstance(output, RotationAck):
             self.coverage["rotation_ack"] += 1
             return
-        self.monitor.on_output(output)
-        if isinstance(output, DoneOut):
+        super().output(output)
+        if isinstance(output, (DoneOut, ResponseOut)):
             self.coverage[f"finish:{output.reason}"] += 1
-        elif isinstance(output, ResponseOut):
-            self.coverage[f"finish:{output.reason}"] += 1
-        elif isinstance(output, ClientOutput) and type(output).__name__ == "ErrorOut":
+        elif isinstance(output, ErrorOut):
             self.coverage["finish:error"] += 1
 
 
@@ -201,57 +258,36 @@ class EpisodeResult:
 
 
 def run_episode(episode: Episode, coverage: Counter, step_limit: int = 20000, keep_log: bool = False) -> EpisodeResult:
-    """Run one episode to its end; the first broken invariant stops it."""
+    """Run one episode to its end on the interpreter's drive loop; the first broken invariant
+    stops it."""
     scripts = {r.id: r.script() for r in episode.requests}
+    counts_acc = episode.mode.startswith(("mtp", "dflash"))
     device = SimDevice(scripts, total_blocks=episode.total_blocks, held_blocks=episode.held_blocks,
                        kv_exhaust_at=episode.kv_exhaust_at, decode_fault_at=episode.decode_fault_at,
                        verify_fault_at=episode.verify_fault_at, spill_corrupt_for=episode.spill_corrupt_for,
                        cancel_flags={r.id for r in episode.requests if r.streaming},
-                       can_batch_verify=episode.can_batch_verify,
-                       count_accepted=episode.mode.startswith(("mtp", "dflash")))
-    monitor = Monitor(episode.requests, device, counts_acc=episode.mode.startswith(("mtp", "dflash")))
-    host = WalkHost(episode, monitor, coverage)
+                       can_batch_verify=episode.can_batch_verify, count_accepted=counts_acc)
+    watch = WalkObserver(Monitor(episode.requests, device, counts_acc=counts_acc), coverage, step_limit, keep_log)
+    host = WalkHost(episode)
     device.on_tick = host.on_tick
-    interpreter = Interpreter(device, host)
+    interpreter = Interpreter(device, host, observer=watch)
     state = initial_state(episode.config(), episode.model())
-    queue = host.initial_events() + [ev.Boot()]
-    log = []
-    steps = 0
+    violation = None
     try:
-        while queue:
-            event = queue.pop(0)
-            if keep_log:
-                log.append(repr(event))
-            if isinstance(event, ev.DeviceFault):
-                coverage["fault:kv_exhausted" if event.kv_exhausted else "fault:fatal"] += 1
-            elif isinstance(event, ev.Cancel):
-                coverage["fault:cancel"] += 1
-                monitor.cancelled.add(event.request_id)
-            try:
-                state, effects = step(state, event)
-            except Exception as err:  # step must never raise on an event its phase allows
-                raise Violation("step_raises", f"{type(err).__name__}: {err} on {event!r}") from err
-            steps += 1
-            monitor.on_effects(effects)
-            for effect in effects:
-                coverage[type(effect).__name__] += 1
-            answer = interpreter.perform_all(effects)
-            monitor.on_state(state)
-            queue.extend(interpreter.take_inputs())
-            queue.extend(host.take_inputs())
-            queue.extend(ev.Cancel(r) for r in device.take_cancels())
-            if answer is not None:
-                queue.append(answer)
-            if state.stopped:
-                monitor.at_end(state)
-                break
-            if steps >= step_limit:
-                raise Violation("step_limit", f"the episode did not end within {step_limit} steps")
-    except Violation as violation:
-        return EpisodeResult(steps, violation, steps, tuple(log))
-    except Exception as err:  # a device refusal (double free, bad slot) is a scheduler bug too
-        return EpisodeResult(steps, Violation("device_refused", f"{type(err).__name__}: {err}"), steps, tuple(log))
-    return EpisodeResult(steps, None, None, tuple(log))
+        interpreter.run(state, host.initial_events() + [ev.Boot()])
+    except Violation as found:
+        violation = found
+    except BatchError as err:
+        violation = Violation("batch_ends_in_one_query", str(err))
+    except Exception as err:
+        if watch.stepping is not None:  # step must never raise on an event its phase allows
+            violation = Violation("step_raises", f"{type(err).__name__}: {err} on {watch.stepping!r}")
+        else:  # a device refusal (double free, bad slot) is a scheduler bug too
+            violation = Violation("device_refused", f"{type(err).__name__}: {err}")
+    events = tuple(watch.log or ())
+    if violation is None:
+        return EpisodeResult(watch.steps, None, None, events)
+    return EpisodeResult(watch.steps, violation, watch.steps, events)
 
 
 @attrs.frozen
@@ -272,8 +308,7 @@ def episode_seed(seed: int, index: int) -> int:
     return (seed * 1_000_003 + index) & 0xFFFFFFFF
 
 
-def walk(seed: int, steps: Optional[int] = None, seconds: Optional[float] = None, planted: tuple[str, ...] = (),
-         progress=None) -> WalkReport:
+def walk(seed: int, steps: Optional[int] = None, seconds: Optional[float] = None, progress=None) -> WalkReport:
     """Run episodes until ``steps`` steps or ``seconds`` seconds; stop at the first violation."""
     coverage: Counter = Counter()
     total, index = 0, 0
@@ -284,7 +319,7 @@ def walk(seed: int, steps: Optional[int] = None, seconds: Optional[float] = None
         if seconds is not None and time.perf_counter() - start >= seconds:
             break
         eseed = episode_seed(seed, index)
-        episode = random_episode(random.Random(eseed), planted)
+        episode = random_episode(random.Random(eseed))
         result = run_episode(episode, coverage)
         total += result.steps
         if progress is not None:
@@ -299,27 +334,3 @@ def walk(seed: int, steps: Optional[int] = None, seconds: Optional[float] = None
             return WalkReport(seed, total, index + 1, time.perf_counter() - start, dict(coverage), violation)
         index += 1
     return WalkReport(seed, total, index, time.perf_counter() - start, dict(coverage), None)
-
-
-def write_replay(report: WalkReport, path) -> None:
-    data = {"format": "fxsched-replay-1", "seed": report.seed, **report.violation}
-    with open(path, "w") as fh:
-        json.dump(data, fh, indent=1)
-
-
-def replay(path) -> tuple[Optional[Violation], dict, Optional[int]]:
-    """Re-run a replay file's episode: (the violation it reaches or None, the file's data, the index
-    of the first event that differs from the recorded log, or None when the runs are identical —
-    they differ only when the code changed since the file was written)."""
-    with open(path) as fh:
-        data = json.load(fh)
-    if data.get("format") != "fxsched-replay-1":
-        raise ValueError(f"{path}: not an fxsched replay file (format {data.get('format')!r})")
-    episode = Episode.from_json(data["episode"])
-    result = run_episode(episode, Counter(), keep_log=True)
-    recorded, replayed = data["events"], list(result.events)
-    diverged = None
-    if replayed != recorded:
-        diverged = next((i for i, (a, b) in enumerate(zip(replayed, recorded)) if a != b),
-                        min(len(replayed), len(recorded)))
-    return result.violation, data, diverged

@@ -1,11 +1,11 @@
 """``--ep-ranks N`` for ``fxsched run`` and ``fxsched generate``: helpers the CLI calls.
 
-Wiring (``fxsched.runtime.cli``), three lines::
+Wiring (``fxsched.runtime.cli.app``), three lines::
 
     add_ep_ranks_argument(run)                        # in build_parser, after the run options
     trace = run_with_ep(args) if args.ep_ranks > 1 else run_scenario(scenario)   # in cmd_run
 
-and for ``generate`` (``fxsched.runtime.cli_generate``)::
+and for ``generate`` (``fxsched.runtime.cli.generate``)::
 
     add_ep_ranks_argument(p)                          # in add_generate_command
     result = generate_function(args)(engine, prompts, max_tokens, args.spec, batch, progress=...)
@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable
 
-from fxsched.runtime.ep_run import DEFAULT_TIMEOUT_S
+from fxsched.runtime.ep.run import DEFAULT_TIMEOUT_S
 
 
 def _ranks(text: str) -> int:
@@ -56,8 +56,8 @@ def add_ep_ranks_argument(parser: argparse.ArgumentParser) -> None:
 def run_with_ep(args, scenario=None) -> str:
     """The trace of ``fxsched run NAME --ep-ranks N`` (byte for byte the single-rank trace).
     Raises ScenarioError for a bad name and RunError (EpRunError) when the run or the group fails."""
-    from fxsched.runtime.ep_run import run_scenario_ep
-    from fxsched.runtime.scenario import load_scenario
+    from fxsched.runtime.ep.run import run_scenario_ep
+    from fxsched.runtime.scenarios.loader import load_scenario
 
     return run_scenario_ep(scenario if scenario is not None else load_scenario(args.name), args.ep_ranks,
                            args.ep_timeout)
@@ -72,7 +72,7 @@ def generate_function(args) -> Callable:
         return generate
     from functools import partial
 
-    from fxsched.runtime.ep_generate import generate_ep
+    from fxsched.runtime.ep.generate import generate_ep
 
     return partial(generate_ep, ep_ranks=args.ep_ranks, weights=getattr(args, "weights", None),
                    timeout_s=args.ep_timeout)

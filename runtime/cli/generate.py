@@ -1,11 +1,11 @@
 """``fxsched generate`` and ``fxsched bench generate``: the torch model driven by the scheduler.
 
-Wiring into ``fxsched.runtime.cli.build_parser`` takes one line per command::
+Wiring into ``fxsched.runtime.cli.app.build_parser`` takes one line per command::
 
     add_generate_command(sub)      # after the other sub.add_parser(...) calls
     add_bench_generate(bench)      # after the bench parser is set up
 
-``python -m fxsched.runtime.cli_generate generate ...`` runs the same commands standalone.
+``python -m fxsched.runtime.cli.generate generate ...`` runs the same commands standalone.
 
 Bad input (an empty or malformed prompt, a token id outside the vocabulary, a prompt longer than
 the context, an unknown ``--spec``, ``--device cuda`` without CUDA, a missing or unreadable
@@ -46,7 +46,7 @@ def add_generate_command(sub) -> None:
     p.add_argument("--weights", help="a safetensors weights file (default: the seeded random model)")
     p.add_argument("--threads", default=None, help="torch CPU threads (default 1: the model is tiny)")
     p.add_argument("--no-progress", action="store_true", help="never show the progress bar")
-    from fxsched.runtime.cli_ep import add_ep_ranks_argument
+    from fxsched.runtime.cli.ep import add_ep_ranks_argument
 
     add_ep_ranks_argument(p)
     p.set_defaults(func=cmd_generate)
@@ -62,7 +62,6 @@ def add_bench_generate(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--batches", default="1,4,16", help="batch sizes, comma-separated (generate)")
     bench.add_argument("--max-tokens", default="32", help="tokens per request (generate)")
     bench.add_argument("--specs", default="none,mtp,dflash", help="speculation modes, comma-separated (generate)")
-    bench.add_argument("--no-oracle", action="store_true", help="skip the oracle-drafter rows (generate)")
     bench.add_argument("--weights", help="a safetensors weights file (generate)")
     previous = bench.get_default("func")
 
@@ -182,7 +181,7 @@ def run_generate(args, out=None) -> int:
 
         bar = tqdm(total=total, unit="tok", desc=f"generate ({args.spec})", disable=None, leave=False)
     try:
-        from fxsched.runtime.cli_ep import generate_function
+        from fxsched.runtime.cli.ep import generate_function
 
         run = generate_function(args) if getattr(args, "ep_ranks", 1) > 1 else generate
         result = run(engine, prompts, max_tokens, args.spec, batch, progress=bar.update if bar is not None else None)
@@ -212,7 +211,8 @@ def cmd_generate(args) -> int:
 
 def run_bench_generate(args, out=None) -> list[dict]:
     out = out or sys.stdout
-    from fxsched.runtime.generate import SPECS, bench_generate, format_table
+    from fxsched.runtime.bench.generate import bench_generate, format_table
+    from fxsched.runtime.generate import SPECS
 
     device = _torch_device(args.device)
     batches = [_int(b, "--batches", 1) for b in args.batches.split(",") if b.strip()]
@@ -229,9 +229,13 @@ def run_bench_generate(args, out=None) -> list[dict]:
     from tqdm import tqdm
 
     bar = tqdm(desc="bench generate", unit="run", disable=None, leave=False)
+
+    def progress(what: str) -> None:
+        bar.set_postfix_str(what)
+        bar.update()
+
     try:
-        rows = bench_generate(lambda: _engine(args.weights, device), batches, max_tokens, specs,
-                              oracle=not args.no_oracle, progress=lambda what: (bar.set_postfix_str(what), bar.update()))
+        rows = bench_generate(lambda: _engine(args.weights, device), batches, max_tokens, specs, progress=progress)
     finally:
         bar.close()
     print(f"bench generate: device={device} max_tokens={max_tokens} weights={args.weights or 'random (seeded)'}",

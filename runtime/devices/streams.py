@@ -17,7 +17,7 @@ id raises ``StreamError``.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional, Union
+from typing import Any, Iterator, Optional, Protocol, Union, cast
 
 import torch
 
@@ -71,8 +71,19 @@ class CpuStream:
         pass
 
 
-AnyStream = Union[CpuStream, "torch.cuda.Stream"]
-AnyEvent = Union[CpuEvent, "torch.cuda.Event"]
+class AnyStream(Protocol):
+    """What a set uses of a stream: ``torch.cuda.Stream`` on CUDA, ``CpuStream`` elsewhere (a set
+    never mixes the two, so an event or stream passed in is always of the same kind)."""
+
+    def wait_event(self, event: Any) -> None: ...
+    def wait_stream(self, stream: Any) -> None: ...
+    def synchronize(self) -> None: ...
+
+
+class AnyEvent(Protocol):
+    """What a set uses of an event: ``torch.cuda.Event`` on CUDA, ``CpuEvent`` elsewhere."""
+
+    def record(self, stream: Any = None) -> None: ...
 
 
 class StreamSet:
@@ -163,6 +174,6 @@ class StreamSet:
             return
         default = self._streams[0]
         stream.wait_stream(default)
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(cast(torch.cuda.Stream, stream)):  # a CUDA set holds CUDA streams
             yield
         default.wait_stream(stream)

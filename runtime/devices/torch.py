@@ -53,9 +53,9 @@ import torch
 
 from fxsched.kernels.greedy_accept import greedy_accept, row_offsets_from_counts
 from fxsched.kernels.row_argmax import row_argmax
-from fxsched.runtime.device import DeviceError
+from fxsched.runtime.devices.device import DeviceError
 from fxsched.runtime.logs import ensure_configured
-from fxsched.runtime.streams import StreamError, StreamSet
+from fxsched.runtime.devices.streams import StreamError, StreamSet
 from fxsched.runtime.torch_model import HybridEngine
 from fxsched.runtime.torch_model.errors import OutOfBlocksError, SpillError, TorchModelError
 
@@ -126,7 +126,7 @@ class DeviceStats:
 
 
 class TorchDevice:
-    """Implements every call of ``fxsched.runtime.device.Device`` on a ``HybridEngine``."""
+    """Implements every call of ``fxsched.runtime.devices.device.Device`` on a ``HybridEngine``."""
 
     def __init__(self, engine: HybridEngine, proposer: Optional[str] = None, drafter: Optional[Drafter] = None,
                  strict: bool = False, spill_dir: Optional[str | Path] = None,
@@ -252,13 +252,12 @@ class TorchDevice:
         """Fold n rows of the pending forward of ``s`` into its committed state."""
         pending = s.pending
         assert pending is not None
-        self._account(s, n, what)
+        self._account(s, pending, n, what)
         with self._errors(what):
             self.engine.commit_accepted_prefix(s.slot, n)
         s.pending = None
 
-    def _account(self, s: DeviceSeq, n: int, what: str) -> None:
-        pending = s.pending
+    def _account(self, s: DeviceSeq, pending: Pending, n: int, what: str) -> None:
         if pending.kind != "verify":
             return
         self.stats.verifies += 1
@@ -279,20 +278,22 @@ class TorchDevice:
 
     def _settle_many(self, seqs: Seq[DeviceSeq], what: str) -> None:
         """Deferred folds of several sequences in one batched state write."""
-        todo = [s for s in seqs if s.pending is not None]
+        todo = [(s, s.pending) for s in seqs if s.pending is not None]
         if not todo:
             return
-        keeps = [s.pending.keep for s in todo]
-        for s, n in zip(todo, keeps):
-            self._account(s, n, what)
+        keeps = [pending.keep for _, pending in todo]
+        for s, pending in todo:
+            self._account(s, pending, pending.keep, what)
         with self._errors(what):
-            self.engine.gdn_fold_accepted([s.slot for s in todo], keeps)
-        for s in todo:
+            self.engine.gdn_fold_accepted([s.slot for s, _ in todo], keeps)
+        for s, _ in todo:
             s.pending = None
 
     def _resolve_keep(self, s: DeviceSeq, n: int, what: str) -> None:
         """An explicit commit of n rows: it sets ``keep`` unless a truncation already set another."""
         pending = s.pending
+        if pending is None:
+            raise DeviceStateError(f"{what}: sequence {s.seq_id} has no uncommitted rows")
         if not 0 <= n <= len(pending.tokens):
             raise DeviceStateError(f"{what}: sequence {s.seq_id} cannot keep {n} of {len(pending.tokens)} rows")
         if pending.keep != len(pending.tokens) and pending.keep != n:
@@ -315,6 +316,7 @@ class TorchDevice:
         if ctx > upto:
             engine.trim_proposer_state(slot, ctx - upto)
         elif ctx < upto:
+            assert engine.dflash is not None  # uses_dflash_context
             engine.dflash.append(slot, engine.hidden_history[slot, ctx:upto])
 
     # ======================================================================================
@@ -554,7 +556,7 @@ class TorchDevice:
         self._settle_many(seqs, what)
         slots = [s.slot for s in seqs]
         lists = [toks for _, toks in rows]
-        self._room_for(list(zip(slots, map(len, lists))), what)
+        self._room_for(list(zip(slots, map(len, lists), strict=True)), what)
         with self._errors(what), self.streams.use(stream):
             outs = self.engine.verify_batched(slots, lists)
             self.engine.gdn_fold_accepted(slots, [len(t) for t in lists])
@@ -576,7 +578,7 @@ class TorchDevice:
         self.mixed_forward_batch(decode_tokens, decode_seqs, (prefill,), stream)
 
     def mixed_forward_batch(self, decode_tokens, decode_seqs, prefills, stream: int) -> None:
-        rows = [(self._seq(i), [int(t)]) for t, i in zip(decode_tokens, decode_seqs)]
+        rows = [(self._seq(i), [int(t)]) for t, i in zip(decode_tokens, decode_seqs, strict=True)]
         rows += [self._slice_rows(sl) for sl in prefills]
         self._batched_commit_forward(rows, "mixed_forward", stream, "decode")
 
@@ -622,7 +624,7 @@ class TorchDevice:
 
     def _verify_many(self, seqs: list[DeviceSeq], lists: list[list[int]], what: str) -> list[int]:
         self._settle_many(seqs, what)
-        self._room_for([(s.slot, len(t)) for s, t in zip(seqs, lists)], what)
+        self._room_for([(s.slot, len(t)) for s, t in zip(seqs, lists, strict=True)], what)
         with self._errors(what):
             outs = self.engine.verify_batched([s.slot for s in seqs], lists)
         self._count("verify", what)
@@ -633,7 +635,7 @@ class TorchDevice:
         accepted, _ = greedy_accept(answers, drafts, row_offsets_from_counts(ks))
         rows = answers.tolist()
         owners = []
-        for s, toks, agreed in zip(seqs, lists, accepted.tolist()):
+        for s, toks, agreed in zip(seqs, lists, accepted.tolist(), strict=True):
             s.pending = Pending(list(toks), len(toks), "verify", agreed + 1)
             owners += [(s.seq_id, t) for t in range(len(toks))]
         self._set_rows(logits, owners, rows)
@@ -677,7 +679,8 @@ class TorchDevice:
 
     def _propose(self, seqs: list[DeviceSeq], tokens: list[int], n: int, what: str) -> list[list[int]]:
         if self.drafter is not None:
-            drafts = [list(self.drafter(self.engine.tokens(s.slot), int(t), n))[:n] for s, t in zip(seqs, tokens)]
+            drafts = [list(self.drafter(self.engine.tokens(s.slot), int(t), n))[:n]
+                      for s, t in zip(seqs, tokens, strict=True)]
         elif self.proposer == "mtp":
             with self._errors(what):
                 drafts = self.engine.mtp_propose([s.slot for s in seqs], tokens, n)
@@ -708,10 +711,10 @@ class TorchDevice:
     def run_mtp_propose_batched(self, tokens, positions, stash, n: int, seqs, stream: int) -> list[list[int]]:
         ds = [self._seq(i) for i in seqs]
         self._settle_many(ds, "run_mtp_propose_batched")
-        for s, pos in zip(ds, positions):
+        for s, pos in zip(ds, positions, strict=True):
             self._check_position(s, pos, "run_mtp_propose_batched")
         if self.proposer == "mtp":
-            for s, index in zip(ds, stash):
+            for s, index in zip(ds, stash, strict=True):
                 owner, hidden = self._stash_entry(index)
                 if owner != s.seq_id:
                     raise DeviceStateError(f"run_mtp_propose_batched: stash entry {index} belongs to sequence "
@@ -729,7 +732,7 @@ class TorchDevice:
     def generate_beam_batch(self, prompts, num_beams) -> list[list[int]]:
         """Length-normalised beam search (up to BEAM_MAX_TOKENS tokens, stopping at EOS), each
         hypothesis scored by a fresh prefill in a scratch slot."""
-        return [self._beam(list(p), int(b)) for p, b in zip(prompts, num_beams)]
+        return [self._beam(list(p), int(b)) for p, b in zip(prompts, num_beams, strict=True)]
 
     def _scratch_logprobs(self, tokens: list[int]) -> torch.Tensor:
         free = self.engine.free_slots()
@@ -756,7 +759,7 @@ class TorchDevice:
             for hyp, score in live:
                 logp = self._scratch_logprobs(prompt + hyp)
                 top = torch.topk(logp, min(beams, logp.shape[-1]))
-                candidates += [(hyp + [int(t)], score + float(v)) for v, t in zip(top.values, top.indices)]
+                candidates += [(hyp + [int(t)], score + float(v)) for v, t in zip(top.values, top.indices, strict=True)]
             candidates.sort(key=lambda c: -c[1])
             live = []
             for hyp, score in candidates[:beams]:
@@ -791,6 +794,8 @@ class TorchDevice:
         width = self.cfg.vocab_size * 2
         n = -(-(off + nbytes) // width)
         self._check_rows(row, n)
+        if self._logits is None:
+            raise DeviceError("no forward has produced logits rows yet")
         slab = self._logits[row:row + n].to(torch.bfloat16).contiguous().view(torch.uint8).cpu().numpy().tobytes()
         return slab[off:off + nbytes]
 
@@ -804,7 +809,7 @@ class TorchDevice:
     def gdn_fold_accepted(self, slots, accepted, k: int) -> bool:
         """Commit accepted[i] rows (the anchor included) of each slot's verify, in one state write."""
         seqs = [self._seq_in_slot(slot) for slot in slots]
-        for s, n in zip(seqs, accepted):
+        for s, n in zip(seqs, accepted, strict=True):
             if s.pending is None:
                 raise DeviceStateError(f"gdn_fold_accepted: sequence {s.seq_id} (slot {s.slot}) has no verify rows")
             if len(s.pending.tokens) > k:

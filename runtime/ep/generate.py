@@ -10,13 +10,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence as Seq
 
-from fxsched.runtime.ep_replica import EngineReplicaSpec
-from fxsched.runtime.ep_run import DEFAULT_TIMEOUT_S, EpCluster, EpRunError
-from fxsched.runtime.ep_worker import WorkerOptions
+from fxsched.runtime.ep.replica import EngineReplicaSpec
+from fxsched.runtime.ep.run import DEFAULT_TIMEOUT_S, EpCluster, EpRunError
+from fxsched.runtime.ep.worker import DEFAULT_OPTIONS, WorkerOptions
 from fxsched.runtime.generate import GenerateResult, generate
 from fxsched.runtime.interpreter import RunError
 from fxsched.runtime.logs import ensure_configured
-from fxsched.runtime.torch_device import Drafter, TorchDevice
+from fxsched.runtime.devices.torch import Drafter, TorchDevice
 from fxsched.runtime.torch_model import HybridEngine
 
 
@@ -32,7 +32,7 @@ def generate_ep(engine: HybridEngine, prompts: Seq[Seq[int]], max_tokens: int, s
                 batch: Optional[int] = None, drafter: Optional[Drafter] = None, strict: bool = False,
                 progress: Optional[Callable[[int], None]] = None, *, ep_ranks: int = 2,
                 weights: Optional[str] = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                options: WorkerOptions = WorkerOptions()) -> EpGenerateResult:
+                options: WorkerOptions = DEFAULT_OPTIONS) -> EpGenerateResult:
     """``generate.generate`` on ``ep_ranks`` ranks. ``weights`` is the file ``engine`` was loaded
     from (None: the seeded random model), so the workers build the same model. Raises
     ``EpRunError`` (a RunError) if the group fails, never waiting longer than ``timeout_s``."""

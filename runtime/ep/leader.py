@@ -5,7 +5,7 @@ trace is the single-rank trace byte for byte). Besides:
 
 * each ``ep_*`` call also goes to the workers, word for word (after ``inner`` recorded it);
 * each forward or sequence change the words do not announce goes out as one of the leader's own
-  messages (ep_protocol kinds 5-9), after ``inner`` carried it out; a forward that its words
+  messages (protocol kinds 5-9), after ``inner`` carried it out; a forward that its words
   announced (a prefill preamble, a decode word, a K-verify) is not announced twice;
 * every ``-- tick N`` read sends TICK with the digest of the leader's mirror (fed the same
   messages through the workers' own parser and mirror), and keeps the snapshot in
@@ -27,11 +27,11 @@ from typing import Optional
 
 import structlog
 
-from fxsched.runtime.device import DeviceError
-from fxsched.runtime.ep_link import LeaderLink, LinkError
-from fxsched.runtime.ep_mirror import EpMirror, Snapshot
-from fxsched.runtime.ep_protocol import (
-    SHUTDOWN_CMD,
+from fxsched.effects.ep_words import SHUTDOWN_CMD
+from fxsched.runtime.devices.device import DeviceError
+from fxsched.runtime.ep.link import LeaderLink, LinkError
+from fxsched.runtime.ep.mirror import EpMirror, Snapshot
+from fxsched.runtime.ep.protocol import (
     CommandParser,
     Decode,
     Kind,
@@ -58,7 +58,8 @@ class EpLeaderDevice:
         self.messages = 0
         self._slot_of: dict[int, int] = {}  # scheduler sequence id -> slot
         self._spilled: dict[int, tuple[int, ...]] = {}  # sequence id -> tokens at its spill
-        self._announced = None  # the last word command, until a forward consumes it
+        # the last word command, until a forward consumes it
+        self._announced: Optional[Prefill | Decode | Verify] = None
         self._unacked = False
         self._syncs = 0
         self._occupancy_reads = 0
@@ -230,21 +231,23 @@ class EpLeaderDevice:
 
     # --- forwards ---------------------------------------------------------------------------------
 
-    def prefill(self, seq: int, tokens, stream: int) -> None:
+    def prefill(self, seq: int, tokens, stream: int) -> Optional[int]:
         said = self._announcement()
-        self.inner.prefill(seq, tokens, stream)
+        cached = self.inner.prefill(seq, tokens, stream)
         slot = self._slot(seq)
         if said != Prefill(slot, 0, len(tokens), tuple(tokens)):
             self._unmatched(said, "prefill", seq)
             self._rows([Rows(slot, 0, tokens)], committed=True)
+        return cached
 
-    def prefill_chunk(self, seq: int, prompt, start: int, length: int, last: bool, stream: int) -> None:
+    def prefill_chunk(self, seq: int, prompt, start: int, length: int, last: bool, stream: int) -> Optional[int]:
         said = self._announcement()
-        self.inner.prefill_chunk(seq, prompt, start, length, last, stream)
+        cached = self.inner.prefill_chunk(seq, prompt, start, length, last, stream)
         slot = self._slot(seq)
         if said != Prefill(slot, start, length, tuple(prompt)):
             self._unmatched(said, "prefill_chunk", seq)
             self._rows([Rows(slot, start, prompt[start:start + length])], committed=True)
+        return cached
 
     def decode(self, token: int, seq: int, stream: int) -> None:
         said = self._announcement()
@@ -264,13 +267,13 @@ class EpLeaderDevice:
     def mixed_forward(self, decode_tokens, decode_seqs, prefill, stream: int) -> None:
         self._announcement()
         self.inner.mixed_forward(decode_tokens, decode_seqs, prefill, stream)
-        decodes = [self._at_end(s, (t,)) for t, s in zip(decode_tokens, decode_seqs)]
+        decodes = [self._at_end(s, (t,)) for t, s in zip(decode_tokens, decode_seqs, strict=True)]
         self._rows(decodes + self._slices([prefill]), committed=True)
 
     def mixed_forward_batch(self, decode_tokens, decode_seqs, prefills, stream: int) -> None:
         self._announcement()
         self.inner.mixed_forward_batch(decode_tokens, decode_seqs, prefills, stream)
-        decodes = [self._at_end(s, (t,)) for t, s in zip(decode_tokens, decode_seqs)]
+        decodes = [self._at_end(s, (t,)) for t, s in zip(decode_tokens, decode_seqs, strict=True)]
         self._rows(decodes + self._slices(prefills), committed=True)
 
     def prefill_batch_chunk(self, prefills, stream: int) -> None:
@@ -284,7 +287,7 @@ class EpLeaderDevice:
             raise DeviceError(self.failure)
         self._announcement()
         self.inner.decode_batch(tokens, seqs, stream)
-        self._rows([self._at_end(s, (t,)) for t, s in zip(tokens, seqs)], committed=True)
+        self._rows([self._at_end(s, (t,)) for t, s in zip(tokens, seqs, strict=True)], committed=True)
         self._sync()
 
     def _serial_verify(self, name: str, seq: int, tokens) -> list[int]:
@@ -325,7 +328,7 @@ class EpLeaderDevice:
         self._announcement()
         rows = self.inner.decode_verify_batched(tokens, ks, seqs, stream, woa)
         groups, offset = [], 0
-        for seq, k, start in zip(seqs, ks, starts):
+        for seq, k, start in zip(seqs, ks, starts, strict=True):
             groups.append(Rows(self._slot(seq), start, tokens[offset:offset + k]))
             offset += k
         self._rows(groups, committed=False)

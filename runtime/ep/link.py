@@ -15,12 +15,13 @@ naming the worker(s) concerned; the leader never waits longer than its timeout.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import Callable, Optional, Protocol
 
 import structlog
 
-from fxsched.runtime.ep_protocol import HEADER_LEN, Message, decode_header, encode
+from fxsched.runtime.ep.protocol import HEADER_LEN, Message, decode_header, encode
 
 log = structlog.get_logger("fxsched.ep")
 
@@ -109,7 +110,7 @@ class TorchLeaderLink:
         answers = {}
         for rank in range(1, self.world_size):
             name = _store_key(key, rank)
-            if not await_key(self.store, name, deadline, lambda: self.exitcode(rank)):
+            if not await_key(self.store, name, deadline, functools.partial(self.exitcode, rank)):
                 code = self.exitcode(rank)
                 detail = f"its process exited with code {code}" if code is not None else ""
                 raise LinkError((rank,), timeout_s, detail)

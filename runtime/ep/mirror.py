@@ -17,8 +17,9 @@ Invariant: a row group never starts past the slot's end, and a length never grow
 from __future__ import annotations
 
 import hashlib
+from typing import TypeAlias, Union
 
-from fxsched.runtime.ep_protocol import (
+from fxsched.runtime.ep.protocol import (
     Accept,
     Command,
     Decode,
@@ -32,8 +33,8 @@ from fxsched.runtime.ep_protocol import (
     Verify,
 )
 
-SlotOp = Forward | SetLength | Release | Move | Restore
-Snapshot = tuple[tuple[int, tuple[int, ...]], ...]
+SlotOp: TypeAlias = Union[Forward, SetLength, Release, Move, Restore]
+Snapshot: TypeAlias = tuple[tuple[int, tuple[int, ...]], ...]
 
 
 class MirrorError(RuntimeError):

@@ -35,13 +35,14 @@ A row group is ``slot, start, count, token * count``; a row payload is ``groups,
 Uncommitted rows stay pending until the slot's next forward (or a length) settles them; *draft*
 rows (``decode_draft``) extend the slot's pending draft chain instead.
 
-Command words (recording-device.md §3.8.8). The first word of a command comes with its slot
-(CMD_FOR_SEQ), the following words without (CMD):
+Command words (recording-device.md §3.8.8; defined in ``fxsched.effects.ep_words``, which the
+scheduler uses too). The first word of a command comes with its slot (CMD_FOR_SEQ), the
+following words without (CMD):
 
 * ``PREFILL_CMD`` then chunk length, chunk start, full prompt length, TOKENS (the whole prompt),
   VISION (full length);
 * ``RELEASE_CMD``: the slot's occupant is freed and the slot is allocated afresh (empty);
-* ``VERIFY_CMDS`` (K = 2, 3, 4) then the K input tokens; after the verify one more CMD, the
+* ``VERIFY_CMD[K]`` (K = 2, 3, 4) then the K input tokens; after the verify one more CMD, the
   accept count ``na``: the slot keeps ``na + 1`` of the K rows;
 * ``SHUTDOWN_CMD``: the workers stop;
 * any other word below ``RESERVED_FROM``: a token decoded in the slot.
@@ -50,7 +51,7 @@ Answers (worker to leader, through the rendezvous store, never through the broad
 every worker sets ``ep/sync/<n>/<rank>`` to ``ok`` or its first error; on the shutdown word it
 sets ``ep/final/<rank>`` to its report (JSON: per-tick snapshots, counts, error) and exits. On TICK
 a worker compares the digest of its own mirror with the leader's; a difference is its error.
-The digest is ``ep_mirror.snapshot_digest`` of the mirror's snapshot (non-empty slots in order).
+The digest is ``mirror.snapshot_digest`` of the mirror's snapshot (non-empty slots in order).
 """
 
 from __future__ import annotations
@@ -60,11 +61,7 @@ from typing import Optional, Union
 
 import attrs
 
-PREFILL_CMD = 0xFFFFFFF0
-RELEASE_CMD = 0xFFFFFFF1
-VERIFY_CMDS = {0xFFFFFFF2: 2, 0xFFFFFFF3: 3, 0xFFFFFFF4: 4}
-SHUTDOWN_CMD = 0xFFFFFFFF
-RESERVED_FROM = 0xFFFFFFF0  # words from here up are commands; below, token ids
+from fxsched.effects.ep_words import PREFILL_CMD, RELEASE_CMD, RESERVED_FROM, SHUTDOWN_CMD, VERIFY_K
 
 HEADER_LEN = 16
 INLINE = HEADER_LEN - 5
@@ -268,7 +265,8 @@ class CommandParser:
             case Kind.CMD:
                 return self._next_word(m.b, m.number)
             case Kind.TOKENS:
-                return self._tokens(m.payload, m.number)
+                self._tokens(m.payload, m.number)
+                return None
             case Kind.VISION:
                 return self._vision(m.a, m.number)
             case Kind.ROWS:
@@ -297,7 +295,7 @@ class CommandParser:
         self._awaiting_accept = None  # a verify whose accept never came (its sequence failed)
         if word == RELEASE_CMD:
             return Release(slot)
-        if word == PREFILL_CMD or word in VERIFY_CMDS:
+        if word == PREFILL_CMD or word in VERIFY_K:
             self._partial = _Partial(slot, word)
             return None
         if word >= RESERVED_FROM:
@@ -317,7 +315,7 @@ class CommandParser:
             p.words.append(word)
             return None
         p.words.append(word)
-        if len(p.words) < VERIFY_CMDS[p.word]:
+        if len(p.words) < VERIFY_K[p.word]:
             return None
         self._partial = None
         self._awaiting_accept = p.slot
@@ -331,7 +329,6 @@ class CommandParser:
             raise ProtocolError(f"message {number}: prefill of slot {p.slot} announced {p.words[2]} tokens, "
                                 f"got {len(tokens)}")
         p.tokens = tokens
-        return None
 
     def _vision(self, n: int, number: int) -> Prefill:
         p = self._partial

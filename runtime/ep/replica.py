@@ -19,8 +19,8 @@ from typing import Optional
 import attrs
 import structlog
 
-from fxsched.runtime.ep_mirror import SlotOp, Snapshot
-from fxsched.runtime.ep_protocol import Forward, Move, Release, Restore, Rows, SetLength
+from fxsched.runtime.ep.mirror import SlotOp, Snapshot
+from fxsched.runtime.ep.protocol import Forward, Move, Release, Restore, Rows, SetLength
 
 log = structlog.get_logger("fxsched.ep")
 
@@ -70,9 +70,10 @@ class EngineReplica:
             case Move(src=src, dst=dst):
                 if src != dst:
                     self.engine.compact(src, dst)
-                    for table in (self._pending, self._predicted):
-                        if src in table:
-                            table[dst] = table.pop(src)
+                    if src in self._pending:
+                        self._pending[dst] = self._pending.pop(src)
+                    if src in self._predicted:
+                        self._predicted[dst] = self._predicted.pop(src)
             case Restore(slot=slot, tokens=tokens):
                 self._release(slot)
                 self.engine.alloc(slot)
@@ -105,7 +106,7 @@ class EngineReplica:
             return
         chains = [self._pending.pop(s) for s in todo]
         self.engine.gdn_fold_accepted(todo, [c.keep for c in chains])
-        for slot, chain in zip(todo, chains):
+        for slot, chain in zip(todo, chains, strict=True):
             if chain.keep > 0:
                 self._predicted[slot] = chain.predictions[chain.keep - 1]
 
@@ -127,7 +128,7 @@ class EngineReplica:
         outs = self.engine.verify_batched(slots, lists)
         self.engine.gdn_fold_accepted(slots, [len(t) for t in lists])
         self.forwards += 1
-        for slot, logits in zip(slots, outs):
+        for slot, logits in zip(slots, outs, strict=True):
             self._predicted[slot] = int(logits[-1].argmax())
 
     def _forward_pending(self, rows, draft: bool) -> None:
@@ -145,7 +146,7 @@ class EngineReplica:
             lists.append(tokens)
         outs = self.engine.verify_batched(slots, lists)
         self.forwards += 1
-        for slot, tokens, logits in zip(slots, lists, outs):
+        for slot, tokens, logits in zip(slots, lists, outs, strict=True):
             self._pending[slot] = _Chain(tokens, len(tokens), draft, logits.argmax(-1).tolist())
 
     def _set_length(self, slot: int, n: int) -> None:

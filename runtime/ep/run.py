@@ -10,21 +10,30 @@ are joined, the others terminated, then killed.
 
 from __future__ import annotations
 
+import functools
 import time
 from datetime import timedelta
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import attrs
 import structlog
 
-from fxsched.runtime.ep_leader import EpLeaderDevice
-from fxsched.runtime.ep_link import LinkError, LoopbackLink, TorchLeaderLink, await_key, ready_key
-from fxsched.runtime.ep_mirror import Snapshot
-from fxsched.runtime.ep_worker import EpWorker, WorkerOptions, comm_device, run_worker, snapshot_from_json
+from fxsched.runtime.ep.leader import EpLeaderDevice
+from fxsched.runtime.ep.link import LinkError, LoopbackLink, TorchLeaderLink, await_key, ready_key
+from fxsched.runtime.ep.mirror import Snapshot
+from fxsched.runtime.ep.worker import (
+    DEFAULT_OPTIONS,
+    EpWorker,
+    Replica,
+    WorkerOptions,
+    comm_device,
+    run_worker,
+    snapshot_from_json,
+)
 from fxsched.runtime.interpreter import RunError
-from fxsched.runtime.recording_device import RecordingDevice
-from fxsched.runtime.runner import RunResult, execute_scenario
-from fxsched.runtime.scenario import Scenario, load_scenario
+from fxsched.runtime.devices.recording import RecordingDevice
+from fxsched.runtime.scenarios.runner import RunResult, execute_scenario
+from fxsched.runtime.scenarios.loader import Scenario, load_scenario
 
 log = structlog.get_logger("fxsched.ep")
 
@@ -41,19 +50,24 @@ class EpRunError(RunError):
         self.trace = trace
 
 
+WorkerEntry = Callable[[int, int, str, int, WorkerOptions], None]
+
+
 class EpCluster:
-    """Rank 0 in this process, ranks 1.. in spawned processes."""
+    """Rank 0 in this process, ranks 1.. in spawned processes. Each worker process runs
+    ``entries.get(rank, run_worker)(rank, world_size, host, port, options)``; an entry must be
+    picklable (the processes are spawned)."""
 
     def __init__(self, ep_ranks: int, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 options: WorkerOptions = WorkerOptions(), worker_options: Optional[dict[int, WorkerOptions]] = None):
+                 options: WorkerOptions = DEFAULT_OPTIONS, entries: Optional[dict[int, WorkerEntry]] = None):
         if ep_ranks < 2:
             raise ValueError(f"--ep-ranks {ep_ranks}: an EP cluster needs at least 2 ranks")
         self.world_size = ep_ranks
         self.timeout_s = timeout_s
         self.options = options
-        self.per_rank = worker_options or {}
+        self.entries = entries or {}
         self.processes: list = []
-        self.store = None
+        self.store: Any = None  # the rendezvous torch.distributed.TCPStore, once started
         self.link: Optional[TorchLeaderLink] = None
         self.leader: Optional[EpLeaderDevice] = None
 
@@ -85,8 +99,8 @@ class EpCluster:
                                    wait_for_workers=False)
         ctx = mp.get_context("spawn")
         for rank in range(1, self.world_size):
-            options = self.per_rank.get(rank, self.options)
-            p = ctx.Process(target=run_worker, args=(rank, self.world_size, "127.0.0.1", self.store.port, options),
+            entry = self.entries.get(rank, run_worker)
+            p = ctx.Process(target=entry, args=(rank, self.world_size, "127.0.0.1", self.store.port, self.options),
                             name=f"fxsched-ep-worker-{rank}", daemon=True)
             p.start()
             self.processes.append(p)
@@ -102,14 +116,16 @@ class EpCluster:
         """Every worker reached the store (a worker that dies on the way is named at once)."""
         deadline = time.monotonic() + self.options.startup_timeout_s
         for rank in range(1, self.world_size):
-            if not await_key(self.store, ready_key(rank), deadline, lambda: self.exitcode(rank)):
+            if not await_key(self.store, ready_key(rank), deadline, functools.partial(self.exitcode, rank)):
                 code = self.exitcode(rank)
                 if code is not None:
                     raise RunError(f"EP worker {rank} exited with code {code} while starting")
                 raise RunError(f"EP worker {rank} did not start within {self.options.startup_timeout_s:g}s")
 
     def wrap(self, inner) -> EpLeaderDevice:
-        """``inner`` as rank 0 of this cluster."""
+        """``inner`` as rank 0 of this cluster (which must be up: entered as a context manager)."""
+        if self.link is None:
+            raise RunError("EP: the cluster is not up (enter it with `with EpCluster(...)`)")
         self.leader = EpLeaderDevice(inner, self.link, self.timeout_s)
         return self.leader
 
@@ -194,16 +210,15 @@ def _run_wrapped(scenario: Scenario, make_leader: Callable[[RecordingDevice], Ep
 
 
 def execute_scenario_ep(name_or_scenario, ep_ranks: int, timeout_s: float = DEFAULT_TIMEOUT_S,
-                        options: WorkerOptions = WorkerOptions(),
-                        worker_options: Optional[dict[int, WorkerOptions]] = None) -> EpRunResult:
+                        options: WorkerOptions = DEFAULT_OPTIONS) -> EpRunResult:
     """Run a scenario with rank 0 here and ``ep_ranks - 1`` worker processes. Raises EpRunError
     (a RunError) if the group fails; never waits longer than ``timeout_s`` on a worker."""
     scenario = _scenario(name_or_scenario)
     if ep_ranks == 1:
-        from fxsched.runtime.runner import execute_scenario
+        from fxsched.runtime.scenarios.runner import execute_scenario
 
         return EpRunResult(execute_scenario(scenario).trace(), [], {})
-    with EpCluster(ep_ranks, timeout_s, options, worker_options) as cluster:
+    with EpCluster(ep_ranks, timeout_s, options) as cluster:
         result = _run_wrapped(scenario, cluster.wrap)
     return attrs.evolve(result, exitcodes=cluster.exitcodes())
 
@@ -213,7 +228,7 @@ def run_scenario_ep(name_or_scenario, ep_ranks: int, timeout_s: float = DEFAULT_
     return execute_scenario_ep(name_or_scenario, ep_ranks, timeout_s).trace
 
 
-def execute_scenario_loopback(name_or_scenario, workers: int = 1, replica: Optional[Callable[[], object]] = None,
+def execute_scenario_loopback(name_or_scenario, workers: int = 1, replica: Optional[Callable[[], Replica]] = None,
                               timeout_s: float = DEFAULT_TIMEOUT_S) -> tuple[EpRunResult, list[EpWorker]]:
     """The same run with in-process workers (no torch.distributed): tests of the protocol."""
     link = LoopbackLink(lambda lk: [EpWorker(r, lk.poster(r), replica() if replica else None)

@@ -13,22 +13,19 @@ error the worker keeps taking messages (the leader must never block on it) but a
 from __future__ import annotations
 
 import json
-import os
 import sys
-import time
 from datetime import timedelta
 from typing import Callable, Optional, Protocol
 
 import attrs
 import structlog
 
-from fxsched.runtime.ep_mirror import EpMirror, MirrorError, Snapshot, SlotOp
-from fxsched.runtime.ep_protocol import CommandParser, Message, ProtocolError, Shutdown, Sync, Tick
+from fxsched.runtime.ep.mirror import EpMirror, MirrorError, Snapshot, SlotOp
+from fxsched.runtime.ep.protocol import CommandParser, Message, ProtocolError, Shutdown, Sync, Tick
 
 log = structlog.get_logger("fxsched.ep")
 
 EXIT_LINK_LOST = 3  # the leader went away or stopped sending for longer than the idle timeout
-EXIT_INJECTED = 17  # the test-only ``exit_after`` fault
 
 
 class Replica(Protocol):
@@ -123,15 +120,15 @@ def snapshot_from_json(raw) -> Snapshot:
 
 @attrs.frozen
 class WorkerOptions:
-    """How a worker process runs. ``replica`` builds its model copy (picklable; None: mirror only).
-    ``exit_after`` / ``stall_after``: test-only faults after that many messages."""
+    """How a worker process runs. ``replica`` builds its model copy (picklable; None: mirror only)."""
 
     backend: str = "gloo"
     startup_timeout_s: float = 60.0
     idle_timeout_s: float = 600.0
     replica: Optional[Callable[[], Replica]] = None
-    exit_after: Optional[int] = None
-    stall_after: Optional[int] = None
+
+
+DEFAULT_OPTIONS = WorkerOptions()  # frozen, so one instance serves every default
 
 
 def comm_device(backend: str, rank: int) -> str:
@@ -145,33 +142,28 @@ def comm_device(backend: str, rank: int) -> str:
     return f"cuda:{index}"
 
 
-def serve(worker: EpWorker, receive: Callable[[], Message], options: WorkerOptions) -> None:
-    """Take messages until the shutdown word (the injected faults act here)."""
-    while True:
-        message = receive()
-        if options.exit_after is not None and worker.messages >= options.exit_after:
-            log.warning("ep_worker_injected_exit", rank=worker.rank, after=worker.messages)
-            os._exit(EXIT_INJECTED)
-        if options.stall_after is not None and worker.messages >= options.stall_after:
-            log.warning("ep_worker_injected_stall", rank=worker.rank, after=worker.messages)
-            while True:
-                time.sleep(3600)
-        if not worker.handle(message):
-            return
+Serve = Callable[[EpWorker, Callable[[], Message]], None]
 
 
-def run_worker(rank: int, world_size: int, host: str, port: int, options: WorkerOptions = WorkerOptions()) -> None:
-    """Process entry of worker ``rank``: join the group through the leader's store, serve, leave.
-    Exits 0 after the shutdown word, ``EXIT_LINK_LOST`` when the leader is gone."""
+def serve(worker: EpWorker, receive: Callable[[], Message]) -> None:
+    """Take messages until the shutdown word."""
+    while worker.handle(receive()):
+        pass
+
+
+def run_worker(rank: int, world_size: int, host: str, port: int, options: WorkerOptions = DEFAULT_OPTIONS,
+               serve: Serve = serve) -> None:
+    """Process entry of worker ``rank``: join the group through the leader's store, ``serve`` the
+    stream, leave. Exits 0 after the shutdown word, ``EXIT_LINK_LOST`` when the leader is gone."""
     import torch.distributed as dist
 
-    from fxsched.runtime.ep_link import TorchWorkerLink, ready_key
+    from fxsched.runtime.ep.link import TorchWorkerLink, ready_key
     from fxsched.runtime.logs import ensure_configured
 
     ensure_configured()
     startup = timedelta(seconds=options.startup_timeout_s)
     store = dist.TCPStore(host, port, world_size, is_master=False, timeout=startup)
-    store.set(ready_key(rank), b"1")
+    store.set(ready_key(rank), "1")
     dist.init_process_group(options.backend, store=dist.PrefixStore("ep/pg", store), rank=rank,
                             world_size=world_size, timeout=startup)
     code = 0
@@ -181,7 +173,7 @@ def run_worker(rank: int, world_size: int, host: str, port: int, options: Worker
         link = TorchWorkerLink(group, store, rank, comm_device(options.backend, rank))
         worker = EpWorker(rank, link.post, replica)
         try:
-            serve(worker, link.receive, options)
+            serve(worker, link.receive)
         except RuntimeError as err:
             log.error("ep_worker_link_lost", rank=rank, error=str(err).splitlines()[0] if str(err) else "")
             code = EXIT_LINK_LOST

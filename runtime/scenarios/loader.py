@@ -14,8 +14,8 @@ from typing import Any, Optional
 import attrs
 
 from fxsched.core.request import Request
-from fxsched.runtime.recording_device import DeviceConfig
-from fxsched.runtime.script_model import Script
+from fxsched.runtime.devices.recording import DeviceConfig
+from fxsched.runtime.devices.scripted import Script
 
 EOS = 63
 

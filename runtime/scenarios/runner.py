@@ -10,20 +10,11 @@ import structlog
 
 from fxsched.core import events as ev
 from fxsched.core.config import ModelInfo, SchedulerConfig
-from fxsched.core.state import SchedulerState, initial_state
-from fxsched.effects.client import (
-    ClientOutput,
-    DoneOut,
-    ErrorOut,
-    ResponseOut,
-    RotationAck,
-    TERMINAL_OUTPUTS,
-    TokenOut,
-    TokensOut,
-)
-from fxsched.runtime.interpreter import Interpreter, RunError
-from fxsched.runtime.recording_device import RecordingDevice
-from fxsched.runtime.scenario import Scenario, ScenarioError
+from fxsched.core.state import initial_state
+from fxsched.effects.client import TERMINAL_OUTPUTS, RotationAck, TokenOut, TokensOut
+from fxsched.runtime.devices.recording import RecordingDevice
+from fxsched.runtime.interpreter import Host, Interpreter, RunError
+from fxsched.runtime.scenarios.loader import Scenario
 
 log = structlog.get_logger("fxsched.runner")
 
@@ -48,16 +39,16 @@ def model_info(scenario: Scenario) -> ModelInfo:
     )
 
 
-class ScenarioHost:
+class ScenarioHost(Host):
     """Clients, the inbox and the late arrivals of one scenario run."""
 
     def __init__(self, scenario: Scenario):
+        super().__init__()
         self.scenario = scenario
         self.streams: dict[int, list[str]] = {}
         self.answers: dict[int, Optional[str]] = {}
         self.finished: set[int] = set()
         self.late: dict[int, list[ev.Event]] = {}
-        self.inputs: list[ev.Event] = []
         self.rotation_ack: Optional[str] = None
         for spec in scenario.requests:
             if spec.streaming:
@@ -75,10 +66,6 @@ class ScenarioHost:
 
     def on_tick(self, tick: int) -> None:
         self.inputs.extend(self.late.pop(tick, []))
-
-    def take_inputs(self) -> list[ev.Event]:
-        taken, self.inputs = self.inputs, []
-        return taken
 
     def send(self, output) -> None:
         if isinstance(output, RotationAck):

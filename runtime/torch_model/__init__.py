@@ -8,11 +8,9 @@ speculative-decoding scheduler. Everything runs in fp32; nothing here touches gl
 from .config import ModelConfig, default_config, load_config
 from .engine import HybridEngine
 from .errors import ConfigError, OutOfBlocksError, SlotError, SpillError, TorchModelError, WeightsError
-from .speculative import DFlashProposer, MtpProposer, NgramProposer, speculative_generate
 from .weights import init_weights, load_weights, save_weights
 
 __all__ = [
-    "ConfigError", "DFlashProposer", "HybridEngine", "ModelConfig", "MtpProposer", "NgramProposer",
-    "OutOfBlocksError", "SlotError", "SpillError", "TorchModelError", "WeightsError", "default_config",
-    "init_weights", "load_config", "load_weights", "save_weights", "speculative_generate",
+    "ConfigError", "HybridEngine", "ModelConfig", "OutOfBlocksError", "SlotError", "SpillError", "TorchModelError",
+    "WeightsError", "default_config", "init_weights", "load_config", "load_weights", "save_weights",
 ]

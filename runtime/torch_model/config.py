@@ -102,7 +102,9 @@ class ModelConfig:
         try:
             return cls(**kwargs)
         except ConfigError as err:
-            raise err.with_source(source) if source else err
+            if not source:
+                raise
+            raise err.with_source(source) from None  # the same error, now naming its source
 
 
 _FIELD_TYPES: dict[str, type] = {
@@ -179,7 +181,7 @@ def load_config(path: str | Path) -> ModelConfig:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as err:
-        raise ConfigError("<file>", "a readable TOML file", f"{err.__class__.__name__}: {err}", str(path))
+        raise ConfigError("<file>", "a readable TOML file", f"{err.__class__.__name__}: {err}", str(path)) from err
     return _parse(text, str(path))
 
 

@@ -159,9 +159,10 @@ class HybridEngine:
     def captured_hidden(self, slot: int) -> torch.Tensor:
         """Final hidden rows [rows, D] (pre-norm) of the last forward of `slot` (prefill: whole prompt)."""
         self._slot(slot)
-        if self._captured[slot] is None:
+        captured = self._captured[slot]
+        if captured is None:
             raise SlotError(f"slot {slot} has no forward yet")
-        return self._captured[slot]
+        return captured
 
     # ---- blocks -------------------------------------------------------------------------------
     def num_free_blocks(self) -> int:
@@ -196,17 +197,17 @@ class HybridEngine:
             raise SlotError(f"duplicate slots in one batch: {list(slots)}")
         states = [self._slot(s) for s in slots]
         need = 0
-        for slot, state, toks in zip(slots, states, token_lists):
+        for slot, state, toks in zip(slots, states, token_lists, strict=True):
             self._check_rows(slot, state.seq_len, toks)
             need += self.blocks_needed(slot, len(toks))
         if need > self.pool.num_free():
             raise OutOfBlocksError(f"forward needs {need} new KV blocks, only {self.pool.num_free()} free; "
                                    f"reclaim cached blocks or free a slot")
-        for slot, state, toks in zip(slots, states, token_lists):
+        for slot, state, toks in zip(slots, states, token_lists, strict=True):
             state.block_table.extend(self.pool.allocate(self.blocks_needed(slot, len(toks))))
         batch = self._row_batch(slots, states, token_lists)
         out = self.model.forward(batch, self.kv, self.gdn)
-        for b, (slot, state, toks) in enumerate(zip(slots, states, token_lists)):
+        for b, (slot, state, toks) in enumerate(zip(slots, states, token_lists, strict=True)):
             self._pending[slot] = PendingRows(state.seq_len, [int(t) for t in toks], out, b)
             self._captured[slot] = out.hidden[b, :len(toks)]
         return out
@@ -230,7 +231,7 @@ class HybridEngine:
         valid = torch.zeros(b, t, dtype=torch.bool)
         tables = torch.zeros(b, nb, dtype=torch.long)
         write: list[int] = []
-        for i, (state, toks) in enumerate(zip(states, token_lists)):
+        for i, (state, toks) in enumerate(zip(states, token_lists, strict=True)):
             n = len(toks)
             tokens[i, :n] = torch.tensor([int(x) for x in toks])
             positions[i, :n] = torch.arange(state.seq_len, state.seq_len + n)
@@ -321,7 +322,7 @@ class HybridEngine:
         if len(set(slots)) != len(slots):
             raise SlotError(f"duplicate slots in one commit: {list(slots)}")
         pendings = []
-        for slot, n in zip(slots, accepted):
+        for slot, n in zip(slots, accepted, strict=True):
             self._slot(slot)
             pending = self._pending[slot]
             if pending is None:
@@ -331,7 +332,7 @@ class HybridEngine:
             pendings.append(pending)
         self._fold_gdn_states(slots, accepted, pendings)
         bs = self.cfg.block_size
-        for slot, n, pending in zip(slots, accepted, pendings):
+        for slot, n, pending in zip(slots, accepted, pendings, strict=True):
             state = self._slot(slot)
             old = state.seq_len
             b = pending.batch_index
@@ -357,7 +358,7 @@ class HybridEngine:
         kernel_paths allows it, `gdn_fold_reference` otherwise (both copy exactly).
         """
         groups: dict[int, tuple[ForwardOutput, list[int], list[int]]] = {}
-        for slot, n, pending in zip(slots, accepted, pendings):
+        for slot, n, pending in zip(slots, accepted, pendings, strict=True):
             if n <= 0:
                 continue
             out = pending.out

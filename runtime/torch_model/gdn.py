@@ -69,24 +69,24 @@ class GdnStateCache:
 
     def reset(self, slot: int) -> None:
         """Zero the state of `slot` (the state of an empty sequence)."""
-        for rec, conv in zip(self.recurrent, self.conv):
+        for rec, conv in zip(self.recurrent, self.conv, strict=True):
             rec[slot].zero_()
             conv[slot].zero_()
 
     def move(self, src: int, dst: int) -> None:
         """Copy the state of slot src into slot dst and zero src."""
-        for rec, conv in zip(self.recurrent, self.conv):
+        for rec, conv in zip(self.recurrent, self.conv, strict=True):
             rec[dst].copy_(rec[src])
             conv[dst].copy_(conv[src])
         self.reset(src)
 
     def snapshot(self, slot: int) -> GdnSnapshot:
         """Detached copies of the state of `slot`."""
-        return [(rec[slot].clone(), conv[slot].clone()) for rec, conv in zip(self.recurrent, self.conv)]
+        return [(rec[slot].clone(), conv[slot].clone()) for rec, conv in zip(self.recurrent, self.conv, strict=True)]
 
     def load(self, slot: int, snap: GdnSnapshot) -> None:
         """Overwrite the state of `slot` with `snap`."""
-        for (rec, conv), (r, c) in zip(zip(self.recurrent, self.conv), snap):
+        for (rec, conv), (r, c) in zip(zip(self.recurrent, self.conv, strict=True), snap, strict=True):
             rec[slot].copy_(r)
             conv[slot].copy_(c)
 

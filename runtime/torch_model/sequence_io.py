@@ -79,7 +79,7 @@ def check_sequence(cfg: ModelConfig, has_dflash: bool, path: str | Path, meta: A
     if any(not isinstance(t, int) or not 0 <= t < cfg.vocab_size for t in tokens):
         raise SpillError(path, "token ids outside the vocabulary")
     hkv, dh = cfg.num_kv_heads, cfg.head_dim
-    expected = {"hidden": (seq_len, cfg.hidden_size)}
+    expected: dict[str, tuple[int, ...]] = {"hidden": (seq_len, cfg.hidden_size)}
     for a in range(len(cfg.attn_layers)):
         expected[f"kv_k.{a}"] = expected[f"kv_v.{a}"] = (nb, cfg.block_size, hkv, dh)
     for k in [0, *boundaries]:

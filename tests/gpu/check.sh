@@ -12,7 +12,7 @@ PY="${PYTHON:-}"
 if [ -z "$PY" ]; then
     if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
-if ! "$PY" -c "import fxsched.runtime.torch_device" 2>/dev/null; then
+if ! "$PY" -c "import fxsched.runtime.devices.torch" 2>/dev/null; then
     "$PY" -m pip install --quiet --no-deps --no-build-isolation -e . >/dev/null
 fi
 "$PY" - <<'PYEOF'
@@ -30,7 +30,7 @@ echo "== GPU tests"
 timeout 300 "$PY" -m pytest -q -m gpu tests/
 
 echo "== bench generate (cuda)"
-timeout 150 "$PY" -m fxsched.runtime.cli_generate bench generate --device cuda --batches 1,4,16 --max-tokens 32
+timeout 150 "$PY" -m fxsched.runtime.cli.generate bench generate --device cuda --batches 1,4,16 --max-tokens 32
 
 echo "== generate example (cuda)"
-timeout 30 "$PY" -m fxsched.runtime.cli_generate generate --device cuda --prompt "1 2 3 4 5" --max-tokens 16 --spec dflash --batch 4
+timeout 30 "$PY" -m fxsched.runtime.cli.generate generate --device cuda --prompt "1 2 3 4 5" --max-tokens 16 --spec dflash --batch 4

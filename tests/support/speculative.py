@@ -1,4 +1,5 @@
-"""Speculative greedy decoding written directly against HybridEngine (no scheduler).
+"""Speculative greedy decoding written directly against HybridEngine (no scheduler): a second,
+independent speculative engine that tests of the torch model compare with plain greedy decoding.
 
 Each step verifies [pending token, drafts...] for every active sequence in one batched verify,
 accepts the longest draft prefix that matches the target's greedy choices, commits
@@ -12,8 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
-from .drafters import ngram_propose
-from .engine import HybridEngine
+from fxsched.runtime.torch_model.drafters import ngram_propose
+from fxsched.runtime.torch_model.engine import HybridEngine
 
 
 class Proposer(Protocol):
@@ -72,7 +73,7 @@ class NgramProposer:
 
     def propose(self, engine: HybridEngine, slots: Sequence[int], pending: Sequence[int]) -> list[list[int]]:
         return [ngram_propose(engine.tokens(s) + [p], self.max_drafts, self.min_n, self.max_n)
-                for s, p in zip(slots, pending)]
+                for s, p in zip(slots, pending, strict=True)]
 
     def after_commit(self, engine: HybridEngine, slot: int, n_keep: int) -> None:
         pass
@@ -110,7 +111,7 @@ def speculative_generate(engine: HybridEngine, prompts: Sequence[Sequence[int]],
     if max_tokens <= 0:
         return outputs, stats
     try:
-        for i, (slot, prompt) in enumerate(zip(slots, prompts)):
+        for i, (slot, prompt) in enumerate(zip(slots, prompts, strict=True)):
             engine.alloc(slot, adapter_id)
             outputs[i].append(int(engine.prefill(slot, prompt).argmax()))
             proposer.after_prefill(engine, slot, len(prompt))
@@ -121,13 +122,13 @@ def speculative_generate(engine: HybridEngine, prompts: Sequence[Sequence[int]],
             pending = [outputs[active[s]][-1] for s in order]
             drafts = proposer.propose(engine, order, pending)
             rows = []
-            for slot, token, draft in zip(order, pending, drafts):
+            for slot, token, draft in zip(order, pending, drafts, strict=True):
                 out = outputs[active[slot]]
                 budget = min(max_tokens - len(out), cfg.max_seq_len - engine.seq_len(slot)) - 1
                 rows.append([token, *draft[:max(budget, 0)]])
             logits = engine.verify_batched(order, rows)
             keeps = []
-            for slot, row, row_logits in zip(order, rows, logits):
+            for slot, row, row_logits in zip(order, rows, logits, strict=True):
                 targets = row_logits.argmax(-1).tolist()
                 n_acc = accept_greedy(row[1:], targets)
                 keeps.append(n_acc + 1)
@@ -141,7 +142,7 @@ def speculative_generate(engine: HybridEngine, prompts: Sequence[Sequence[int]],
                 stats.verified_rows += len(row)
             stats.steps += 1
             engine.gdn_fold_accepted(order, keeps)
-            for slot, n_keep in zip(order, keeps):
+            for slot, n_keep in zip(order, keeps, strict=True):
                 proposer.after_commit(engine, slot, n_keep)
             active = {s: i for s, i in active.items() if not _finished(engine, s, outputs[i], max_tokens)}
     finally:

@@ -1,4 +1,5 @@
-"""Helpers for tests of the torch model: deterministic prompts and a single-thread guard.
+"""Helpers for tests of the torch model: a single-thread guard. (Their deterministic prompts are
+``fxsched.runtime.bench.prompts.random_prompts``, which the benchmarks use too.)
 
 Tiny tensors are dominated by OpenMP synchronisation; on a shared 2-core machine two intra-op
 threads can be 50x slower than one, so tests run the model with one thread.
@@ -21,15 +22,3 @@ def single_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(previous)
-
-
-def random_prompts(seed: int, count: int, vocab_size: int, min_len: int = 1, max_len: int = 40) -> list[list[int]]:
-    """`count` distinct prompts of random length in [min_len, max_len], drawn from a seeded generator."""
-    gen = torch.Generator().manual_seed(seed)
-    prompts: list[list[int]] = []
-    while len(prompts) < count:
-        length = int(torch.randint(min_len, max_len + 1, (1,), generator=gen))
-        prompt = torch.randint(0, vocab_size, (length,), generator=gen).tolist()
-        if prompt not in prompts:
-            prompts.append(prompt)
-    return prompts

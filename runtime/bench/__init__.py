@@ -1,0 +1,1 @@
+"""Benchmarks: the step benchmark, the generate benchmark and its prompts."""

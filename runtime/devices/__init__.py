@@ -1,0 +1,1 @@
+"""The devices behind the Device protocol: scripted (recording, simulated), torch, and their helpers."""

@@ -1,0 +1,1 @@
+"""Scenarios: the loader of specs/scenarios/*.toml and the runner that prints their traces."""
