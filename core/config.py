@@ -13,6 +13,11 @@ from fxsched.core.kv import blocks_for
 from fxsched.effects.base import int_tuple
 
 
+SCRIPTED_EOS = 63
+"""The end token of the scripted fake model the recording and simulated devices play (vocab 64,
+its last id): the one home of that number. A real model's end tokens come from its own config."""
+
+
 @attrs.frozen
 class ModelInfo:
     """Fixed answers of the device that record nothing (specs/recording-device.md §3.9)."""
@@ -37,7 +42,7 @@ class ModelInfo:
 class SchedulerConfig:
     """Scheduler settings (specs/runner.md §4.2, specs/scheduler.md §5.1)."""
 
-    eos_ids: tuple[int, ...] = attrs.field(default=(63,), converter=int_tuple)
+    eos_ids: tuple[int, ...] = attrs.field(default=(SCRIPTED_EOS,), converter=int_tuple)
     max_batch_size: int = 8
     use_speculative: bool = False
     dflash: bool = False

@@ -45,6 +45,7 @@ SEQ = FailSeqs(("seq_id",))
 SEQS = FailSeqs(("seq_ids",))
 NEW = FailSeqs(("seq_id",), request="request", slot="slot")
 NO_COUNT = "the device cannot count its free blocks"
+NO_RECLAIM = "the device cannot reclaim prefix-cache blocks"
 
 TASKS: dict[type, TaskRule] = {
     # the loop
@@ -133,9 +134,9 @@ ANSWERS: dict[type, Phase] = {
     ph.AwaitSelfVerify: Phase((ev.VerifyRows,), SEQ, self_spec.self_verified),
     # memory pressure
     ph.AwaitSwapOutFree: Phase((ev.FreeBlocks,), Halt(NO_COUNT), lifecycle.swap_out_free),
-    ph.AwaitSwapOutReclaim: Phase((ev.BlocksReclaimed,), Halt(NO_COUNT), lifecycle.swap_out_reclaimed),
+    ph.AwaitSwapOutReclaim: Phase((ev.BlocksReclaimed,), Halt(NO_RECLAIM), lifecycle.swap_out_reclaimed),
     ph.AwaitSwapInFree: Phase((ev.FreeBlocks,), Halt(NO_COUNT), lifecycle.swap_in_free),
-    ph.AwaitSwapInReclaim: Phase((ev.BlocksReclaimed, ev.FreeBlocks), Halt(NO_COUNT), lifecycle.swap_in_reclaimed),
+    ph.AwaitSwapInReclaim: Phase((ev.BlocksReclaimed, ev.FreeBlocks), Halt(NO_RECLAIM), lifecycle.swap_in_reclaimed),
     ph.AwaitSwapInSlot: Phase((ev.SlotAllocated,), SEQ, lifecycle.swap_in_slot),
     ph.AwaitRestore: Phase((ev.StateRestored, ev.DeviceFault), RuleTakesFault(), lifecycle.restored),
     ph.AwaitResumeFree: Phase((ev.FreeBlocks,), SEQ, lifecycle.resume_free),

@@ -109,7 +109,7 @@ def check_batch(event: ev.Event, effects: Seq, stopped: bool) -> None:
 
 
 class Interpreter:
-    def __init__(self, device: Device, host: Host, eos_ids: tuple[int, ...] = (63,),
+    def __init__(self, device: Device, host: Host, eos_ids: tuple[int, ...],
                  observer: Optional[Observer] = None):
         self.device = device
         self.host = host

@@ -16,6 +16,7 @@ from fxsched.core.state import SchedulerState, initial_state
 from fxsched.effects import device_calls as dc
 from fxsched.effects import lifecycle as lc
 from fxsched.effects import plans
+from fxsched.effects.base import Effect
 
 
 def make_config(**kw) -> SchedulerConfig:
@@ -83,7 +84,8 @@ class Script:
             case dc.SerialVerify(tokens=tokens):
                 return ev.VerifyRows(tuple(tokens[1:]) + (tokens[-1] + 1,))
             case dc.DecodeVerifyBatched(tokens=tokens, ks=ks):
-                rows, off = [], 0
+                rows: list[int] = []
+                off = 0
                 for k in ks:
                     mine = tokens[off:off + k]
                     rows.extend(mine[1:] + (mine[-1] + 1,))
@@ -106,7 +108,7 @@ class Driver:
         self.effects: tuple = ()
         self.history: list = []
         self.last_prefilled: Optional[int] = None
-        self._query = None
+        self._query: Optional[Effect] = None
         for r in requests:
             self.feed(ev.Arrival(r))
         if boot:

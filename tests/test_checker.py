@@ -93,7 +93,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                           dflash_gamma=6 if mode == "dflash" else None)
         self.device = SimDevice({}, total_blocks=blocks, count_accepted=self.counts_acc)
         self.monitor = Monitor((), self.device, counts_acc=self.counts_acc)
-        self.interpreter = Interpreter(self.device, Host(), observer=MonitorObserver(self.monitor))
+        self.interpreter = Interpreter(self.device, Host(), config.eos_ids, observer=MonitorObserver(self.monitor))
         self.state = initial_state(config, model)
         self.pending = []
         self.next_id = 1

@@ -66,7 +66,7 @@ def _walk_states(found: dict[type, SchedulerState], episodes: int) -> None:
                            can_batch_verify=episode.can_batch_verify)
         host = WalkHost(episode)
         device.on_tick = host.on_tick
-        interpreter = Interpreter(device, host, observer=FirstOfEachPhase(found))
+        interpreter = Interpreter(device, host, episode.config().eos_ids, observer=FirstOfEachPhase(found))
         try:
             interpreter.run(initial_state(episode.config(), episode.model()), host.initial_events() + [ev.Boot()])
         except Exception:  # an episode that ends in a scripted fault still gave its states

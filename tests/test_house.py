@@ -122,3 +122,15 @@ def test_table_rows_print_every_phase():
     by_name = {r[0]: r for r in rows}
     assert by_name["AwaitDecode"][1] == "TokensSampled | DeviceFault"
     assert by_name["AwaitBeamGroup"][3].startswith("the requests in requests")
+
+
+def test_fxsched_phases_prints_the_table(capsys):
+    from fxsched.runtime.cli import main
+
+    assert main(["phases"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(table.TASKS) + len(table.ANSWERS)
+    decode = next(line for line in lines if line.startswith("AwaitDecode "))
+    assert "decode.decoded" in decode and "DeviceFault" in decode
+    assert main(["phases", "--markdown"]) == 0
+    assert capsys.readouterr().out.startswith("| phase | waits for | rule | a DeviceFault there fails |")

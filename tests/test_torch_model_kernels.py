@@ -224,7 +224,8 @@ class _Oracle:
         import random
 
         self.by_prompt = {tuple(p): r for p, r in zip(prompts, reference, strict=True)}
-        self.gamma, self.rng, self.stats, self.prompt_len = gamma, random.Random(11), stats, {}
+        self.gamma, self.rng, self.stats = gamma, random.Random(11), stats
+        self.prompt_len: dict[int, int] = {}
 
     def after_prefill(self, engine, slot, prompt_len):
         self.prompt_len[slot] = prompt_len
@@ -358,7 +359,9 @@ def check_layers(counter: _Counter) -> dict:
     for engine, on in zip(engines, (True, False), strict=True):
         _kernels(on)
         engine.verify_batched(slots, verify_rows)
-        outs.append(engine._pending[0].out)
+        pending = engine._pending[0]
+        assert pending is not None
+        outs.append(pending.out)
         engine.gdn_fold_accepted(slots, keeps)
     _kernels(True)
     compare("engine.verify.logits", outs[0].logits, outs[1].logits)
@@ -394,7 +397,9 @@ def check_layers(counter: _Counter) -> dict:
     engine.verify(0, [3, 4])
     engine.verify(1, [5, 6, 7])
     before = engine.gdn.snapshot(2)
-    first, second = engine._pending[0].out, engine._pending[1].out
+    p0, p1 = engine._pending[0], engine._pending[1]
+    assert p0 is not None and p1 is not None
+    first, second = p0.out, p1.out
     engine.gdn_fold_accepted([0, 1], [2, 1])
     for i in range(engine.gdn.num_layers):
         compare(f"engine.fold2.slot0.{i}", engine.gdn.recurrent[i][0], first.gdn_rows[i].row(0, 1)[0], bitwise=True)

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from typing import Optional
 
+from fxsched.core.config import SCRIPTED_EOS as EOS
 from fxsched.core.state import SchedulerState
 from fxsched.core.phases import AwaitPublishBlocks
 from fxsched.effects import device_calls as dc
 from fxsched.effects import lifecycle as lc
 from fxsched.effects.client import DoneOut, ErrorOut, ResponseOut, TokenOut, TokensOut
 
-EOS = 63
 
 
 class Violation(Exception):

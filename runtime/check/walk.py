@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 import attrs
 
+from fxsched.core.config import SCRIPTED_EOS as EOS
 from fxsched.core import events as ev
 from fxsched.core.config import ModelInfo, SchedulerConfig
 from fxsched.core.request import Request
@@ -27,7 +28,6 @@ from fxsched.runtime.check.invariants import Monitor, Violation, expected_output
 from fxsched.runtime.devices.scripted import Script
 from fxsched.runtime.devices.simulated import SimDevice
 
-EOS = 63
 MODES = ("plain", "mtp1", "mtp2", "mtp3", "dflash", "ngram", "self_spec")
 TICK_MS = 10.0
 
@@ -270,8 +270,9 @@ def run_episode(episode: Episode, coverage: Counter, step_limit: int = 20000, ke
     watch = WalkObserver(Monitor(episode.requests, device, counts_acc=counts_acc), coverage, step_limit, keep_log)
     host = WalkHost(episode)
     device.on_tick = host.on_tick
-    interpreter = Interpreter(device, host, observer=watch)
-    state = initial_state(episode.config(), episode.model())
+    config = episode.config()
+    interpreter = Interpreter(device, host, config.eos_ids, observer=watch)
+    state = initial_state(config, episode.model())
     violation = None
     try:
         interpreter.run(state, host.initial_events() + [ev.Boot()])

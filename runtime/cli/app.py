@@ -172,6 +172,23 @@ def cmd_bench(args) -> int:
     return EXIT_USAGE
 
 
+def cmd_phases(args) -> int:
+    """Print the transition table: each phase, what it waits for, its rule, what a fault fails."""
+    from fxsched.core.table import rows
+
+    table = rows()
+    if args.markdown:
+        print("| phase | waits for | rule | a DeviceFault there fails |")
+        print("|---|---|---|---|")
+        for row in table:
+            print("| " + " | ".join(row) + " |")
+        return 0
+    widths = [max(len(r[i]) for r in table) for i in range(3)]
+    for phase, waits, rule, fault in table:
+        print(f"{phase:<{widths[0]}}  {waits:<{widths[1]}}  {rule:<{widths[2]}}  {fault}")
+    return 0
+
+
 def _cuda() -> bool:
     try:
         import torch
@@ -210,6 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("replay", help="re-run a replay file to its violation")
     rep.add_argument("file")
     rep.set_defaults(func=cmd_replay)
+
+    phases = sub.add_parser("phases", help="print the transition table of step (phase, answers, rule, fault scope)")
+    phases.add_argument("--markdown", action="store_true", help="as a Markdown table")
+    phases.set_defaults(func=cmd_phases)
 
     bench = sub.add_parser("bench", help="print speed figures (medians of repeats)")
     bench.add_argument("what", choices=["step", "kernels", "check"])

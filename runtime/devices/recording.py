@@ -18,7 +18,6 @@ from fxsched.runtime.devices.device import DeviceError
 from fxsched.runtime.devices.scripted import Script, ScriptedDevice, ScriptedSequence, script_key
 from fxsched.runtime.devices.spill_files import SpillError, SpillFiles
 
-EOS = 63
 
 
 @attrs.frozen

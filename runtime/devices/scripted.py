@@ -8,6 +8,7 @@ from typing import Callable, Iterable, Optional
 
 import attrs
 
+from fxsched.core.kv import blocks_for
 from fxsched.runtime.devices.device import DeviceError
 
 
@@ -171,7 +172,7 @@ class ScriptedDevice:
     # --- bookkeeping ------------------------------------------------------------------------------
 
     def _need(self, seq_len: int) -> int:
-        return seq_len // self.block_size + 1
+        return blocks_for(seq_len, self.block_size)
 
     def _script(self, seq: ScriptedSequence) -> Script:
         key = script_key(seq.session, seq.tokens)

@@ -13,11 +13,11 @@ from typing import Any, Optional
 
 import attrs
 
+from fxsched.core.config import SCRIPTED_EOS as EOS
 from fxsched.core.request import Request
 from fxsched.runtime.devices.recording import DeviceConfig
 from fxsched.runtime.devices.scripted import Script
 
-EOS = 63
 
 
 class ScenarioError(Exception):

@@ -22,7 +22,7 @@ log = structlog.get_logger("fxsched.runner")
 def scheduler_config(scenario: Scenario) -> SchedulerConfig:
     o = scenario.options
     return SchedulerConfig(
-        eos_ids=(63,), max_batch_size=o.max_batch_size, use_speculative=o.use_speculative, dflash=o.dflash,
+        max_batch_size=o.max_batch_size, use_speculative=o.use_speculative, dflash=o.dflash,
         num_drafts=o.num_drafts, max_prefill_tokens=o.max_prefill_tokens, max_batch_tokens=o.max_batch_tokens,
         self_speculative=o.self_speculative, ngram_speculative=o.ngram_speculative,
         swap_space_gb=o.swap_space_gb, policy="slai" if o.slai_policy else "fifo",
