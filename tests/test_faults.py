@@ -21,11 +21,10 @@ from fxsched.core.table import ANSWERS
 from fxsched.effects.client import DoneOut, ErrorOut, ResponseOut, RotationAck
 from fxsched.effects.lifecycle import ReleaseReason, ReleaseSeq
 from fxsched.runtime.check.walk import WalkHost, random_episode
-from fxsched.runtime.devices.recording import RecordingDevice
 from fxsched.runtime.devices.simulated import SimDevice
 from fxsched.runtime.interpreter import Interpreter, Observer, check_batch
 from fxsched.runtime.scenarios.loader import load_scenario, scenario_names
-from fxsched.runtime.scenarios.runner import ScenarioHost, model_info, scheduler_config
+from fxsched.runtime.scenarios.runner import prepare_scenario
 
 MESSAGE = "device fault: injected"
 
@@ -43,14 +42,8 @@ class FirstOfEachPhase(Observer):
 
 def _scenario_states(found: dict[type, SchedulerState]) -> None:
     for name in scenario_names():
-        scenario = load_scenario(name)
-        host = ScenarioHost(scenario)
-        device = RecordingDevice(scenario.model, {s.id: s.script() for s in scenario.requests},
-                                 cancel_flags={s.id for s in scenario.requests if s.streaming})
-        device.on_tick = host.on_tick
-        config = scheduler_config(scenario)
-        interpreter = Interpreter(device, host, config.eos_ids, observer=FirstOfEachPhase(found))
-        interpreter.run(initial_state(config, model_info(scenario)), host.initial_events() + [ev.Boot()])
+        setup = prepare_scenario(load_scenario(name), observer=FirstOfEachPhase(found))
+        setup.interpreter.run(setup.state, setup.first_events())
 
 
 def _walk_states(found: dict[type, SchedulerState], episodes: int) -> None:

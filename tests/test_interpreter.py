@@ -6,14 +6,12 @@ from __future__ import annotations
 import pytest
 
 from fxsched.core import events as ev
-from fxsched.core.state import initial_state
 from fxsched.effects import device_calls as dc
 from fxsched.effects import lifecycle as lc
 from fxsched.effects.client import ClientOutput, RotationAck
-from fxsched.runtime.devices.recording import RecordingDevice
-from fxsched.runtime.interpreter import BatchError, Interpreter, Observer, check_batch
+from fxsched.runtime.interpreter import BatchError, Observer, check_batch
 from fxsched.runtime.scenarios.loader import load_scenario
-from fxsched.runtime.scenarios.runner import RunResult, ScenarioHost, model_info, run_scenario, scheduler_config
+from fxsched.runtime.scenarios.runner import RunResult, prepare_scenario, run_scenario
 
 
 class Recorder(Observer):
@@ -36,13 +34,8 @@ class Recorder(Observer):
 
 def _setup(name: str, observer=None):
     scenario = load_scenario(name)
-    host = ScenarioHost(scenario)
-    device = RecordingDevice(scenario.model, {s.id: s.script() for s in scenario.requests},
-                             cancel_flags={s.id for s in scenario.requests if s.streaming})
-    device.on_tick = host.on_tick
-    config = scheduler_config(scenario)
-    interpreter = Interpreter(device, host, config.eos_ids, observer=observer)
-    return scenario, host, device, interpreter, initial_state(config, model_info(scenario))
+    setup = prepare_scenario(scenario, observer=observer)
+    return scenario, setup.host, setup.device, setup.interpreter, setup.state
 
 
 @pytest.mark.parametrize("name", ["dflash_batched", "cancel_mid_stream", "lora_rotation_at_quiescence"])

@@ -1,5 +1,5 @@
 """The scenario runner: one deterministic run of a scenario on the recording device, printed as a
-trace (runner.md). Every run starts from a fresh device and a fresh scheduler."""
+trace (specs/runner.md). Every run starts from a fresh device and a fresh scheduler."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import structlog
 
 from fxsched.core import events as ev
 from fxsched.core.config import ModelInfo, SchedulerConfig
-from fxsched.core.state import initial_state
+from fxsched.core.state import SchedulerState, initial_state
 from fxsched.effects.client import TERMINAL_OUTPUTS, RotationAck, TokenOut, TokensOut
 from fxsched.runtime.devices.recording import RecordingDevice
-from fxsched.runtime.interpreter import Host, Interpreter, RunError
+from fxsched.runtime.interpreter import Host, Interpreter, Observer, RunError
 from fxsched.runtime.scenarios.loader import Scenario
 
 log = structlog.get_logger("fxsched.runner")
@@ -121,16 +121,37 @@ class RunResult:
         return "\n".join(lines) + "\n"
 
 
-def execute_scenario(scenario: Scenario, wrap_device=None) -> RunResult:
-    """Run ``scenario`` on a fresh recording device and a fresh scheduler; ``wrap_device`` may put
-    a layer (expert-parallel broadcast) between the interpreter and the device."""
+@attrs.frozen
+class ScenarioSetup:
+    """A scenario ready to run: its host, recording device, interpreter and unbooted state."""
+
+    host: ScenarioHost
+    device: RecordingDevice
+    interpreter: Interpreter
+    state: SchedulerState
+
+    def first_events(self) -> list[ev.Event]:
+        return self.host.initial_events() + [ev.Boot()]
+
+
+def prepare_scenario(scenario: Scenario, wrap_device=None, observer: Optional[Observer] = None) -> ScenarioSetup:
+    """A fresh recording device, host and scheduler for ``scenario``; ``wrap_device`` may put a
+    layer (expert-parallel broadcast) between the interpreter and the device, ``observer`` watches
+    the drive loop."""
     host = ScenarioHost(scenario)
     device = RecordingDevice(scenario.model, {s.id: s.script() for s in scenario.requests},
                              cancel_flags={s.id for s in scenario.requests if s.streaming})
     device.on_tick = host.on_tick
     config = scheduler_config(scenario)
-    interpreter = Interpreter(wrap_device(device) if wrap_device else device, host, config.eos_ids)
-    state = initial_state(config, model_info(scenario))
+    interpreter = Interpreter(wrap_device(device) if wrap_device else device, host, config.eos_ids,
+                              observer=observer)
+    return ScenarioSetup(host, device, interpreter, initial_state(config, model_info(scenario)))
+
+
+def execute_scenario(scenario: Scenario, wrap_device=None) -> RunResult:
+    """Run ``scenario`` on a fresh recording device and a fresh scheduler (``prepare_scenario``)."""
+    setup = prepare_scenario(scenario, wrap_device)
+    host, device, interpreter, state = setup.host, setup.device, setup.interpreter, setup.state
     try:
         interpreter.run(state, host.initial_events() + [ev.Boot()])
     except RunError:
