@@ -13,11 +13,19 @@ import attrs
 from .base import Effect
 
 
+class FxKind(enum.StrEnum):
+    """The word after ``fx`` on a lifecycle effect's trace line."""
+
+    APPLY = "apply"
+    LORA = "lora"
+    TEARDOWN = "teardown"
+
+
 @attrs.frozen
 class Lifecycle(Effect):
-    """An effect announced with an ``fx`` line; ``KIND`` is ``apply``, ``lora`` or ``teardown``."""
+    """An effect announced with an ``fx`` line (``fx apply <label>``, ``fx lora ...``, ``fx teardown``)."""
 
-    KIND: ClassVar[str] = "apply"
+    KIND: ClassVar[FxKind] = FxKind.APPLY
 
     @property
     def label(self) -> str:
@@ -25,7 +33,7 @@ class Lifecycle(Effect):
 
     @property
     def fx_line(self) -> str:
-        if self.KIND == "teardown":
+        if self.KIND is FxKind.TEARDOWN:
             return "fx teardown"
         return f"fx {self.KIND} {self.label}"
 
@@ -158,7 +166,7 @@ class Quiesce(Lifecycle):
 class LoraRotate(Lifecycle):
     """Apply a queued LoRA rotation; a query answered with the rotation's outcome."""
 
-    KIND: ClassVar[str] = "lora"
+    KIND: ClassVar[FxKind] = FxKind.LORA
     QUERY: ClassVar[bool] = True
     name: str
 
@@ -171,4 +179,4 @@ class LoraRotate(Lifecycle):
 class Teardown(Lifecycle):
     """The last effect of a run."""
 
-    KIND: ClassVar[str] = "teardown"
+    KIND: ClassVar[FxKind] = FxKind.TEARDOWN

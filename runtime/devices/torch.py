@@ -40,6 +40,8 @@ raises ``DeviceStateError``: that is a bug, never an answer.
 
 from __future__ import annotations
 
+import enum
+
 import shutil
 import tempfile
 from collections import Counter
@@ -74,13 +76,20 @@ class DeviceStateError(RuntimeError):
     """The scheduler's calls and the device's view of a sequence disagree (a bug, not a fault)."""
 
 
+class PendingKind(enum.Enum):
+    """What an uncommitted forward was: a verify of drafts, or a self-speculative draft decode."""
+
+    VERIFY = "verify"
+    DRAFT = "draft"
+
+
 @dataclass
 class Pending:
     """An uncommitted forward of one sequence: ``tokens`` at positions committed.. ."""
 
     tokens: list[int]
     keep: int
-    kind: str  # "verify" or "draft"
+    kind: PendingKind
     agreed: int  # rows the target agrees with: anchor + leading drafts equal to the argmax rows
 
 
@@ -258,7 +267,7 @@ class TorchDevice:
         s.pending = None
 
     def _account(self, s: DeviceSeq, pending: Pending, n: int, what: str) -> None:
-        if pending.kind != "verify":
+        if pending.kind is not PendingKind.VERIFY:
             return
         self.stats.verifies += 1
         self.stats.verify_rows += len(pending.tokens)
@@ -607,7 +616,7 @@ class TorchDevice:
         committed state with every draft so far), so the scheduler's rewind to the anchor needs
         no undo of a committed state."""
         s = self._seq(seq)
-        if s.pending is not None and s.pending.kind == "draft":
+        if s.pending is not None and s.pending.kind is PendingKind.DRAFT:
             tail = s.pending.tokens[:s.pending.keep]
         else:
             self._settle(s, "decode_draft")
@@ -617,7 +626,7 @@ class TorchDevice:
         with self._errors("decode_draft"), self.streams.use(stream):
             logits = self.engine.verify(s.slot, tokens)
         self._count("draft", "decode_draft")
-        s.pending = Pending(tokens, len(tokens), "draft", len(tokens))
+        s.pending = Pending(tokens, len(tokens), PendingKind.DRAFT, len(tokens))
         self._set_rows(logits[-1:], [(seq, len(tokens) - 1)])
 
     # --- verifies ----------------------------------------------------------------------------
@@ -636,7 +645,7 @@ class TorchDevice:
         rows = answers.tolist()
         owners = []
         for s, toks, agreed in zip(seqs, lists, accepted.tolist(), strict=True):
-            s.pending = Pending(list(toks), len(toks), "verify", agreed + 1)
+            s.pending = Pending(list(toks), len(toks), PendingKind.VERIFY, agreed + 1)
             owners += [(s.seq_id, t) for t in range(len(toks))]
         self._set_rows(logits, owners, rows)
         return rows
