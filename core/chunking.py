@@ -1,4 +1,4 @@
-"""The chunk planner of chunked prefill (scheduler.md §5.10, §5.13). Pure functions.
+"""The chunk planner of chunked prefill (specs/scheduler.md §5.10, §5.13). Pure functions.
 
 Invariant: the chunks of a prompt cover it exactly once, in order, each within the budget that
 applied to it, and every chunk makes progress (a non-last chunk of 4+ tokens is cut down to a

@@ -36,5 +36,5 @@ class Request:
 
     @property
     def greedy(self) -> bool:
-        """Greedy fast path: the device argmax is the pick (scheduler.md §5.11)."""
+        """Greedy fast path: the device argmax is the pick (specs/scheduler.md §5.11)."""
         return self.temperature == 0 and self.top_logprobs == 0 and self.min_tokens == 0

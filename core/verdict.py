@@ -1,4 +1,4 @@
-"""Pure pieces of every verify: the accepted prefix and the draft count (speculation.md §6.2, §6.7)."""
+"""Pure pieces of every verify: the accepted prefix and the draft count (specs/speculation.md §6.2, §6.7)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def base_draft_count(config: SchedulerConfig, model: ModelInfo, active_count: in
 
 
 def verify_width(draft_count: int, keep: int) -> int:
-    """Rows of a serial MTP verify (anchor + drafts): 4, 3 or 2 (speculation.md §6.5)."""
+    """Rows of a serial MTP verify (anchor + drafts): 4, 3 or 2 (specs/speculation.md §6.5)."""
     if draft_count >= 3 and keep >= 3:
         return 4
     if draft_count >= 2 and keep >= 2:

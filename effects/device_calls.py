@@ -462,7 +462,7 @@ class ArgmaxBatch(DeviceCall):
 
 @attrs.frozen
 class HostPick:
-    """How the host turns one copied logits row into a token (scheduler.md §5.11)."""
+    """How the host turns one copied logits row into a token (specs/scheduler.md §5.11)."""
 
     temperature: float
     seed: int

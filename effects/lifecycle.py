@@ -1,6 +1,6 @@
 """Lifecycle effects: rendered ``fx apply <label>`` (or ``fx lora`` / ``fx teardown``) first.
 
-Each record expands, in the interpreter, into the device calls listed in trace-format.md §1.6.
+Each record expands, in the interpreter, into the device calls listed in specs/trace-format.md §1.6.
 """
 
 from __future__ import annotations

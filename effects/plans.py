@@ -1,6 +1,6 @@
 """Step plans: work the interpreter announces with ``fx launch <label>`` and expands.
 
-``Decode`` is the plain decode step (scheduler.md §5.16): ``decode_batch`` over the rows, one
+``Decode`` is the plain decode step (specs/scheduler.md §5.16): ``decode_batch`` over the rows, one
 ``commit_ctx`` per row (the Unified drafter context), then the readback. It is a query: the answer
 is the sampled tokens, or the device fault that stopped the batch.
 """

@@ -116,7 +116,7 @@ def test_content_loop_needs_three_copies_of_a_period():
 
 def test_fuzzy_repetition_tolerates_a_few_mismatches_per_window():
     block = list(range(20, 39))
-    out = list(range(100, 150)) + [12] + list(range(151, 160)) + (block + [12]) * 2 + block  # watchdog.md §7.6
+    out = list(range(100, 150)) + [12] + list(range(151, 160)) + (block + [12]) * 2 + block  # specs/watchdog.md §7.6
     assert len(out) == 119
     assert fuzzy_repetition(tuple(out)) == 20
     assert fuzzy_repetition(tuple(range(100, 200))) is None

@@ -231,7 +231,7 @@ def test_verify_rows_answer_the_argmax_of_every_row(engine):
 
 
 def test_self_speculative_call_order_is_lossless(cfg, engine):
-    """decode, draft chain, rewind, checkpoint, verify, rollback: the speculation.md §6.15 order."""
+    """decode, draft chain, rewind, checkpoint, verify, rollback: the specs/speculation.md §6.15 order."""
     prompt = [2, 7, 1, 8, 2, 8]
     want = HybridEngine(cfg).greedy_generate(prompt, 14)
     dev = TorchDevice(engine)

@@ -1,6 +1,6 @@
 """The recording device: the scripted fake model writing one trace line per call.
 
-It answers every call from per-request token scripts (``ScriptedDevice``, recording-device.md
+It answers every call from per-request token scripts (``ScriptedDevice``, specs/recording-device.md
 §3.3), keeps just enough bookkeeping (slots, KV blocks, sequence lengths) for its answers and
 free-block counts to be realistic, and never makes a decision: blocks grow without bound and a
 released sequence can still be named. Spills go to real files, which a scenario may corrupt or
@@ -22,7 +22,7 @@ from fxsched.runtime.devices.spill_files import SpillError, SpillFiles
 
 @attrs.frozen
 class DeviceConfig:
-    """The model configuration of a scenario (scenarios.md §2.3)."""
+    """The model configuration of a scenario (specs/scenarios.md §2.3)."""
 
     vocab: int = 64
     block_size: int = 16

@@ -1,4 +1,4 @@
-"""Host-side picks from copied logits rows (scheduler.md §5.11). Seeds come from the effect."""
+"""Host-side picks from copied logits rows (specs/scheduler.md §5.11). Seeds come from the effect."""
 
 from __future__ import annotations
 

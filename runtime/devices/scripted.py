@@ -1,4 +1,4 @@
-"""The scripted fake model: its answer rules (recording-device.md §3.3) and ``ScriptedDevice``,
+"""The scripted fake model: its answer rules (specs/recording-device.md §3.3) and ``ScriptedDevice``,
 the Device protocol answered from per-request scripts, which the recording device (a trace line
 per call) and the simulated device (silent, strict, with injected faults) both are."""
 
@@ -30,7 +30,7 @@ class Script:
 
 def script_key(session: int, tokens) -> int:
     """Whose script answers a sequence: its session number, or (once swap-in lost it) the first
-    token it holds, which is the request id (scenarios.md §2.1)."""
+    token it holds, which is the request id (specs/scenarios.md §2.1)."""
     return session if session else (tokens[0] if tokens else 0)
 
 

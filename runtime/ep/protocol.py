@@ -35,7 +35,7 @@ A row group is ``slot, start, count, token * count``; a row payload is ``groups,
 Uncommitted rows stay pending until the slot's next forward (or a length) settles them; *draft*
 rows (``decode_draft``) extend the slot's pending draft chain instead.
 
-Command words (recording-device.md §3.8.8; defined in ``fxsched.effects.ep_words``, which the
+Command words (specs/recording-device.md §3.8.8; defined in ``fxsched.effects.ep_words``, which the
 scheduler uses too). The first word of a command comes with its slot (CMD_FOR_SEQ), the
 following words without (CMD):
 

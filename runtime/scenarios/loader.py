@@ -119,7 +119,7 @@ def _check(value: Any, kind: str) -> bool:
 
 
 def _expand_tokens(value: Any, where: str) -> Any:
-    """``tokens`` may be a list, or ``{toks = n, base = b, eos = bool}`` (scenarios.md §2.1)."""
+    """``tokens`` may be a list, or ``{toks = n, base = b, eos = bool}`` (specs/scenarios.md §2.1)."""
     if isinstance(value, dict):
         unknown = set(value) - {"toks", "base", "eos"}
         if unknown or not isinstance(value.get("toks"), int) or not isinstance(value.get("base"), int):
