@@ -23,6 +23,7 @@ T = TypeVar("T")
 
 _Check = tuple[str, Callable[[Any], Any] | None, Callable[[Any, Any, Any], Any] | None, Any]
 _CHECKS: dict[type, tuple[_Check, ...] | None] = {}
+_UNSEEN: Any = object()
 
 
 def field_checks(cls: type) -> tuple[_Check, ...] | None:
@@ -50,17 +51,20 @@ def with_fields(record: T, changes: dict[str, Any]) -> T:
 def replace(record: T, **changes: Any) -> T:
     """A copy of ``record`` with ``changes`` converted, validated and applied."""
     cls = type(record)
-    checks = _CHECKS[cls] if cls in _CHECKS else field_checks(cls)
+    checks = _CHECKS.get(cls, _UNSEEN)
+    if checks is _UNSEEN:
+        checks = field_checks(cls)
     if checks is None:
         return attrs.evolve(record, **changes)  # type: ignore[misc]
     new = object.__new__(cls)
-    for name, converter, validator, attribute in checks:
-        if name in changes:
-            value = changes[name]
-            if converter is not None:
-                value = changes[name] = converter(value)
-            if validator is not None:
-                validator(new, attribute, value)
+    if checks:
+        for name, converter, validator, attribute in checks:
+            if name in changes:
+                value = changes[name]
+                if converter is not None:
+                    value = changes[name] = converter(value)
+                if validator is not None:
+                    validator(new, attribute, value)
     fields = new.__dict__
     fields.update(record.__dict__)
     fields.update(changes)

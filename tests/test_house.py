@@ -134,3 +134,15 @@ def test_fxsched_phases_prints_the_table(capsys):
     assert "decode.decoded" in decode and "DeviceFault" in decode
     assert main(["phases", "--markdown"]) == 0
     assert capsys.readouterr().out.startswith("| phase | waits for | rule | a DeviceFault there fails |")
+
+
+def test_the_engine_header_names_every_core_module_in_its_layer():
+    from fxsched.core import machine
+
+    header = machine.__doc__ or ""
+    for number, modules in LAYERS.items():
+        line_start = header.index(f"\n{number}. ")
+        line_end = header.index(f"\n{number + 1}. ") if number + 1 in LAYERS else len(header)
+        section = header[line_start:line_end]
+        missing = [m for m in modules if f"``{m}``" not in section]
+        assert missing == [], f"layer {number} of core/machine.py's header omits {missing}"
