@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
@@ -196,17 +196,22 @@ def run_generate(args, out=None) -> int:
     return EXIT_FAILED if any(r.error for r in result.results) else 0
 
 
-def cmd_generate(args) -> int:
+def _reporting(command: str, run: Callable[[], int]) -> int:
+    """Run a command; a usage error or a failed run is one line on stderr and its exit code."""
     from fxsched.runtime.interpreter import RunError
 
     try:
-        return run_generate(args)
+        return run()
     except UsageError as err:
-        print(f"fxsched generate: {err}", file=sys.stderr)
+        print(f"fxsched {command}: {err}", file=sys.stderr)
         return EXIT_USAGE
     except RunError as err:
-        print(f"fxsched generate: {err}", file=sys.stderr)
+        print(f"fxsched {command}: {err}", file=sys.stderr)
         return EXIT_FAILED
+
+
+def cmd_generate(args) -> int:
+    return _reporting("generate", lambda: run_generate(args))
 
 
 def run_bench_generate(args, out=None) -> list[dict]:
@@ -245,17 +250,11 @@ def run_bench_generate(args, out=None) -> list[dict]:
 
 
 def cmd_bench_generate(args) -> int:
-    from fxsched.runtime.interpreter import RunError
-
-    try:
+    def run() -> int:
         run_bench_generate(args)
         return 0
-    except UsageError as err:
-        print(f"fxsched bench generate: {err}", file=sys.stderr)
-        return EXIT_USAGE
-    except RunError as err:
-        print(f"fxsched bench generate: {err}", file=sys.stderr)
-        return EXIT_FAILED
+
+    return _reporting("bench generate", run)
 
 
 # --- standalone entry point -----------------------------------------------------------------------

@@ -19,6 +19,20 @@ log = structlog.get_logger("fxsched.ep")
 EXIT_INJECTED = 17  # the exit code of a worker that ExitAfter stopped
 
 
+def _serve_then(messages: int, fault: Callable[[EpWorker], None]) -> Callable:
+    """A message loop that serves ``messages`` messages, then runs ``fault`` on the next one."""
+
+    def serve(worker: EpWorker, receive: Callable[[], Message]) -> None:
+        while True:
+            message = receive()
+            if worker.messages >= messages:
+                fault(worker)
+            if not worker.handle(message):
+                return
+
+    return serve
+
+
 @attrs.frozen
 class ExitAfter:
     """Serve ``messages`` messages, then exit the process at once (a worker that dies mid-run)."""
@@ -26,13 +40,11 @@ class ExitAfter:
     messages: int
 
     def __call__(self, worker: EpWorker, receive: Callable[[], Message]) -> None:
-        while True:
-            message = receive()
-            if worker.messages >= self.messages:
-                log.warning("ep_worker_injected_exit", rank=worker.rank, after=worker.messages)
-                os._exit(EXIT_INJECTED)
-            if not worker.handle(message):
-                return
+        def die(w: EpWorker) -> None:
+            log.warning("ep_worker_injected_exit", rank=w.rank, after=w.messages)
+            os._exit(EXIT_INJECTED)
+
+        _serve_then(self.messages, die)(worker, receive)
 
 
 @attrs.frozen
@@ -42,14 +54,12 @@ class StallAfter:
     messages: int
 
     def __call__(self, worker: EpWorker, receive: Callable[[], Message]) -> None:
-        while True:
-            message = receive()
-            if worker.messages >= self.messages:
-                log.warning("ep_worker_injected_stall", rank=worker.rank, after=worker.messages)
-                while True:
-                    time.sleep(3600)
-            if not worker.handle(message):
-                return
+        def hang(w: EpWorker) -> None:
+            log.warning("ep_worker_injected_stall", rank=w.rank, after=w.messages)
+            while True:
+                time.sleep(3600)
+
+        _serve_then(self.messages, hang)(worker, receive)
 
 
 def faulty(serve) -> Callable:
