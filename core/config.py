@@ -60,6 +60,9 @@ class SchedulerConfig:
     boundary_tokens: tuple[int, ...] = attrs.field(default=(), converter=int_tuple)
     mtp_width_limit: int = 32
     ngram_max_match: int = 16
+    # n-gram proposals from the KV tokens only, leaving out the pending last token (the reference
+    # ngram trace's rule; specs/speculation.md §6.14). Off: the pending token ends the history.
+    ngram_history_without_pending_token: bool = False
     rollback_resteer: bool = True
     max_rollbacks: int = 2
     preemption_immunity_tokens: int = 64

@@ -1,9 +1,9 @@
 """Token sinks: what happens to each token a step produces for a sequence.
 
-``plain_token`` is the plain and mixed decode path (specs/scheduler.md §5.17): it checkpoints and never
-looks at the cancel flag. ``spec_token`` is the speculative sink (specs/speculation.md §6.1): it checks
-the cancel flag first and takes no checkpoint. Both keep: a finished sequence never streams again,
-EOS is appended but never streamed.
+``plain_token`` is the plain and mixed decode path (specs/scheduler.md §5.17): it checkpoints.
+``spec_token`` is the speculative sink (specs/speculation.md §6.1): it takes no checkpoint. Both check
+the cancel flag first: a cancelled sequence finishes without taking the token. Both keep: a finished
+sequence never streams again, EOS is appended but never streamed.
 """
 
 from __future__ import annotations
@@ -39,8 +39,11 @@ def stream_token(seq: Sequence, token: int, out: list[Effect]) -> None:
 def plain_token(seq: Sequence, token: int, config: SchedulerConfig, out: list[Effect], logprobs: int = 0,
                 model: ModelInfo | None = None) -> Sequence:
     """Per-token handling of a plain or mixed decode row (specs/scheduler.md §5.17); ``seq.seq_len`` is
-    already advanced. With the watchdogs armed, a content loop or a fuzzy repetition rolls the
-    sequence back to a boundary, or finishes it with a guard."""
+    already advanced. A set cancel flag finishes the sequence first, the token neither appended nor
+    streamed (as in specs/speculation.md §6.1). With the watchdogs armed, a content loop or a fuzzy
+    repetition rolls the sequence back to a boundary, or finishes it with a guard."""
+    if seq.cancel_requested:
+        return replace(seq, finished=True)
     armed = config.loop_watchdog and model is not None
     remaining = seq.remaining - 1
     content = seq.content_count + 1

@@ -1,7 +1,11 @@
 """N-gram (prompt lookup) drafting over the sequence's own tokens (specs/speculation.md §6.14).
 
-The proposer is a pure function of the tokens in the KV; the step decodes without a draft and
-verifies with K = 2 when one is pending. N-gram steps never count into ``acc``.
+The proposer is a pure function of the sequence's history: the tokens in the KV followed by the
+pending last token L (produced, not yet fed), so a proposal guesses the token after L, which is
+what the K = 2 verify of ``[L, draft]`` checks. With ``ngram_history_without_pending_token`` the
+history is the KV tokens alone (the reference trace's rule): the proposal then guesses L itself
+and is rarely accepted. The step decodes without a draft and verifies with K = 2 when one is
+pending. N-gram steps never count into ``acc``.
 """
 
 from __future__ import annotations
@@ -46,8 +50,15 @@ def propose_ngram(history: Seq[int], max_match: int = 16) -> Optional[int]:
     return proposal
 
 
+def ngram_history(state: SchedulerState, seq: Sequence) -> tuple[int, ...]:
+    """What the proposer looks at: the KV tokens, then the pending last token unless configured out."""
+    if state.config.ngram_history_without_pending_token:
+        return seq.kv_tokens()
+    return seq.kv_tokens() + (seq.last_token,)
+
+
 def _proposal(state: SchedulerState, seq: Sequence) -> tuple[int, ...]:
-    p = propose_ngram(seq.kv_tokens(), state.config.ngram_max_match)
+    p = propose_ngram(ngram_history(state, seq), state.config.ngram_max_match)
     return () if p is None else (p,)
 
 

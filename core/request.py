@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import attrs
@@ -14,21 +15,54 @@ def _non_empty(instance: "Request", attribute: object, value: tuple[int, ...]) -
         raise ValueError(f"request {instance.id}: the prompt is empty")
 
 
+def _bad(instance: "Request", name: str, value: object, expected: str) -> ValueError:
+    return ValueError(f"request {instance.id}: {name} = {value!r} is out of range ({expected})")
+
+
+def _temperature(instance: "Request", attribute: object, value: float) -> None:
+    if not (math.isfinite(value) and value >= 0):
+        raise _bad(instance, "temperature", value, "a finite number >= 0")
+
+
+def _top_p(instance: "Request", attribute: object, value: float) -> None:
+    if not 0 < value <= 1:
+        raise _bad(instance, "top_p", value, "0 < top_p <= 1")
+
+
+def _top_k(instance: "Request", attribute: object, value: int) -> None:
+    if value < 0:
+        raise _bad(instance, "top_k", value, "top_k >= 0, 0 turns it off")
+
+
+def _min_p(instance: "Request", attribute: object, value: float) -> None:
+    if not 0 <= value <= 1:
+        raise _bad(instance, "min_p", value, "0 <= min_p <= 1")
+
+
 @attrs.frozen
 class Request:
-    """Prompt, budgets and sampling fields. ``id`` doubles as the session number."""
+    """Prompt, budgets and sampling fields. ``id`` doubles as the session number.
+
+    Sampling (specs/scheduler.md §5.11): ``temperature`` 0 is greedy; above it the row's
+    distribution is cut by ``min_p`` (0: off), ``top_k`` (0: off) and ``top_p`` (1: off) and drawn
+    with ``seed`` (+ the output length). Out-of-range values raise ``ValueError`` naming the
+    request and the field.
+    """
 
     id: int
     prompt: tuple[int, ...] = attrs.field(converter=int_tuple, validator=_non_empty)
     max_tokens: int
     min_tokens: int = 0
     streaming: bool = True
-    temperature: float = 0.0
+    temperature: float = attrs.field(default=0.0, validator=_temperature)
     top_logprobs: int = 0
     num_beams: int = 1
     adapter_slot: int = -1
     seed: int = 42
     deadline_ms: Optional[float] = None
+    top_p: float = attrs.field(default=1.0, validator=_top_p)
+    top_k: int = attrs.field(default=0, validator=_top_k)
+    min_p: float = attrs.field(default=0.0, validator=_min_p)
 
     @property
     def prompt_len(self) -> int:

@@ -29,9 +29,10 @@ def greedy_row(seq: Sequence) -> bool:
 
 
 def host_pick(seq: Sequence) -> dc.HostPick:
+    """A decode row's pick: seed + output length, EOS masked below ``min_tokens``, the request's filters."""
     req = seq.request
     return dc.HostPick(req.temperature, req.seed + len(seq.output), len(seq.output) < req.min_tokens,
-                       req.top_logprobs)
+                       req.top_logprobs, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p)
 
 
 def grow(seq: Sequence, seq_len: int, block_size: int) -> Sequence:
@@ -44,7 +45,8 @@ def first_token_query(request: Request, row: int) -> dc.DeviceCall:
     """Device argmax on the greedy fast path, else a host copy of the row (specs/scheduler.md §5.11)."""
     if request.greedy:
         return dc.ArgmaxOnDevice(row=row, stream=0)
-    pick = dc.HostPick(request.temperature, request.seed, request.min_tokens > 0, 0)
+    pick = dc.HostPick(request.temperature, request.seed, request.min_tokens > 0, 0,
+                       top_p=request.top_p, top_k=request.top_k, min_p=request.min_p)
     return dc.CopyLogitsToHost(row=row, n=1, picks=(pick,))
 
 

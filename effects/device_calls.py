@@ -462,12 +462,18 @@ class ArgmaxBatch(DeviceCall):
 
 @attrs.frozen
 class HostPick:
-    """How the host turns one copied logits row into a token (specs/scheduler.md §5.11)."""
+    """How one logits row becomes a token (specs/scheduler.md §5.11): EOS masked while
+    ``mask_eos``, then (temperature > 0) temperature, min-p, top-k (0: off) and top-p (1.0: off),
+    one draw seeded by ``seed``. ``top_logprobs`` is the row's logprob record size. The filters
+    print nothing in a trace; their defaults leave every pick as it was."""
 
     temperature: float
     seed: int
     mask_eos: bool
     top_logprobs: int = 0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
 
 
 def host_picks(value: Iterable[HostPick]) -> tuple[HostPick, ...]:

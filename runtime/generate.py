@@ -1,5 +1,5 @@
 """Generation on the real model: requests from prompts, the scheduler's interpreter driving a
-``TorchDevice``, tokens collected per request, and a summary of the run.
+``TorchDevice``, tokens (and, with a tokenizer, text) collected per request, and a summary.
 
 ``generate`` is the library entry point (the CLI, the benchmarks and the tests use it);
 ``fxsched.runtime.bench.generate`` measures it.
@@ -12,6 +12,31 @@ Speculation modes (``SPECS``) map onto the scheduler configuration as follows:
 * ``ngram``: ``ngram_speculative`` (prompt-lookup drafts proposed by the scheduler itself).
 
 Every mode is greedy and lossless: the tokens equal those of ``none``, token for token.
+
+Sampling (``SamplingOptions``, spec ``none`` only: the speculative steps verify greedily). Each
+request carries the run's ``temperature``, ``top_p``, ``top_k``, ``min_p`` and ``logprobs`` and its
+own seed, ``seed`` + its index (0, 1, ... in prompt order); a pick draws with that seed + the
+output length (specs/scheduler.md §5.11), so a seeded run repeats token for token. The torch
+device samples the rows (``TorchDevice.sample_rows``); with ``logprobs`` = k > 0 each generated
+token gets its logprob record (the chosen token's logprob and the k most likely ids, from
+``TorchDevice.last_sample``, matched to requests by ``_LogprobWitness``) in
+``RequestResult.logprobs``. The defaults are greedy and change nothing.
+
+EOS. ``eos_ids`` (default: the model config's ``stop_ids``) go to the scheduler and the
+interpreter; ``()`` never stops early (``--ignore-eos``). The scheduler appends the EOS to a
+request's output but never streams it, so ``GenerateHost`` adds it from the final frame's count;
+with several EOS ids it reads which one from the scheduler state and the answer of that step
+(``_EosWitness``).
+
+Text (``TextOptions``, a tokenizer from ``fxsched.runtime.text``). Each request's tokens go
+through an ``IncrementalDetokenizer`` and a ``StopMatcher`` as they stream; ``on_text(request
+id, piece)`` gets every piece that is safe to show. When a stop string completes, the host keeps
+the tokens up to the one that completed it, cuts the text before the stop string, reports
+``finish_reason`` "stop", and posts a ``Cancel`` event so the scheduler ends the request: both
+sinks finish a cancelled sequence at its next token (specs/scheduler.md §5.17, specs/speculation.md
+§6.1). Tokens that reached the host after the stop string (the rest of a multi-token frame) are
+dropped (``Summary.discarded_tokens`` counts them). Without a stop string the text is exactly
+``decode(token_ids)``.
 """
 
 from __future__ import annotations
@@ -25,20 +50,65 @@ import torch
 from fxsched.core import events as ev
 from fxsched.core.config import ModelInfo, SchedulerConfig
 from fxsched.core.request import Request
-from fxsched.core.state import initial_state
+from fxsched.core.state import SchedulerState, initial_state
 from fxsched.effects.client import DoneOut, ErrorOut, ResponseOut, TokenOut, TokensOut
 from fxsched.runtime.devices.device import Device
-from fxsched.runtime.interpreter import Host, Interpreter, RunError
+from fxsched.runtime.interpreter import Host, Interpreter, Observer, RunError
 from fxsched.runtime.logs import ensure_configured
 from fxsched.runtime.devices.torch import Drafter, TorchDevice
+from fxsched.runtime.devices.torch_sampling import RowLogprobs
+from fxsched.runtime.text import IncrementalDetokenizer, StopMatcher, TextTokenizer, opens_thinking, think_count
 from fxsched.runtime.torch_model import HybridEngine, ModelConfig
 
 SPECS = ("none", "mtp", "dflash", "ngram")
 MTP_DRAFTS = 3
+# The scheduler's finish reasons in OpenAI's vocabulary; others pass through unchanged.
+OPENAI_FINISH_REASONS = {"stop": "stop", "length": "length", "tool_calls": "tool_calls"}
 
 
 class GenerateError(ValueError):
     """Bad input to a generation run; the message names the input and what is wrong."""
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """How every request of a run picks its tokens (see the module docstring). Out-of-range values
+    raise ``GenerateError`` naming the option (``Request``'s own checks, one field at a time)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int = 0
+    logprobs: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "top_k", "min_p"):
+            value = getattr(self, name)
+            try:
+                Request(id=0, prompt=(0,), max_tokens=1, **{name: value})
+            except ValueError as err:
+                problem = str(err).split(": ", 1)[-1]
+                raise GenerateError(f"--{name.replace('_', '-')} {value}: {problem}") from None
+        if self.logprobs < 0:
+            raise GenerateError(f"--logprobs {self.logprobs}: must be at least 0")
+
+    @property
+    def greedy(self) -> bool:
+        """Every pick is the argmax and no logprob is asked for."""
+        return self.temperature == 0 and self.logprobs == 0
+
+    def request(self, index: int, prompt: Seq[int], max_tokens: int) -> Request:
+        """The request of prompt ``index`` (0-based): id ``index + 1``, seed ``seed + index``."""
+        try:
+            return Request(id=index + 1, prompt=tuple(prompt), max_tokens=max_tokens, streaming=True,
+                           temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                           seed=self.seed + index, top_logprobs=self.logprobs)
+        except ValueError as err:
+            raise GenerateError(str(err)) from None
+
+
+GREEDY = SamplingOptions()
 
 
 # --- configuration ------------------------------------------------------------------------------
@@ -56,17 +126,27 @@ def max_prompt_len(cfg: ModelConfig) -> int:
     return context_limit(cfg) - 2
 
 
-def scheduler_setup(cfg: ModelConfig, spec: str, batch: int) -> tuple[SchedulerConfig, ModelInfo, Optional[str]]:
-    """(scheduler config, model info, device proposer) for a speculation mode."""
+def model_eos_ids(cfg: ModelConfig) -> tuple[int, ...]:
+    """The model config's end-of-sequence ids (``eos_id`` first)."""
+    return tuple(getattr(cfg, "stop_ids", (cfg.eos_id,)))
+
+
+def scheduler_setup(cfg: ModelConfig, spec: str, batch: int, eos_ids: Optional[Seq[int]] = None
+                    ) -> tuple[SchedulerConfig, ModelInfo, Optional[str]]:
+    """(scheduler config, model info, device proposer) for a speculation mode; ``eos_ids`` default
+    to the model's (``()``: no EOS)."""
     if spec not in SPECS:
         raise GenerateError(f"--spec {spec}: unknown speculation mode (choose from {', '.join(SPECS)})")
     if not 1 <= batch <= cfg.max_slots:
         raise GenerateError(f"--batch {batch}: must be between 1 and {cfg.max_slots} (the model's slots)")
-    if spec == "mtp" and not cfg.mtp:
-        raise GenerateError("--spec mtp: the model has no MTP head (config mtp = false)")
+    if spec == "mtp" and not (cfg.mtp or cfg.mtp_layers == 1):
+        raise GenerateError("--spec mtp: the model has no MTP head (config mtp = false, and no one-layer "
+                            "checkpoint MTP module)")
     if spec == "dflash" and cfg.dflash_gamma <= 0:
-        raise GenerateError("--spec dflash: the model has no DFlash drafter (config dflash_gamma = 0)")
-    common: dict[str, Any] = dict(eos_ids=(cfg.eos_id,), max_batch_size=batch, max_seq_len=context_limit(cfg),
+        raise GenerateError("--spec dflash: the model has no DFlash drafter (config dflash_gamma = 0, "
+                            "no --draft-model)")
+    eos = model_eos_ids(cfg) if eos_ids is None else tuple(eos_ids)
+    common: dict[str, Any] = dict(eos_ids=eos, max_batch_size=batch, max_seq_len=context_limit(cfg),
                                   admission_watermark=cfg.max_seq_len)
     model: dict[str, Any] = dict(vocab=cfg.vocab_size, block_size=cfg.block_size, total_blocks=cfg.num_blocks)
     if spec == "mtp":
@@ -118,11 +198,29 @@ def expand_prompts(prompts: Seq[Seq[int]], batch: int) -> list[list[int]]:
     return out
 
 
-# --- the host --------------------------------------------------------------------------------
+# --- results ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TextOptions:
+    """Detokenized output for a run: the tokenizer, stop strings, and whether special tokens
+    (EOS, ``<|im_end|>``, ...) are left out of the text (they are by default, as in vLLM)."""
+
+    tokenizer: TextTokenizer
+    stop: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if any(not s for s in self.stop):
+            raise GenerateError("--stop: a stop string must not be empty")
 
 
 @dataclass
 class RequestResult:
+    """One request's outcome. ``tokens`` are the generated ids the client got (EOS included, cut
+    after the token that completed a stop string); ``reason`` is the scheduler's finish reason and
+    ``finish_reason`` the one a client sees."""
+
     id: int
     prompt: list[int]
     tokens: list[int] = field(default_factory=list)
@@ -131,6 +229,27 @@ class RequestResult:
     cached_tokens: int = 0
     reported_cached: int = 0  # what the final frame told the client (Done(cached=...))
     error: Optional[str] = None
+    text: Optional[str] = None  # with TextOptions: the detokenized output
+    stop: Optional[str] = None  # the stop string that ended the request
+    think_tokens: int = 0
+    received: int = 0  # tokens the scheduler produced for it (past a stop string too)
+    logprobs: Optional[list[dict[str, Any]]] = None  # with SamplingOptions.logprobs: one record per token
+
+    @property
+    def finished(self) -> bool:
+        return self.reason is not None or self.error is not None
+
+    @property
+    def finish_reason(self) -> Optional[str]:
+        """"stop" (EOS or a stop string), "length", "tool_calls", "error", or the scheduler's own
+        word where OpenAI has none ("timeout"); None while running."""
+        if self.error is not None:
+            return "error"
+        if self.stop is not None:
+            return "stop"
+        if self.reason is None:
+            return None
+        return OPENAI_FINISH_REASONS.get(str(self.reason), str(self.reason))
 
     def render(self) -> str:
         toks = " ".join(str(t) for t in self.tokens)
@@ -138,42 +257,256 @@ class RequestResult:
             return f"request {self.id}: {toks} (error: {self.error})"
         return f"request {self.id}: {toks} ({self.reason}, n={len(self.tokens)}, acc={self.acc})"
 
+    def render_header(self, think: bool = False) -> str:
+        """A one-line heading for the text of a request."""
+        if self.error:
+            return f"--- request {self.id} (error: {self.error}) ---"
+        extra = f", think={self.think_tokens}" if think else ""
+        stop = f", stop={self.stop!r}" if self.stop is not None else ""
+        return f"--- request {self.id} ({self.finish_reason}{stop}, n={len(self.tokens)}, acc={self.acc}{extra}) ---"
+
+    def to_json(self, index: int) -> dict[str, Any]:
+        """The machine-readable record (``fxsched generate --json``)."""
+        out: dict[str, Any] = {
+            "index": index, "request_id": self.id,
+            "prompt_token_ids": list(self.prompt), "num_prompt_tokens": len(self.prompt),
+            "token_ids": list(self.tokens), "text": self.text,
+            "finish_reason": self.finish_reason, "stop_reason": self.stop,
+            "num_generated_tokens": len(self.tokens), "think_tokens": self.think_tokens,
+            "accepted_draft_tokens": self.acc, "cached_prompt_tokens": self.cached_tokens,
+        }
+        if self.logprobs is not None:
+            out["logprobs"] = self.logprobs
+        if self.error is not None:
+            out["error"] = self.error
+        return out
+
+
+class _TextStream:
+    """One request's detokenizer and stop matcher."""
+
+    def __init__(self, options: TextOptions):
+        self.detok = IncrementalDetokenizer(options.tokenizer, options.skip_special_tokens)
+        self.stops = StopMatcher(options.stop)
+        self.parts: list[str] = []
+
+    def push(self, token: int) -> tuple[str, Optional[str]]:
+        match = self.stops.push(self.detok.push(token))
+        if match.text:
+            self.parts.append(match.text)
+        return match.text, match.stop
+
+    def flush(self) -> str:
+        tail = self.stops.push(self.detok.flush()).text
+        tail += self.stops.flush()
+        if tail:
+            self.parts.append(tail)
+        return tail
+
+
+# --- the host --------------------------------------------------------------------------------
+
+
+def _answer_tokens(event: Optional[ev.Event]) -> tuple[int, ...]:
+    if isinstance(event, ev.TokenSampled):
+        return (event.token,)
+    if isinstance(event, ev.TokensSampled):
+        return event.tokens
+    if isinstance(event, ev.VerifyRows):
+        return event.rows
+    return ()
+
+
+class _EosWitness(Observer):
+    """Which EOS id ended a request, for runs with several EOS ids (the final frame only counts it).
+
+    While the host handles a batch, ``before`` is the scheduler state before the step and
+    ``event`` the answer it stepped on. A sequence that finished in an earlier step still shows its
+    EOS as its last output token in ``before``; one that finished in this step took it from the
+    answer: the answer's only EOS id, else the row of the sequence when the waiting record names
+    the rows (a batched decode), else the answer's first EOS id.
+    """
+
+    def __init__(self, eos_ids: Seq[int]):
+        self.eos_ids = tuple(eos_ids)
+        self.eos = frozenset(eos_ids)
+        self.before: Optional[SchedulerState] = None
+        self.event: Optional[ev.Event] = None
+
+    def before_step(self, event: ev.Event) -> None:
+        self.event = event
+
+    def performed(self, state: SchedulerState) -> None:
+        self.before = state
+
+    def eos_of(self, request_id: int) -> int:
+        before = self.before
+        seq = None
+        if before is not None:
+            seq = next((s for s in before.active if s.request.id == request_id), None)
+        if seq is not None and seq.finished and seq.output.last in self.eos:
+            return int(seq.output.last)
+        tokens = _answer_tokens(self.event)
+        found = list(dict.fromkeys(t for t in tokens if t in self.eos))
+        if len(found) > 1 and seq is not None and before is not None:
+            rows = getattr(before.waiting, "seq_ids", None)
+            if rows is not None and len(rows) == len(tokens) and seq.seq_id in rows:
+                token = tokens[list(rows).index(seq.seq_id)]
+                if token in self.eos:
+                    return token
+        return found[0] if found else self.eos_ids[0]
+
+
+class _LogprobWitness(Observer):
+    """Logprob records for the tokens of a run with ``logprobs`` (``TorchDevice.last_sample``).
+
+    A sampled readback is the query that ends a batch; once the batch is carried out, the state's
+    waiting record names its rows (``seq_ids`` of a decode or a mixed step, ``seq_id`` of a first
+    token), in the order of the sample's rows. Each row's record waits under its request until the
+    host takes that request's next token (``take``)."""
+
+    def __init__(self, device: TorchDevice):
+        self.device = device
+        self._seen: Optional[object] = None
+        self.pending: dict[int, RowLogprobs] = {}
+
+    def performed(self, state: SchedulerState) -> None:
+        sample = self.device.last_sample
+        if sample is None or sample is self._seen:
+            return
+        self._seen = sample
+        waiting = state.waiting
+        rows = getattr(waiting, "seq_ids", None)
+        if rows is None:
+            seq_id = getattr(waiting, "seq_id", None)
+            rows = () if seq_id is None else (seq_id,)
+        if len(rows) != len(sample.logprobs):
+            return
+        request_of = {s.seq_id: s.request.id for s in state.active}
+        request_of.update((e.seq_id, e.request.id) for e in state.prefilling)
+        for seq_id, record in zip(rows, sample.logprobs, strict=True):
+            if record is not None and seq_id in request_of:
+                self.pending[request_of[seq_id]] = record
+
+    def take(self, request_id: int, token: int) -> Optional[dict[str, Any]]:
+        """The record of ``request_id``'s token ``token``, in the ``--json`` form; None if none."""
+        record = self.pending.pop(request_id, None)
+        if record is None or record.token != token:
+            return None
+        return {"token_id": record.token, "logprob": record.logprob,
+                "top_logprobs": [{"token_id": t, "logprob": lp} for t, lp in record.top]}
+
+
+class _Observers(Observer):
+    """Several observers, called in order."""
+
+    def __init__(self, *observers: Optional[Observer]):
+        self.observers = [o for o in observers if o is not None]
+
+    def before_step(self, event: ev.Event) -> None:
+        for o in self.observers:
+            o.before_step(event)
+
+    def stepped(self, event: ev.Event, state: SchedulerState, effects: Seq) -> None:
+        for o in self.observers:
+            o.stepped(event, state, effects)
+
+    def performed(self, state: SchedulerState) -> None:
+        for o in self.observers:
+            o.performed(state)
+
+    def output(self, output) -> None:
+        for o in self.observers:
+            o.output(output)
+
 
 class GenerateHost(Host):
-    """Clients of one run: collects each request's tokens and final frame."""
+    """Clients of one run: collects each request's tokens, text and final frame.
 
-    def __init__(self, requests: Seq[Request], eos_id: int, on_tokens: Callable[[int], None] = lambda n: None):
+    ``eos`` is the EOS id, or the tuple of them; ``on_text(request id, piece)`` and
+    ``on_finish(result)`` are called as text is ready and as requests end.
+    """
+
+    def __init__(self, requests: Seq[Request], eos: int | Seq[int] = (),
+                 on_tokens: Callable[[int], None] = lambda n: None, text: Optional[TextOptions] = None,
+                 on_text: Optional[Callable[[int, str], None]] = None,
+                 on_finish: Optional[Callable[[RequestResult], None]] = None):
         super().__init__()
         self.results = {r.id: RequestResult(r.id, list(r.prompt)) for r in requests}
-        self.eos_id = eos_id
+        self.eos_ids: tuple[int, ...] = (eos,) if isinstance(eos, int) else tuple(eos)
         self.on_tokens = on_tokens
+        self.on_text = on_text or (lambda rid, piece: None)
+        self.on_finish = on_finish or (lambda result: None)
+        self.text = text
+        self.streams = {r.id: _TextStream(text) for r in requests} if text is not None else {}
+        self.witness: Optional[_EosWitness] = _EosWitness(self.eos_ids) if len(self.eos_ids) > 1 else None
+        self.logprobs: Optional[_LogprobWitness] = None  # set by ``generate`` for a run with logprobs
         self.finished: set[int] = set()
+
+    @property
+    def eos_id(self) -> Optional[int]:
+        return self.eos_ids[0] if self.eos_ids else None
+
+    def _take(self, result: RequestResult, tokens: Seq[int]) -> None:
+        result.received += len(tokens)
+        self.on_tokens(len(tokens))
+        for token in tokens:
+            if result.stop is not None:
+                return
+            result.tokens.append(token)
+            if self.logprobs is not None:
+                record = self.logprobs.take(result.id, token)
+                if record is not None:
+                    result.logprobs = (result.logprobs or []) + [record]
+            stream = self.streams.get(result.id)
+            if stream is None:
+                continue
+            piece, stop = stream.push(token)
+            if piece:
+                self.on_text(result.id, piece)
+            if stop is not None:
+                result.stop = stop
+                self.inputs.append(ev.Cancel(result.id))
+
+    def _finish(self, result: RequestResult) -> None:
+        self.finished.add(result.id)
+        stream = self.streams.get(result.id)
+        if stream is not None:
+            tail = stream.flush()
+            if tail:
+                self.on_text(result.id, tail)
+            result.text = "".join(stream.parts)
+            think_ids = stream.detok.tokenizer.think_ids
+            result.think_tokens = think_count(result.tokens, think_ids, opens_thinking(result.prompt, think_ids))
+        self.on_finish(result)
 
     def send(self, output) -> None:
         rid = getattr(output, "request_id", None)
         result = self.results.get(rid) if rid is not None else None
-        if result is None:
+        if rid is None or result is None or result.id in self.finished:
             return
         if isinstance(output, TokenOut):
-            result.tokens.append(output.token)
-            self.on_tokens(1)
+            self._take(result, (output.token,))
         elif isinstance(output, TokensOut):
-            result.tokens.extend(output.tokens)
-            self.on_tokens(len(output.tokens))
+            self._take(result, output.tokens)
         elif isinstance(output, DoneOut):
             # EOS is appended to the output but never streamed
-            if output.n == len(result.tokens) + 1:
-                result.tokens.append(self.eos_id)
-                self.on_tokens(1)
+            if output.n == result.received + 1 and self.eos_ids:
+                self._take(result, (self.witness.eos_of(rid) if self.witness else self.eos_ids[0],))
             result.reason, result.acc, result.reported_cached = output.reason, output.acc, output.cached
-            self.finished.add(output.request_id)
+            self._finish(result)
         elif isinstance(output, ResponseOut):
-            result.tokens = list(output.tokens)
+            self._take(result, output.tokens[result.received:])
             result.reason, result.acc, result.reported_cached = output.reason, output.acc, output.cached
-            self.finished.add(output.request_id)
+            self._finish(result)
         elif isinstance(output, ErrorOut):
             result.error = output.message
-            self.finished.add(output.request_id)
+            self._finish(result)
+
+    def take_inputs(self) -> list[ev.Event]:
+        # a cancel for a request that ended in the same batch would only be remembered
+        return [e for e in super().take_inputs()
+                if not (isinstance(e, ev.Cancel) and e.request_id in self.finished)]
 
     def wait_for_input(self) -> list[ev.Event]:
         if len(self.finished) == len(self.results):
@@ -200,6 +533,7 @@ class Summary:
     mean_accepted_length: Optional[float]
     cached_prompt_tokens: int
     steps: int
+    discarded_tokens: int = 0  # received after a stop string, before the Cancel took effect
 
     @property
     def tokens_per_s(self) -> float:
@@ -211,10 +545,25 @@ class Summary:
 
     def line(self) -> str:
         mal = "-" if self.mean_accepted_length is None else f"{self.mean_accepted_length:.2f}"
+        discarded = f" discarded_tokens={self.discarded_tokens}" if self.discarded_tokens else ""
         return (f"summary: spec={self.spec} device={self.device} batch={self.batch} requests={self.requests} "
                 f"tokens={self.generated_tokens} time={self.seconds:.3f}s tokens/s={self.tokens_per_s:.1f} "
                 f"target_forwards={self.target_forwards} forwards/token={self.forwards_per_token:.3f} "
-                f"verifies={self.verifies} mean_accepted_len={mal} cached_prompt_tokens={self.cached_prompt_tokens}")
+                f"verifies={self.verifies} mean_accepted_len={mal} cached_prompt_tokens={self.cached_prompt_tokens}"
+                f"{discarded}")
+
+    def to_json(self) -> dict[str, Any]:
+        """The final record of ``fxsched generate --json``."""
+        return {
+            "summary": True, "spec": self.spec, "device": self.device, "batch": self.batch,
+            "requests": self.requests, "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens, "discarded_tokens": self.discarded_tokens,
+            "seconds": self.seconds, "tokens_per_s": self.tokens_per_s,
+            "target_forwards": self.target_forwards, "forwards_per_token": self.forwards_per_token,
+            "verifies": self.verifies, "accepted_drafts": self.accepted_drafts,
+            "mean_accepted_length": self.mean_accepted_length,
+            "cached_prompt_tokens": self.cached_prompt_tokens, "steps": self.steps,
+        }
 
 
 @dataclass
@@ -231,12 +580,21 @@ class GenerateResult:
 def generate(engine: HybridEngine, prompts: Seq[Seq[int]], max_tokens: int, spec: str = "none",
              batch: Optional[int] = None, drafter: Optional[Drafter] = None, strict: bool = False,
              progress: Optional[Callable[[int], None]] = None,
-             wrap_device: Optional[Callable[[TorchDevice], Device]] = None) -> GenerateResult:
-    """Generate up to ``max_tokens`` greedy tokens for each prompt through the scheduler.
+             wrap_device: Optional[Callable[[TorchDevice], Device]] = None, *,
+             eos_ids: Optional[Seq[int]] = None, text: Optional[TextOptions] = None,
+             on_text: Optional[Callable[[int, str], None]] = None,
+             on_finish: Optional[Callable[[RequestResult], None]] = None,
+             sampling: SamplingOptions = GREEDY) -> GenerateResult:
+    """Generate up to ``max_tokens`` tokens for each prompt through the scheduler (greedy unless
+    ``sampling`` says otherwise; see the module docstring).
 
     ``batch`` caps the sequences running at once (default: every prompt, up to the model's
     slots). ``drafter`` replaces the model's drafter. ``progress(n)`` is called as tokens arrive.
-    ``wrap_device`` may put a layer between the interpreter and the device (expert parallelism). Raises ``GenerateError`` for bad input and ``RunError`` if the run cannot finish.
+    ``wrap_device`` may put a layer between the interpreter and the device (expert parallelism).
+    ``eos_ids``: the ids that end a request (default the model's; ``()`` for none). ``text``
+    detokenizes and applies stop strings; ``on_text(request id, piece)`` streams that text and
+    ``on_finish(result)`` is called as each request ends (request ids are 1, 2, ... in prompt
+    order). Raises ``GenerateError`` for bad input and ``RunError`` if the run cannot finish.
     """
     ensure_configured()
     cfg = engine.cfg
@@ -247,12 +605,20 @@ def generate(engine: HybridEngine, prompts: Seq[Seq[int]], max_tokens: int, spec
     for i, p in enumerate(prompts):
         check_prompt(p, cfg, f"prompt {i + 1}")
     batch = batch if batch is not None else min(len(prompts), cfg.max_slots)
-    config, model, proposer = scheduler_setup(cfg, spec, batch)
-    requests = [Request(id=i + 1, prompt=tuple(p), max_tokens=max_tokens, streaming=True)
-                for i, p in enumerate(prompts)]
+    config, model, proposer = scheduler_setup(cfg, spec, batch, eos_ids)
+    if spec != "none" and not sampling.greedy:
+        what = (f"--temperature {sampling.temperature}" if sampling.temperature > 0
+                else f"--logprobs {sampling.logprobs}")
+        raise GenerateError(f"{what}: needs --spec none (the speculative modes verify greedily)")
+    if sampling.logprobs > cfg.vocab_size:
+        raise GenerateError(f"--logprobs {sampling.logprobs}: must be at most the vocabulary size {cfg.vocab_size}")
+    requests = [sampling.request(i, p, max_tokens) for i, p in enumerate(prompts)]
     device = TorchDevice(engine, proposer=proposer, drafter=drafter, strict=strict)
-    host = GenerateHost(requests, cfg.eos_id, progress or (lambda n: None))
-    interpreter = Interpreter(wrap_device(device) if wrap_device else device, host, config.eos_ids)
+    host = GenerateHost(requests, config.eos_ids, progress or (lambda n: None), text, on_text, on_finish)
+    if sampling.logprobs:
+        host.logprobs = _LogprobWitness(device)
+    interpreter = Interpreter(wrap_device(device) if wrap_device else device, host, config.eos_ids,
+                              observer=_Observers(host.witness, host.logprobs))
     start = time.perf_counter()
     try:
         with torch.no_grad():
@@ -272,5 +638,6 @@ def generate(engine: HybridEngine, prompts: Seq[Seq[int]], max_tokens: int, spec
         seconds=seconds, target_forwards=stats.forwards, verifies=stats.verifies,
         accepted_drafts=stats.accepted_drafts, mean_accepted_length=stats.mean_accepted_length,
         cached_prompt_tokens=stats.cached_prompt_tokens, steps=interpreter.steps,
+        discarded_tokens=sum(r.received - len(r.tokens) for r in results),
     )
     return GenerateResult(results, summary, device)

@@ -333,13 +333,18 @@ class Interpreter:
         return None
 
     def _host_picks(self, row: int, picks) -> ev.TokensSampled:
+        """Tokens of ``len(picks)`` rows from ``row`` by their picks: the device's own batched
+        sampler when its class defines ``sample_rows`` (the torch device; a wrapper that only
+        forwards attributes does not count, so it keeps its own ``copy_logits_to_host``), else
+        a host copy of the rows picked by ``sampling.host_pick`` (specs/scheduler.md §5.11)."""
+        logprobs = tuple(pick.top_logprobs for pick in picks)
+        if callable(getattr(type(self.device), "sample_rows", None)):
+            sampled = self.device.sample_rows(row, len(picks), picks, self.eos_ids)  # type: ignore[attr-defined]
+            return ev.TokensSampled(tuple(sampled.tokens), logprobs)
         vocab = self.device.vocab_size()
         slab = self.device.copy_logits_to_host(row, 0, len(picks) * vocab * 2)
-        tokens, logprobs = [], []
-        for r, pick in enumerate(picks):
-            tokens.append(host_pick(decode_bf16_row(slab, vocab, r), pick, self.eos_ids))
-            logprobs.append(pick.top_logprobs)
-        return ev.TokensSampled(tuple(tokens), tuple(logprobs))
+        tokens = [host_pick(decode_bf16_row(slab, vocab, r), pick, self.eos_ids) for r, pick in enumerate(picks)]
+        return ev.TokensSampled(tuple(tokens), logprobs)
 
     def _decode_plan(self, plan: plans.Decode) -> ev.Event:
         d = self.device

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+# Without CUDA the Triton kernels can only run interpreted, and the interpreter must be chosen
+# before anything imports triton (flash-linear-attention and transformers import it too): set it
+# here, before any test module is collected, so the order of test files does not matter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="module")

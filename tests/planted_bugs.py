@@ -77,6 +77,8 @@ PLANTED_BUGS: tuple[PlantedBug, ...] = (
                  "        else:\n"
                  "            finish_and_release(s, config, out)\n"),
         ),
+        # seed 7 first shows the leak as a compaction into the leaked slot (compaction_target_free)
+        seed=5,
     ),
     PlantedBug(
         "accepted_prefix_off_by_one",

@@ -34,7 +34,7 @@ def fxsched(*argv: str) -> int:
 
 
 def test_generate_prints_tokens_and_summary(capsys):
-    assert fxsched("generate", "--prompt", "1 2 3 4 5", "--max-tokens", "8") == 0
+    assert fxsched("generate", "--prompt-ids", "1 2 3 4 5", "--max-tokens", "8") == 0
     out = capsys.readouterr().out.splitlines()
     want = HybridEngine(default_config()).greedy_generate([1, 2, 3, 4, 5], 8)
     assert out[0].startswith("request 1: " + " ".join(map(str, want)) + " (")
@@ -44,9 +44,9 @@ def test_generate_prints_tokens_and_summary(capsys):
 
 @pytest.mark.parametrize("spec", ["mtp", "dflash", "ngram"])
 def test_generate_with_speculation_matches_none(capsys, spec):
-    assert fxsched("generate", "--prompt", "5,6,7,5,6,7,5,6", "--max-tokens", "10", "--batch", "3") == 0
+    assert fxsched("generate", "--prompt-ids", "5,6,7,5,6,7,5,6", "--max-tokens", "10", "--batch", "3") == 0
     plain = capsys.readouterr().out.splitlines()
-    assert fxsched("generate", "--prompt", "5,6,7,5,6,7,5,6", "--max-tokens", "10", "--batch", "3",
+    assert fxsched("generate", "--prompt-ids", "5,6,7,5,6,7,5,6", "--max-tokens", "10", "--batch", "3",
                    "--spec", spec) == 0
     out = capsys.readouterr().out.splitlines()
     strip = lambda lines: [line.split(" (")[0] for line in lines[:-1]]  # noqa: E731
@@ -57,7 +57,7 @@ def test_generate_with_speculation_matches_none(capsys, spec):
 def test_prompt_file_one_request_per_line(tmp_path, capsys):
     f = tmp_path / "prompts.txt"
     f.write_text("1 2 3\n\n4 5 6 7\n9\n")
-    assert fxsched("generate", "--prompt-file", str(f), "--max-tokens", "3", "--batch", "2") == 0
+    assert fxsched("generate", "--prompt-ids-file", str(f), "--max-tokens", "3", "--batch", "2") == 0
     out = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in out[:-1]] == ["request 1", "request 2", "request 3"]
     assert "requests=3" in out[-1]
@@ -67,30 +67,30 @@ def test_weights_file(tmp_path, capsys):
     cfg = default_config()
     path = tmp_path / "w.safetensors"
     save_weights(path, init_weights(cfg), cfg)
-    assert fxsched("generate", "--prompt", "1 2 3", "--max-tokens", "4", "--weights", str(path)) == 0
+    assert fxsched("generate", "--prompt-ids", "1 2 3", "--max-tokens", "4", "--weights", str(path)) == 0
     assert "tokens=4" in capsys.readouterr().out
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"not safetensors")
-    assert fxsched("generate", "--prompt", "1 2 3", "--weights", str(bad)) == 2
+    assert fxsched("generate", "--prompt-ids", "1 2 3", "--weights", str(bad)) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"fxsched generate: --weights {bad}: ") and "\n" not in err
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--prompt", ""], "--prompt: the prompt is empty"),
-    (["--prompt", "  ,  "], "--prompt: the prompt is empty"),
-    (["--prompt", "1 2 64"], "--prompt: token id 64 is outside the vocabulary [0, 64)"),
-    (["--prompt", "1 -3"], "--prompt: token id -3 is outside the vocabulary [0, 64)"),
-    (["--prompt", "1 two"], "--prompt: 'two' is not a token id"),
-    (["--prompt", " ".join(["1"] * 600)], "--prompt: the prompt of 600 tokens is longer than the context"),
-    (["--prompt", "1", "--spec", "eagle"], "--spec eagle: unknown speculation mode (choose from none, mtp, dflash, ngram)"),
-    (["--prompt", "1", "--weights", "/no/such/file.safetensors"], "--weights /no/such/file.safetensors: no such file"),
-    (["--prompt", "1", "--batch", "17"], "--batch 17: must be between 1 and 16"),
-    (["--prompt", "1", "--batch", "x"], "--batch x: not an integer"),
-    (["--prompt", "1", "--max-tokens", "0"], "--max-tokens 0: must be at least 1"),
-    (["--prompt", "1", "--device", "tpu"], "--device tpu: unknown device"),
-    (["--prompt-file", "/no/such/prompts.txt"], "--prompt-file /no/such/prompts.txt: no such file"),
-    (["--prompt", "1", "--prompt-file", "x"], "--prompt and --prompt-file: give one of them, not both"),
+    (["--prompt-ids", ""], "--prompt-ids: the prompt is empty"),
+    (["--prompt-ids", "  ,  "], "--prompt-ids: the prompt is empty"),
+    (["--prompt-ids", "1 2 64"], "--prompt-ids: token id 64 is outside the vocabulary [0, 64)"),
+    (["--prompt-ids", "1 -3"], "--prompt-ids: token id -3 is outside the vocabulary [0, 64)"),
+    (["--prompt-ids", "1 two"], "--prompt-ids: 'two' is not a token id"),
+    (["--prompt-ids", " ".join(["1"] * 600)], "--prompt-ids: the prompt of 600 tokens is longer than the context"),
+    (["--prompt-ids", "1", "--spec", "eagle"], "--spec eagle: unknown speculation mode (choose from none, mtp, dflash, ngram)"),
+    (["--prompt-ids", "1", "--weights", "/no/such/file.safetensors"], "--weights /no/such/file.safetensors: no such file"),
+    (["--prompt-ids", "1", "--batch", "17"], "--batch 17: must be between 1 and 16"),
+    (["--prompt-ids", "1", "--batch", "x"], "--batch x: not an integer"),
+    (["--prompt-ids", "1", "--max-tokens", "0"], "--max-tokens 0: must be at least 1"),
+    (["--prompt-ids", "1", "--device", "tpu"], "--device tpu: unknown device"),
+    (["--prompt-ids-file", "/no/such/prompts.txt"], "--prompt-ids-file /no/such/prompts.txt: no such file"),
+    (["--prompt-ids", "1", "--prompt-file", "x"], "--prompt-ids and --prompt-file: give one of them, not both"),
     ([], "no prompt"),
 ])
 def test_bad_input_exits_2_with_one_line(capsys, argv, message):
@@ -104,17 +104,17 @@ def test_bad_input_exits_2_with_one_line(capsys, argv, message):
 def test_prompt_file_errors_name_the_line(tmp_path, capsys):
     f = tmp_path / "p.txt"
     f.write_text("1 2\n3 99\n")
-    assert fxsched("generate", "--prompt-file", str(f)) == 2
+    assert fxsched("generate", "--prompt-ids-file", str(f)) == 2
     assert capsys.readouterr().err.strip() == (
-        f"fxsched generate: --prompt-file {f} line 2: token id 99 is outside the vocabulary [0, 64)")
+        f"fxsched generate: --prompt-ids-file {f} line 2: token id 99 is outside the vocabulary [0, 64)")
     f.write_text("\n\n")
-    assert fxsched("generate", "--prompt-file", str(f)) == 2
+    assert fxsched("generate", "--prompt-ids-file", str(f)) == 2
     assert "no prompts" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
 def test_cuda_without_cuda_exits_2(capsys):
-    assert fxsched("generate", "--prompt", "1 2", "--device", "cuda") == 2
+    assert fxsched("generate", "--prompt-ids", "1 2", "--device", "cuda") == 2
     assert capsys.readouterr().err.strip() == "fxsched generate: --device cuda: CUDA is not available on this machine"
 
 
@@ -158,7 +158,7 @@ def test_long_runs_show_a_progress_bar(monkeypatch, capsys):
         return bar
 
     monkeypatch.setattr(tqdm_module, "tqdm", recording_tqdm)
-    assert fxsched("generate", "--prompt", "1 2 3", "--max-tokens", "130", "--batch", "4") == 0
+    assert fxsched("generate", "--prompt-ids", "1 2 3", "--max-tokens", "130", "--batch", "4") == 0
     assert len(made) == 1 and made[0].total == 4 * 130 and made[0].n > 0
-    assert fxsched("generate", "--prompt", "1 2 3", "--max-tokens", "8") == 0
+    assert fxsched("generate", "--prompt-ids", "1 2 3", "--max-tokens", "8") == 0
     assert len(made) == 1  # short runs: no bar

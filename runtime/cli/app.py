@@ -168,7 +168,8 @@ def cmd_bench(args) -> int:
         print(f"random walk: median {statistics.median(rates):,.0f} steps/s over {args.repeats} seeds "
               f"(min {min(rates):,.0f}, max {max(rates):,.0f})")
         return 0
-    print(f"fxsched bench: unknown benchmark '{args.what}' (known: step, kernels, check)", file=sys.stderr)
+    print(f"fxsched bench: unknown benchmark '{args.what}' (known: step, kernels, check, generate, gdn-prefill)",
+          file=sys.stderr)
     return EXIT_USAGE
 
 
@@ -232,7 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     phases.add_argument("--markdown", action="store_true", help="as a Markdown table")
     phases.set_defaults(func=cmd_phases)
 
-    bench = sub.add_parser("bench", help="print speed figures (medians of repeats)")
+    bench = sub.add_parser("bench", help="print speed figures (medians of repeats); `bench gdn-prefill --help` "
+                                         "for the GDN prefill memory figures")
     bench.add_argument("what", choices=["step", "kernels", "check"])
     bench.add_argument("--sizes", default="1,8,64,256", help="running sequences, comma-separated (step)")
     bench.add_argument("--ticks", type=int, default=200, help="ticks per measurement (step)")
@@ -247,6 +249,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    words = sys.argv[1:] if argv is None else list(argv)
+    if words[:2] == ["bench", "gdn-prefill"]:  # its own options (runtime/bench/gdn_prefill.py)
+        from fxsched.runtime.bench.gdn_prefill import main as gdn_prefill_main
+
+        return gdn_prefill_main(words[2:])
     parser = build_parser()
     args = parser.parse_args(argv)
     configure_logging(args.verbose or getattr(args, "verbose_run", False))

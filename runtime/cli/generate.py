@@ -7,21 +7,42 @@ Wiring into ``fxsched.runtime.cli.app.build_parser`` takes one line per command:
 
 ``python -m fxsched.runtime.cli.generate generate ...`` runs the same commands standalone.
 
+The model: the seeded internal model (default), ``--weights FILE`` (its safetensors file) or
+``--model DIR`` (a Hugging Face checkpoint directory, through ``HybridEngine.from_pretrained``,
+with ``--dtype``, ``--max-seq-len`` and a DFlash ``--draft-model DIR``). The tokenizer comes from the model directory (or ``--tokenizer DIR``); a model
+without one takes token ids only.
+
+Prompts: ``--prompt TEXT`` / ``--prompt-file FILE`` (text, one prompt per non-blank line,
+encoded with the tokenizer; ``--chat`` wraps each as one user message through the chat
+template) or ``--prompt-ids "1 2 3"`` / ``--prompt-ids-file FILE`` (token ids).
+
+Output on stdout. Without a tokenizer: each request's token ids and a summary line. With one:
+a single request's text is streamed as it is generated (flushed piece by piece, whether or not
+stdout is a terminal), followed by a status line; with several requests each one's status line
+and text are printed when it finishes. ``--json``: one JSON object per request and line, as each
+finishes (``RequestResult.to_json``: ``index``, ``token_ids``, ``text``, ``finish_reason``, the
+counters), then one summary object (``"summary": true``), and nothing else.
+
 Bad input (an empty or malformed prompt, a token id outside the vocabulary, a prompt longer than
-the context, an unknown ``--spec``, ``--device cuda`` without CUDA, a missing or unreadable
-weights file) exits 2 with one line on stderr naming the input and what is wrong.
+the context, text for a model without a tokenizer, an unknown ``--spec``, ``--device cuda``
+without CUDA, a missing or unreadable weights file, model or tokenizer directory) exits 2 with one
+line on stderr naming the input and what is wrong.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
 PROGRESS_MIN_TOKENS = 512  # show a progress bar when a run may produce this many tokens
+DTYPES = ("float32", "bfloat16", "float16")
+PROMPT_OPTIONS = ("--prompt", "--prompt-ids", "--prompt-file", "--prompt-ids-file")
 
 
 class UsageError(Exception):
@@ -31,19 +52,42 @@ class UsageError(Exception):
 # --- argument parsing ------------------------------------------------------------------------------
 
 
+def _add_model_arguments(p: argparse.ArgumentParser, what: str = "") -> None:
+    p.add_argument("--weights", help=f"a safetensors weights file of the internal model{what}")
+    p.add_argument("--model", metavar="DIR", help=f"a Hugging Face model directory (config.json, safetensors, "
+                                                  f"tokenizer){what}")
+    p.add_argument("--dtype", default=None, metavar="{" + ",".join(DTYPES) + "}",
+                   help=f"weights and compute dtype of a --model checkpoint (default: the checkpoint's){what}")
+    p.add_argument("--max-seq-len", default=None, metavar="N",
+                   help=f"context length to allocate for a --model checkpoint (default: the loader's){what}")
+    p.add_argument("--draft-model", metavar="DIR", default=None,
+                   help=f"a DFlash drafter directory for a --model checkpoint (--spec dflash){what}")
+
+
 def add_generate_command(sub) -> None:
     """Register ``generate`` (with its own ``func``) on an ``add_subparsers`` object."""
-    p = sub.add_parser("generate", help="generate tokens with the torch model, scheduled by fxsched",
-                       description="Greedy generation on the small hybrid torch model through the scheduler. "
-                                   "Prints the tokens of each request and a summary line.")
-    p.add_argument("--prompt", help='token ids separated by spaces or commas, e.g. "1 2 3"')
-    p.add_argument("--prompt-file", help="a file with one prompt (token ids) per non-blank line")
+    p = sub.add_parser("generate", help="generate text or tokens with the torch model, scheduled by fxsched",
+                       description="Greedy generation through the scheduler on the internal hybrid torch model "
+                                   "or a Hugging Face checkpoint (--model). Prints each request's text (or token "
+                                   "ids, for a model without a tokenizer) and a summary line.")
+    p.add_argument("--prompt", help="prompt text (encoded with the model's tokenizer)")
+    p.add_argument("--prompt-ids", help='prompt token ids separated by spaces or commas, e.g. "1 2 3"')
+    p.add_argument("--prompt-file", help="a file with one text prompt per non-blank line")
+    p.add_argument("--prompt-ids-file", help="a file with one prompt (token ids) per non-blank line")
+    p.add_argument("--chat", action="store_true",
+                   help="wrap each text prompt as one user message through the model's chat template")
+    p.add_argument("--stop", action="append", default=[], metavar="STR",
+                   help="end a request when its text contains STR (cut before it); repeatable")
+    p.add_argument("--ignore-eos", action="store_true", help="never stop at EOS: generate --max-tokens tokens")
+    p.add_argument("--json", action="store_true",
+                   help="one JSON object per request and line, then a summary object; nothing else on stdout")
+    p.add_argument("--tokenizer", metavar="DIR", help="a directory with tokenizer.json (default: the --model DIR)")
     p.add_argument("--batch", default="1",
                    help="requests running at once (default 1); fewer prompts are repeated to fill the batch")
     p.add_argument("--max-tokens", default="32", help="tokens to generate per request (default 32)")
     p.add_argument("--spec", default="none", help="speculation: none, mtp, dflash or ngram (default none)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--weights", help="a safetensors weights file (default: the seeded random model)")
+    _add_model_arguments(p)
     p.add_argument("--threads", default=None, help="torch CPU threads (default 1: the model is tiny)")
     p.add_argument("--no-progress", action="store_true", help="never show the progress bar")
     from fxsched.runtime.cli.ep import add_ep_ranks_argument
@@ -62,7 +106,7 @@ def add_bench_generate(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--batches", default="1,4,16", help="batch sizes, comma-separated (generate)")
     bench.add_argument("--max-tokens", default="32", help="tokens per request (generate)")
     bench.add_argument("--specs", default="none,mtp,dflash", help="speculation modes, comma-separated (generate)")
-    bench.add_argument("--weights", help="a safetensors weights file (generate)")
+    _add_model_arguments(bench, " (generate)")
     previous = bench.get_default("func")
 
     def dispatch(args) -> int:
@@ -105,48 +149,230 @@ def _set_threads(value: Optional[str], device: str) -> None:
         torch.set_num_threads(1)
 
 
-def _engine(weights: Optional[str], device: str):
+# --- the model and its tokenizer ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelChoice:
+    """Which model the command runs, checked before anything is loaded."""
+
+    weights: Optional[str] = None
+    model: Optional[str] = None
+    dtype: Optional[str] = None
+    max_seq_len: Optional[int] = None
+    draft_model: Optional[str] = None
+
+
+def _model_choice(args) -> ModelChoice:
+    weights, model = getattr(args, "weights", None), getattr(args, "model", None)
+    dtype, max_seq_len = getattr(args, "dtype", None), getattr(args, "max_seq_len", None)
+    draft_model = getattr(args, "draft_model", None)
+    if weights is not None and model is not None:
+        raise UsageError("--weights and --model: give one of them, not both")
+    if dtype is not None and dtype not in DTYPES:
+        raise UsageError(f"--dtype {dtype}: unknown dtype (choose {', '.join(DTYPES)})")
+    if model is None:
+        if dtype is not None:
+            raise UsageError(f"--dtype {dtype}: only for a --model checkpoint (the internal model runs in float32)")
+        if max_seq_len is not None:
+            raise UsageError(f"--max-seq-len {max_seq_len}: only for a --model checkpoint")
+        if draft_model is not None:
+            raise UsageError(f"--draft-model {draft_model}: only for a --model checkpoint")
+        return ModelChoice(weights=weights)
+    if not Path(model).is_dir():
+        raise UsageError(f"--model {model}: no such directory")
+    if draft_model is not None and not Path(draft_model).is_dir():
+        raise UsageError(f"--draft-model {draft_model}: no such directory")
+    length = _int(max_seq_len, "--max-seq-len", 16) if max_seq_len is not None else None
+    return ModelChoice(model=model, dtype=dtype, max_seq_len=length, draft_model=draft_model)
+
+
+def _engine(choice: ModelChoice | Optional[str], device: str):
+    """The engine of a ``ModelChoice`` (or of a weights path / ``None``, as before)."""
     from fxsched.runtime.torch_model import HybridEngine, default_config
     from fxsched.runtime.torch_model.errors import TorchModelError
 
-    if weights is None:
+    if not isinstance(choice, ModelChoice):
+        choice = ModelChoice(weights=choice)
+    if choice.model is not None:
+        return _pretrained(choice, device)
+    if choice.weights is None:
         return HybridEngine(default_config(), device=device)
-    path = Path(weights)
+    path = Path(choice.weights)
     if not path.is_file():
-        raise UsageError(f"--weights {weights}: no such file")
+        raise UsageError(f"--weights {choice.weights}: no such file")
     try:
         return HybridEngine.from_weights_file(path, device=device)
     except (TorchModelError, OSError, ValueError) as err:
-        raise UsageError(f"--weights {weights}: {err}") from None
+        raise UsageError(f"--weights {choice.weights}: {err}") from None
 
 
-def _prompts(args) -> list[tuple[str, list[int]]]:
-    from fxsched.runtime.generate import GenerateError, parse_prompt
+def _pretrained(choice: ModelChoice, device: str):
+    from fxsched.runtime.torch_model import HybridEngine
+    from fxsched.runtime.torch_model.errors import TorchModelError
 
-    if args.prompt is not None and args.prompt_file is not None:
-        raise UsageError("--prompt and --prompt-file: give one of them, not both")
-    if args.prompt is None and args.prompt_file is None:
-        raise UsageError("no prompt: give --prompt \"1 2 3\" or --prompt-file FILE")
+    assert choice.model is not None
+    from_pretrained = getattr(HybridEngine, "from_pretrained", None)
+    if from_pretrained is None:
+        raise UsageError(f"--model {choice.model}: this build cannot load Hugging Face checkpoints yet "
+                         f"(HybridEngine.from_pretrained is missing)")
+    kwargs: dict[str, Any] = {"device": device}
+    if choice.dtype is not None:
+        kwargs["dtype"] = choice.dtype
+    if choice.max_seq_len is not None:
+        kwargs["max_seq_len"] = choice.max_seq_len
+    if choice.draft_model is not None:
+        kwargs["draft_model"] = choice.draft_model
     try:
-        if args.prompt is not None:
-            return [("--prompt", parse_prompt(args.prompt, "--prompt"))]
-        path = Path(args.prompt_file)
-        try:
-            text = path.read_text()
-        except FileNotFoundError:
-            raise UsageError(f"--prompt-file {path}: no such file") from None
-        except OSError as err:
-            raise UsageError(f"--prompt-file {path}: {err.strerror or err}") from None
-        out = []
-        for number, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                source = f"--prompt-file {path} line {number}"
-                out.append((source, parse_prompt(line, source)))
-        if not out:
-            raise UsageError(f"--prompt-file {path}: no prompts (the file is empty)")
-        return out
+        return from_pretrained(choice.model, **kwargs)
+    except TorchModelError as err:  # ModelDirError among them: the message names the file
+        raise UsageError(f"{_blame(choice, err)}: {_one_line(err)}") from None
+    except (OSError, ValueError) as err:
+        raise UsageError(f"{_blame(choice, err)}: {type(err).__name__}: {_one_line(err)}") from None
+
+
+def _blame(choice: ModelChoice, err: BaseException) -> str:
+    """The option a loading error is about: the drafter directory when the message names it."""
+    if choice.draft_model is not None and str(Path(choice.draft_model)) in str(err):
+        return f"--draft-model {choice.draft_model}"
+    return f"--model {choice.model}"
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(line.strip() for line in str(err).splitlines() if line.strip()) or type(err).__name__
+
+
+def _tokenizer(args, choice: ModelChoice):
+    """The tokenizer of ``--tokenizer DIR``, else of the ``--model`` directory; None without one."""
+    from fxsched.runtime.text import TokenizerError, load_tokenizer
+
+    directory = getattr(args, "tokenizer", None)
+    option = "--tokenizer"
+    if directory is None:
+        directory, option = choice.model, "--model"
+    if directory is None:
+        return None
+    try:
+        tokenizer = load_tokenizer(directory)
+    except TokenizerError as err:
+        raise UsageError(f"{option}: {err}") from None
+    if tokenizer is None and option == "--tokenizer":
+        raise UsageError(f"--tokenizer {directory}: no tokenizer.json in it")
+    return tokenizer
+
+
+# --- prompts ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Prompt:
+    source: str  # what an error names: "--prompt", "--prompt-file F line 3", ...
+    tokens: list[int]
+    text: Optional[str] = None
+
+
+def _prompt_option(args) -> tuple[str, str]:
+    values = [(name, getattr(args, name[2:].replace("-", "_"), None)) for name in PROMPT_OPTIONS]
+    given = [(name, str(value)) for name, value in values if value is not None]
+    if len(given) > 1:
+        raise UsageError(f"{given[0][0]} and {given[1][0]}: give one of them, not both")
+    if not given:
+        raise UsageError('no prompt: give --prompt TEXT, --prompt-ids "1 2 3", --prompt-file FILE '
+                         'or --prompt-ids-file FILE')
+    return given[0]
+
+
+def _lines(option: str, name: str) -> list[tuple[str, str]]:
+    path = Path(name)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise UsageError(f"{option} {path}: no such file") from None
+    except UnicodeDecodeError as err:
+        raise UsageError(f"{option} {path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+    except OSError as err:
+        raise UsageError(f"{option} {path}: {err.strerror or err}") from None
+    out = [(f"{option} {path} line {number}", line) for number, line in enumerate(text.splitlines(), 1)
+           if line.strip()]
+    if not out:
+        raise UsageError(f"{option} {path}: no prompts (the file is empty)")
+    return out
+
+
+def _prompts(args, tokenizer=None) -> list[Prompt]:
+    """The prompts of the command line, as token ids (text encoded with ``tokenizer``)."""
+    from fxsched.runtime.generate import GenerateError, parse_prompt
+    from fxsched.runtime.text import TokenizerError
+
+    option, value = _prompt_option(args)
+    chat = getattr(args, "chat", False)
+    is_text = option in ("--prompt", "--prompt-file")
+    if chat and not is_text:
+        raise UsageError(f"--chat: needs text prompts (--prompt or --prompt-file), not {option}")
+    if is_text and tokenizer is None:
+        ids_option = "--prompt-ids" if option == "--prompt" else "--prompt-ids-file"
+        raise UsageError(f"{option}: the model has no tokenizer (no tokenizer.json), so it takes token ids: "
+                         f"use {ids_option} (or --tokenizer DIR)")
+    items = [(option, value)] if option in ("--prompt", "--prompt-ids") else _lines(option, value)
+    out = []
+    try:
+        for source, item in items:
+            if not is_text:
+                out.append(Prompt(source, parse_prompt(item, source)))
+                continue
+            if not item.strip():
+                raise UsageError(f"{source}: the prompt is empty")
+            if chat:
+                tokens = tokenizer.encode_chat([{"role": "user", "content": item}])
+            else:
+                tokens = tokenizer.encode(item)
+            if not tokens:
+                raise UsageError(f"{source}: the prompt encodes to no tokens")
+            out.append(Prompt(source, tokens, item))
     except GenerateError as err:
         raise UsageError(str(err)) from None
+    except TokenizerError as err:
+        raise UsageError(f"{'--chat' if chat else option}: {err}") from None
+    return out
+
+
+# --- output ---------------------------------------------------------------------------------------
+
+
+class Printer:
+    """Writes a run's results to ``out`` as the chosen mode asks (see the module docstring)."""
+
+    def __init__(self, out, mode: str, count: int, think: bool = False):
+        self.out, self.mode, self.count, self.think = out, mode, count, think
+        self.streaming = mode == "text" and count == 1
+        self._ended_with_newline = True
+
+    def _write(self, text: str) -> None:
+        self.out.write(text)
+        self.out.flush()
+
+    def on_text(self, request_id: int, piece: str) -> None:
+        if self.streaming:
+            self._write(piece)
+            self._ended_with_newline = piece.endswith("\n")
+
+    def on_finish(self, result) -> None:
+        if self.mode == "json":
+            self._write(json.dumps(result.to_json(result.id - 1), ensure_ascii=False) + "\n")
+        elif self.mode == "text" and self.streaming:
+            self._write(("" if self._ended_with_newline else "\n") + result.render_header(self.think) + "\n")
+        elif self.mode == "text":
+            text = result.text or ""
+            self._write(result.render_header(self.think) + "\n" + text + ("" if text.endswith("\n") else "\n"))
+
+    def finish(self, result) -> None:
+        if self.mode == "tokens":
+            for r in result.results:
+                print(r.render(), file=self.out)
+        if self.mode == "json":
+            self._write(json.dumps(result.summary.to_json()) + "\n")
+        else:
+            print(result.summary.line(), file=self.out)
 
 
 # --- the commands ---------------------------------------------------------------------------------
@@ -155,44 +381,64 @@ def _prompts(args) -> list[tuple[str, list[int]]]:
 def run_generate(args, out=None) -> int:
     """``fxsched generate``; raises UsageError for bad input."""
     out = out or sys.stdout
-    from fxsched.runtime.generate import SPECS, GenerateError, check_prompt, expand_prompts, generate
+    from fxsched.runtime.generate import SPECS, GenerateError, TextOptions, check_prompt, expand_prompts
 
     if args.spec not in SPECS:
         raise UsageError(f"--spec {args.spec}: unknown speculation mode (choose from {', '.join(SPECS)})")
     max_tokens = _int(args.max_tokens, "--max-tokens", 1)
     batch = _int(args.batch, "--batch", 1)
-    sources = _prompts(args)
+    _prompt_option(args)
+    stops = tuple(getattr(args, "stop", None) or ())
+    if any(not s for s in stops):
+        raise UsageError("--stop: a stop string must not be empty")
+    choice = _model_choice(args)
+    if choice.model is not None and getattr(args, "ep_ranks", 1) > 1:
+        raise UsageError(f"--ep-ranks {args.ep_ranks}: not supported with --model yet (the workers build the "
+                         f"internal model)")
     device = _torch_device(args.device)
-    engine = _engine(args.weights, device)
+    tokenizer = _tokenizer(args, choice)
+    if stops and tokenizer is None:
+        raise UsageError("--stop: stop strings need a tokenizer, and the model has none (give --tokenizer DIR)")
+    prompts = _prompts(args, tokenizer)
+    engine = _engine(choice, device)
     cfg = engine.cfg
     if batch > cfg.max_slots:
         raise UsageError(f"--batch {batch}: must be between 1 and {cfg.max_slots} (the model's slots)")
     try:
-        for source, tokens in sources:
-            check_prompt(tokens, cfg, source)
+        for prompt in prompts:
+            check_prompt(prompt.tokens, cfg, prompt.source)
     except GenerateError as err:
         raise UsageError(str(err)) from None
     _set_threads(args.threads, device)
-    prompts = expand_prompts([t for _, t in sources], batch)
-    total = len(prompts) * max_tokens
+    token_lists = expand_prompts([p.tokens for p in prompts], batch)
+    if args.ignore_eos:
+        eos_ids: Optional[tuple[int, ...]] = ()
+    elif tokenizer is not None and tokenizer.eos_ids:
+        eos_ids = tokenizer.eos_ids
+    else:
+        eos_ids = None  # the model config's
+    mode = "json" if args.json else ("text" if tokenizer is not None else "tokens")
+    printer = Printer(out, mode, len(token_lists), think=tokenizer is not None and tokenizer.think_ids is not None)
+    text = TextOptions(tokenizer, stops) if tokenizer is not None else None
+    total = len(token_lists) * max_tokens
     bar = None
-    if total >= PROGRESS_MIN_TOKENS and not args.no_progress:
+    if total >= PROGRESS_MIN_TOKENS and not args.no_progress and not printer.streaming:
         from tqdm import tqdm
 
         bar = tqdm(total=total, unit="tok", desc=f"generate ({args.spec})", disable=None, leave=False)
     try:
         from fxsched.runtime.cli.ep import generate_function
 
-        run = generate_function(args) if getattr(args, "ep_ranks", 1) > 1 else generate
-        result = run(engine, prompts, max_tokens, args.spec, batch, progress=bar.update if bar is not None else None)
+        run = generate_function(args)
+        result = run(engine, token_lists, max_tokens, args.spec, batch,
+                     progress=bar.update if bar is not None else None, eos_ids=eos_ids, text=text,
+                     on_text=printer.on_text, on_finish=printer.on_finish)
     except GenerateError as err:
         raise UsageError(str(err)) from None
     finally:
         if bar is not None:
             bar.close()
-    for r in result.results:
-        print(r.render(), file=out)
-    print(result.summary.line(), file=out)
+    printer.finish(result)
     return EXIT_FAILED if any(r.error for r in result.results) else 0
 
 
@@ -226,7 +472,8 @@ def run_bench_generate(args, out=None) -> list[dict]:
         if spec not in SPECS:
             raise UsageError(f"--specs {spec}: unknown speculation mode (choose from {', '.join(SPECS)})")
     max_tokens = _int(args.max_tokens, "--max-tokens", 1)
-    engine = _engine(args.weights, device)  # validates the weights once
+    choice = _model_choice(args)
+    engine = _engine(choice, device)  # validates the model once
     for b in batches:
         if b > engine.cfg.max_slots:
             raise UsageError(f"--batches {b}: must be between 1 and {engine.cfg.max_slots} (the model's slots)")
@@ -240,11 +487,12 @@ def run_bench_generate(args, out=None) -> list[dict]:
         bar.update()
 
     try:
-        rows = bench_generate(lambda: _engine(args.weights, device), batches, max_tokens, specs, progress=progress)
+        rows = bench_generate(lambda: _engine(choice, device), batches, max_tokens, specs, progress=progress)
     finally:
         bar.close()
-    print(f"bench generate: device={device} max_tokens={max_tokens} weights={args.weights or 'random (seeded)'}",
-          file=out)
+    model = choice.model or choice.weights or "random (seeded)"
+    label = "model" if choice.model else "weights"
+    print(f"bench generate: device={device} max_tokens={max_tokens} {label}={model}", file=out)
     print(format_table(rows), file=out)
     return rows
 

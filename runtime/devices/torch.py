@@ -8,7 +8,8 @@ each id to an engine slot and keeps three things per sequence:
 * at most one *pending* forward: the rows of the last verify (or self-speculative draft) that are
   computed but not committed, with ``keep`` = how many of them the scheduler still counts after
   its ``truncate_sequence`` calls;
-* for DFlash, the drafter context (hidden rows of the committed tokens).
+* for DFlash, the drafter context (the committed tokens' hidden rows for the internal drafter, their
+  captured target-layer features for a checkpoint's drafter; the engine's ``ctx_extend`` picks).
 
 The scheduler's length of a sequence is therefore ``committed + keep``. Commits happen at the
 scheduler's explicit calls (``commit_accepted_prefix``, ``gdn_fold_accepted``, the n-gram /
@@ -58,6 +59,7 @@ from fxsched.kernels.row_argmax import row_argmax
 from fxsched.runtime.devices.device import DeviceError
 from fxsched.runtime.logs import ensure_configured
 from fxsched.runtime.devices.streams import StreamError, StreamSet
+from fxsched.runtime.devices.torch_sampling import SampledRows, sample_rows
 from fxsched.runtime.torch_model import HybridEngine
 from fxsched.runtime.torch_model.errors import OutOfBlocksError, SpillError, TorchModelError
 
@@ -325,8 +327,8 @@ class TorchDevice:
         if ctx > upto:
             engine.trim_proposer_state(slot, ctx - upto)
         elif ctx < upto:
-            assert engine.dflash is not None  # uses_dflash_context
-            engine.dflash.append(slot, engine.hidden_history[slot, ctx:upto])
+            with self._errors("drafter context"):
+                engine.ctx_extend(slot, upto)
 
     # ======================================================================================
     # start-up and snapshot
@@ -567,8 +569,7 @@ class TorchDevice:
         lists = [toks for _, toks in rows]
         self._room_for(list(zip(slots, map(len, lists), strict=True)), what)
         with self._errors(what), self.streams.use(stream):
-            outs = self.engine.verify_batched(slots, lists)
-            self.engine.gdn_fold_accepted(slots, [len(t) for t in lists])
+            outs = self.engine.commit_forward(slots, lists)
         self._count(kind, what)
         logits = torch.stack([o[-1] for o in outs])
         self._set_rows(logits, [(s.seq_id, len(t) - 1) for s, t in rows])
@@ -733,8 +734,9 @@ class TorchDevice:
             return self._propose(ds, [int(t) for t in tokens], n, "run_mtp_propose_batched")
 
     def run_mtp_catchup_batched(self, tokens, slots, pos) -> int:
-        """The MTP head here keeps no KV of its own (it is conditioned on one saved hidden row), so
-        accepted drafts need no catch-up forward."""
+        """No separate catch-up forward: the internal MTP head keeps no KV (it is conditioned on one
+        saved hidden row), and a checkpoint's MTP module (``hf_drafters.PublishedMtp``) brings its
+        own KV up to the committed tokens inside each proposal, from the committed hidden rows."""
         log.debug("run_mtp_catchup_batched", rows=sum(len(t) for t in tokens))
         return 0
 
@@ -807,6 +809,18 @@ class TorchDevice:
             raise DeviceError("no forward has produced logits rows yet")
         slab = self._logits[row:row + n].to(torch.bfloat16).contiguous().view(torch.uint8).cpu().numpy().tobytes()
         return slab[off:off + nbytes]
+
+    last_sample: Optional[SampledRows] = None  # the last sample_rows answer, logprob records included
+
+    def sample_rows(self, row: int, n: int, picks, eos_ids) -> SampledRows:
+        """Pick rows ``row``.. ``row + n - 1`` on the device by their ``HostPick`` (batched, in torch:
+        ``fxsched.runtime.devices.torch_sampling``); the interpreter uses it instead of a host copy."""
+        self._check_rows(row, n)
+        if self._logits is None:
+            raise DeviceError("no forward has produced logits rows yet")
+        self.stats.calls["sample_rows"] += 1
+        self.last_sample = sample_rows(self._logits[row:row + n], picks, eos_ids)
+        return self.last_sample
 
     def vocab_size(self) -> int:
         return self.cfg.vocab_size
@@ -891,7 +905,8 @@ class TorchDevice:
         self._stash = stash
 
     def stash_verify_catchup_rows(self, pairs) -> None:
-        """Rows for an MTP-head KV catch-up; this head keeps no KV, so nothing is kept."""
+        """Rows for an MTP KV catch-up: nothing to keep (the internal head keeps no KV; a checkpoint's
+        MTP module catches up from the committed hidden rows when it proposes)."""
         for _, row in pairs:
             self._check_rows(row, 1)
 

@@ -32,9 +32,10 @@ def generate_ep(engine: HybridEngine, prompts: Seq[Seq[int]], max_tokens: int, s
                 batch: Optional[int] = None, drafter: Optional[Drafter] = None, strict: bool = False,
                 progress: Optional[Callable[[int], None]] = None, *, ep_ranks: int = 2,
                 weights: Optional[str] = None, timeout_s: float = DEFAULT_TIMEOUT_S,
-                options: WorkerOptions = DEFAULT_OPTIONS) -> EpGenerateResult:
+                options: WorkerOptions = DEFAULT_OPTIONS, **generate_options) -> EpGenerateResult:
     """``generate.generate`` on ``ep_ranks`` ranks. ``weights`` is the file ``engine`` was loaded
-    from (None: the seeded random model), so the workers build the same model. Raises
+    from (None: the seeded random model), so the workers build the same model; the other keyword
+    options (``eos_ids``, ``text``, ``on_text``, ``on_finish``) go to ``generate``. Raises
     ``EpRunError`` (a RunError) if the group fails, never waiting longer than ``timeout_s``."""
     ensure_configured()
     replica = EngineReplicaSpec(engine.cfg.to_dict(), weights, engine.device.type)
@@ -46,7 +47,8 @@ def generate_ep(engine: HybridEngine, prompts: Seq[Seq[int]], max_tokens: int, s
             return leaders[-1]
 
         try:
-            result = generate(engine, prompts, max_tokens, spec, batch, drafter, strict, progress, wrap_device=wrap)
+            result = generate(engine, prompts, max_tokens, spec, batch, drafter, strict, progress, wrap_device=wrap,
+                              **generate_options)
             if leaders:
                 leaders[0].stop_workers()
         except RunError as err:

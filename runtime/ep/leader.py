@@ -13,6 +13,13 @@ trace is the single-rank trace byte for byte). Besides:
 * before a model answer is read (a readback, a verify, a proposal, ``decode_batch``), if anything
   was sent since the last one, SYNC: every worker must ack within ``timeout_s``.
 
+Sampling. The interpreter lets a device pick sampled rows itself when the device's class defines
+``sample_rows`` (runtime/interpreter.py, specs/runner.md §4.3); attribute forwarding does not
+count. So ``EpLeaderDevice(inner, ...)`` builds an ``EpSamplingLeaderDevice`` when ``inner``'s class
+has ``sample_rows`` (the torch device): it syncs as the host copy would and then asks ``inner``,
+so the picks are those of a single-rank run. Around the recording device the leader stays the
+plain class, and the trace keeps its host copies.
+
 Failure: a broadcast that fails, an ack that does not come in time, or a worker that reports an
 error puts the leader in ``failure`` (a clear message, e.g. ``EP worker 1 did not answer within
 5s``). From then on nothing more is sent; every model-answer call raises ``DeviceError(failure)``,
@@ -45,6 +52,11 @@ from fxsched.runtime.ep.protocol import (
 log = structlog.get_logger("fxsched.ep")
 
 class EpLeaderDevice:
+    def __new__(cls, inner, *args, **kwargs):
+        if cls is EpLeaderDevice and callable(getattr(type(inner), "sample_rows", None)):
+            cls = EpSamplingLeaderDevice
+        return super().__new__(cls)
+
     def __init__(self, inner, group: LeaderLink, timeout_s: float):
         self.inner = inner
         self.link = group
@@ -364,3 +376,13 @@ class EpLeaderDevice:
     def generate_beam_batch(self, prompts, num_beams) -> list[list[int]]:
         self._sync()
         return self.inner.generate_beam_batch(prompts, num_beams)
+
+
+class EpSamplingLeaderDevice(EpLeaderDevice):
+    """The leader around a device that samples rows itself (see the module docstring)."""
+
+    def sample_rows(self, row: int, n: int, picks, eos_ids):
+        """The workers first take everything sent (as before ``copy_logits_to_host``), then
+        ``inner`` picks the rows."""
+        self._sync()
+        return self.inner.sample_rows(row, n, picks, eos_ids)

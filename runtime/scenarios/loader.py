@@ -34,6 +34,9 @@ class RequestSpec:
     streaming: bool = True
     temperature: float = 0.0
     top_logprobs: int = 0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
     num_beams: int = 1
     beam_hyp: tuple[int, ...] = ()
     draft_wrong_every: int = 0
@@ -51,6 +54,7 @@ class RequestSpec:
             streaming=self.streaming, temperature=self.temperature, top_logprobs=self.top_logprobs,
             num_beams=self.num_beams, adapter_slot=-1, seed=42,
             deadline_ms=-1.0 if self.expired_deadline else None,
+            top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
         )
 
     def script(self) -> Script:
@@ -67,6 +71,7 @@ class RunOptions:
     max_batch_tokens: int = 8192
     self_speculative: bool = False
     ngram_speculative: bool = False
+    ngram_history_without_pending_token: bool = False
     swap_space_gb: float = 0.0
     slai_policy: bool = False
     loop_watchdog: bool = False
@@ -95,7 +100,7 @@ def _kind_of(cls, name: str) -> str:
     default = field.default
     if name in ("tokens", "beam_hyp", "boundary_tokens", "kv_exhaust_at"):
         return _INTS
-    if name in ("temperature", "swap_space_gb"):
+    if name in ("temperature", "top_p", "min_p", "swap_space_gb"):
         return _FLOAT
     if name in ("lora_rotation",):
         return _STR

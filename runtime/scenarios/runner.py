@@ -25,6 +25,7 @@ def scheduler_config(scenario: Scenario) -> SchedulerConfig:
         max_batch_size=o.max_batch_size, use_speculative=o.use_speculative, dflash=o.dflash,
         num_drafts=o.num_drafts, max_prefill_tokens=o.max_prefill_tokens, max_batch_tokens=o.max_batch_tokens,
         self_speculative=o.self_speculative, ngram_speculative=o.ngram_speculative,
+        ngram_history_without_pending_token=o.ngram_history_without_pending_token,
         swap_space_gb=o.swap_space_gb, policy="slai" if o.slai_policy else "fifo",
         loop_watchdog=o.loop_watchdog, boundary_tokens=o.boundary_tokens,
     )

@@ -3,6 +3,12 @@
 Invariant: `paged_attention` over a block cache gives the same result as dense causal attention
 over the same keys/values laid out contiguously (tested in test_torch_model_paged.py), and so do
 the Triton kernels `attention_layer` takes for uniform batches (see kernel_paths.py).
+
+Building blocks (the drafters reuse them): `apply_rope` (partial RoPE: only the first rotary_dim
+dims of a head rotate, with transformers' rotate_half convention over that sub-dimension),
+`attention_qkv` (projections, per-head q/k RMSNorm, RoPE, and the output gate of gated attention)
+and `attention_out` (gate * sigmoid, output projection). As in transformers, q/k norms come before
+RoPE and the gate is applied to the attention output before o_proj. Scores and softmax run in fp32.
 """
 
 from __future__ import annotations
@@ -14,21 +20,62 @@ import torch
 from fxsched.kernels.paged_attention import paged_attention as paged_attention_kernel
 from fxsched.kernels.paged_kv_append import paged_kv_append
 
+from .config import ModelConfig
 from .kernel_paths import attention_kernels_apply
-from .ops import linear
+from .ops import linear, rms_norm
 from .paged_kv import PagedKVCache
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate-half rotary embedding of x [..., T, H, D] at integer positions [..., T]."""
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int | None = None) -> torch.Tensor:
+    """Rotate-half rotary embedding of x [..., T, H, D] at integer positions [..., T].
+
+    Only the first `rotary_dim` (default: all D) dims rotate, pairing dim i with i + rotary_dim/2;
+    the rest pass through. cos/sin are computed in fp32 and cast to x's dtype (as transformers).
+    """
     dim = x.shape[-1]
-    inv_freq = theta ** (-torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim)
-    angles = positions.to(torch.float32)[..., None] * inv_freq  # [..., T, D/2]
-    cos = torch.cat([angles.cos(), angles.cos()], -1)[..., None, :]
-    sin = torch.cat([angles.sin(), angles.sin()], -1)[..., None, :]
-    half = dim // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
-    return x * cos + rotated * sin
+    rot = dim if rotary_dim is None else rotary_dim
+    inv_freq = theta ** (-torch.arange(0, rot, 2, device=x.device, dtype=torch.float32) / rot)
+    angles = positions.to(torch.float32)[..., None] * inv_freq  # [..., T, rot/2]
+    cos = torch.cat([angles.cos(), angles.cos()], -1)[..., None, :].to(x.dtype)
+    sin = torch.cat([angles.sin(), angles.sin()], -1)[..., None, :].to(x.dtype)
+    half = rot // 2
+    if rot == dim:
+        rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+        return x * cos + rotated * sin
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    rotated = torch.cat([-x_rot[..., half:], x_rot[..., :half]], -1)
+    return torch.cat([x_rot * cos + rotated * sin, x_pass], -1)
+
+
+def attention_qkv(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig,
+                  positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Queries, keys, values and output gate of attention block `prefix` over x [..., T, D].
+
+    Returns q [..., T, Hq, Dh], k and v [..., T, Hkv, Dh] (q and k normed if cfg.qk_norm, then roped
+    over cfg.rotary_dim at positions [..., T]) and the pre-sigmoid gate [..., T, Hq, Dh] when
+    cfg.attn_output_gate, else None.
+    """
+    lead = x.shape[:-1]
+    hq, hkv, dh = cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
+    q = linear(x, w[f"{prefix}.q_proj"]).view(*lead, hq, dh)
+    k = linear(x, w[f"{prefix}.k_proj"]).view(*lead, hkv, dh)
+    v = linear(x, w[f"{prefix}.v_proj"]).view(*lead, hkv, dh)
+    gate = linear(x, w[f"{prefix}.gate_proj"]).view(*lead, hq, dh) if cfg.attn_output_gate else None
+    if cfg.qk_norm:
+        q = rms_norm(q, w[f"{prefix}.q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, w[f"{prefix}.k_norm"], cfg.rms_norm_eps)
+    rotary_dim = None if cfg.rotary_dim == dh else cfg.rotary_dim
+    q = apply_rope(q, positions, cfg.rope_theta, rotary_dim)
+    k = apply_rope(k, positions, cfg.rope_theta, rotary_dim)
+    return q, k, v, gate
+
+
+def attention_out(attn: torch.Tensor, gate: torch.Tensor | None, w: dict[str, torch.Tensor],
+                  prefix: str) -> torch.Tensor:
+    """Output of attention block `prefix`: o_proj(attn * sigmoid(gate)) for attn [..., T, Hq, Dh]."""
+    if gate is not None:
+        attn = attn * torch.sigmoid(gate)
+    return linear(attn.reshape(*attn.shape[:-2], -1), w[f"{prefix}.o_proj"])
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -41,9 +88,9 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed:
     group = hq // k.shape[2]
     kh = k.repeat_interleave(group, dim=2).transpose(1, 2)  # [B, Hq, S, D]
     vh = v.repeat_interleave(group, dim=2).transpose(1, 2)
-    scores = torch.matmul(q.transpose(1, 2), kh.transpose(-1, -2)) / math.sqrt(d)  # [B, Hq, T, S]
+    scores = torch.matmul(q.transpose(1, 2), kh.transpose(-1, -2)).float() / math.sqrt(d)  # [B, Hq, T, S]
     scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), vh).transpose(1, 2)
+    return torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), vh).transpose(1, 2)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -64,11 +111,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return masked_attention(q, keys, values, allowed)
 
 
-def attention_layer(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, *, num_heads: int,
-                    num_kv_heads: int, head_dim: int, rope_theta: float, cache: PagedKVCache,
-                    cache_layer: int, positions: torch.Tensor, valid: torch.Tensor,
-                    write_index: torch.Tensor, block_tables: torch.Tensor, uniform: bool = False) -> torch.Tensor:
+def attention_layer(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, *, cache: PagedKVCache,
+                    cache_layer: int, positions: torch.Tensor, valid: torch.Tensor, write_index: torch.Tensor,
+                    block_tables: torch.Tensor, uniform: bool = False, cfg: ModelConfig | None = None,
+                    num_heads: int = 0, num_kv_heads: int = 0, head_dim: int = 0,
+                    rope_theta: float = 0.0) -> torch.Tensor:
     """One target attention layer over a right-padded batch x [B, T, D].
+
+    The block's shape and options come from `cfg` (`attention_qkv`); without cfg, from num_heads,
+    num_kv_heads, head_dim and rope_theta (a plain block: no gate, no q/k norm, full RoPE).
 
     Writes K/V of the valid rows (valid [B, T]) at flat cache indices write_index [N] (row-major
     order of the valid rows), then attends causally over the paged cache. Padded rows produce
@@ -80,19 +131,18 @@ def attention_layer(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, *,
     positions <= positions[:, j]; query head h reads kv head h // (Hq // Hkv), as in
     `masked_attention`). Ragged batches, and uniform ones without Triton, take the torch path.
     """
-    b, t, _ = x.shape
-    q = linear(x, w[f"{prefix}.q_proj"]).view(b, t, num_heads, head_dim)
-    k = linear(x, w[f"{prefix}.k_proj"]).view(b, t, num_kv_heads, head_dim)
-    v = linear(x, w[f"{prefix}.v_proj"]).view(b, t, num_kv_heads, head_dim)
-    q = apply_rope(q, positions, rope_theta)
-    k = apply_rope(k, positions, rope_theta)
+    if cfg is None:
+        cfg = ModelConfig(num_attention_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                          rope_theta=rope_theta, mtp=False, dflash_gamma=0)
+    t = x.shape[1]
+    q, k, v, gate = attention_qkv(x, w, prefix, cfg, positions)
     k_cache, v_cache = cache.k[cache_layer], cache.v[cache_layer]
     if uniform and attention_kernels_apply(q, k, v, k_cache, v_cache, block_tables, positions):
         start = positions[:, 0]
         paged_kv_append(k, v, k_cache, v_cache, block_tables, start)
-        out = paged_attention_kernel(q, k_cache, v_cache, block_tables, start + t, head_dim ** -0.5)
+        out = paged_attention_kernel(q, k_cache, v_cache, block_tables, start + t, cfg.head_dim ** -0.5)
     else:
-        cache.write(cache_layer, write_index, k[valid], v[valid])
+        cache.write(cache_layer, write_index, k[valid].to(k_cache.dtype), v[valid].to(v_cache.dtype))
         out = paged_attention(q, k_cache, v_cache, block_tables,
                               torch.where(valid, positions, torch.zeros_like(positions)))
-    return linear(out.reshape(b, t, num_heads * head_dim), w[f"{prefix}.o_proj"])
+    return attention_out(out, gate, w, prefix)

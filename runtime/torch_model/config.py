@@ -1,7 +1,22 @@
-"""Model configuration: a frozen, validated dataclass loaded from TOML.
+"""Model configuration: a frozen, validated dataclass loaded from TOML (or built from a Hugging Face
+config.json by hf_checkpoint.py).
 
 Invariant: every ModelConfig instance that exists has passed `_validate`, so code
 downstream may rely on the documented ranges (e.g. eos_id < vocab_size).
+
+One dataclass describes both the internal toy model (architecture "fxsched-hybrid") and the Hugging
+Face families hf_checkpoint.py loads; every field added for the latter defaults to the internal
+model's behaviour, so an internal config (and its TOML) is unchanged by their existence:
+
+* gdn_num_v_heads: value heads of the GDN layers (0 = gdn_num_heads, which counts the key heads);
+  value head j reads key/query head j // (gdn_v_heads / gdn_num_heads), as transformers does;
+* attn_output_gate / qk_norm / partial_rotary_factor: gated attention output, per-head q/k RMSNorm,
+  RoPE on the first `rotary_dim` dims of each head only;
+* num_experts, num_experts_per_tok, moe_intermediate_size, shared_expert_intermediate_size (0 = no
+  shared expert), norm_topk_prob, mlp_pattern (per layer "dense" or "moe"; empty = all dense);
+* tie_word_embeddings; dtype (storage and compute dtype of matrices and caches, see weights.py);
+* mtp_layers: published-structure MTP layers of an HF checkpoint (the `mtp` flag keeps meaning the
+  internal toy MTP head; the two exclude each other); eos_ids: extra end-of-sequence ids.
 """
 
 from __future__ import annotations
@@ -16,6 +31,9 @@ from typing import Any, Mapping
 from .errors import ConfigError
 
 LAYER_KINDS = ("gdn", "attn")
+MLP_KINDS = ("dense", "moe")
+DTYPES = ("float32", "bfloat16", "float16")
+INTERNAL_ARCHITECTURE = "fxsched-hybrid"
 DEFAULT_CONFIG_RESOURCE = ("fxsched.specs", "models/default.toml")
 
 
@@ -25,7 +43,7 @@ def _alternating(num_layers: int) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape and behaviour of the hybrid model; all sizes in tokens/elements, fp32 everywhere."""
+    """Shape and behaviour of the hybrid model; all sizes in tokens/elements (see the module docstring)."""
 
     vocab_size: int = 64
     hidden_size: int = 64
@@ -54,12 +72,30 @@ class ModelConfig:
     dflash_gamma: int = 5
     dflash_layers: int = 1
     eos_id: int = 63
+    # Hugging Face families (defaults = the internal model)
+    architecture: str = INTERNAL_ARCHITECTURE
+    gdn_num_v_heads: int = 0  # 0: same as gdn_num_heads (the key heads)
+    attn_output_gate: bool = False
+    qk_norm: bool = False
+    partial_rotary_factor: float = 1.0
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    norm_topk_prob: bool = True
+    mlp_pattern: tuple[str, ...] = ()  # per layer "dense" / "moe"; empty: all dense
+    tie_word_embeddings: bool = False
+    dtype: str = "float32"
+    mtp_layers: int = 0
+    eos_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         pattern = tuple(self.layer_pattern)
         if not pattern and isinstance(self.num_layers, int):
             pattern = _alternating(self.num_layers)
         object.__setattr__(self, "layer_pattern", pattern)
+        object.__setattr__(self, "mlp_pattern", tuple(self.mlp_pattern))
+        object.__setattr__(self, "eos_ids", tuple(self.eos_ids))
         _validate(self)
 
     # ---- derived sizes -------------------------------------------------
@@ -74,9 +110,29 @@ class ModelConfig:
         return tuple(i for i, kind in enumerate(self.layer_pattern) if kind == "attn")
 
     @property
+    def gdn_v_heads(self) -> int:
+        """GDN value heads (the heads of the recurrent state): gdn_num_v_heads, or gdn_num_heads if 0."""
+        return self.gdn_num_v_heads or self.gdn_num_heads
+
+    @property
     def gdn_conv_channels(self) -> int:
-        """Channels of the GDN short conv: q, k and v projections concatenated."""
-        return self.gdn_num_heads * (2 * self.gdn_key_dim + self.gdn_value_dim)
+        """Channels of the GDN short conv: q, k (key heads) and v (value heads) projections concatenated."""
+        return 2 * self.gdn_num_heads * self.gdn_key_dim + self.gdn_v_heads * self.gdn_value_dim
+
+    @property
+    def rotary_dim(self) -> int:
+        """Leading dims of each attention head that RoPE rotates: int(head_dim * partial_rotary_factor)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    def mlp_kind(self, layer: int) -> str:
+        """The feed-forward kind ("dense" or "moe") of decoder layer `layer`; MTP layer j uses
+        mlp_kind(j), the same per-index rule the checkpoints' families (and vLLM) apply to it."""
+        return self.mlp_pattern[layer] if self.mlp_pattern else "dense"
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """eos_id followed by the extra eos_ids (duplicates removed, order kept)."""
+        return tuple(dict.fromkeys((self.eos_id, *self.eos_ids)))
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -86,7 +142,8 @@ class ModelConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain TOML/JSON-able dict; ModelConfig.from_dict(cfg.to_dict()) == cfg."""
         out = dataclasses.asdict(self)
-        out["layer_pattern"] = list(self.layer_pattern)
+        for name in ("layer_pattern", "mlp_pattern", "eos_ids"):
+            out[name] = list(getattr(self, name))
         return out
 
     @classmethod
@@ -107,9 +164,21 @@ class ModelConfig:
             raise err.with_source(source) from None  # the same error, now naming its source
 
 
-_FIELD_TYPES: dict[str, type] = {
-    "rope_theta": float, "rms_norm_eps": float, "mtp": bool, "layer_pattern": list,
+# Field -> kind for `_check_type` (fields not listed are integers). A kind is a Python type, or a
+# tuple (list, element type) for list-valued fields.
+_FIELD_TYPES: dict[str, Any] = {
+    "rope_theta": float, "rms_norm_eps": float, "partial_rotary_factor": float,
+    "mtp": bool, "attn_output_gate": bool, "qk_norm": bool, "norm_topk_prob": bool, "tie_word_embeddings": bool,
+    "architecture": str, "dtype": str,
+    "layer_pattern": (list, str), "mlp_pattern": (list, str), "eos_ids": (list, int),
 }
+_LIST_EXPECTED = {"layer_pattern": f"a list of layer kinds from {LAYER_KINDS}",
+                  "mlp_pattern": f"a list of MLP kinds from {MLP_KINDS}",
+                  "eos_ids": "a list of token ids (integers)"}
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _check_type(name: str, value: Any, source: str | None) -> Any:
@@ -121,11 +190,15 @@ def _check_type(name: str, value: Any, source: str | None) -> Any:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         expected = "a number"
         value = float(value) if ok else value
-    elif kind is list:
-        ok = isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
-        expected = f"a list of layer kinds from {LAYER_KINDS}"
+    elif kind is str:
+        ok = isinstance(value, str)
+        expected = "a string"
+    elif isinstance(kind, tuple):
+        element = _is_int if kind[1] is int else (lambda v: isinstance(v, str))
+        ok = isinstance(value, (list, tuple)) and all(element(v) for v in value)
+        expected = _LIST_EXPECTED[name]
     else:
-        ok = isinstance(value, int) and not isinstance(value, bool)
+        ok = _is_int(value)
         expected = "an integer"
     if not ok:
         raise ConfigError(name, expected, value, source)
@@ -169,6 +242,53 @@ def _validate(cfg: ModelConfig) -> None:
         raise ConfigError("rope_theta", "a positive number", cfg.rope_theta)
     if not 0 < cfg.rms_norm_eps < 1:
         raise ConfigError("rms_norm_eps", "a number in (0, 1)", cfg.rms_norm_eps)
+    _validate_hf_fields(cfg)
+
+
+def _validate_hf_fields(cfg: ModelConfig) -> None:
+    """The fields added for the Hugging Face families (see the module docstring)."""
+    if not isinstance(cfg.architecture, str) or not cfg.architecture:
+        raise ConfigError("architecture", "a non-empty string", cfg.architecture)
+    if cfg.dtype not in DTYPES:
+        raise ConfigError("dtype", f"one of {DTYPES}", cfg.dtype)
+    for name in ("gdn_num_v_heads", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                 "shared_expert_intermediate_size", "mtp_layers"):
+        value = getattr(cfg, name)
+        if not _is_int(value) or value < 0:
+            raise ConfigError(name, "a non-negative integer", value)
+    for name in ("attn_output_gate", "qk_norm", "norm_topk_prob", "tie_word_embeddings"):
+        if not isinstance(getattr(cfg, name), bool):
+            raise ConfigError(name, "a boolean (true/false)", getattr(cfg, name))
+    if cfg.gdn_v_heads % cfg.gdn_num_heads:
+        raise ConfigError("gdn_num_v_heads", f"a multiple of gdn_num_heads={cfg.gdn_num_heads} (or 0)",
+                          cfg.gdn_num_v_heads)
+    if not 0 < cfg.partial_rotary_factor <= 1:
+        raise ConfigError("partial_rotary_factor", "a number in (0, 1]", cfg.partial_rotary_factor)
+    if cfg.rotary_dim < 2 or cfg.rotary_dim % 2:
+        raise ConfigError("partial_rotary_factor", f"a factor giving an even rotary_dim >= 2 for head_dim="
+                          f"{cfg.head_dim} (got rotary_dim {cfg.rotary_dim})", cfg.partial_rotary_factor)
+    if cfg.mlp_pattern and len(cfg.mlp_pattern) != cfg.num_layers:
+        raise ConfigError("mlp_pattern", f"empty or a list of num_layers={cfg.num_layers} MLP kinds",
+                          list(cfg.mlp_pattern))
+    if any(kind not in MLP_KINDS for kind in cfg.mlp_pattern):
+        raise ConfigError("mlp_pattern", f"only MLP kinds from {MLP_KINDS}", list(cfg.mlp_pattern))
+    if "moe" in cfg.mlp_pattern:
+        if cfg.num_experts < 1:
+            raise ConfigError("num_experts", "a positive integer (mlp_pattern has MoE layers)", cfg.num_experts)
+        if not 1 <= cfg.num_experts_per_tok <= cfg.num_experts:
+            raise ConfigError("num_experts_per_tok", f"an integer in [1, num_experts={cfg.num_experts}]",
+                              cfg.num_experts_per_tok)
+        if cfg.moe_intermediate_size < 1:
+            raise ConfigError("moe_intermediate_size", "a positive integer (mlp_pattern has MoE layers)",
+                              cfg.moe_intermediate_size)
+    if cfg.mtp_layers and cfg.mtp:
+        raise ConfigError("mtp", "false when mtp_layers > 0 (published MTP layers replace the internal head)",
+                          cfg.mtp)
+    if cfg.mtp_layers > cfg.num_layers:
+        raise ConfigError("mtp_layers", f"at most num_layers={cfg.num_layers}", cfg.mtp_layers)
+    bad = [t for t in cfg.eos_ids if not 0 <= t < cfg.vocab_size]
+    if bad:
+        raise ConfigError("eos_ids", f"token ids in [0, vocab_size={cfg.vocab_size})", list(cfg.eos_ids))
 
 
 def load_config(path: str | Path) -> ModelConfig:

@@ -11,15 +11,24 @@ Invariants after every public call:
   * a slot holds exactly ceil(seq_len / block_size) blocks, except between a verify and its commit;
   * the GDN state of a slot equals (up to fp32 rounding) the state after running tokens(slot) from zero;
   * boundary_states[k] is the GDN state when seq_len was k * block_size (for the prefix cache);
-  * hidden_history[slot, :seq_len] are the target's final hidden rows (pre-norm) of tokens(slot).
+  * hidden_history[slot, :seq_len] are the target's final hidden rows (pre-norm) of tokens(slot);
+  * with a checkpoint DFlash drafter (`draft_model`), dflash_features[slot, :seq_len] are its context
+    features of tokens(slot), and every cached prefix block has its rows in _block_features.
+
+Drafters (hf_drafters.py for checkpoints, drafters.py for the internal model): `mtp` is the internal
+head (cfg.mtp) or a checkpoint's MTP module (cfg.mtp_layers == 1), `dflash` the internal drafter
+(cfg.dflash_gamma > 0) or the `draft_model` directory's; with the latter, cfg.dflash_gamma is set to
+its block_size - 1, so cfg.dflash_gamma always counts the drafts of one DFlash proposal.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Sequence
 
+import structlog
 import torch
 
 from fxsched.kernels.gdn_fold import gdn_fold, gdn_fold_reference
@@ -28,13 +37,17 @@ from .config import ModelConfig, default_config
 from .drafters import DFlashDrafter, MtpHead
 from .errors import OutOfBlocksError, SlotError
 from .gdn import GdnSnapshot, GdnStateCache
+from .hf_drafters import PublishedDFlash, PublishedMtp, load_dflash_drafter
 from .kernel_paths import gdn_fold_kernel_applies
 from .model import ForwardOutput, HybridModel, RowBatch
+from .ops import rms_norm
 from .paged_kv import BlockPool, PagedKVCache, blocks_for, flat_indices
 from .prefix_cache import CachedBlock, PrefixCache
 from .sequence_io import check_sequence, export_sequence, import_sequence
 from .spill import read_spill, write_spill
-from .weights import Weights, init_weights, load_weights
+from .weights import Weights, init_weights, load_weights, torch_dtype
+
+log = structlog.get_logger("fxsched.torch_model")
 
 
 @dataclass
@@ -57,30 +70,52 @@ class PendingRows:
     tokens: list[int]
     out: ForwardOutput
     batch_index: int
+    features: torch.Tensor | None = None  # [rows, F]: a checkpoint DFlash drafter's context features
 
 
 class HybridEngine:
     """Hybrid GDN/attention model with paged KV cache, per-slot GDN state, drafters and prefix cache."""
 
     def __init__(self, cfg: ModelConfig | None = None, weights: Weights | None = None,
-                 device: str | torch.device = "cpu") -> None:
+                 device: str | torch.device = "cpu", draft_model: str | Path | None = None) -> None:
         self.cfg = cfg = cfg or default_config()
         self.device = torch.device(device)
+        dtype = torch_dtype(cfg)  # KV / GDN caches and hidden rows are kept in the model's dtype
+        if self.device.type == "cuda" and dtype == torch.float32:
+            torch.backends.cuda.matmul.allow_tf32 = True
         weights = weights if weights is not None else init_weights(cfg, self.device)
         self.model = HybridModel(cfg, {n: t.to(self.device) for n, t in weights.items()})
         self.pool = BlockPool(cfg.num_blocks)
         self.kv = PagedKVCache(len(cfg.attn_layers), cfg.num_blocks, cfg.block_size, cfg.num_kv_heads,
-                               cfg.head_dim, self.device)
-        self.gdn = GdnStateCache(cfg, self.device)
+                               cfg.head_dim, self.device, dtype)
+        self.gdn = GdnStateCache(cfg, self.device, dtype)
         self.prefix = PrefixCache(self.pool, cfg.block_size)
-        self.mtp = MtpHead(cfg, self.model.w) if cfg.mtp else None
-        self.dflash = DFlashDrafter(cfg, self.model.w, self.device) if cfg.dflash_gamma > 0 else None
-        self.hidden_history = torch.zeros(cfg.max_slots, cfg.max_seq_len, cfg.hidden_size, device=self.device)
-        self.mtp_hidden = torch.zeros(cfg.max_slots, cfg.hidden_size, device=self.device)
+        self.mtp: MtpHead | PublishedMtp | None = None
+        if cfg.mtp:
+            self.mtp = MtpHead(cfg, self.model.w)
+        elif cfg.mtp_layers == 1:
+            self.mtp = PublishedMtp(cfg, self.model.w, self.device)
+        elif cfg.mtp_layers:
+            log.warning("mtp_disabled", mtp_layers=cfg.mtp_layers, reason="only one published MTP layer is supported")
+        self.dflash: DFlashDrafter | PublishedDFlash | None = None
+        self.dflash_features: torch.Tensor | None = None  # [slots, max_seq_len, F]: committed context features
+        self._block_features: dict[int, torch.Tensor] = {}  # prefix-cache block id -> its context features
+        if draft_model is not None:
+            self.dflash = load_dflash_drafter(draft_model, cfg, self.model.w, self.device)
+            # cfg.dflash_gamma counts the drafts of a DFlash proposal, whichever drafter makes them
+            self.cfg = cfg = dataclasses.replace(cfg, dflash_gamma=self.dflash.gamma)
+            self.dflash_features = torch.zeros(cfg.max_slots, cfg.max_seq_len, self.dflash.feature_size,
+                                               device=self.device, dtype=dtype)
+        elif cfg.dflash_gamma > 0:
+            self.dflash = DFlashDrafter(cfg, self.model.w, self.device)
+        self.hidden_history = torch.zeros(cfg.max_slots, cfg.max_seq_len, cfg.hidden_size, device=self.device,
+                                          dtype=dtype)
+        self.mtp_hidden = torch.zeros(cfg.max_slots, cfg.hidden_size, device=self.device, dtype=dtype)
         self._mtp_hidden_set = [False] * cfg.max_slots
         self._slots: list[SlotState | None] = [None] * cfg.max_slots
         self._pending: list[PendingRows | None] = [None] * cfg.max_slots
         self._captured: list[torch.Tensor | None] = [None] * cfg.max_slots
+        self._captured_features: list[torch.Tensor | None] = [None] * cfg.max_slots
 
     @classmethod
     def from_weights_file(cls, path: str | Path, cfg: ModelConfig | None = None,
@@ -88,6 +123,19 @@ class HybridEngine:
         """Engine over weights read by load_weights(path, cfg) (config taken from the file if cfg is None)."""
         weights, cfg = load_weights(path, cfg, device)
         return cls(cfg, weights, device)
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | Path, *, device: str | torch.device = "cpu", dtype: str | None = None,
+                        max_seq_len: int | None = None, max_slots: int = 16, num_blocks: int | None = None,
+                        block_size: int = 16, draft_model: str | Path | None = None) -> "HybridEngine":
+        """Engine over a Hugging Face checkpoint directory (see hf_checkpoint.load_pretrained, whose
+        arguments these are; a bad directory raises ModelDirError). draft_model: a DFlash drafter
+        directory (public format, see hf_drafters.load_dflash_drafter) to draft with."""
+        from .hf_checkpoint import load_pretrained
+
+        cfg, weights = load_pretrained(model_dir, device=device, dtype=dtype, max_seq_len=max_seq_len,
+                                       max_slots=max_slots, num_blocks=num_blocks, block_size=block_size)
+        return cls(cfg, weights, device, draft_model=draft_model)
 
     # ---- slots --------------------------------------------------------------------------------
     def _slot(self, slot: int) -> SlotState:
@@ -127,9 +175,12 @@ class HybridEngine:
         self.gdn.reset(slot)
         if self.dflash is not None:
             self.dflash.reset(slot)
+        if isinstance(self.mtp, PublishedMtp):
+            self.mtp.reset(slot)
         self._mtp_hidden_set[slot] = False
         self._pending[slot] = None
         self._captured[slot] = None
+        self._captured_features[slot] = None
 
     def seq_len(self, slot: int) -> int:
         """Committed length of the sequence in `slot`."""
@@ -187,8 +238,14 @@ class HybridEngine:
         return self.prefix.reclaim(n)
 
     # ---- forward ------------------------------------------------------------------------------
-    def _forward(self, slots: Sequence[int], token_lists: Sequence[Sequence[int]]) -> ForwardOutput:
-        """Validate, allocate blocks (all or nothing), run the model; records pending + captured rows."""
+    def _forward(self, slots: Sequence[int], token_lists: Sequence[Sequence[int]],
+                 commit_all: bool = False) -> ForwardOutput:
+        """Validate, allocate blocks (all or nothing), run the model; records pending + captured rows.
+
+        commit_all promises that every row will be committed (a prefill chunk, a mixed or batched
+        prefill): the GDN layers then keep only the states a commit can read (each sequence's block
+        boundaries and last row, see _commit_rows) and run the chunked form, never T per-row states.
+        """
         if len(slots) != len(token_lists):
             raise ValueError(f"{len(slots)} slots but {len(token_lists)} token lists")
         if not slots:
@@ -205,12 +262,26 @@ class HybridEngine:
                                    f"reclaim cached blocks or free a slot")
         for slot, state, toks in zip(slots, states, token_lists, strict=True):
             state.block_table.extend(self.pool.allocate(self.blocks_needed(slot, len(toks))))
-        batch = self._row_batch(slots, states, token_lists)
-        out = self.model.forward(batch, self.kv, self.gdn)
+        keep = self._commit_rows(states, token_lists) if commit_all else None
+        batch = self._row_batch(slots, states, token_lists, keep)
+        drafter = self.dflash if isinstance(self.dflash, PublishedDFlash) else None
+        out = self.model.forward(batch, self.kv, self.gdn,
+                                 capture_layers=drafter.target_layer_ids if drafter is not None else ())
+        features = self._context_features(drafter, out) if drafter is not None else None
         for b, (slot, state, toks) in enumerate(zip(slots, states, token_lists, strict=True)):
-            self._pending[slot] = PendingRows(state.seq_len, [int(t) for t in toks], out, b)
+            rows = features[b, :len(toks)] if features is not None else None
+            self._pending[slot] = PendingRows(state.seq_len, [int(t) for t in toks], out, b, rows)
             self._captured[slot] = out.hidden[b, :len(toks)]
+            self._captured_features[slot] = rows
         return out
+
+    def _context_features(self, drafter: PublishedDFlash, out: ForwardOutput) -> torch.Tensor:
+        """A checkpoint DFlash drafter's context features [B, T, F] of a forward: its captured target
+        layers, the last one final-normed (transformers' hidden_states[l + 1] convention)."""
+        last = self.cfg.num_layers - 1
+        layers = [rms_norm(out.layer_hidden[i], self.model.w["final_norm"], self.cfg.rms_norm_eps) if i == last
+                  else out.layer_hidden[i] for i in drafter.target_layer_ids]
+        return drafter.features(layers)
 
     def _check_rows(self, slot: int, start: int, tokens: Sequence[int]) -> None:
         cfg = self.cfg
@@ -222,8 +293,22 @@ class HybridEngine:
         if start + len(tokens) > cfg.max_seq_len:
             raise SlotError(f"slot {slot}: {start} + {len(tokens)} rows exceed max_seq_len={cfg.max_seq_len}")
 
+    def _commit_rows(self, states: Sequence[SlotState], token_lists: Sequence[Sequence[int]]) -> tuple[int, ...] | None:
+        """The rows of a fully committed forward whose GDN states a commit reads: per sequence, the
+        rows that end a block (boundary_states for the prefix cache) and its last row (the slot's new
+        state); None (every row) when the forward is a single row per sequence anyway."""
+        if max(len(toks) for toks in token_lists) <= 1:
+            return None
+        bs = self.cfg.block_size
+        rows: set[int] = set()
+        for state, toks in zip(states, token_lists, strict=True):
+            start, n = state.seq_len, len(toks)
+            rows.add(n - 1)
+            rows.update(k * bs - start - 1 for k in range(start // bs + 1, (start + n) // bs + 1))
+        return tuple(sorted(rows))
+
     def _row_batch(self, slots: Sequence[int], states: Sequence[SlotState],
-                   token_lists: Sequence[Sequence[int]]) -> RowBatch:
+                   token_lists: Sequence[Sequence[int]], keep_rows: tuple[int, ...] | None = None) -> RowBatch:
         b, t = len(slots), max(len(toks) for toks in token_lists)
         nb = max(len(s.block_table) for s in states)
         tokens = torch.zeros(b, t, dtype=torch.long)
@@ -241,7 +326,8 @@ class HybridEngine:
         dev = self.device
         uniform = all(len(toks) == t for toks in token_lists)
         return RowBatch(tokens.to(dev), positions.to(dev), valid.to(dev), torch.tensor(write, device=dev),
-                        tables.to(dev), torch.tensor(list(slots), dtype=torch.long, device=dev), uniform)
+                        tables.to(dev), torch.tensor(list(slots), dtype=torch.long, device=dev), uniform,
+                        keep_rows)
 
     @torch.no_grad()
     def prefill(self, slot: int, tokens: Sequence[int]) -> torch.Tensor:
@@ -257,6 +343,8 @@ class HybridEngine:
         self._check_rows(slot, 0, tokens)
         bs = self.cfg.block_size
         hits = self.prefix.lookup(state.adapter_id, tokens, (len(tokens) - 1) // bs)
+        if self.dflash_features is not None:  # a cached block is usable only with its context features
+            hits = hits[:next((i for i, e in enumerate(hits) if e.block_id not in self._block_features), len(hits))]
         need = blocks_for(len(tokens), bs) - len(hits)
         if need > self.pool.num_free():
             raise OutOfBlocksError(f"prefill of {len(tokens)} tokens needs {need} new KV blocks, "
@@ -267,6 +355,8 @@ class HybridEngine:
             state.block_table.append(entry.block_id)
             state.boundary_states[i + 1] = entry.gdn_state
             self.hidden_history[slot, i * bs:(i + 1) * bs] = entry.hidden
+            if self.dflash_features is not None:
+                self.dflash_features[slot, i * bs:(i + 1) * bs] = self._block_features[entry.block_id]
         if hits:
             self.gdn.load(slot, hits[-1].gdn_state)
             state.tokens = [int(t) for t in tokens[:cached]]
@@ -274,6 +364,8 @@ class HybridEngine:
         state.cached_prompt_tokens = cached
         logits = self.prefill_chunk(slot, tokens[cached:], cached)
         self._captured[slot] = self.hidden_history[slot, :len(tokens)].clone()
+        if self.dflash_features is not None:
+            self._captured_features[slot] = self.dflash_features[slot, :len(tokens)].clone()
         return logits
 
     @torch.no_grad()
@@ -282,9 +374,15 @@ class HybridEngine:
         state = self._slot(slot)
         if start != state.seq_len:
             raise SlotError(f"slot {slot}: prefill_chunk at start={start} but seq_len={state.seq_len}")
-        out = self._forward([slot], [tokens])
-        self.gdn_fold_accepted([slot], [len(tokens)])
-        return out.logits[0, len(tokens) - 1]
+        return self.commit_forward([slot], [tokens])[0][-1]
+
+    @torch.no_grad()
+    def commit_forward(self, slots: Sequence[int], token_lists: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Append and commit every row of each slot's tokens in one forward; returns per slot logits
+        [n_b, V]. The GDN layers run the chunked form (no per-row states, see _forward)."""
+        out = self._forward(slots, token_lists, commit_all=True)
+        self.gdn_fold_accepted(slots, [len(toks) for toks in token_lists])
+        return [out.logits[b, :len(toks)] for b, toks in enumerate(token_lists)]
 
     @torch.no_grad()
     def decode_batch(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
@@ -339,6 +437,8 @@ class HybridEngine:
             state.tokens.extend(pending.tokens[:n])
             state.seq_len = old + n
             self.hidden_history[slot, old:old + n] = pending.out.hidden[b, :n]
+            if self.dflash_features is not None and pending.features is not None:
+                self.dflash_features[slot, old:old + n] = pending.features[:n]
             for k in range(old // bs + 1, (old + n) // bs + 1):
                 state.boundary_states[k] = [(r.clone(), c.clone()) for r, c in
                                             (rows.row(b, k * bs - old - 1) for rows in pending.out.gdn_rows)]
@@ -353,7 +453,8 @@ class HybridEngine:
         """Set each slot's GDN state (every layer) to the state after its last accepted row (none: kept).
 
         One `fxsched.kernels.gdn_fold` call per (GDN layer, forward the pending rows come from), on the
-        forward's own per-row tensors: batch entry b keeps row accepted - 1 into its slot; entries
+        forward's own state tensors: batch entry b keeps row accepted - 1 (where that forward kept it,
+        GdnRows.index) into its slot; entries
         not committed here carry slot -1 (padding) and write nothing. The Triton kernel where
         kernel_paths allows it, `gdn_fold_reference` otherwise (both copy exactly).
         """
@@ -367,7 +468,7 @@ class HybridEngine:
                 groups[id(out)] = (out, [-1] * batch, [0] * batch)
             _, slot_ids, rows = groups[id(out)]
             slot_ids[pending.batch_index] = slot
-            rows[pending.batch_index] = n - 1
+            rows[pending.batch_index] = out.gdn_rows[0].index(n - 1) if out.gdn_rows else n - 1
         for out, slot_ids, rows in groups.values():
             slot_t = torch.tensor(slot_ids, dtype=torch.long, device=self.device)
             rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
@@ -397,11 +498,21 @@ class HybridEngine:
 
     @torch.no_grad()
     def mtp_propose(self, slots: Sequence[int], last_tokens: Sequence[int], num_drafts: int) -> list[list[int]]:
-        """num_drafts greedy MTP drafts per slot, continuing last_tokens[i] from the saved hidden."""
+        """num_drafts greedy MTP drafts per slot, continuing last_tokens[i] (the token after the slot's
+        committed ones). The internal head reads the saved hidden (save_hidden_for_mtp); a checkpoint's
+        MTP module reads the committed tokens and hidden rows, catching its own KV up first."""
         if self.mtp is None:
-            raise SlotError("this model has no MTP head (config mtp = false)")
+            raise SlotError("this model has no MTP head (config mtp = false, mtp_layers = 0)")
+        if len(slots) != len(last_tokens):
+            raise ValueError(f"{len(slots)} slots but {len(last_tokens)} last tokens")
+        states = [self._slot(slot) for slot in slots]
+        if isinstance(self.mtp, PublishedMtp):
+            for slot, state in zip(slots, states, strict=True):
+                if not state.seq_len:
+                    raise SlotError(f"slot {slot}: MTP proposals need a prefilled sequence")
+            return self.mtp.propose(slots, [s.tokens for s in states], self.hidden_history,
+                                    [int(t) for t in last_tokens], num_drafts).tolist()
         for slot in slots:
-            self._slot(slot)
             if not self._mtp_hidden_set[slot]:
                 raise SlotError(f"slot {slot}: no hidden saved for MTP (call save_hidden_for_mtp)")
         index = torch.tensor(list(slots), dtype=torch.long, device=self.device)
@@ -419,12 +530,31 @@ class HybridEngine:
 
     @torch.no_grad()
     def commit_ctx(self, slot: int, n: int) -> None:
-        """Extend the DFlash context of `slot` with the first n hidden rows of its last forward."""
+        """Extend the DFlash context of `slot` with the first n rows of its last forward (hidden rows
+        for the internal drafter, context features for a checkpoint's drafter)."""
         drafter = self._require_dflash()
-        hidden = self.captured_hidden(slot)
-        if not 0 <= n <= hidden.shape[0]:
-            raise ValueError(f"slot {slot}: cannot commit {n} of {hidden.shape[0]} captured hidden rows")
-        drafter.append(slot, hidden[:n])
+        rows = self.captured_hidden(slot)
+        if isinstance(drafter, PublishedDFlash):
+            features = self._captured_features[slot]
+            assert features is not None  # every forward of an engine with this drafter records them
+            rows = features
+        if not 0 <= n <= rows.shape[0]:
+            raise ValueError(f"slot {slot}: cannot commit {n} of {rows.shape[0]} captured rows")
+        drafter.append(slot, rows[:n])
+
+    @torch.no_grad()
+    def ctx_extend(self, slot: int, upto: int) -> None:
+        """Extend the DFlash context of `slot` over committed positions [ctx_len, upto) (their hidden
+        rows, or context features for a checkpoint's drafter)."""
+        drafter = self._require_dflash()
+        state = self._slot(slot)
+        start = drafter.ctx_len[slot]
+        if not start <= upto <= state.seq_len:
+            raise ValueError(f"slot {slot}: cannot extend a DFlash context of {start} rows to {upto} "
+                             f"({state.seq_len} committed)")
+        history = self.dflash_features if isinstance(drafter, PublishedDFlash) else self.hidden_history
+        assert history is not None
+        drafter.append(slot, history[slot, start:upto])
 
     def trim_proposer_state(self, slot: int, n_drop: int) -> None:
         """Drop the last n_drop rows of the DFlash context of `slot`."""
@@ -436,9 +566,9 @@ class HybridEngine:
         self._slot(slot)
         return self._require_dflash().ctx_len[slot]
 
-    def _require_dflash(self) -> DFlashDrafter:
+    def _require_dflash(self) -> DFlashDrafter | PublishedDFlash:
         if self.dflash is None:
-            raise SlotError("this model has no DFlash drafter (config dflash_gamma = 0)")
+            raise SlotError("this model has no DFlash drafter (config dflash_gamma = 0, no draft model)")
         return self.dflash
 
     # ---- prefix cache -------------------------------------------------------------------------
@@ -458,6 +588,8 @@ class HybridEngine:
             entries.append(CachedBlock(key, state.block_table[i], state.adapter_id,
                                        tuple(state.tokens[i * bs:(i + 1) * bs]), snapshot,
                                        self.hidden_history[slot, i * bs:(i + 1) * bs].clone()))
+            if self.dflash_features is not None:  # side table: prefill reuses a block with its features
+                self._block_features[state.block_table[i]] = self.dflash_features[slot, i * bs:(i + 1) * bs].clone()
         return self.prefix.insert(entries)
 
     # ---- moving state -------------------------------------------------------------------------
@@ -472,10 +604,15 @@ class HybridEngine:
             self.dflash.move(slot_from, slot_to)
         n = state.seq_len
         self.hidden_history[slot_to, :n] = self.hidden_history[slot_from, :n]
+        if self.dflash_features is not None:
+            self.dflash_features[slot_to, :n] = self.dflash_features[slot_from, :n]
+        if isinstance(self.mtp, PublishedMtp):
+            self.mtp.move(slot_from, slot_to)
         self.mtp_hidden[slot_to] = self.mtp_hidden[slot_from]
         self._mtp_hidden_set[slot_to] = self._mtp_hidden_set[slot_from]
         self._pending[slot_to] = self._pending[slot_from]
         self._captured[slot_to] = self._captured[slot_from]
+        self._captured_features[slot_to] = self._captured_features[slot_from]
         self._clear_slot_tensors(slot_from)
 
     def save_sequence_state(self, slot: int, path: str | Path) -> None:
@@ -490,7 +627,7 @@ class HybridEngine:
         on freshly allocated blocks. Raises SpillError (file missing, truncated, corrupted or from an
         incompatible model) or OutOfBlocksError, in both cases without changing the engine."""
         meta, tensors = read_spill(path)
-        check_sequence(self.cfg, self.dflash is not None, path, meta, tensors)
+        check_sequence(self.cfg, self.dflash, path, meta, tensors)
         if not 0 <= slot < self.cfg.max_slots:
             raise SlotError(f"slot {slot} out of range [0, {self.cfg.max_slots})")
         state = self._slots[slot]

@@ -42,3 +42,14 @@ class SpillError(TorchModelError, ValueError):
         self.path = str(path)
         self.problem = problem
         super().__init__(f"spill file {self.path}: {problem}")
+
+
+class ModelDirError(TorchModelError, ValueError):
+    """A Hugging Face checkpoint directory cannot be loaded; str is ONE line naming the file and the defect
+    (missing directory or config.json, invalid JSON, unknown architecture, missing / unexpected /
+    mis-shaped tensor, unreadable shard)."""
+
+    def __init__(self, path: object, problem: str) -> None:
+        self.path = str(path)
+        self.problem = " ".join(str(problem).split())  # one line, whatever the cause's message held
+        super().__init__(f"{self.path}: {self.problem}")

@@ -1,9 +1,19 @@
 """Gated DeltaNet (linear attention with a delta-rule recurrent state) and its per-slot state cache.
 
-Recurrence per head (S is [Dk, Dv], k and q are L2-normalised):
+Recurrence per value head (S is [Dk, Dv], k and q are L2-normalised):
     S_t = a_t * S_{t-1} + b_t * k_t (v_t - k_t^T a_t S_{t-1})^T,   o_t = S_t^T q_t / sqrt(Dk)
 with decay a_t = exp(-exp(A_log) * softplus(x W_a + dt_bias)) and write strength b_t = sigmoid(x W_b).
-q, k, v first pass a causal depthwise short conv (width W) + SiLU, whose state is the last W-1 inputs.
+q, k, v first pass a causal depthwise short conv (width W) + SiLU, whose state is the last W-1 inputs;
+the conv channels are ordered q (Hk*Dk), k (Hk*Dk), v (Hv*Dv), as transformers' conv input.
+The output is o_proj(RMSNorm(o) * silu(x W_g)) per value head (a plain, not zero-centred, norm weight).
+
+Grouped value heads: q/k have Hk = gdn_num_heads heads, v, a, b, the gate and the state have
+Hv = cfg.gdn_v_heads (a multiple of Hk); value head j reads q/k head j // (Hv / Hk) -- q and k are
+repeated per value head (repeat_interleave) exactly as transformers' Qwen3-Next / Qwen3.5 do.
+
+Dtypes: projections and the conv input run in x's dtype (cfg.dtype); the conv, the normalisations,
+the decay and the recurrence compute in fp32; recurrent and conv states are stored in the state
+cache's dtype (cfg.dtype), outputs are cast back to x's dtype.
 
 Invariant: the forward never mutates the cache; it returns the state after *every* row, so a caller
 can keep the state after any accepted prefix (write-on-accept) without recomputation.
@@ -26,38 +36,57 @@ import torch.nn.functional as F
 from fxsched.kernels.gated_delta import gated_delta
 
 from .config import ModelConfig
+from .gdn_chunked import chunked_gated_delta
 from .kernel_paths import gdn_recurrence_kernel_applies
 from .ops import l2_normalize, linear, rms_norm
 
-GdnSnapshot = list[tuple[torch.Tensor, torch.Tensor]]  # per GDN layer: (recurrent [H,Dk,Dv], conv [C,W-1])
+GdnSnapshot = list[tuple[torch.Tensor, torch.Tensor]]  # per GDN layer: (recurrent [Hv,Dk,Dv], conv [C,W-1])
 
 
 @dataclass
 class GdnRows:
-    """Per-row states of one GDN layer forward over a batch [B, T].
+    """The recurrent and conv states of one GDN layer forward over a batch [B, T].
 
-    states [B, T, H, Dk, Dv]: states[:, t] is the recurrent state after row t; windows [B, C, T, W]
-    are the conv input windows, whose [..., 1:] slice is the conv state after each row.
+    windows [B, C, T, W] are the conv input windows of every row, whose [..., 1:] slice is the conv
+    state after each row. states [B, R, Hv, Dk, Dv] are recurrent states: after *every* row when
+    `rows` is None (R = T, a verify: any prefix may be accepted), else after the rows listed in
+    `rows` only (a forward that commits all its rows: the chunked prefill of gdn_chunked.py keeps
+    the block-boundary rows and each sequence's last row, never T states).
     """
 
     states: torch.Tensor
     windows: torch.Tensor
+    rows: tuple[int, ...] | None = None
+
+    def index(self, t: int) -> int:
+        """Where the state after row t sits in `states` (ValueError if that state was not kept)."""
+        if self.rows is None:
+            return t
+        try:
+            return self.rows.index(t)
+        except ValueError:
+            raise ValueError(f"the GDN state after row {t} was not kept by this forward "
+                             f"(kept rows {list(self.rows)})") from None
 
     def row(self, b: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(recurrent [H, Dk, Dv], conv [C, W-1]) of batch element b after row t (views)."""
-        return self.states[b, t], self.windows[b, :, t, 1:]
+        """(recurrent [Hv, Dk, Dv], conv [C, W-1]) of batch element b after row t (views)."""
+        return self.states[b, self.index(t)], self.windows[b, :, t, 1:]
 
     def conv_rows(self) -> torch.Tensor:
-        """Conv state after each row, [B, T, C, W-1] (a view), the `conv_rows` layout of `gdn_fold`."""
-        return self.windows[..., 1:].permute(0, 2, 1, 3)
+        """Conv state after each kept row, [B, R, C, W-1], the `conv_rows` layout of `gdn_fold`
+        (matching `states`: index it with `index(t)`)."""
+        conv = self.windows[..., 1:].permute(0, 2, 1, 3)
+        if self.rows is None:
+            return conv
+        return conv[:, list(self.rows)]
 
 
 class GdnStateCache:
-    """Per-slot GDN state of every GDN layer: recurrent [slots, H, Dk, Dv] and conv [slots, C, W-1]."""
+    """Per-slot GDN state of every GDN layer: recurrent [slots, Hv, Dk, Dv] and conv [slots, C, W-1]."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype = torch.float32) -> None:
         n = len(cfg.gdn_layers)
-        rec_shape = (cfg.max_slots, cfg.gdn_num_heads, cfg.gdn_key_dim, cfg.gdn_value_dim)
+        rec_shape = (cfg.max_slots, cfg.gdn_v_heads, cfg.gdn_key_dim, cfg.gdn_value_dim)
         conv_shape = (cfg.max_slots, cfg.gdn_conv_channels, cfg.conv_width - 1)
         self.recurrent = [torch.zeros(rec_shape, device=device, dtype=dtype) for _ in range(n)]
         self.conv = [torch.zeros(conv_shape, device=device, dtype=dtype) for _ in range(n)]
@@ -91,46 +120,59 @@ class GdnStateCache:
             conv[slot].copy_(c)
 
     def write_rows(self, layer: int, slots: torch.Tensor, recurrent: torch.Tensor, conv: torch.Tensor) -> None:
-        """Set layer `layer`'s state of each slot in slots [N] to recurrent [N,H,Dk,Dv] / conv [N,C,W-1]."""
+        """Set layer `layer`'s state of each slot in slots [N] to recurrent [N,Hv,Dk,Dv] / conv [N,C,W-1]."""
         self.recurrent[layer].index_copy_(0, slots, recurrent)
         self.conv[layer].index_copy_(0, slots, conv)
 
 
 def gdn_layer(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig,
-              state0: torch.Tensor, conv0: torch.Tensor) -> tuple[torch.Tensor, GdnRows]:
-    """One GDN layer over x [B, T, D] from initial states state0 [B,H,Dk,Dv], conv0 [B,C,W-1].
+              state0: torch.Tensor, conv0: torch.Tensor,
+              keep_rows: tuple[int, ...] | None = None) -> tuple[torch.Tensor, GdnRows]:
+    """One GDN layer over x [B, T, D] from initial states state0 [B,Hv,Dk,Dv], conv0 [B,C,W-1].
 
-    Returns (output [B, T, D], per-row states). Rows are processed strictly left to right, so for
-    right-padded batches the states of the valid rows do not depend on the padding.
+    Returns (output [B, T, D], states in state0's / conv0's dtype). keep_rows None: the state after
+    every row (the per-row loop or the Triton kernel); else the sorted rows whose states to keep, and
+    the recurrence runs in the chunked form (gdn_chunked.py) without materialising per-row states.
+    Rows are processed strictly left to right, so for right-padded batches the states of the valid
+    rows do not depend on the padding.
     """
     b, t, _ = x.shape
-    h, dk, dv, width = cfg.gdn_num_heads, cfg.gdn_key_dim, cfg.gdn_value_dim, cfg.conv_width
+    hk, hv, dk, dv, width = cfg.gdn_num_heads, cfg.gdn_v_heads, cfg.gdn_key_dim, cfg.gdn_value_dim, cfg.conv_width
     qkv = torch.cat([linear(x, w[f"{prefix}.q_proj"]), linear(x, w[f"{prefix}.k_proj"]),
                      linear(x, w[f"{prefix}.v_proj"])], dim=-1)  # [B, T, C]
-    conv_in = torch.cat([conv0, qkv.transpose(1, 2)], dim=2)  # [B, C, W-1+T]
+    conv_in = torch.cat([conv0, qkv.transpose(1, 2).to(conv0.dtype)], dim=2)  # [B, C, W-1+T]
     windows = conv_in.unfold(2, width, 1)  # [B, C, T, W]
-    mixed = F.silu((windows * w[f"{prefix}.conv"][None, :, None, :]).sum(-1)).transpose(1, 2)  # [B, T, C]
-    q, k, v = torch.split(mixed, [h * dk, h * dk, h * dv], dim=-1)
-    q = l2_normalize(q.reshape(b, t, h, dk)) * dk ** -0.5
-    k = l2_normalize(k.reshape(b, t, h, dk))
-    v = v.reshape(b, t, h, dv)
-    beta = torch.sigmoid(linear(x, w[f"{prefix}.b_proj"]))  # [B, T, H]
-    log_decay = -torch.exp(w[f"{prefix}.A_log"]) * F.softplus(linear(x, w[f"{prefix}.a_proj"])
-                                                               + w[f"{prefix}.dt_bias"])  # [B, T, H]
-    if gdn_recurrence_kernel_applies(q, k, v, log_decay, beta, state0):
-        o, states = gated_delta(q, k, v, log_decay, beta, state0, scale=1.0)  # [B,T,H,Dv], [B,T,H,Dk,Dv]
+    mixed = F.silu((windows.float() * w[f"{prefix}.conv"].float()[None, :, None, :]).sum(-1)).transpose(1, 2)
+    q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)  # fp32 [B, T, C] pieces
+    q = l2_normalize(q.reshape(b, t, hk, dk)) * dk ** -0.5
+    k = l2_normalize(k.reshape(b, t, hk, dk))
+    if hv != hk:  # grouped value heads: value head j reads q/k head j // (hv // hk)
+        q = q.repeat_interleave(hv // hk, dim=2)
+        k = k.repeat_interleave(hv // hk, dim=2)
+    v = v.reshape(b, t, hv, dv)
+    beta = torch.sigmoid(linear(x, w[f"{prefix}.b_proj"])).float()  # [B, T, Hv]
+    log_decay = -torch.exp(w[f"{prefix}.A_log"].float()) * F.softplus(
+        linear(x, w[f"{prefix}.a_proj"]).float() + w[f"{prefix}.dt_bias"].float())  # [B, T, Hv]
+    if keep_rows is not None:
+        o, _, kept = chunked_gated_delta(q, k, v, log_decay, beta, state0.float(), keep_rows=list(keep_rows))
+        assert kept is not None  # keep_rows given
+        states = kept.to(state0.dtype)
+    elif gdn_recurrence_kernel_applies(q, k, v, log_decay, beta, state0):
+        o, states = gated_delta(q, k, v, log_decay, beta, state0, scale=1.0)  # [B,T,Hv,Dv], [B,T,Hv,Dk,Dv]
     else:
         o, states = _recurrence(q, k, v, torch.exp(log_decay), beta, state0)
-    gate = F.silu(linear(x, w[f"{prefix}.g_proj"])).view(b, t, h, dv)
-    o = rms_norm(o, w[f"{prefix}.o_norm"], cfg.rms_norm_eps) * gate
-    return linear(o.reshape(b, t, h * dv), w[f"{prefix}.o_proj"]), GdnRows(states, windows)
+    gate = F.silu(linear(x, w[f"{prefix}.g_proj"])).view(b, t, hv, dv)
+    o = rms_norm(o.to(x.dtype), w[f"{prefix}.o_norm"], cfg.rms_norm_eps)
+    o = (o.float() * gate.float()).to(x.dtype)
+    return linear(o.reshape(b, t, hv * dv), w[f"{prefix}.o_proj"]), GdnRows(states, windows, keep_rows)
 
 
 def _recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
                 state0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch delta-rule loop: outputs [B, T, H, Dv] and the state after every row [B, T, H, Dk, Dv]."""
+    """Torch delta-rule loop in fp32: outputs [B, T, H, Dv] (fp32) and the state after every row
+    [B, T, H, Dk, Dv] (in state0's dtype)."""
     b, t, h, dk = k.shape
-    state = state0
+    state = state0.float()
     states = torch.empty(b, t, h, dk, v.shape[-1], dtype=state0.dtype, device=state0.device)
     outs: list[torch.Tensor] = []
     for i in range(t):

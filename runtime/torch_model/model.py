@@ -1,21 +1,40 @@
-"""The hybrid target model: embedding, GDN / paged-attention layers with SwiGLU MLPs, RMSNorm, LM head.
+"""The hybrid target model: embedding, GDN / paged-attention layers with dense or MoE feed-forwards,
+RMSNorm, LM head.
+
+Decoder layer i (pre-norm residual, as every supported family): h += mixer(norm(h)), then
+h += ffn(norm(h)), where mixer is GDN or attention by cfg.layer_pattern and ffn is a SwiGLU MLP or a
+sparse MoE by cfg.mlp_kind(i) (`mlp_block`). Logits = lm_head(final_norm(h)).
 
 Invariant: `HybridModel.forward` writes K/V for the valid rows of the batch into the paged cache
 but never touches the GDN state cache; it returns per-row GDN states for the caller to commit.
+
+Captured layers: `forward(..., capture_layers=(l, ...))` returns in ForwardOutput.layer_hidden[l]
+the residual stream right after decoder layer l (0-based; pre final norm), [B, T, D]. In
+transformers' `output_hidden_states` terms that is hidden_states[l + 1] (hidden_states[0] is the
+embedding output) -- except for the last layer, whose HF entry is already final-normed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .attention import attention_layer
 from .config import ModelConfig
 from .gdn import GdnRows, GdnStateCache, gdn_layer
+from .moe import sparse_moe
 from .ops import linear, rms_norm, swiglu_mlp
 from .paged_kv import PagedKVCache
 from .weights import Weights, check_weights
+
+
+def mlp_block(x: torch.Tensor, w: Weights, layer_prefix: str, cfg: ModelConfig, layer_index: int) -> torch.Tensor:
+    """Feed-forward of the layer under `layer_prefix` (e.g. "layers.3" or "mtp.layers.0") on x [..., D]:
+    `{layer_prefix}.mlp` SwiGLU or `{layer_prefix}.moe` sparse MoE, by cfg.mlp_kind(layer_index)."""
+    if cfg.mlp_kind(layer_index) == "moe":
+        return sparse_moe(x, w, f"{layer_prefix}.moe", cfg)
+    return swiglu_mlp(x, w, f"{layer_prefix}.mlp")
 
 
 @dataclass
@@ -25,7 +44,9 @@ class RowBatch:
     valid [B, T] marks real rows; write_index [N] holds the flat KV-cache index of each valid row in
     row-major order; block_tables [B, nb] map positions to blocks; slots [B] pick GDN state rows.
     uniform promises that every row is valid (all B sequences have T rows): attention may then take
-    the paged Triton kernels (see kernel_paths.py).
+    the paged Triton kernels (see kernel_paths.py). gdn_keep_rows None asks the GDN layers for the
+    state after every row (a verify); a sorted tuple of rows asks for those states only (a forward
+    whose rows are all committed: gdn_layer then takes the chunked form).
     """
 
     tokens: torch.Tensor
@@ -35,15 +56,18 @@ class RowBatch:
     block_tables: torch.Tensor
     slots: torch.Tensor
     uniform: bool = False
+    gdn_keep_rows: tuple[int, ...] | None = None
 
 
 @dataclass
 class ForwardOutput:
-    """hidden [B, T, D] (pre final norm), logits [B, T, V], and per GDN layer the per-row states."""
+    """hidden [B, T, D] (pre final norm), logits [B, T, V], per GDN layer the per-row states, and the
+    residual stream after each requested decoder layer (see the module docstring)."""
 
     hidden: torch.Tensor
     logits: torch.Tensor
     gdn_rows: list[GdnRows]
+    layer_hidden: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class HybridModel:
@@ -62,28 +86,37 @@ class HybridModel:
         """Logits [..., V] of pre-norm hidden states [..., D] (final RMSNorm then LM head)."""
         return linear(rms_norm(hidden, self.w["final_norm"], self.cfg.rms_norm_eps), self.w["lm_head"])
 
-    def forward(self, batch: RowBatch, kv: PagedKVCache, gdn: GdnStateCache) -> ForwardOutput:
-        """Run all layers over `batch`; K/V of valid rows land in `kv`, GDN states are only returned."""
+    def forward(self, batch: RowBatch, kv: PagedKVCache, gdn: GdnStateCache,
+                capture_layers: tuple[int, ...] = ()) -> ForwardOutput:
+        """Run all layers over `batch`; K/V of valid rows land in `kv`, GDN states are only returned.
+
+        capture_layers: decoder layer ids (0-based) whose output hidden states to return in
+        ForwardOutput.layer_hidden; each must be in [0, num_layers).
+        """
         cfg, w = self.cfg, self.w
+        bad = [i for i in capture_layers if not 0 <= i < cfg.num_layers]
+        if bad:
+            raise ValueError(f"capture_layers {bad} outside [0, num_layers={cfg.num_layers})")
         h = self.embed(batch.tokens)
         gdn_rows: list[GdnRows] = []
+        layer_hidden: dict[int, torch.Tensor] = {}
         gdn_index = attn_index = 0
         for i, kind in enumerate(cfg.layer_pattern):
             x = rms_norm(h, w[f"layers.{i}.input_norm"], cfg.rms_norm_eps)
             if kind == "gdn":
                 out, rows = gdn_layer(x, w, f"layers.{i}.gdn", cfg,
                                       gdn.recurrent[gdn_index].index_select(0, batch.slots),
-                                      gdn.conv[gdn_index].index_select(0, batch.slots))
+                                      gdn.conv[gdn_index].index_select(0, batch.slots), batch.gdn_keep_rows)
                 gdn_rows.append(rows)
                 gdn_index += 1
             else:
-                out = attention_layer(x, w, f"layers.{i}.attn", num_heads=cfg.num_attention_heads,
-                                      num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                                      rope_theta=cfg.rope_theta, cache=kv, cache_layer=attn_index,
+                out = attention_layer(x, w, f"layers.{i}.attn", cfg=cfg, cache=kv, cache_layer=attn_index,
                                       positions=batch.positions, valid=batch.valid,
                                       write_index=batch.write_index, block_tables=batch.block_tables,
                                       uniform=batch.uniform)
                 attn_index += 1
             h = h + out
-            h = h + swiglu_mlp(rms_norm(h, w[f"layers.{i}.post_norm"], cfg.rms_norm_eps), w, f"layers.{i}.mlp")
-        return ForwardOutput(hidden=h, logits=self.lm_head(h), gdn_rows=gdn_rows)
+            h = h + mlp_block(rms_norm(h, w[f"layers.{i}.post_norm"], cfg.rms_norm_eps), w, f"layers.{i}", cfg, i)
+            if i in capture_layers:
+                layer_hidden[i] = h
+        return ForwardOutput(hidden=h, logits=self.lm_head(h), gdn_rows=gdn_rows, layer_hidden=layer_hidden)

@@ -1,4 +1,9 @@
-"""Stateless tensor building blocks shared by the target model and the drafters (fp32)."""
+"""Stateless tensor building blocks shared by the target model and the drafters.
+
+Dtype rule: matrices and activations are in cfg.dtype (float32 for the internal model); the
+normalisations compute in fp32 and cast back to the input's dtype, as transformers does. For
+float32 inputs every function here is exactly the plain fp32 formula (the casts are no-ops).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +12,13 @@ import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / rms(x) * weight over the last dim; shape preserved."""
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    """x / rms(x) * weight over the last dim, computed in fp32 and cast back to x's dtype.
+
+    `weight` is a plain multiplicative weight (zero-centred checkpoint norms were converted to
+    1 + w at load, see hf_checkpoint.py), so this is the only RMSNorm the forward needs.
+    """
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -23,5 +33,5 @@ def swiglu_mlp(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str) -> torc
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """x scaled to unit L2 norm over the last dim."""
+    """x scaled to unit L2 norm over the last dim (x * rsqrt(sum(x^2) + eps), as fla/transformers)."""
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)

@@ -2,7 +2,9 @@
 
 What is saved: the K/V of the slot's blocks, the GDN state and its block-boundary snapshots, the
 target hidden rows, tokens, seq_len, adapter id, the MTP conditioning hidden and the DFlash
-context. Pending (uncommitted) verify rows are not saved.
+context (with a checkpoint's DFlash drafter also the committed context features `dflash_features`).
+Pending (uncommitted) verify rows are not saved, nor is a checkpoint MTP module's K/V cache: it is
+derived state, rebuilt from the tokens and hidden rows at the slot's next proposal.
 
 Invariant: import_sequence(export_sequence(slot)) into an empty slot of an engine with the same
 model config (pool sizes may differ) reproduces the slot exactly, on fresh blocks.
@@ -18,7 +20,9 @@ import torch
 from .config import ModelConfig
 from .errors import SpillError
 from .gdn import GdnSnapshot
+from .hf_drafters import PublishedDFlash, PublishedMtp
 from .paged_kv import blocks_for
+from .weights import torch_dtype
 
 if TYPE_CHECKING:
     from .engine import HybridEngine
@@ -52,15 +56,18 @@ def export_sequence(engine: "HybridEngine", slot: int) -> tuple[dict[str, Any], 
         tensors["mtp_hidden"] = engine.mtp_hidden[slot]
     if engine.dflash is not None:
         tensors.update(engine.dflash.export(slot))
+    if engine.dflash_features is not None:
+        tensors["dflash_features"] = engine.dflash_features[slot, :state.seq_len]
     meta = {"format": SPILL_FORMAT, "config": state_signature(engine.cfg), "seq_len": state.seq_len,
             "tokens": state.tokens, "adapter_id": state.adapter_id, "num_blocks": nb,
             "boundaries": sorted(state.boundary_states), "mtp_hidden": has_mtp_hidden}
     return meta, tensors
 
 
-def check_sequence(cfg: ModelConfig, has_dflash: bool, path: str | Path, meta: Any,
+def check_sequence(cfg: ModelConfig, dflash: Any, path: str | Path, meta: Any,
                    tensors: dict[str, torch.Tensor]) -> None:
-    """Raise SpillError (naming `path`) unless meta/tensors form a sequence this engine can import."""
+    """Raise SpillError (naming `path`) unless meta/tensors form a sequence this engine can import
+    (`dflash`: the engine's DFlash drafter, internal or a checkpoint's, or None)."""
     if not isinstance(meta, dict) or meta.get("format") != SPILL_FORMAT:
         found = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
         raise SpillError(path, f"not a sequence spill (format {found!r}, expected {SPILL_FORMAT!r})")
@@ -84,21 +91,27 @@ def check_sequence(cfg: ModelConfig, has_dflash: bool, path: str | Path, meta: A
         expected[f"kv_k.{a}"] = expected[f"kv_v.{a}"] = (nb, cfg.block_size, hkv, dh)
     for k in [0, *boundaries]:
         for i in range(len(cfg.gdn_layers)):
-            expected[f"gdn.{k}.recurrent.{i}"] = (cfg.gdn_num_heads, cfg.gdn_key_dim, cfg.gdn_value_dim)
+            expected[f"gdn.{k}.recurrent.{i}"] = (cfg.gdn_v_heads, cfg.gdn_key_dim, cfg.gdn_value_dim)
             expected[f"gdn.{k}.conv.{i}"] = (cfg.gdn_conv_channels, cfg.conv_width - 1)
     if meta["mtp_hidden"]:
         expected["mtp_hidden"] = (cfg.hidden_size,)
-    if has_dflash:
-        ctx = tensors.get("dflash_ctx_k.0")
-        n = ctx.shape[0] if ctx is not None else -1
+    ctx = tensors.get("dflash_ctx_k.0")
+    n = ctx.shape[0] if ctx is not None else -1
+    ctx_dtype = torch.float32
+    if isinstance(dflash, PublishedDFlash):
+        expected.update(dflash.export_shapes(n))
+        expected["dflash_features"] = (seq_len, dflash.feature_size)
+        ctx_dtype = dflash.ctx_k[0].dtype
+    elif dflash is not None:
         for j in range(cfg.dflash_layers):
             expected[f"dflash_ctx_k.{j}"] = expected[f"dflash_ctx_v.{j}"] = (n, hkv, dh)
     got = {name: tuple(t.shape) for name, t in tensors.items()}
     if got != expected:
         wrong = sorted(n for n in set(got) | set(expected) if got.get(n) != expected.get(n))
         raise SpillError(path, f"tensors missing or mis-shaped for this engine: {wrong}")
-    if any(t.dtype != torch.float32 for t in tensors.values()):
-        raise SpillError(path, "tensors must be float32")
+    want = torch_dtype(cfg)
+    if any(t.dtype != (ctx_dtype if n.startswith("dflash_ctx") else want) for n, t in tensors.items()):
+        raise SpillError(path, f"tensors must be {cfg.dtype} (the model's dtype; DFlash context float32)")
 
 
 def import_sequence(engine: "HybridEngine", slot: int, blocks: list[int], meta: dict[str, Any],
@@ -125,3 +138,7 @@ def import_sequence(engine: "HybridEngine", slot: int, blocks: list[int], meta: 
         engine.set_mtp_hidden(slot, tensors["mtp_hidden"].to(dev))
     if engine.dflash is not None:
         engine.dflash.load(slot, {n: t.to(dev) for n, t in tensors.items() if n.startswith("dflash_ctx")})
+    if engine.dflash_features is not None:
+        engine.dflash_features[slot, :state.seq_len] = tensors["dflash_features"].to(dev)
+    if isinstance(engine.mtp, PublishedMtp):
+        engine.mtp.reset(slot)  # a checkpoint MTP module's K/V: rebuilt at the next proposal

@@ -1,0 +1,576 @@
+"""Drafters of published checkpoints: the MTP module of Qwen3-Next / Qwen3.5 and DFlash block drafters.
+
+Both are greedy and deterministic; their drafts only change speed, never the verified output.
+Positions and rows follow the engine's vocabulary: a slot's committed tokens t_0..t_{n-1} have
+target hidden rows h_0..h_{n-1} (h_i is the target's last hidden state after t_i, pre final
+norm), and the *anchor* x = t_n is the next token, known but not yet run by the target.
+
+PublishedMtp (the `mtp.*` weights of a hybrid checkpoint). Its row i (rope position i) reads the
+target's normed hidden state of position i and the embedding of token i+1:
+  z_i = fc(cat(embed_norm(E[t_{i+1}]), hidden_norm(final_norm(h_i)))),
+then its decoder layer (attention with its own K/V cache, MLP or MoE) and `mtp.final_norm`
+give m_i, and the target's lm_head(m_i) predicts t_{i+2}. Row n-1 reads the anchor x and gives
+draft d_1; draft d_k (k >= 2) comes from row n+k-2 with inputs (E[d_{k-1}], m_{n+k-3}): the
+module's own normed output is fed back, as vLLM's MTP proposer does. Invariants per slot:
+  * rows [0, valid) of the MTP K/V cache were computed from committed hidden rows, and row i used
+    token row_tokens[i]; a proposal recomputes from the first row whose token differs from the
+    one it needs (t_{i+1}, or x for row n-1), and always recomputes row n-1;
+  * rows >= valid (the draft chain's rows, or rows past a rejected branch) are stale and are
+    overwritten; after a proposal valid = n.
+  The cache is derived state: a spill does not save it (it is rebuilt from tokens and hidden rows).
+
+PublishedDFlash (a `--draft-model DIR` in the public DFlash format, see `load_dflash_drafter`).
+The context of a slot is the sequence of its committed positions' *features*
+hidden_norm(fc(cat(target layer outputs at target_layer_ids))) (the output of target layer l;
+for the last layer the normed final hidden state, as transformers' `hidden_states[l + 1]`).
+Each drafter layer keeps per slot the K/V of the context rows (k_norm(k_proj(feature)) roped at
+the row's position, v_proj(feature); no input norm). A proposal runs one block forward over
+[anchor, mask x (block_size - 1)] at positions ctx_len.. : the block's rows attend to the whole
+context and (non-causally, unless the config says causal) to each other, the block's own K/V are
+never stored, and the last block_size - 1 rows give the drafts through `norm` and the lm_head.
+Invariant: the context of a slot holds exactly ctx_len(slot) rows, appended by `append`, dropped
+by `trim`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from .attention import apply_rope, attention_out, attention_qkv, masked_attention
+from .config import ModelConfig
+from .errors import ModelDirError
+from .model import mlp_block
+from .ops import linear, rms_norm, swiglu_mlp
+
+Weights = dict[str, torch.Tensor]
+
+DFLASH_ARCHITECTURES = ("DFlashDraftModel",)
+DEFAULT_BLOCK_SIZE = 16  # z-lab's default when neither dflash_config nor the top level name one
+DEFAULT_DRAFT_ROPE_THETA = 1_000_000.0  # vLLM's default for DFlash drafters without a rope theta
+MTP_MAX_DRAFTS = 16  # most drafts one MTP proposal chains (rows past max_seq_len its cache holds)
+
+
+# ==========================================================================================
+# MTP
+# ==========================================================================================
+
+
+class PublishedMtp:
+    """The published MTP module over canonical `mtp.*` weights, with its own per-slot K/V cache.
+
+    See the module docstring for the rows it computes and the cache invariants. Only one MTP layer
+    is supported (every published Qwen3-Next / Qwen3.5 checkpoint has one); vLLM would use layer
+    k % mtp_layers for draft k, which needs a K/V history per layer that no catch-up provides.
+    """
+
+    LAYER = "mtp.layers.0"
+
+    def __init__(self, cfg: ModelConfig, w: Weights, device: str | torch.device = "cpu") -> None:
+        if cfg.mtp_layers != 1:
+            raise ValueError(f"published MTP needs exactly one MTP layer, the config has mtp_layers={cfg.mtp_layers}")
+        self.cfg, self.w = cfg, w
+        dtype = w["mtp.fc"].dtype
+        shape = (cfg.max_slots, cfg.max_seq_len + MTP_MAX_DRAFTS, cfg.num_kv_heads, cfg.head_dim)
+        self.k_cache = torch.zeros(shape, device=device, dtype=dtype)
+        self.v_cache = torch.zeros(shape, device=device, dtype=dtype)
+        self.valid = [0] * cfg.max_slots
+        self.row_tokens: list[list[int]] = [[] for _ in range(cfg.max_slots)]
+
+    # ---- per-slot state ------------------------------------------------------------------------
+    def reset(self, slot: int) -> None:
+        """Forget every row of `slot` (a new sequence, or a restored one)."""
+        self.valid[slot] = 0
+        self.row_tokens[slot] = []
+
+    def move(self, src: int, dst: int) -> None:
+        """Move the valid rows of slot src to slot dst; src becomes empty."""
+        n = self.valid[src]
+        self.k_cache[dst, :n] = self.k_cache[src, :n]
+        self.v_cache[dst, :n] = self.v_cache[src, :n]
+        self.valid[dst], self.row_tokens[dst] = n, self.row_tokens[src]
+        self.reset(src)
+
+    def valid_rows(self, slot: int) -> int:
+        """Rows of `slot` whose K/V come from committed hidden rows (see the module docstring)."""
+        return self.valid[slot]
+
+    # ---- the module ----------------------------------------------------------------------------
+    def _rows(self, slot_index: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor,
+              positions: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        """Run rows (tokens [B, T], conditioning hidden [B, T, D] already normed as the module
+        takes it, at positions [B, T]); K/V of the live rows [B, T] are written to the cache before
+        attending (causally, over the slot's rows 0..position). Returns the normed outputs [B, T, D]."""
+        cfg, w, eps, p = self.cfg, self.w, self.cfg.rms_norm_eps, self.LAYER
+        z = linear(torch.cat([rms_norm(w["embed"][tokens], w["mtp.embed_norm"], eps),
+                              rms_norm(hidden, w["mtp.hidden_norm"], eps)], dim=-1), w["mtp.fc"])
+        q, k, v, gate = attention_qkv(rms_norm(z, w[f"{p}.input_norm"], eps), w, f"{p}.attn", cfg, positions)
+        rows = slot_index[:, None].expand_as(positions)
+        self.k_cache[rows[live], positions[live]] = k[live].to(self.k_cache.dtype)
+        self.v_cache[rows[live], positions[live]] = v[live].to(self.v_cache.dtype)
+        span = int(positions.max()) + 1
+        allowed = torch.arange(span, device=positions.device)[None, None, :] <= positions[:, :, None]
+        attn = masked_attention(q, self.k_cache[slot_index, :span], self.v_cache[slot_index, :span], allowed)
+        h = z + attention_out(attn, gate, w, f"{p}.attn")
+        x = rms_norm(h, w[f"{p}.post_norm"], eps)
+        h = h + mlp_block(x, w, p, cfg, 0)
+        return rms_norm(h, w["mtp.final_norm"], eps)
+
+    def _logits(self, m: torch.Tensor) -> torch.Tensor:
+        return linear(m, self.w["lm_head"])
+
+    def propose(self, slots: Sequence[int], committed: Sequence[Sequence[int]], hidden_history: torch.Tensor,
+                last_tokens: Sequence[int], num_drafts: int) -> torch.Tensor:
+        """Drafts [B, num_drafts] (see `propose_logits`)."""
+        return self.propose_logits(slots, committed, hidden_history, last_tokens, num_drafts).argmax(-1)
+
+    def propose_logits(self, slots: Sequence[int], committed: Sequence[Sequence[int]],
+                       hidden_history: torch.Tensor, last_tokens: Sequence[int], num_drafts: int) -> torch.Tensor:
+        """Draft logits [B, num_drafts, V] for `slots` (each draft is the argmax of its row and feeds
+        the next): committed[b] are the slot's committed tokens (n_b >= 1 of them),
+        hidden_history[slot, :n_b] their target hidden rows (pre final norm), last_tokens[b] the anchor.
+
+        Catch-up first: the rows from the first one whose token is not the needed one (and at
+        least row n_b - 1) are recomputed in one batched forward; then each further draft is one
+        row per slot, whose K/V land past the committed rows (stale afterwards).
+        """
+        cfg, w, eps = self.cfg, self.w, self.cfg.rms_norm_eps
+        device = hidden_history.device
+        b = len(slots)
+        if not 0 <= num_drafts <= MTP_MAX_DRAFTS:
+            raise ValueError(f"MTP proposals chain 0..{MTP_MAX_DRAFTS} drafts, not {num_drafts}")
+        if b == 0 or num_drafts == 0:
+            return torch.zeros((b, num_drafts, cfg.vocab_size), device=device)
+        lens, firsts, needs = [], [], []
+        for slot, toks, x in zip(slots, committed, last_tokens, strict=True):
+            n = len(toks)
+            if n < 1:
+                raise ValueError(f"slot {slot}: MTP needs at least one committed token")
+            need = [int(t) for t in toks[1:]] + [int(x)]
+            have = self.row_tokens[slot][:self.valid[slot]]
+            j = next((i for i, (a, c) in enumerate(zip(have, need[:len(have)], strict=False)) if a != c),
+                     min(len(have), n))
+            lens.append(n)
+            firsts.append(min(j, n - 1))
+            needs.append(need)
+        t = max(n - j for n, j in zip(lens, firsts, strict=True))
+        tokens = torch.zeros(b, t, dtype=torch.long)
+        positions = torch.zeros(b, t, dtype=torch.long)
+        live = torch.zeros(b, t, dtype=torch.bool)
+        hidden = torch.zeros(b, t, cfg.hidden_size, dtype=hidden_history.dtype, device=device)
+        for i, (slot, n, j, need) in enumerate(zip(slots, lens, firsts, needs, strict=True)):
+            tokens[i, :n - j] = torch.tensor(need[j:])
+            positions[i, :n - j] = torch.arange(j, n)
+            live[i, :n - j] = True
+            hidden[i, :n - j] = hidden_history[slot, j:n]
+        slot_index = torch.tensor(list(slots), dtype=torch.long, device=device)
+        tokens, positions, live = tokens.to(device), positions.to(device), live.to(device)
+        out = self._rows(slot_index, tokens, rms_norm(hidden, w["final_norm"], eps), positions, live)
+        for slot, n, j, need in zip(slots, lens, firsts, needs, strict=True):
+            self.row_tokens[slot] = self.row_tokens[slot][:j] + need[j:]
+            self.valid[slot] = n
+        last = torch.tensor([n - j - 1 for n, j in zip(lens, firsts, strict=True)], device=device)
+        m = out[torch.arange(b, device=device), last]  # [B, D]: output of row n - 1
+        pos = torch.tensor(lens, dtype=torch.long, device=device) - 1
+        all_logits = [self._logits(m)]
+        drafts = [all_logits[-1].argmax(-1)]
+        every = torch.ones(b, 1, dtype=torch.bool, device=device)
+        for _ in range(num_drafts - 1):
+            pos = pos + 1
+            m = self._rows(slot_index, drafts[-1][:, None], m[:, None], pos[:, None], every)[:, 0]
+            all_logits.append(self._logits(m))
+            drafts.append(all_logits[-1].argmax(-1))
+        return torch.stack(all_logits, dim=1)
+
+
+# ==========================================================================================
+# DFlash: the drafter's config and weights
+# ==========================================================================================
+
+
+@dataclass(frozen=True)
+class DFlashSpec:
+    """What a DFlash drafter directory declares (config.json), validated against the target."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    block_size: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    causal: bool
+    attention_bias: bool
+    input_embedding_scale: float = 1.0
+
+    @property
+    def gamma(self) -> int:
+        """Drafts per block forward: block_size - 1."""
+        return self.block_size - 1
+
+
+def _bad(path: Path, problem: str) -> ModelDirError:
+    return ModelDirError(str(path), problem)
+
+
+def _read_config(draft_dir: Path) -> dict[str, Any]:
+    if not draft_dir.is_dir():
+        raise _bad(draft_dir, "not a directory (expected a DFlash drafter directory with config.json)")
+    path = draft_dir / "config.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise _bad(draft_dir, "no config.json (expected a DFlash drafter directory)") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise _bad(path, f"unreadable ({err.__class__.__name__}: {err})") from None
+    except json.JSONDecodeError as err:
+        raise _bad(path, f"not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise _bad(path, "expected a JSON object")
+    return data
+
+
+def _int(path: Path, data: Mapping[str, Any], name: str, default: int | None = None, minimum: int = 1) -> int:
+    value = data.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise _bad(path, f"field '{name}': expected an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _float(path: Path, data: Mapping[str, Any], name: str, default: float) -> float:
+    value = data.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise _bad(path, f"field '{name}': expected a positive number, got {value!r}")
+    return float(value)
+
+
+def parse_dflash_config(draft_dir: Path, data: Mapping[str, Any], target_num_layers: int,
+                        target_hidden: int, target_vocab: int) -> DFlashSpec:
+    """Validate a drafter config.json (public DFlash format) against the target model."""
+    path = draft_dir / "config.json"
+    archs = data.get("architectures")
+    if archs is not None and (not isinstance(archs, list) or not any(a in DFLASH_ARCHITECTURES for a in archs)):
+        raise _bad(path, f"architectures {archs!r} is not a DFlash drafter (expected one of {list(DFLASH_ARCHITECTURES)})")
+    extra = data.get("dflash_config", {})
+    if not isinstance(extra, dict):
+        raise _bad(path, f"field 'dflash_config': expected an object, got {extra!r}")
+    merged = {**data, **extra}  # z-lab reads dflash_config first, then the top level
+    for name in ("conv_kernel_size", "selector_rank", "selector_top_k"):
+        if name in merged:
+            raise _bad(path, f"field '{name}': DFlash2 drafters (dynamic convolutions, candidate selector) "
+                             f"are not supported")
+    layer_types = data.get("layer_types")
+    if layer_types is not None and any(t != "full_attention" for t in layer_types):
+        raise _bad(path, f"field 'layer_types': only full_attention drafter layers are supported, got {layer_types!r}")
+    if merged.get("use_swa"):
+        raise _bad(path, "field 'use_swa': sliding-window drafter layers are not supported")
+    act = data.get("hidden_act", "silu")
+    if act != "silu":
+        raise _bad(path, f"field 'hidden_act': only 'silu' is supported, got {act!r}")
+    rope = data.get("rope_parameters") or data.get("rope_scaling") or {}
+    if not isinstance(rope, dict):
+        raise _bad(path, f"field 'rope_parameters': expected an object, got {rope!r}")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in (None, "default"):
+        raise _bad(path, f"field 'rope_parameters': rope type {rope_type!r} is not supported (only 'default')")
+    theta = rope.get("rope_theta", data.get("rope_theta", DEFAULT_DRAFT_ROPE_THETA))
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise _bad(path, f"field 'rope_theta': expected a positive number, got {theta!r}")
+    if "target_layer_ids" not in merged:
+        raise _bad(path, "no dflash_config.target_layer_ids (which target layers feed the drafter)")
+    ids = merged["target_layer_ids"]
+    if (not isinstance(ids, list) or not ids
+            or any(isinstance(i, bool) or not isinstance(i, int) for i in ids)):
+        raise _bad(path, f"field 'target_layer_ids': expected a non-empty list of integers, got {ids!r}")
+    outside = [i for i in ids if not 0 <= i < target_num_layers]
+    if outside:
+        raise _bad(path, f"field 'target_layer_ids': layers {outside} are outside the target's "
+                         f"{target_num_layers} layers [0, {target_num_layers})")
+    if "mask_token_id" not in merged:
+        raise _bad(path, "no dflash_config.mask_token_id (the token of the block's masked rows)")
+    mask = merged["mask_token_id"]
+    if isinstance(mask, bool) or not isinstance(mask, int) or not 0 <= mask < target_vocab:
+        raise _bad(path, f"field 'mask_token_id': expected a token id in [0, {target_vocab}), got {mask!r}")
+    hidden = _int(path, data, "hidden_size")
+    if hidden != target_hidden:
+        raise _bad(path, f"field 'hidden_size': the drafter's {hidden} differs from the target's {target_hidden}")
+    target_hidden_decl = data.get("target_hidden_size", target_hidden)
+    if target_hidden_decl != target_hidden:
+        raise _bad(path, f"field 'target_hidden_size': {target_hidden_decl!r} differs from the target's {target_hidden}")
+    vocab = data.get("vocab_size", target_vocab)
+    if vocab != target_vocab:
+        raise _bad(path, f"field 'vocab_size': the drafter's {vocab!r} differs from the target's {target_vocab}")
+    heads = _int(path, data, "num_attention_heads")
+    kv_heads = _int(path, data, "num_key_value_heads", heads)
+    if heads % kv_heads:
+        raise _bad(path, f"field 'num_key_value_heads': {kv_heads} does not divide num_attention_heads={heads}")
+    head_dim = data.get("head_dim") or hidden // heads
+    head_dim = _int(path, {"head_dim": head_dim}, "head_dim")
+    if head_dim % 2:
+        raise _bad(path, f"field 'head_dim': expected an even integer (rotary pairs), got {head_dim}")
+    causal = data.get("is_causal")  # vLLM's order: is_causal, then dflash_config.causal, else non-causal
+    if causal is None:
+        causal = extra.get("causal", False)
+    if not isinstance(causal, bool):
+        raise _bad(path, f"field 'causal': expected a boolean, got {causal!r}")
+    bias = data.get("attention_bias", False)
+    if not isinstance(bias, bool):
+        raise _bad(path, f"field 'attention_bias': expected a boolean, got {bias!r}")
+    return DFlashSpec(
+        num_layers=_int(path, data, "num_hidden_layers"), hidden_size=hidden, num_heads=heads,
+        num_kv_heads=kv_heads, head_dim=head_dim, intermediate_size=_int(path, data, "intermediate_size"),
+        rms_norm_eps=_float(path, data, "rms_norm_eps", 1e-6), rope_theta=float(theta),
+        block_size=_int(path, merged, "block_size", DEFAULT_BLOCK_SIZE, minimum=2),
+        target_layer_ids=tuple(ids), mask_token_id=mask, causal=causal, attention_bias=bias,
+        input_embedding_scale=_float(path, merged, "input_embedding_scale", 1.0),
+    )
+
+
+def dflash_param_shapes(spec: DFlashSpec, num_target_features: int) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of the drafter's own tensors (Qwen3 layer names, without the `.weight` suffix)."""
+    d, hq, hkv, dh, inter = spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"fc": (d, num_target_features * d), "hidden_norm": (d,)}
+    for j in range(spec.num_layers):
+        p = f"layers.{j}"
+        shapes.update({
+            f"{p}.input_layernorm": (d,), f"{p}.post_attention_layernorm": (d,),
+            f"{p}.self_attn.q_proj": (hq * dh, d), f"{p}.self_attn.k_proj": (hkv * dh, d),
+            f"{p}.self_attn.v_proj": (hkv * dh, d), f"{p}.self_attn.o_proj": (d, hq * dh),
+            f"{p}.self_attn.q_norm": (dh,), f"{p}.self_attn.k_norm": (dh,),
+            f"{p}.mlp.gate_proj": (inter, d), f"{p}.mlp.up_proj": (inter, d), f"{p}.mlp.down_proj": (d, inter),
+        })
+        if spec.attention_bias:
+            shapes.update({f"{p}.self_attn.q_proj.bias": (hq * dh,), f"{p}.self_attn.k_proj.bias": (hkv * dh,),
+                           f"{p}.self_attn.v_proj.bias": (hkv * dh,), f"{p}.self_attn.o_proj.bias": (d,)})
+    shapes["norm"] = (d,)
+    return shapes
+
+
+def _read_safetensors(draft_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    index = draft_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+            raise _bad(index, f"not a safetensors index ({err.__class__.__name__}: {err})") from None
+        files = [draft_dir / s for s in shards]
+    else:
+        files = sorted(draft_dir.glob("*.safetensors"))
+    if not files:
+        raise _bad(draft_dir, "no *.safetensors weights")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            tensors.update(load_file(str(f)))
+        except (OSError, SafetensorError, ValueError) as err:
+            raise _bad(f, f"unreadable safetensors file ({err.__class__.__name__}: {err})") from None
+    return tensors
+
+
+def _canonical_drafter_names(raw: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop the `.weight` suffix (biases keep `.bias`) and a leading `model.`; skip rotary buffers."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in raw.items():
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        if name.startswith("model."):
+            name = name[len("model."):]
+        if name.endswith(".weight"):
+            name = name[:-len(".weight")]
+        out[name] = t
+    return out
+
+
+def load_dflash_drafter(draft_dir: str | Path, target_cfg: ModelConfig, target_weights: Weights,
+                        device: str | torch.device = "cpu") -> "PublishedDFlash":
+    """The drafter of a DFlash directory for the given target (its config and canonical weights).
+
+    The directory holds config.json (a Qwen3 config with `block_size`, `dflash_config:
+    {target_layer_ids, mask_token_id}`) and safetensors with `fc`, `hidden_norm`, `layers.*` (Qwen3
+    layer names) and `norm`; `embed_tokens` / `lm_head`, when present, replace the target's. Any
+    defect raises ModelDirError naming the directory (or file) and the problem.
+    """
+    draft_dir = Path(draft_dir)
+    data = _read_config(draft_dir)
+    spec = parse_dflash_config(draft_dir, data, target_cfg.num_layers, target_cfg.hidden_size, target_cfg.vocab_size)
+    tensors = _canonical_drafter_names(_read_safetensors(draft_dir))
+    own_embed = tensors.pop("embed_tokens", None)
+    own_head = tensors.pop("lm_head", None)
+    expected = dflash_param_shapes(spec, len(spec.target_layer_ids))
+    missing = sorted(set(expected) - set(tensors))
+    if missing:
+        shown = ", ".join(missing[:4]) + (f" (+{len(missing) - 4} more)" if len(missing) > 4 else "")
+        raise _bad(draft_dir, f"missing drafter tensors: {shown}")
+    extra = sorted(set(tensors) - set(expected))
+    if extra:
+        shown = ", ".join(extra[:4]) + (f" (+{len(extra) - 4} more)" if len(extra) > 4 else "")
+        raise _bad(draft_dir, f"unexpected tensors for a DFlash drafter: {shown}")
+    for name, shape in expected.items():
+        if tuple(tensors[name].shape) != shape:
+            got = tuple(tensors[name].shape)
+            if name == "fc":
+                raise _bad(draft_dir, f"tensor 'fc' has shape {list(got)}, expected {list(shape)} "
+                                      f"({len(spec.target_layer_ids)} target layers x hidden size {spec.hidden_size})")
+            raise _bad(draft_dir, f"tensor '{name}' has shape {list(got)}, expected {list(shape)}")
+    vd = (target_cfg.vocab_size, spec.hidden_size)
+    for name, t in (("embed_tokens", own_embed), ("lm_head", own_head)):
+        if t is not None and tuple(t.shape) != vd:
+            raise _bad(draft_dir, f"tensor '{name}' has shape {list(t.shape)}, expected {list(vd)}")
+    dtype = target_weights["embed"].dtype  # as the target's weights: 1-D tensors float32, matrices its dtype
+    w = {n: t.to(device=device, dtype=torch.float32 if t.dim() == 1 else dtype) for n, t in tensors.items()}
+    w["embed"] = own_embed.to(device=device, dtype=dtype) if own_embed is not None else target_weights["embed"]
+    w["lm_head"] = own_head.to(device=device, dtype=dtype) if own_head is not None else target_weights["lm_head"]
+    return PublishedDFlash(spec, w, target_cfg.max_slots, target_cfg.max_seq_len, device)
+
+
+# ==========================================================================================
+# DFlash: the drafter
+# ==========================================================================================
+
+
+class PublishedDFlash:
+    """A DFlash block drafter with its per-slot context K/V (see the module docstring)."""
+
+    def __init__(self, spec: DFlashSpec, w: Weights, max_slots: int, max_seq_len: int,
+                 device: str | torch.device = "cpu") -> None:
+        self.spec, self.w = spec, w
+        self.max_seq_len = max_seq_len
+        dtype = w["fc"].dtype
+        shape = (max_slots, max_seq_len, spec.num_kv_heads, spec.head_dim)
+        self.ctx_k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(spec.num_layers)]
+        self.ctx_v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(spec.num_layers)]
+        self.ctx_len = [0] * max_slots
+
+    @property
+    def gamma(self) -> int:
+        """Drafts per proposal (block_size - 1)."""
+        return self.spec.gamma
+
+    @property
+    def target_layer_ids(self) -> tuple[int, ...]:
+        return self.spec.target_layer_ids
+
+    @property
+    def feature_size(self) -> int:
+        """Width of one context feature row (the drafter's hidden size)."""
+        return self.spec.hidden_size
+
+    def features(self, layer_outputs: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Context features [..., D] of target layer outputs [..., D_target], one per target_layer_id."""
+        x = torch.cat(list(layer_outputs), dim=-1)
+        return rms_norm(linear(x, self.w["fc"]), self.w["hidden_norm"], self.spec.rms_norm_eps)
+
+    # ---- per-layer projections ----------------------------------------------------------------
+    def _proj(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        out = linear(x, self.w[name])
+        bias = self.w.get(f"{name}.bias")
+        return out + bias if bias is not None else out
+
+    def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.view(*x.shape[:-1], n, self.spec.head_dim)
+
+    def _kv(self, x: torch.Tensor, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        s, p = self.spec, f"layers.{layer}.self_attn"
+        k = rms_norm(self._heads(self._proj(x, f"{p}.k_proj"), s.num_kv_heads), self.w[f"{p}.k_norm"], s.rms_norm_eps)
+        return apply_rope(k, positions, s.rope_theta), self._heads(self._proj(x, f"{p}.v_proj"), s.num_kv_heads)
+
+    # ---- context -------------------------------------------------------------------------------
+    def append(self, slot: int, feats: torch.Tensor) -> None:
+        """Extend the context of `slot` with feature rows [n, D] (positions ctx_len.., in order)."""
+        n, start = feats.shape[0], self.ctx_len[slot]
+        if start + n > self.max_seq_len:
+            raise ValueError(f"DFlash context of slot {slot} would exceed max_seq_len={self.max_seq_len}")
+        if n == 0:
+            return
+        positions = torch.arange(start, start + n, device=feats.device)
+        feats = feats.to(self.ctx_k[0].dtype)
+        for j in range(self.spec.num_layers):
+            k, v = self._kv(feats, j, positions)
+            self.ctx_k[j][slot, start:start + n] = k
+            self.ctx_v[j][slot, start:start + n] = v
+        self.ctx_len[slot] = start + n
+
+    def trim(self, slot: int, n_drop: int) -> None:
+        """Drop the last n_drop context rows of `slot` (0 <= n_drop <= ctx_len)."""
+        if not 0 <= n_drop <= self.ctx_len[slot]:
+            raise ValueError(f"cannot drop {n_drop} of {self.ctx_len[slot]} DFlash context rows of slot {slot}")
+        self.ctx_len[slot] -= n_drop
+
+    def reset(self, slot: int) -> None:
+        """Empty the context of `slot`."""
+        self.ctx_len[slot] = 0
+
+    def move(self, src: int, dst: int) -> None:
+        """Move the context of slot src to slot dst; src becomes empty."""
+        n = self.ctx_len[src]
+        for cache in (*self.ctx_k, *self.ctx_v):
+            cache[dst, :n] = cache[src, :n]
+        self.ctx_len[dst], self.ctx_len[src] = n, 0
+
+    def export(self, slot: int) -> dict[str, torch.Tensor]:
+        """Copies of the context tensors of `slot` ([ctx_len, Hkv, Dh] per layer, K then V)."""
+        n = self.ctx_len[slot]
+        out = {f"dflash_ctx_k.{j}": self.ctx_k[j][slot, :n].clone() for j in range(self.spec.num_layers)}
+        out.update({f"dflash_ctx_v.{j}": self.ctx_v[j][slot, :n].clone() for j in range(self.spec.num_layers)})
+        return out
+
+    def export_shapes(self, n: int) -> dict[str, tuple[int, ...]]:
+        """Shapes `export` gives for a context of n rows."""
+        shape = (n, self.spec.num_kv_heads, self.spec.head_dim)
+        return {f"dflash_ctx_{kv}.{j}": shape for kv in "kv" for j in range(self.spec.num_layers)}
+
+    def load(self, slot: int, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Inverse of `export` (shapes already checked by the caller)."""
+        n = tensors["dflash_ctx_k.0"].shape[0]
+        for j in range(self.spec.num_layers):
+            self.ctx_k[j][slot, :n] = tensors[f"dflash_ctx_k.{j}"]
+            self.ctx_v[j][slot, :n] = tensors[f"dflash_ctx_v.{j}"]
+        self.ctx_len[slot] = n
+
+    # ---- proposals -----------------------------------------------------------------------------
+    def propose(self, slots: Sequence[int], last_tokens: torch.Tensor) -> torch.Tensor:
+        """Drafts [B, gamma] for `slots`, each continuing its context with its anchor last_tokens[b]."""
+        return self.propose_logits(slots, last_tokens).argmax(-1)
+
+    def propose_logits(self, slots: Sequence[int], last_tokens: torch.Tensor) -> torch.Tensor:
+        """The draft logits [B, gamma, V] behind `propose` (its drafts are their argmax)."""
+        s, w, eps = self.spec, self.w, self.spec.rms_norm_eps
+        device = last_tokens.device
+        b, t = len(slots), s.block_size
+        index = torch.tensor(list(slots), device=device, dtype=torch.long)
+        lens = torch.tensor([self.ctx_len[x] for x in slots], device=device, dtype=torch.long)
+        max_len = int(lens.max()) if b else 0
+        ids = torch.full((b, t), s.mask_token_id, dtype=torch.long, device=device)
+        ids[:, 0] = last_tokens
+        x = w["embed"][ids] * s.input_embedding_scale
+        positions = lens[:, None] + torch.arange(t, device=device)
+        ctx_ok = (torch.arange(max_len, device=device)[None] < lens[:, None])[:, None, :].expand(b, t, max_len)
+        block_ok = torch.ones(t, t, dtype=torch.bool, device=device)
+        if s.causal:
+            block_ok = torch.tril(block_ok)
+        allowed = torch.cat([ctx_ok, block_ok[None].expand(b, t, t)], dim=2)
+        for j in range(s.num_layers):
+            p = f"layers.{j}"
+            r = rms_norm(x, w[f"{p}.input_layernorm"], eps)
+            q = rms_norm(self._heads(self._proj(r, f"{p}.self_attn.q_proj"), s.num_heads),
+                         w[f"{p}.self_attn.q_norm"], eps)
+            q = apply_rope(q, positions, s.rope_theta)
+            k, v = self._kv(r, j, positions)
+            keys = torch.cat([self.ctx_k[j][index, :max_len], k], dim=1)
+            values = torch.cat([self.ctx_v[j][index, :max_len], v], dim=1)
+            attn = masked_attention(q, keys, values, allowed)
+            x = x + self._proj(attn.reshape(b, t, -1), f"{p}.self_attn.o_proj")
+            x = x + swiglu_mlp(rms_norm(x, w[f"{p}.post_attention_layernorm"], eps), w, f"{p}.mlp")
+        return linear(rms_norm(x[:, 1:], w["norm"], eps), w["lm_head"])
+
