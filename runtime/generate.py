@@ -15,12 +15,13 @@ Every mode is greedy and lossless: the tokens equal those of ``none``, token for
 
 Sampling (``SamplingOptions``, spec ``none`` only: the speculative steps verify greedily). Each
 request carries the run's ``temperature``, ``top_p``, ``top_k``, ``min_p`` and ``logprobs`` and its
-own seed, ``seed`` + its index (0, 1, ... in prompt order); a pick draws with that seed + the
-output length (specs/scheduler.md §5.11), so a seeded run repeats token for token. The torch
+own seed, ``seed`` + its index x ``REQUEST_SEED_STRIDE`` (2**20: requests' draws never share a
+seed for outputs shorter than a million tokens); a pick draws with that seed + the output length (specs/scheduler.md §5.11), so a seeded run repeats token for token. The torch
 device samples the rows (``TorchDevice.sample_rows``); with ``logprobs`` = k > 0 each generated
 token gets its logprob record (the chosen token's logprob and the k most likely ids, from
 ``TorchDevice.last_sample``, matched to requests by ``_LogprobWitness``) in
-``RequestResult.logprobs``. The defaults are greedy and change nothing.
+``RequestResult.logprobs``, one entry per token id; the first token's is None (a first token
+never carries a record, specs/scheduler.md §5.11). The defaults are greedy and change nothing.
 
 EOS. ``eos_ids`` (default: the model config's ``stop_ids``) go to the scheduler and the
 interpreter; ``()`` never stops early (``--ignore-eos``). The scheduler appends the EOS to a
@@ -70,6 +71,9 @@ class GenerateError(ValueError):
     """Bad input to a generation run; the message names the input and what is wrong."""
 
 
+REQUEST_SEED_STRIDE = 2**20  # request i of a run seeds its picks with seed + i * stride (+ output length)
+
+
 @dataclass(frozen=True)
 class SamplingOptions:
     """How every request of a run picks its tokens (see the module docstring). Out-of-range values
@@ -99,11 +103,11 @@ class SamplingOptions:
         return self.temperature == 0 and self.logprobs == 0
 
     def request(self, index: int, prompt: Seq[int], max_tokens: int) -> Request:
-        """The request of prompt ``index`` (0-based): id ``index + 1``, seed ``seed + index``."""
+        """The request of prompt ``index`` (0-based): id ``index + 1``, seed ``seed + index * REQUEST_SEED_STRIDE``."""
         try:
             return Request(id=index + 1, prompt=tuple(prompt), max_tokens=max_tokens, streaming=True,
                            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-                           seed=self.seed + index, top_logprobs=self.logprobs)
+                           seed=self.seed + index * REQUEST_SEED_STRIDE, top_logprobs=self.logprobs)
         except ValueError as err:
             raise GenerateError(str(err)) from None
 
@@ -233,7 +237,8 @@ class RequestResult:
     stop: Optional[str] = None  # the stop string that ended the request
     think_tokens: int = 0
     received: int = 0  # tokens the scheduler produced for it (past a stop string too)
-    logprobs: Optional[list[dict[str, Any]]] = None  # with SamplingOptions.logprobs: one record per token
+    # with SamplingOptions.logprobs: one entry per token (None for the first, which never has a record)
+    logprobs: Optional[list[Optional[dict[str, Any]]]] = None
 
     @property
     def finished(self) -> bool:
@@ -362,7 +367,7 @@ class _LogprobWitness(Observer):
 
     A sampled readback is the query that ends a batch; once the batch is carried out, the state's
     waiting record names its rows (``seq_ids`` of a decode or a mixed step, ``seq_id`` of a first
-    token), in the order of the sample's rows. Each row's record waits under its request until the
+    token, with its ``request`` for a whole prefill), in the order of the sample's rows. Each row's record waits under its request until the
     host takes that request's next token (``take``)."""
 
     def __init__(self, device: TorchDevice):
@@ -384,6 +389,9 @@ class _LogprobWitness(Observer):
             return
         request_of = {s.seq_id: s.request.id for s in state.active}
         request_of.update((e.seq_id, e.request.id) for e in state.prefilling)
+        request = getattr(waiting, "request", None)
+        if request is not None and rows:
+            request_of[rows[0]] = request.id
         for seq_id, record in zip(rows, sample.logprobs, strict=True):
             if record is not None and seq_id in request_of:
                 self.pending[request_of[seq_id]] = record
@@ -455,9 +463,9 @@ class GenerateHost(Host):
                 return
             result.tokens.append(token)
             if self.logprobs is not None:
-                record = self.logprobs.take(result.id, token)
-                if record is not None:
-                    result.logprobs = (result.logprobs or []) + [record]
+                if result.logprobs is None:
+                    result.logprobs = []
+                result.logprobs.append(self.logprobs.take(result.id, token))
             stream = self.streams.get(result.id)
             if stream is None:
                 continue

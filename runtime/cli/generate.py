@@ -23,7 +23,13 @@ and text are printed when it finishes. ``--json``: one JSON object per request a
 finishes (``RequestResult.to_json``: ``index``, ``token_ids``, ``text``, ``finish_reason``, the
 counters), then one summary object (``"summary": true``), and nothing else.
 
-Bad input (an empty or malformed prompt, a token id outside the vocabulary, a prompt longer than
+Sampling: greedy by default; ``--temperature T`` (> 0 samples), ``--top-p``, ``--top-k``,
+``--min-p`` and ``--seed S`` (request i draws with seed S + i, so a seeded run repeats) apply to
+every request, with ``--spec none``; ``--logprobs N`` adds each token's logprob and the N most
+likely ids to the ``--json`` records (``logprobs``: one entry per token id, null for the first
+token, which the scheduler picks without a record).
+
+Bad input (an out-of-range sampling value, an empty or malformed prompt, a token id outside the vocabulary, a prompt longer than
 the context, text for a model without a tokenizer, an unknown ``--spec``, ``--device cuda``
 without CUDA, a missing or unreadable weights file, model or tokenizer directory) exits 2 with one
 line on stderr naming the input and what is wrong.
@@ -67,7 +73,7 @@ def _add_model_arguments(p: argparse.ArgumentParser, what: str = "") -> None:
 def add_generate_command(sub) -> None:
     """Register ``generate`` (with its own ``func``) on an ``add_subparsers`` object."""
     p = sub.add_parser("generate", help="generate text or tokens with the torch model, scheduled by fxsched",
-                       description="Greedy generation through the scheduler on the internal hybrid torch model "
+                       description="Generation (greedy unless --temperature > 0) through the scheduler on the internal hybrid torch model "
                                    "or a Hugging Face checkpoint (--model). Prints each request's text (or token "
                                    "ids, for a model without a tokenizer) and a summary line.")
     p.add_argument("--prompt", help="prompt text (encoded with the model's tokenizer)")
@@ -86,6 +92,15 @@ def add_generate_command(sub) -> None:
                    help="requests running at once (default 1); fewer prompts are repeated to fill the batch")
     p.add_argument("--max-tokens", default="32", help="tokens to generate per request (default 32)")
     p.add_argument("--spec", default="none", help="speculation: none, mtp, dflash or ngram (default none)")
+    p.add_argument("--temperature", default="0", help="sampling temperature (default 0: greedy; > 0 needs --spec none)")
+    p.add_argument("--top-p", default="1", help="nucleus sampling: keep the most likely tokens up to this mass "
+                                                "(0 < p <= 1, default 1: off)")
+    p.add_argument("--top-k", default="0", help="keep the k most likely tokens (default 0: off)")
+    p.add_argument("--min-p", default="0", help="drop tokens below min-p x the most likely one's probability "
+                                                "(0..1, default 0: off)")
+    p.add_argument("--seed", default="0", help="sampling seed; request i uses seed + i (default 0)")
+    p.add_argument("--logprobs", default="0", metavar="N",
+                   help="with --json: each token's logprob and the N most likely ids (default 0: none)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     _add_model_arguments(p)
     p.add_argument("--threads", default=None, help="torch CPU threads (default 1: the model is tiny)")
@@ -126,6 +141,40 @@ def _int(value: str, name: str, low: int, high: Optional[int] = None) -> int:
         bound = f"between {low} and {high}" if high is not None else f"at least {low}"
         raise UsageError(f"{name} {value}: must be {bound}")
     return n
+
+
+def _float(value: str, name: str) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise UsageError(f"{name} {value}: not a number") from None
+
+
+def _sampling(args):
+    """The run's ``SamplingOptions`` from the sampling flags (their ranges: ``Request``'s checks)."""
+    from fxsched.runtime.generate import GenerateError, SamplingOptions
+
+    def given(name: str, default: str) -> str:
+        value = getattr(args, name, None)
+        return default if value is None else str(value)
+
+    seed_text = given("seed", "0")
+    try:
+        seed = int(seed_text)
+    except ValueError:
+        raise UsageError(f"--seed {seed_text}: not an integer") from None
+
+    try:
+        return SamplingOptions(
+            temperature=_float(given("temperature", "0"), "--temperature"),
+            top_p=_float(given("top_p", "1"), "--top-p"),
+            top_k=_int(given("top_k", "0"), "--top-k", 0),
+            min_p=_float(given("min_p", "0"), "--min-p"),
+            seed=seed,
+            logprobs=_int(given("logprobs", "0"), "--logprobs", 0),
+        )
+    except GenerateError as err:
+        raise UsageError(str(err)) from None
 
 
 def _torch_device(name: str) -> str:
@@ -387,6 +436,12 @@ def run_generate(args, out=None) -> int:
         raise UsageError(f"--spec {args.spec}: unknown speculation mode (choose from {', '.join(SPECS)})")
     max_tokens = _int(args.max_tokens, "--max-tokens", 1)
     batch = _int(args.batch, "--batch", 1)
+    sampling = _sampling(args)
+    if args.spec != "none" and not sampling.greedy:
+        what = f"--temperature {args.temperature}" if sampling.temperature > 0 else f"--logprobs {args.logprobs}"
+        raise UsageError(f"{what}: needs --spec none (the speculative modes verify greedily)")
+    if sampling.logprobs and not args.json:
+        raise UsageError(f"--logprobs {args.logprobs}: needs --json (the logprobs are written in its records)")
     _prompt_option(args)
     stops = tuple(getattr(args, "stop", None) or ())
     if any(not s for s in stops):
@@ -432,7 +487,7 @@ def run_generate(args, out=None) -> int:
         run = generate_function(args)
         result = run(engine, token_lists, max_tokens, args.spec, batch,
                      progress=bar.update if bar is not None else None, eos_ids=eos_ids, text=text,
-                     on_text=printer.on_text, on_finish=printer.on_finish)
+                     on_text=printer.on_text, on_finish=printer.on_finish, sampling=sampling)
     except GenerateError as err:
         raise UsageError(str(err)) from None
     finally:

@@ -13,7 +13,7 @@ import torch
 from .attention import apply_rope, masked_attention
 from .config import ModelConfig
 from .ops import linear, rms_norm, swiglu_mlp
-from .weights import Weights
+from .weights import Weights, torch_dtype
 
 
 class MtpHead:
@@ -59,8 +59,9 @@ class DFlashDrafter:
             raise ValueError("config has dflash_gamma = 0: the model has no DFlash drafter")
         self.cfg, self.w = cfg, w
         shape = (cfg.max_slots, cfg.max_seq_len, cfg.num_kv_heads, cfg.head_dim)
-        self.ctx_k = [torch.zeros(shape, device=device) for _ in range(cfg.dflash_layers)]
-        self.ctx_v = [torch.zeros(shape, device=device) for _ in range(cfg.dflash_layers)]
+        dtype = torch_dtype(cfg)  # the context holds projected K/V rows, in the model's dtype
+        self.ctx_k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.dflash_layers)]
+        self.ctx_v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.dflash_layers)]
         self.ctx_len = [0] * cfg.max_slots
 
     def _project(self, x: torch.Tensor, prefix: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
