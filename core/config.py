@@ -1,16 +1,48 @@
 """Configuration records: what the model can do and how the scheduler is set up.
 
-Both are fixed for a run; ``step`` reads them, never changes them.
+Both are fixed for a run; ``step`` reads them, never changes them. Sizes are checked when a
+record is made (a batch, a block, a vocabulary of at least 1, counts of at least 0, finite
+numbers): a value no run can work with raises ``ValueError`` naming the field.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import math
+from typing import Any, Optional
 
 import attrs
 
 from fxsched.core.kv import blocks_for
 from fxsched.effects.base import int_tuple
+
+
+def _at_least(low: int) -> Any:
+    """An attrs validator: an integer (never a bool) of at least ``low``."""
+
+    def check(instance: object, attribute: Any, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{type(instance).__name__}.{attribute.name} = {value!r}: must be an integer >= {low}")
+
+    return check
+
+
+def _optional_at_least(low: int) -> Any:
+    check = _at_least(low)
+
+    def optional(instance: object, attribute: Any, value: Any) -> None:
+        if value is not None:
+            check(instance, attribute, value)
+
+    return optional
+
+
+def _finite_at_least_zero(instance: object, attribute: Any, value: Any) -> None:
+    try:
+        good = not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    except (TypeError, OverflowError):  # not a number, or an integer too large for a float
+        good = False
+    if not good:
+        raise ValueError(f"{type(instance).__name__}.{attribute.name} = {value!r}: must be a finite number >= 0")
 
 
 SCRIPTED_EOS = 63
@@ -22,13 +54,13 @@ its last id): the one home of that number. A real model's end tokens come from i
 class ModelInfo:
     """Fixed answers of the device that record nothing (specs/recording-device.md §3.9)."""
 
-    vocab: int = 64
-    block_size: int = 16
-    total_blocks: int = 1000
+    vocab: int = attrs.field(default=64, validator=_at_least(1))
+    block_size: int = attrs.field(default=16, validator=_at_least(1))
+    total_blocks: int = attrs.field(default=1000, validator=_at_least(0))
     has_ssm_layers: bool = False
-    ring_slots: int = 0
+    ring_slots: int = attrs.field(default=0, validator=_at_least(0))
     has_proposer: bool = False
-    dflash_gamma: Optional[int] = None
+    dflash_gamma: Optional[int] = attrs.field(default=None, validator=_optional_at_least(1))
     has_self_speculative: bool = False
     supports_beam: bool = False
     supports_rollback: bool = True
@@ -43,19 +75,19 @@ class SchedulerConfig:
     """Scheduler settings (specs/runner.md §4.2, specs/scheduler.md §5.1)."""
 
     eos_ids: tuple[int, ...] = attrs.field(default=(SCRIPTED_EOS,), converter=int_tuple)
-    max_batch_size: int = 8
+    max_batch_size: int = attrs.field(default=8, validator=_at_least(1))
     use_speculative: bool = False
     dflash: bool = False
-    num_drafts: int = 1
-    max_prefill_tokens: int = 0
-    max_batch_tokens: int = 8192
+    num_drafts: int = attrs.field(default=1, validator=_at_least(0))
+    max_prefill_tokens: int = attrs.field(default=0, validator=_at_least(0))
+    max_batch_tokens: int = attrs.field(default=8192, validator=_at_least(1))
     self_speculative: bool = False
     ngram_speculative: bool = False
-    swap_space_gb: float = 0.0
+    swap_space_gb: float = attrs.field(default=0.0, validator=_finite_at_least_zero)
     policy: str = attrs.field(default="fifo", validator=attrs.validators.in_(("fifo", "slai")))
-    slai_deadline_ms: float = 1_000_000.0
-    max_seq_len: int = 4096
-    admission_watermark: int = 4096
+    slai_deadline_ms: float = attrs.field(default=1_000_000.0, validator=_finite_at_least_zero)
+    max_seq_len: int = attrs.field(default=4096, validator=_at_least(1))
+    admission_watermark: int = attrs.field(default=4096, validator=_at_least(0))
     loop_watchdog: bool = False
     boundary_tokens: tuple[int, ...] = attrs.field(default=(), converter=int_tuple)
     mtp_width_limit: int = 32

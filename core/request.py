@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import attrs
 
@@ -19,8 +19,15 @@ def _bad(instance: "Request", name: str, value: object, expected: str) -> ValueE
     return ValueError(f"request {instance.id}: {name} = {value!r} is out of range ({expected})")
 
 
+def _finite(value: object) -> bool:
+    try:
+        return math.isfinite(value)  # type: ignore[arg-type]
+    except (TypeError, OverflowError):  # not a number, or an integer too large for a float
+        return False
+
+
 def _temperature(instance: "Request", attribute: object, value: float) -> None:
-    if not (math.isfinite(value) and value >= 0):
+    if not (_finite(value) and value >= 0):
         raise _bad(instance, "temperature", value, "a finite number >= 0")
 
 
@@ -39,6 +46,16 @@ def _min_p(instance: "Request", attribute: object, value: float) -> None:
         raise _bad(instance, "min_p", value, "0 <= min_p <= 1")
 
 
+def _at_least(low: int) -> Callable[["Request", Any, int], None]:
+    """A validator: an integer of at least ``low`` (budgets, counts)."""
+
+    def check(instance: "Request", attribute: Any, value: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise _bad(instance, attribute.name, value, f"an integer >= {low}")
+
+    return check
+
+
 @attrs.frozen
 class Request:
     """Prompt, budgets and sampling fields. ``id`` doubles as the session number.
@@ -46,17 +63,18 @@ class Request:
     Sampling (specs/scheduler.md §5.11): ``temperature`` 0 is greedy; above it the row's
     distribution is cut by ``min_p`` (0: off), ``top_k`` (0: off) and ``top_p`` (1: off) and drawn
     with ``seed`` (+ the output length). Out-of-range values raise ``ValueError`` naming the
-    request and the field.
+    request and the field; so do a budget ``max_tokens`` below 1, ``num_beams`` below 1 and a
+    negative ``min_tokens`` or ``top_logprobs``.
     """
 
     id: int
     prompt: tuple[int, ...] = attrs.field(converter=int_tuple, validator=_non_empty)
-    max_tokens: int
-    min_tokens: int = 0
+    max_tokens: int = attrs.field(validator=_at_least(1))
+    min_tokens: int = attrs.field(default=0, validator=_at_least(0))
     streaming: bool = True
     temperature: float = attrs.field(default=0.0, validator=_temperature)
-    top_logprobs: int = 0
-    num_beams: int = 1
+    top_logprobs: int = attrs.field(default=0, validator=_at_least(0))
+    num_beams: int = attrs.field(default=1, validator=_at_least(1))
     adapter_slot: int = -1
     seed: int = 42
     deadline_ms: Optional[float] = None

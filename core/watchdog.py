@@ -93,7 +93,8 @@ def save_snapshot(seq: Sequence, model: ModelInfo, out: list[Effect]) -> Sequenc
 def rollback_boundary(seq: Sequence, span: int, config: SchedulerConfig, model: ModelInfo) -> Optional[tuple[int, int]]:
     """(boundary index, ring slot) a rollback of at least ``span`` tokens would go back to, or
     ``None`` when the rollback is declined (specs/watchdog.md §7.5, in that order)."""
-    if not config.rollback_resteer or seq.has_cancel_flag or not model.supports_rollback:
+    # a stream's client has seen the tokens: a swapped-in stream lost its cancel flag, not its client
+    if not config.rollback_resteer or seq.has_cancel_flag or seq.request.streaming or not model.supports_rollback:
         return None
     if seq.rollbacks >= config.max_rollbacks or not config.boundary_tokens:
         return None
@@ -118,7 +119,10 @@ def roll_back(seq: Sequence, index: int, slot: int, model: ModelInfo, out: list[
     tokens = seq.output.tokens()
     kept = index + 1
     dropped = len(tokens) - kept
-    seq_len = seq.seq_len - dropped
+    # The KV keeps the prompt and the kept output but its last token (the boundary, fed next):
+    # ``prompt_len + kept - 1``. Rewinding by ``dropped`` alone is one too long when the sink runs
+    # before the new token is appended (the plain content-loop check, specs/watchdog.md §7.5).
+    seq_len = seq.request.prompt_len + kept - 1
     out.append(dc.TruncateSequence(seq.seq_id, seq_len))
     return replace(seq, output=TokenLog(tokens[:kept]), seq_len=seq_len, remaining=seq.remaining + dropped,
                    content_count=seq.content_count - dropped, last_token=tokens[kept - 1],

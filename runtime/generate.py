@@ -38,10 +38,18 @@ sinks finish a cancelled sequence at its next token (specs/scheduler.md §5.17, 
 §6.1). Tokens that reached the host after the stop string (the rest of a multi-token frame) are
 dropped (``Summary.discarded_tokens`` counts them). Without a stop string the text is exactly
 ``decode(token_ids)``.
+
+Ctrl-C (``KeyboardInterrupt``) during a run: every request not yet finished ends with reason
+"interrupted", keeping the tokens (and text) it got so far, and is reported through
+``on_finish`` like any other; the device is released, and ``GenerateInterrupted`` (a
+``KeyboardInterrupt``) carries the ``GenerateResult`` of everything generated.
+
+Prompt ids (``parse_prompt``) are written in ASCII digits only: ``1_0`` or ``٣`` is not a token id.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence as Seq
@@ -69,6 +77,17 @@ OPENAI_FINISH_REASONS = {"stop": "stop", "length": "length", "tool_calls": "tool
 
 class GenerateError(ValueError):
     """Bad input to a generation run; the message names the input and what is wrong."""
+
+
+INTERRUPTED = "interrupted"  # the finish reason of a request cut short by Ctrl-C
+
+
+class GenerateInterrupted(KeyboardInterrupt):
+    """Ctrl-C during ``generate``: ``result`` holds what was generated until then."""
+
+    def __init__(self, result: "GenerateResult"):
+        super().__init__("interrupted")
+        self.result = result
 
 
 REQUEST_SEED_STRIDE = 2**20  # request i of a run seeds its picks with seed + i * stride (+ output length)
@@ -167,17 +186,19 @@ def scheduler_setup(cfg: ModelConfig, spec: str, batch: int, eos_ids: Optional[S
 # --- prompts -----------------------------------------------------------------------------------
 
 
+_TOKEN_ID = re.compile(r"-?[0-9]{1,18}")
+
+
 def parse_prompt(text: str, source: str) -> list[int]:
-    """Token ids separated by spaces or commas."""
+    """Token ids separated by spaces or commas, in ASCII digits (``1_0`` and ``٣`` are refused)."""
     words = text.replace(",", " ").split()
     if not words:
         raise GenerateError(f"{source}: the prompt is empty")
     tokens = []
     for word in words:
-        try:
-            tokens.append(int(word))
-        except ValueError:
-            raise GenerateError(f"{source}: {word!r} is not a token id (expected integers)") from None
+        if not _TOKEN_ID.fullmatch(word):
+            raise GenerateError(f"{source}: {word!r} is not a token id (expected integers in ASCII digits)")
+        tokens.append(int(word))
     return tokens
 
 
@@ -511,6 +532,13 @@ class GenerateHost(Host):
             result.error = output.message
             self._finish(result)
 
+    def interrupt(self) -> None:
+        """Ctrl-C: every request still running ends as ``INTERRUPTED`` with what it has."""
+        for result in self.results.values():
+            if result.id not in self.finished:
+                result.reason = INTERRUPTED
+                self._finish(result)
+
     def take_inputs(self) -> list[ev.Event]:
         # a cancel for a request that ended in the same batch would only be remembered
         return [e for e in super().take_inputs()
@@ -628,14 +656,23 @@ def generate(engine: HybridEngine, prompts: Seq[Seq[int]], max_tokens: int, spec
     interpreter = Interpreter(wrap_device(device) if wrap_device else device, host, config.eos_ids,
                               observer=_Observers(host.witness, host.logprobs))
     start = time.perf_counter()
+    interrupted = False
     try:
         with torch.no_grad():
             interpreter.run(initial_state(config, model), [ev.Arrival(r) for r in requests] + [ev.Boot()])
         device.streams.synchronize_all()
+    except KeyboardInterrupt:
+        interrupted = True
     finally:
-        device.release_all()
-        device.close()
+        try:
+            device.release_all()
+            device.close()
+        except Exception:
+            if not interrupted:  # after Ctrl-C the device may be mid-call; the results still count
+                raise
     seconds = time.perf_counter() - start
+    if interrupted:
+        host.interrupt()
     results = [host.results[r.id] for r in requests]
     for r in results:
         r.cached_tokens = device.cached_tokens(r.id)
@@ -648,4 +685,6 @@ def generate(engine: HybridEngine, prompts: Seq[Seq[int]], max_tokens: int, spec
         cached_prompt_tokens=stats.cached_prompt_tokens, steps=interpreter.steps,
         discarded_tokens=sum(r.received - len(r.tokens) for r in results),
     )
+    if interrupted:
+        raise GenerateInterrupted(GenerateResult(results, summary, device))
     return GenerateResult(results, summary, device)

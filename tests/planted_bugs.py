@@ -3,47 +3,20 @@ must catch (tests/test_planted.py).
 
 Each ``PlantedBug`` names one realistic bug, the text edits that make it (``Edit``: a file under
 core/, the original text, which must occur exactly once in that file, and its replacement) and the
-invariant of runtime/check/invariants.py that is meant to catch it. Nothing here touches the real
-core/: ``mutant`` builds a copy of the package in a temporary directory,
-
-    tmp/fxsched/__init__.py                         (empty)
-    tmp/fxsched/core/                               a copy of core/ with the edits applied
-    tmp/fxsched/{effects,runtime,kernels,specs}     symlinks to the real folders
-
-and ``run_python`` runs code there with ``python -S`` and ``PYTHONPATH=tmp:<site-packages>``. The
-``-S`` matters: without it the editable install's import hook (a ``.pth`` file of site-packages)
-would find the real core/ before PYTHONPATH does, and a mutant would silently test the unmutated
-code. Every subprocess therefore first checks that ``fxsched.core`` was imported from ``tmp``.
+invariant of runtime/check/invariants.py that is meant to catch it. The machinery that builds a
+mutated copy of the package and runs the checker on it is shared with the mutation suite
+(tests/mutants.py) and lives in tests/support/mutation.py.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import shutil
-import subprocess
 import sys
-import sysconfig
-import tempfile
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Iterator
 
-ROOT = Path(__file__).resolve().parent.parent
-LINKED = ("effects", "runtime", "kernels", "specs")
+from support.mutation import Edit, walk_mutant
 
 # steps of the random walk a mutant is given to be caught in (and the clean code must survive)
 BUDGET = 20_000
-
-
-@dataclass(frozen=True)
-class Edit:
-    """Replace ``old`` (which occurs exactly once in ``file``) by ``new``."""
-
-    file: str
-    old: str
-    new: str
 
 
 @dataclass(frozen=True)
@@ -178,8 +151,9 @@ PLANTED_BUGS: tuple[PlantedBug, ...] = (
     PlantedBug(
         "no_rewind_on_reject",
         "a rejected draft is never cut from the device's KV: no TruncateSequence (serial verifies, "
-        "the batched DFlash verify, n-gram)",
-        "kv_mirror",
+        "the batched DFlash verify, n-gram); the simulated device refuses the next proposal, asked at a "
+        "position the KV has passed",
+        "device_arguments",
         (
             Edit("core/verifying.py",
                  "    if seq_len < seq.seq_len:\n"
@@ -199,119 +173,11 @@ PLANTED_BUGS: tuple[PlantedBug, ...] = (
 BY_NAME = {bug.name: bug for bug in PLANTED_BUGS}
 
 
-# --- building a mutant -------------------------------------------------------------------------------
-
-
-def apply_edits(sources: dict[str, str], edits: tuple[Edit, ...]) -> dict[str, str]:
-    """``sources`` (path -> text) with ``edits`` applied in order; each original must occur once."""
-    out = dict(sources)
-    for edit in edits:
-        text = out[edit.file]
-        count = text.count(edit.old)
-        if count != 1:
-            raise ValueError(f"{edit.file}: the original text occurs {count} times, not once: {edit.old!r}")
-        out[edit.file] = text.replace(edit.old, edit.new)
-    return out
-
-
-def occurrences(edit: Edit) -> int:
-    """How often the edit's original text occurs in today's ``edit.file``."""
-    return (ROOT / edit.file).read_text().count(edit.old)
-
-
-def site_packages() -> list[str]:
-    """Where the venv's third-party packages are (attrs, structlog, tqdm, hypothesis)."""
-    paths = [sysconfig.get_path("purelib"), sysconfig.get_path("platlib")]
-    return list(dict.fromkeys(p for p in paths if p))
-
-
-@contextlib.contextmanager
-def mutant(edits: tuple[Edit, ...] = ()) -> Iterator[Path]:
-    """A temporary package root holding ``fxsched`` with core/ mutated by ``edits``; removed after."""
-    tmp = Path(tempfile.mkdtemp(prefix="fxsched-mutant-"))
-    try:
-        pkg = tmp / "fxsched"
-        pkg.mkdir()
-        (pkg / "__init__.py").write_text("")
-        shutil.copytree(ROOT / "core", pkg / "core", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
-        files = {edit.file for edit in edits}
-        sources = {f: (ROOT / f).read_text() for f in files}
-        for f, text in apply_edits(sources, edits).items():
-            if not f.startswith("core/"):
-                raise ValueError(f"{f}: planted bugs mutate core/ only")
-            (pkg / f).write_text(text)
-        for name in LINKED:
-            (pkg / name).symlink_to(ROOT / name, target_is_directory=True)
-        yield tmp
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-# the first lines of every subprocess: prove the mutated core is the one imported
-GUARD = """\
-import json, os, sys
-import fxsched.core, fxsched.core.machine
-_root = os.path.realpath(os.environ["FXSCHED_MUTANT_ROOT"])
-for _m in (fxsched.core, fxsched.core.machine):
-    if not os.path.realpath(_m.__file__).startswith(_root + os.sep):
-        sys.exit(f"MUTANT NOT IMPORTED: {_m.__name__} came from {_m.__file__}, not {_root}")
-"""
-
-
-def run_python(root: Path, args: list[str], cwd: Path | None = None, timeout: float = 120,
-               guard_root: Path | None = None) -> subprocess.CompletedProcess:
-    """``python -S <args>`` on the package root ``root`` (made by ``mutant``); ``GUARD`` checks
-    that core/ came from ``guard_root`` (``root`` unless told otherwise: a test of the guard)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-    env["PYTHONPATH"] = os.pathsep.join([str(root), *site_packages()])
-    env["PYTHONDONTWRITEBYTECODE"] = "1"
-    env["FXSCHED_MUTANT_ROOT"] = str(guard_root or root)
-    return subprocess.run([sys.executable, "-S", *args], cwd=cwd or root, env=env, capture_output=True,
-                          text=True, timeout=timeout)
-
-
-WALK = GUARD + """\
-from fxsched.runtime.check.walk import walk
-report = walk(int(sys.argv[1]), steps=int(sys.argv[2]))
-v = report.violation
-print(json.dumps({
-    "core_file": fxsched.core.__file__,
-    "steps": report.steps,
-    "episodes": report.episodes,
-    "violation": None if v is None else {k: v[k] for k in ("invariant", "message", "step", "episode_index")},
-}))
-"""
-
-CLI = GUARD + """\
-from fxsched.runtime.cli import main
-sys.argv[0] = "fxsched"
-sys.exit(main(sys.argv[1:]))
-"""
-
-
-def walk_in(root: Path, seed: int, steps: int = BUDGET) -> dict:
-    """The walk's report (as a dict) on the package at ``root``."""
-    proc = run_python(root, ["-c", WALK, str(seed), str(steps)])
-    if proc.returncode != 0:
-        raise RuntimeError(f"the walk subprocess failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def walk_mutant(edits: tuple[Edit, ...], seed: int, steps: int = BUDGET) -> dict:
-    with mutant(edits) as root:
-        return walk_in(root, seed, steps)
-
-
-def cli_in(root: Path, args: list[str], cwd: Path | None = None) -> subprocess.CompletedProcess:
-    """The ``fxsched`` command line, run on the package at ``root``."""
-    return run_python(root, ["-c", CLI, *args], cwd=cwd)
-
-
 if __name__ == "__main__":  # python tests/planted_bugs.py [seed ...]: which seed catches what, how fast
     seeds = [int(a) for a in sys.argv[1:]] or [7]
     for bug in PLANTED_BUGS:
         for seed in seeds:
-            r = walk_mutant(bug.edits, seed)
+            r = walk_mutant(bug.edits, seed, BUDGET)
             v = r["violation"]
             got = "-" if v is None else f"{v['invariant']} after {r['steps']} steps ({v['message'][:80]})"
             print(f"{bug.name:28} seed {seed:3}: want {bug.invariant:26} got {got}")

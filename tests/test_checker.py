@@ -77,22 +77,28 @@ def test_a_replay_file_of_the_wrong_format_is_refused(tmp_path, capsys):
 
 scripts = st.tuples(st.lists(st.integers(2, 40), min_size=1, max_size=10), st.booleans())
 
+MACHINE_MODES = dict(plain={}, mtp_k2=dict(use_speculative=True, num_drafts=1),
+                     mtp_k3=dict(use_speculative=True, num_drafts=2), mtp_k4=dict(use_speculative=True, num_drafts=3),
+                     dflash=dict(use_speculative=True, dflash=True, num_drafts=5), ngram=dict(ngram_speculative=True),
+                     self_spec=dict(self_speculative=True, num_drafts=2))
+
 
 class SchedulerMachine(RuleBasedStateMachine):
-    """step + the simulated device, driven rule by rule."""
+    """step + the simulated device, driven rule by rule, with every oracle of the walk armed."""
 
-    @initialize(mode=st.sampled_from(["plain", "mtp", "dflash", "ngram"]), batch=st.integers(1, 4),
-                chunk=st.sampled_from([0, 4, 8]), blocks=st.sampled_from([8, 20, 1000]), spill=st.booleans())
-    def boot(self, mode, batch, chunk, blocks, spill):
-        options = dict(plain={}, mtp=dict(use_speculative=True, num_drafts=3),
-                       dflash=dict(use_speculative=True, dflash=True, num_drafts=5), ngram=dict(ngram_speculative=True))
-        self.counts_acc = mode in ("mtp", "dflash")
+    @initialize(mode=st.sampled_from(sorted(MACHINE_MODES)), batch=st.integers(1, 4),
+                chunk=st.sampled_from([0, 4, 8]), blocks=st.sampled_from([8, 20, 1000]), spill=st.booleans(),
+                policy=st.sampled_from(["fifo", "slai"]))
+    def boot(self, mode, batch, chunk, blocks, spill, policy):
+        self.counts_acc = mode.startswith(("mtp", "dflash"))
         config = SchedulerConfig(max_batch_size=batch, max_prefill_tokens=chunk, swap_space_gb=1.0 if spill else 0.0,
-                                 **options[mode])
-        model = ModelInfo(total_blocks=blocks, has_proposer=mode in ("mtp", "dflash"),
-                          dflash_gamma=6 if mode == "dflash" else None)
-        self.device = SimDevice({}, total_blocks=blocks, count_accepted=self.counts_acc)
-        self.monitor = Monitor((), self.device, counts_acc=self.counts_acc)
+                                 policy=policy, **MACHINE_MODES[mode])
+        model = ModelInfo(total_blocks=blocks, has_proposer=mode.startswith(("mtp", "dflash")),
+                          dflash_gamma=6 if mode == "dflash" else None, has_self_speculative=mode == "self_spec",
+                          supports_beam=True)
+        self.device = SimDevice({}, total_blocks=blocks, count_accepted=self.counts_acc,
+                                max_prefill_tokens=chunk, max_batch_tokens=config.max_batch_tokens)
+        self.monitor = Monitor((), self.device, counts_acc=self.counts_acc, config=config, model=model)
         self.interpreter = Interpreter(self.device, Host(), config.eos_ids, observer=MonitorObserver(self.monitor))
         self.state = initial_state(config, model)
         self.pending = []
@@ -106,14 +112,16 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.state, follow = self.interpreter.feed(self.state, event)
         self.pending.extend(follow)
 
-    @precondition(lambda self: not self.closed and self.next_id <= 6)
-    @rule(script=scripts, prompt=st.integers(1, 30), budget=st.integers(1, 12), streaming=st.booleans(),
-          wrong=st.integers(0, 4), deadline=st.one_of(st.none(), st.integers(10, 300)))
-    def arrive(self, script, prompt, budget, streaming, wrong, deadline):
+    @precondition(lambda self: not self.closed and self.next_id <= 8)
+    @rule(script=scripts, prompt=st.integers(1, 30), budget=st.integers(1, 16), streaming=st.booleans(),
+          wrong=st.integers(0, 4), deadline=st.one_of(st.none(), st.integers(10, 300)),
+          beams=st.sampled_from([1, 1, 1, 2, 3]))
+    def arrive(self, script, prompt, budget, streaming, wrong, deadline, beams):
         tokens, eos = script
         request = SimRequest(id=self.next_id, prompt_len=prompt, tokens=tuple(tokens) + ((63,) if eos else ()),
                              max_tokens=budget, streaming=streaming, wrong_every=wrong,
-                             deadline_ms=None if deadline is None else self.now + deadline)
+                             deadline_ms=None if deadline is None else self.now + deadline,
+                             num_beams=1 if streaming else beams)
         self.next_id += 1
         self.device.scripts[request.id] = request.script()
         if streaming:
@@ -184,7 +192,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.monitor.at_end(self.state)
 
 
-SchedulerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
+SchedulerMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=100, deadline=None)
 test_scheduler_state_machine = SchedulerMachine.TestCase
 
 

@@ -78,10 +78,10 @@ def _failing_run(serve=None, before=lambda cluster: None):
 
 def test_a_worker_that_dies_mid_run_fails_the_requests_in_flight_within_the_timeout():
     err, elapsed, cluster = _failing_run(ExitAfter(20))
-    assert str(err) == f"EP worker 1 did not answer within {SHORT_S:g}s (its process exited with code {EXIT_INJECTED})"
+    assert str(err) == f"EP worker 1 died (its process exited with code {EXIT_INJECTED})"
     assert elapsed < SHORT_S + MARGIN_S
-    assert "out s1: T10 Error(EP worker 1 did not answer within 2s" in err.trace
-    assert "out s2: T20 Error(EP worker 1 did not answer within 2s" in err.trace
+    assert "out s1: T10 Error(EP worker 1 died (its process exited" in err.trace
+    assert "out s2: T20 Error(EP worker 1 died (its process exited" in err.trace
     assert cluster.exitcodes() == {1: EXIT_INJECTED}
 
 
@@ -91,9 +91,9 @@ def test_a_killed_worker_is_reported_at_the_first_message():
         cluster.processes[0].join(5)
 
     err, elapsed, cluster = _failing_run(before=kill)
-    assert str(err).startswith(f"EP worker 1 did not answer within {SHORT_S:g}s (its process exited with code -9)")
+    assert str(err).startswith("EP worker 1 died (its process exited with code -9)")
     assert elapsed < SHORT_S + MARGIN_S
-    assert "out s1: Error(EP worker 1 did not answer" in err.trace
+    assert "out s1: Error(EP worker 1 died" in err.trace
 
 
 def test_a_worker_that_stops_answering_is_given_up_after_the_timeout():

@@ -214,7 +214,7 @@ def test_engine_prefill_keeps_only_boundary_and_last_states():
                    for r in out.gdn_rows)
         return out
 
-    chunked.model.forward = spy  # type: ignore[method-assign]
+    chunked.model.forward = spy
     logits = chunked.prefill(0, prompt)
     assert seen == [(15, 31, 39)]
     want = per_row.verify(0, prompt)

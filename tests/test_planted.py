@@ -4,7 +4,7 @@ unmutated code passes the same walk; a mutant's failure is written to a replay f
 reproduces it, through the library and through the ``fxsched check`` / ``fxsched replay`` commands.
 
 Every mutant runs in a subprocess on a mutated copy of the package; each subprocess first checks
-that it imported the mutated core (``planted_bugs.GUARD``)."""
+that it imported the mutated core (``GUARD`` of tests/support/mutation.py)."""
 
 from __future__ import annotations
 
@@ -16,19 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from planted_bugs import (
-    BUDGET,
-    BY_NAME,
-    GUARD,
-    PLANTED_BUGS,
-    ROOT,
-    apply_edits,
-    cli_in,
-    mutant,
-    occurrences,
-    run_python,
-    walk_mutant,
-)
+from planted_bugs import BUDGET, BY_NAME, PLANTED_BUGS
+from support.mutation import GUARD, ROOT, apply_edits, cli_in, mutant, occurrences, run_python, walk_mutant
 
 NAMES = [bug.name for bug in PLANTED_BUGS]
 

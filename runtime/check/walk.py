@@ -2,10 +2,17 @@
 invariants checked after every step; a seed replays any failure exactly (``replay``).
 
 An episode is drawn from a seeded generator: a drafting mode, batch size, chunking, a spill pool,
-a block pool, 1–6 requests with random scripts (EOS placement, budgets, draft errors, cancel
-points, deadlines, late arrivals, blocking or streaming), scheduled faults (KV exhaustion, fatal
-decode and verify errors, corrupted spill files), perhaps a LoRA rotation, and the inbox closing
-at a random tick after the last arrival.
+a block pool (part of it perhaps held by a reclaimable prefix cache), the admission policy, a
+context ceiling, 1–12 requests with random scripts (EOS placement, budgets, draft errors, cancel
+points, deadlines, late arrivals, blocking or streaming, beams, sampling parameters, min_tokens,
+logprobs, adapter slots), scheduled faults (KV exhaustion, fatal decode and verify errors,
+corrupted or missing spill files, a ``DeviceFault`` answered in a chosen waiting phase), perhaps
+armed watchdogs with long looping scripts, perhaps a LoRA rotation, and the inbox closing at a
+random tick after the last arrival.
+
+Coverage: ``FEATURES`` names every feature the walk must reach; ``feature_counts`` reads a
+walk's counts for them, one per feature (``fxsched check`` prints one line each, and
+tests/test_checker_coverage.py fails on a zero).
 """
 
 from __future__ import annotations
@@ -20,8 +27,11 @@ import attrs
 from fxsched.core.config import SCRIPTED_EOS as EOS
 from fxsched.core import events as ev
 from fxsched.core.config import ModelInfo, SchedulerConfig
+from fxsched.core.faults import Halt
 from fxsched.core.request import Request
+from fxsched.core.phases import AwaitPublishBlocks
 from fxsched.core.state import initial_state
+from fxsched.core.table import ANSWERS
 from fxsched.effects.client import DoneOut, ErrorOut, ResponseOut, RotationAck
 from fxsched.runtime.interpreter import BatchError, Host, Interpreter, Observer
 from fxsched.runtime.check.invariants import Monitor, Violation, expected_output
@@ -30,6 +40,10 @@ from fxsched.runtime.devices.simulated import SimDevice
 
 MODES = ("plain", "mtp1", "mtp2", "mtp3", "dflash", "ngram", "self_spec")
 TICK_MS = 10.0
+BOUNDARY = 41  # the watchdog episodes' boundary token: outside the random scripts' 2 .. 40
+ADAPTERS = {-1: 0, 1: 1, 2: 1}  # adapter slot -> id on the simulated device; slot 3 is unknown
+FAULT_PHASES = tuple(sorted(t.__name__ for t, phase in ANSWERS.items() if not isinstance(phase.fault, Halt)))
+"""The waiting phases a ``DeviceFault`` may answer without halting the loop (specs/faults.md §8.3)."""
 
 
 @attrs.frozen
@@ -44,11 +58,20 @@ class SimRequest:
     deadline_ms: Optional[float] = None
     arrive_tick: int = 0
     num_beams: int = 1
+    min_tokens: int = 0
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    top_logprobs: int = 0
+    adapter_slot: int = -1
 
     def request(self) -> Request:
         prompt = (self.id,) + tuple(2 + (i % 7) for i in range(1, self.prompt_len))
         return Request(id=self.id, prompt=prompt, max_tokens=self.max_tokens, streaming=self.streaming,
-                       deadline_ms=self.deadline_ms, num_beams=self.num_beams)
+                       deadline_ms=self.deadline_ms, num_beams=self.num_beams, min_tokens=self.min_tokens,
+                       temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                       top_logprobs=self.top_logprobs, adapter_slot=self.adapter_slot)
 
     def script(self) -> Script:
         beam = expected_output(self.tokens, self.max_tokens) if self.num_beams > 1 else ()
@@ -71,6 +94,15 @@ class Episode:
     can_batch_verify: bool = True
     rotation_tick: Optional[int] = None
     close_tick: int = 0
+    policy: str = "fifo"
+    slai_deadline_ms: float = 1_000_000.0
+    watchdog: bool = False
+    max_seq_len: int = 4096
+    prefix_cache: bool = False
+    reclaimable: int = 0
+    spill_missing_for: tuple[int, ...] = ()
+    fault_phase: str = ""
+    fault_phase_at: int = 0
 
     def to_json(self) -> dict:
         return attrs.asdict(self)
@@ -93,7 +125,10 @@ class Episode:
             ngram=dict(ngram_speculative=True), self_spec=dict(self_speculative=True, num_drafts=2))
         spec = modes[self.mode]
         return SchedulerConfig(max_batch_size=self.max_batch_size, max_prefill_tokens=self.max_prefill_tokens,
-                               swap_space_gb=1.0 if self.spill else 0.0, **spec)
+                               swap_space_gb=1.0 if self.spill else 0.0, policy=self.policy,
+                               slai_deadline_ms=self.slai_deadline_ms, loop_watchdog=self.watchdog,
+                               boundary_tokens=(BOUNDARY,) if self.watchdog else (), max_seq_len=self.max_seq_len,
+                               **spec)
 
     def model(self) -> ModelInfo:
         return ModelInfo(total_blocks=self.total_blocks, has_proposer=self.mode.startswith(("mtp", "dflash")),
@@ -107,9 +142,31 @@ def _lists_as_tuples(data: dict[str, Any]) -> dict[str, Any]:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
 
 
+def _looping_script(rng: random.Random) -> list[int]:
+    """A long script for the watchdogs: a lead-in holding the boundary token, then a block repeated
+    (each copy perhaps with one token changed, which only the fuzzy check forgives)."""
+    lead = [rng.randint(2, 40) for _ in range(rng.randint(5, 70))]
+    lead[rng.randrange(len(lead))] = BOUNDARY
+    noisy = rng.random() < 0.5
+    block = [rng.randint(2, 40) for _ in range(rng.randint(24, 36) if noisy else rng.randint(2, 20))]
+    tokens = list(lead)
+    while len(tokens) < 260:
+        copy = list(block)
+        if noisy:  # one token off per copy: within the fuzzy tolerance of max(P // 12, 1) = 2
+            copy[rng.randrange(len(copy))] = rng.randint(2, 40)
+        tokens.extend(copy)
+    return tokens
+
+
 def random_episode(rng: random.Random) -> Episode:
     mode = rng.choice(MODES)
+    watchdog = rng.random() < 0.06
     n = rng.randint(1, 6) if rng.random() < 0.8 else rng.randint(7, 12)
+    if watchdog:
+        n = rng.randint(1, 3)
+    beams = rng.random() < 0.15  # beam-heavy episodes: several blocking beam requests at once
+    sampling = rng.random() < 0.2
+    adapters = rng.random() < 0.15
     requests = []
     last_arrival = 0
     for i in range(n):
@@ -119,22 +176,42 @@ def random_episode(rng: random.Random) -> Episode:
             tokens = (tokens[:3] * 6)[:length]
         if rng.random() < 0.75:
             tokens.append(EOS)
+        budget = rng.randint(1, 18)
+        if watchdog:
+            tokens, budget = _looping_script(rng), rng.randint(100, 300)
         arrive = rng.choice([0, 0, 0, rng.randint(1, 8)])
         last_arrival = max(last_arrival, arrive)
-        streaming = rng.random() < 0.8
+        streaming = rng.random() < (0.3 if beams or watchdog else 0.8)
+        beam = not streaming and rng.random() < (0.8 if beams else 0.3)
+        fields: dict[str, Any] = {}
+        if sampling and rng.random() < 0.6:
+            fields = dict(temperature=rng.choice([0.0, 0.5, 1.0]), top_p=rng.choice([1.0, 0.9, 0.5]),
+                          top_k=rng.choice([0, 1, 5]), min_p=rng.choice([0.0, 0.1]),
+                          top_logprobs=rng.choice([0, 0, 2]), min_tokens=rng.choice([0, 0, 2, 5]))
+        if beam or mode != "plain":
+            # a beam hypothesis is the device's, min_tokens or not; a speculative sink keeps an early
+            # EOS unstreamed in the output (specs/speculation.md §6.1 step 4), which the expected
+            # output does not model: min_tokens runs on the plain path only
+            fields.pop("min_tokens", None)
+        if adapters:
+            fields["adapter_slot"] = rng.choice([-1, -1, -1, 1, 2, 3])
         requests.append(SimRequest(
-            id=i + 1, prompt_len=rng.randint(1, 40), tokens=tuple(tokens), max_tokens=rng.randint(1, 18),
+            id=i + 1, prompt_len=rng.randint(1, 40), tokens=tuple(tokens), max_tokens=budget,
             streaming=streaming, wrong_every=rng.choice([0, 0, 2, 3, 4, 5]),
             cancel_at=rng.randint(1, 10) if streaming and rng.random() < 0.15 else None,
             deadline_ms=(arrive * TICK_MS + rng.randint(20, 200)) if rng.random() < 0.1 else None,
             arrive_tick=arrive,
-            num_beams=rng.choice([2, 3]) if not streaming and rng.random() < 0.3 else 1,
+            num_beams=rng.choice([2, 3]) if beam else 1,
+            **fields,
         ))
     spill = rng.random() < 0.3
-    return Episode(
-        mode=mode, max_batch_size=rng.choice([1, 2, 3, 4, 8, 12]), max_prefill_tokens=rng.choice([0, 0, 4, 8, 16]),
-        spill=spill, total_blocks=rng.choice([6, 8, 12, 24, 1000]), held_blocks=rng.choice([0, 0, 1]),
-        requests=tuple(requests),
+    held = rng.choice([0, 0, 1, 2, 4])
+    fault_phase = rng.choice(FAULT_PHASES) if rng.random() < 0.3 else ""
+    episode = Episode(
+        mode=mode, max_batch_size=rng.choice([1, 2, 3, 4, 8, 12]),
+        max_prefill_tokens=0 if beams and rng.random() < 0.7 else rng.choice([0, 0, 4, 8, 16]),
+        spill=spill, total_blocks=rng.choice([6, 8, 12, 24, 1000]) if not watchdog else 1000,
+        held_blocks=held, requests=tuple(requests),
         kv_exhaust_at=tuple(sorted(rng.sample(range(30), rng.randint(0, 2)))),
         decode_fault_at=tuple(sorted(rng.sample(range(40), 1))) if rng.random() < 0.1 else (),
         verify_fault_at=tuple(sorted(rng.sample(range(30), 1))) if rng.random() < 0.1 else (),
@@ -142,7 +219,59 @@ def random_episode(rng: random.Random) -> Episode:
         can_batch_verify=rng.random() < 0.85,
         rotation_tick=rng.randint(1, 10) if rng.random() < 0.15 else None,
         close_tick=last_arrival + rng.randint(0, 6),
+        policy="slai" if rng.random() < 0.2 else "fifo",
+        slai_deadline_ms=rng.choice([1_000_000.0, 1_000_000.0, 30.0]),
+        watchdog=watchdog,
+        max_seq_len=rng.choice([4096, 4096, 4096, 4096, 24, 40, 64]) if not watchdog else 4096,
+        prefix_cache=rng.random() < 0.3,
+        reclaimable=rng.randint(0, held),
+        spill_missing_for=(rng.randint(1, n),) if spill and rng.random() < 0.2 else (),
+        fault_phase=fault_phase,
+        fault_phase_at=rng.choice([0, 0, 0, 1, 3]) if fault_phase else 0,
     )
+    return _suited_to_fault(episode, rng) if fault_phase else episode
+
+
+def _suited_to_fault(episode: Episode, rng: random.Random) -> Episode:
+    """An episode whose fault phase its set-up would seldom reach, made to reach it: the drafting
+    mode, beams, a spill pool, preemption or a rotation the phase belongs to."""
+    name = episode.fault_phase
+    changes: dict[str, Any] = {}
+    if "Dflash" in name:
+        changes["mode"] = "dflash"
+    elif name in ("AwaitMtpGate", "AwaitMtpBatch", "AwaitBatchedProposal", "AwaitKVerify", "AwaitProposal",
+                  "AwaitCapacity", "AwaitMtpDecode"):
+        changes["mode"] = rng.choice(("mtp1", "mtp2", "mtp3"))
+    elif "Ngram" in name:
+        changes["mode"] = "ngram"
+    elif "Self" in name:
+        changes["mode"] = "self_spec"
+    if name in ("AwaitMtpGate", "AwaitMtpBatch", "AwaitBatchedProposal", "AwaitBatchedDflash", "AwaitDflashGate"):
+        changes.update(max_batch_size=max(episode.max_batch_size, 4), can_batch_verify=True)
+    if name in ("AwaitMixedReadback", "AwaitPrefillToken"):
+        changes.update(max_prefill_tokens=4, mode="plain", max_batch_size=max(episode.max_batch_size, 3),
+                       requests=tuple(attrs.evolve(r, prompt_len=max(r.prompt_len, 9), arrive_tick=0)
+                                      for r in episode.requests))
+    if "Beam" in name:
+        changes["max_prefill_tokens"] = 0
+        changes["requests"] = tuple(attrs.evolve(r, streaming=False, num_beams=2, cancel_at=None, min_tokens=0)
+                                    for r in episode.requests) * 1
+    if name in ("AwaitSwapInSlot", "AwaitRestore"):
+        changes.update(spill=True, total_blocks=8, kv_exhaust_at=(2, 5), max_batch_size=max(episode.max_batch_size, 3))
+    if name.startswith("AwaitResume"):
+        changes.update(spill=False, total_blocks=rng.choice((12, 24)), held_blocks=4, reclaimable=4,
+                       kv_exhaust_at=(1, 3, 6), max_batch_size=max(episode.max_batch_size, 3))
+    if name == "AwaitRotation":
+        changes["rotation_tick"] = rng.randint(1, 6)
+    if len(episode.requests) < 3 and name not in ("AwaitRotation",):
+        extra = [attrs.evolve(r, id=r.id + len(episode.requests)) for r in episode.requests]
+        changes.setdefault("requests", episode.requests)
+        changes["requests"] = tuple(changes["requests"]) + tuple(
+            attrs.evolve(r, id=r.id + len(episode.requests)) for r in changes["requests"][:len(extra)])
+    episode = attrs.evolve(episode, **changes)
+    if episode.mode != "plain":  # min_tokens runs on the plain path only (see random_episode)
+        episode = attrs.evolve(episode, requests=tuple(attrs.evolve(r, min_tokens=0) for r in episode.requests))
+    return episode
 
 
 class WalkHost(Host):
@@ -181,15 +310,14 @@ class WalkHost(Host):
 
 
 class MonitorObserver(Observer):
-    """The invariants on the drive loop: the monitor sees every batch before it is carried out,
-    the device after it, and every client output; cancels are told to it as they are fed."""
+    """The invariants on the drive loop: the monitor sees every event before it is stepped, every
+    batch before it is carried out, the device after it, and every client output."""
 
     def __init__(self, monitor: Monitor):
         self.monitor = monitor
 
     def before_step(self, event) -> None:
-        if isinstance(event, ev.Cancel):
-            self.monitor.cancelled.add(event.request_id)
+        self.monitor.on_event(event)
 
     def stepped(self, event, state, effects) -> None:
         self.monitor.on_effects(effects)
@@ -206,13 +334,16 @@ class WalkObserver(MonitorObserver):
     """The random walk's watch: the invariants, coverage counts, the event log of a replay, the
     end-of-run checks and the step limit."""
 
-    def __init__(self, monitor: Monitor, coverage: Counter, step_limit: int, keep_log: bool):
+    def __init__(self, monitor: Monitor, coverage: Counter, step_limit: int, keep_log: bool,
+                 episode: Optional["Episode"] = None):
         super().__init__(monitor)
         self.coverage = coverage
         self.step_limit = step_limit
         self.log: Optional[list[str]] = [] if keep_log else None
         self.steps = 0
         self.stepping: Optional[ev.Event] = None  # the event ``step`` is working on
+        self.episode = episode
+        self.waiting_name = ""  # the phase the last batch left the scheduler waiting in
 
     def before_step(self, event) -> None:
         self.stepping = event
@@ -227,12 +358,27 @@ class WalkObserver(MonitorObserver):
     def stepped(self, event, state, effects) -> None:
         self.stepping = None
         self.steps += 1
+        self.waiting_name = type(state.waiting).__name__ if state.waiting is not None else ""
         super().stepped(event, state, effects)
+        coverage = self.coverage
         for effect in effects:
-            self.coverage[type(effect).__name__] += 1
+            name = type(effect).__name__
+            coverage[name] += 1
+            if name == "GenerateBeamBatch":
+                coverage["feature:beam_grouped" if len(effect.prompts) > 1 else "feature:beam_single"] += 1
+            elif name == "DecodeVerifyBatched" and self.episode is not None:
+                coverage["feature:dflash_batched" if self.episode.mode == "dflash" else "feature:mtp_batched"] += 1
+            elif name == "TruncateSequence" and self.episode is not None and self.episode.watchdog:
+                coverage["feature:watchdog_rollback"] += 1
+            elif name == "AdapterIdFor" and any(slot != -1 for slot in effect.slots):
+                coverage["feature:adapters"] += 1
 
     def performed(self, state) -> None:
         super().performed(state)
+        if (state.swapped or state.preempted) and isinstance(state.waiting, AwaitPublishBlocks):
+            if (len(state.active) + len(state.prefilling) + len(state.new_requests) >= state.config.max_batch_size
+                    and self.monitor.device.free_count() > 0):
+                self.coverage["feature:full_batch_while_waiting"] += 1
         if state.stopped:
             self.monitor.at_end(state)
         elif self.steps >= self.step_limit:
@@ -245,8 +391,47 @@ class WalkObserver(MonitorObserver):
         super().output(output)
         if isinstance(output, (DoneOut, ResponseOut)):
             self.coverage[f"finish:{output.reason}"] += 1
+            guard = output.guard if isinstance(output, DoneOut) else None
+            if guard:
+                self.coverage[f"guard:{guard}"] += 1
+            if output.cached:
+                self.coverage["feature:prefix_hit"] += 1
+            if isinstance(output, ResponseOut) and output.logprobs:
+                self.coverage["feature:logprobs"] += 1
+            request = self.monitor.requests[output.request_id]
+            n = output.n if isinstance(output, DoneOut) else len(output.tokens)
+            if (str(output.reason) == "length" and n < request.max_tokens and self.episode is not None
+                    and request.prompt_len + n >= self.episode.max_seq_len):
+                self.coverage["feature:context_ceiling"] += 1
+            if str(output.reason) == "length" and not guard and n < request.max_tokens and self.episode is not None \
+                    and self.episode.watchdog and isinstance(output, ResponseOut):
+                self.coverage["guard:blocking"] += 1
         elif isinstance(output, ErrorOut):
             self.coverage["finish:error"] += 1
+            if "spill file" in output.message:
+                self.coverage["feature:spill_fault"] += 1
+
+
+class FaultingInterpreter(Interpreter):
+    """The interpreter of an episode with ``fault_phase``: the ``fault_phase_at``-th time a batch
+    leaves the scheduler waiting in that phase, the batch's query (its last effect) fails before it
+    does anything: the rest of the batch is carried out and the answer is a ``DeviceFault``."""
+
+    def __init__(self, *args, watch: WalkObserver, phase: str, at: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.watch = watch
+        self.phase = phase
+        self.at = at
+        self.seen = 0
+
+    def perform_all(self, effects) -> Optional[ev.Event]:
+        if self.phase and self.watch.waiting_name == self.phase and effects and effects[-1].QUERY:
+            self.seen += 1
+            if self.seen == self.at + 1:
+                super().perform_all(effects[:-1])
+                self.watch.coverage[f"fault_phase:{self.phase}"] += 1
+                return ev.DeviceFault(f"injected fault in {self.phase}", False)
+        return super().perform_all(effects)
 
 
 @attrs.frozen
@@ -262,17 +447,27 @@ def run_episode(episode: Episode, coverage: Counter, step_limit: int = 20000, ke
     stops it."""
     scripts = {r.id: r.script() for r in episode.requests}
     counts_acc = episode.mode.startswith(("mtp", "dflash"))
+    config = episode.config()
+    model = episode.model()
     device = SimDevice(scripts, total_blocks=episode.total_blocks, held_blocks=episode.held_blocks,
                        kv_exhaust_at=episode.kv_exhaust_at, decode_fault_at=episode.decode_fault_at,
                        verify_fault_at=episode.verify_fault_at, spill_corrupt_for=episode.spill_corrupt_for,
+                       spill_missing_for=episode.spill_missing_for,
                        cancel_flags={r.id for r in episode.requests if r.streaming},
-                       can_batch_verify=episode.can_batch_verify, count_accepted=counts_acc)
-    watch = WalkObserver(Monitor(episode.requests, device, counts_acc=counts_acc), coverage, step_limit, keep_log)
+                       can_batch_verify=episode.can_batch_verify, count_accepted=counts_acc,
+                       reclaimable=episode.reclaimable, prefix_cache=episode.prefix_cache, adapters=ADAPTERS,
+                       max_prefill_tokens=config.max_prefill_tokens, max_batch_tokens=config.max_batch_tokens)
+    monitor = Monitor(episode.requests, device, counts_acc=counts_acc, config=config, model=model)
+    watch = WalkObserver(monitor, coverage, step_limit, keep_log, episode)
     host = WalkHost(episode)
     device.on_tick = host.on_tick
-    config = episode.config()
-    interpreter = Interpreter(device, host, config.eos_ids, observer=watch)
-    state = initial_state(config, episode.model())
+    if episode.fault_phase:
+        interpreter: Interpreter = FaultingInterpreter(device, host, config.eos_ids, observer=watch, watch=watch,
+                                                       phase=episode.fault_phase, at=episode.fault_phase_at)
+    else:
+        interpreter = Interpreter(device, host, config.eos_ids, observer=watch)
+    _count_episode(episode, coverage)
+    state = initial_state(config, model)
     violation = None
     try:
         interpreter.run(state, host.initial_events() + [ev.Boot()])
@@ -281,14 +476,53 @@ def run_episode(episode: Episode, coverage: Counter, step_limit: int = 20000, ke
     except BatchError as err:
         violation = Violation("batch_ends_in_one_query", str(err))
     except Exception as err:
-        if watch.stepping is not None:  # step must never raise on an event its phase allows
+        if getattr(device, "refused", None) is not None:  # the device refused a call's arguments
+            violation = Violation("device_arguments", device.refused or "")
+        elif watch.stepping is not None:  # step must never raise on an event its phase allows
             violation = Violation("step_raises", f"{type(err).__name__}: {err} on {watch.stepping!r}")
         else:  # a device refusal (double free, bad slot) is a scheduler bug too
             violation = Violation("device_refused", f"{type(err).__name__}: {err}")
+    if device.reclaimable < min(episode.reclaimable, episode.held_blocks):
+        coverage["feature:reclaim"] += 1
     events = tuple(watch.log or ())
     if violation is None:
         return EpisodeResult(watch.steps, None, None, events)
     return EpisodeResult(watch.steps, violation, watch.steps, events)
+
+
+FEATURES: dict[str, tuple[str, ...]] = {
+    "mtp K=2": ("mode:mtp1",), "mtp K=3": ("mode:mtp2",), "mtp K=4": ("mode:mtp3",),
+    "mtp batched": ("feature:mtp_batched",), "dflash serial": ("DecodeVerifyDflash",),
+    "dflash batched": ("feature:dflash_batched",), "ngram": ("mode:ngram",), "self-spec": ("mode:self_spec",),
+    "plain": ("mode:plain",), "beam single": ("feature:beam_single",), "beam grouped": ("feature:beam_grouped",),
+    "policy slai": ("policy:slai",), "watchdog armed": ("feature:watchdog",),
+    "watchdog rollback": ("feature:watchdog_rollback",),
+    "guard content loop": ("guard:content_loop_watchdog",), "guard fuzzy repetition": ("guard:fuzzy_repetition",),
+    "sampling": ("CopyLogitsToHost",), "min_tokens": ("feature:min_tokens",), "logprobs": ("feature:logprobs",),
+    "prefix-cache hit": ("feature:prefix_hit",), "prefix-cache reclaim": ("feature:reclaim",),
+    "adapters": ("feature:adapters",), "rotation": ("rotation_ack",), "context ceiling": ("feature:context_ceiling",),
+    "spill": ("SaveSequenceState",), "spill swap-in": ("RestoreSequenceState",),
+    "spill file fault": ("feature:spill_fault",), "kv exhaustion": ("fault:kv_exhausted",),
+    "device fault": ("fault:fatal",), "cancel": ("fault:cancel",), "deadline": ("finish:timeout",),
+    "full batch while preempted/swapped wait": ("feature:full_batch_while_waiting",),
+}
+FEATURES.update({f"fault in {name}": (f"fault_phase:{name}",) for name in FAULT_PHASES})
+"""Every feature the walk must reach, with the coverage keys whose sum counts it."""
+
+
+def _count_episode(episode: Episode, coverage: Counter) -> None:
+    """The features an episode's set-up draws (counted once per episode)."""
+    coverage[f"mode:{episode.mode}"] += 1
+    coverage[f"policy:{episode.policy}"] += 1
+    if episode.watchdog:
+        coverage["feature:watchdog"] += 1
+    if any(r.min_tokens for r in episode.requests):
+        coverage["feature:min_tokens"] += 1
+
+
+def feature_counts(coverage: dict) -> dict[str, int]:
+    """How often the walk reached each feature of ``FEATURES``."""
+    return {name: sum(coverage.get(key, 0) for key in keys) for name, keys in FEATURES.items()}
 
 
 @attrs.frozen

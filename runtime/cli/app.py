@@ -1,20 +1,98 @@
-"""The ``fxsched`` command line."""
+"""The ``fxsched`` command line.
+
+Bad input never ends in a traceback: an argument the parser refuses, a value out of range, a
+scenario or replay file that cannot be used, all print ONE line on stderr naming the input and
+what is wrong, and exit 2 (``EXIT_USAGE``). A run that fails exits 1 with one line; output that
+cannot be written (a full disk) is one line on stderr and exit 1; Ctrl-C exits 130
+(``EXIT_INTERRUPTED``; ``generate`` first prints what it generated so far).
+
+Goldens: ``run NAME --write`` / ``--check`` use ``specs/goldens/NAME.trace`` for a shipped
+scenario (named, or given by the path of its own file in ``specs/scenarios``); for any other
+scenario file ``PATH.toml`` the golden is the file next to it, ``PATH.trace``, so a copy of a
+shipped scenario never overwrites the shipped golden.
+"""
 
 from __future__ import annotations
 
 import argparse
+import errno
+import math
+import os
+import re
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 from fxsched.runtime.logs import configure_logging
 
 EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+MAX_SEED = 2**63 - 1
+_INTEGER = re.compile(r"[+-]?[0-9]+")
+_DECIMAL = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """An ``argparse`` parser whose refusals are one line (``fxsched check: argument --steps:
+    ...``) and exit 2; its sub-command parsers are of the same class."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: {' '.join(message.split())}\n")
+
+
+def strict_int(text: str) -> int:
+    """An integer written in ASCII digits (an optional sign; no ``1_0``, no other scripts' digits)."""
+    if not _INTEGER.fullmatch(text) or len(text) > 40:
+        raise ValueError(f"{text!r} is not an integer")
+    return int(text)
+
+
+def int_arg(low: int, high: int):
+    """An argparse ``type``: a strict integer from ``low`` to ``high``."""
+
+    def parse(text: str) -> int:
+        try:
+            value = strict_int(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text}: must be from {low} to {high}")
+        return value
+
+    return parse
+
+
+def seconds_arg(text: str) -> float:
+    """An argparse ``type``: a finite number of seconds above 0."""
+    value = float(text) if _DECIMAL.fullmatch(text) else math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number of seconds above 0")
+    return value
+
+
+def sizes_arg(text: str) -> tuple[int, ...]:
+    """An argparse ``type``: comma-separated batch sizes from 1 to 4096."""
+    parse = int_arg(1, 4096)
+    words = [w.strip() for w in text.split(",")]
+    if not text.strip() or any(not w for w in words):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected sizes separated by commas, e.g. 1,8,64")
+    return tuple(parse(w) for w in words)
 
 
 def _golden_path(name: str) -> Path:
     from fxsched.runtime.scenarios.loader import specs_dir
 
     return specs_dir() / "goldens" / f"{name}.trace"
+
+
+def _golden_for(scenario) -> Path:
+    """The golden of a scenario (see the module docstring): the shipped one for a shipped
+    scenario, else the ``.trace`` file next to the scenario's file."""
+    from fxsched.runtime.scenarios.loader import is_shipped
+
+    if is_shipped(scenario):
+        return _golden_path(scenario.name)
+    return Path(scenario.source).with_suffix(".trace")
 
 
 def first_difference(got: str, want: str) -> str:
@@ -55,16 +133,25 @@ def cmd_run(args) -> int:
         print(f"fxsched run: {err}", file=sys.stderr)
         return 1
     if args.write:
-        path = _golden_path(scenario.name)
-        path.write_text(trace)
+        path = _golden_for(scenario)
+        try:
+            path.write_text(trace)
+        except OSError as err:
+            print(f"fxsched run --write: {path}: cannot write it ({err.strerror or err})", file=sys.stderr)
+            return 1
         print(f"wrote {path}", file=sys.stderr)
         return 0
     if args.check:
-        path = _golden_path(scenario.name)
+        path = _golden_for(scenario)
         if not path.exists():
             print(f"fxsched run --check: no golden {path}", file=sys.stderr)
             return 1
-        want = path.read_text()
+        try:
+            want = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            print(f"fxsched run --check: {path}: cannot read it ({getattr(err, 'strerror', None) or err})",
+                  file=sys.stderr)
+            return 1
         if trace == want:
             print(f"{scenario.name}: matches {path.name}")
             return 0
@@ -75,17 +162,26 @@ def cmd_run(args) -> int:
 
 
 def _print_coverage(coverage: dict) -> None:
+    """The effects, finish reasons and faults on a line each, then one line per feature of the
+    walk's ``FEATURES`` with its count (a feature never reached says ``0  NOT REACHED``)."""
+    from fxsched.runtime.check.walk import feature_counts
+
     groups: dict[str, dict[str, int]] = {"effects": {}, "finish reasons": {}, "faults": {}}
     for key, count in coverage.items():
         if key.startswith("finish:"):
             groups["finish reasons"][key[7:]] = count
         elif key.startswith("fault:"):
             groups["faults"][key[6:]] = count
-        elif key != "rotation_ack":
+        elif key != "rotation_ack" and ":" not in key:
             groups["effects"][key] = count
     for title, counts in groups.items():
         cells = ", ".join(f"{k}={v}" for k, v in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
         print(f"  {title}: {cells or '-'}")
+    features = feature_counts(coverage)
+    width = max(len(name) for name in features)
+    print("  features:")
+    for name, count in features.items():
+        print(f"    {name:<{width}}  {count}{'  NOT REACHED' if count == 0 else ''}")
 
 
 def cmd_check(args) -> int:
@@ -97,6 +193,11 @@ def cmd_check(args) -> int:
     if (args.steps is None) == (args.time is None):
         print("fxsched check: give exactly one of --steps N or --time SECONDS", file=sys.stderr)
         return EXIT_USAGE
+    if args.replay_file is not None:
+        problem = _unwritable(Path(args.replay_file))
+        if problem:
+            print(f"fxsched check: --replay-file {args.replay_file}: {problem}", file=sys.stderr)
+            return EXIT_USAGE
     total = args.steps if args.steps is not None else None
     show = args.progress if args.progress is not None else (args.time or 0) > 3 or (args.steps or 0) > 50_000
     bar = tqdm(total=total, unit="step", desc="check", disable=not show, leave=False)
@@ -114,24 +215,42 @@ def cmd_check(args) -> int:
         print("no invariant broken")
         return 0
     path = Path(args.replay_file or f"fxsched-replay-{report.seed}.json")
-    write_replay(report, path)
     v = report.violation
-    print(f"VIOLATION {v['invariant']} at step {v['step']} of episode {v['episode_index']}: {v['message']}")
+    print(f"VIOLATION {v['invariant']} at step {v['step']} of episode {v['episode_index']}: {v['message']}",
+          flush=True)
+    try:
+        write_replay(report, path)
+    except OSError as err:
+        print(f"fxsched check: --replay-file {path}: cannot write it ({err.strerror or err})", file=sys.stderr)
+        return 1
     print(f"replay file: {path}  (fxsched replay {path})")
     return 1
 
 
+def _unwritable(path: Path) -> str:
+    """Why a file cannot be written at ``path`` (its folder is missing, it is a folder), or ''."""
+    folder = path.parent
+    if path.is_dir():
+        return "is a directory (give a file name)"
+    if not folder.is_dir():
+        return f"no such folder {str(folder)!r}"
+    if not os.access(folder, os.W_OK):
+        return f"the folder {str(folder)!r} is not writable"
+    return ""
+
+
 def cmd_replay(args) -> int:
-    from fxsched.runtime.check.replay import replay
+    from fxsched.runtime.check.replay import ReplayError, replay_run
 
     try:
-        violation, data, diverged = replay(args.file)
-    except (OSError, ValueError, KeyError) as err:
+        outcome = replay_run(args.file)
+    except ReplayError as err:
         print(f"fxsched replay: {err}", file=sys.stderr)
         return EXIT_USAGE
-    if diverged is not None:
-        print(f"{args.file}: the run departs from the recorded events at event {diverged} "
-              f"(the code changed since the file was written)")
+    violation, data = outcome.violation, outcome.data
+    departure = outcome.departure()
+    if departure is not None:
+        print(f"{args.file}: {departure}")
     if violation is None:
         print(f"{args.file}: the episode ran clean; the recorded {data['invariant']} did not happen again")
         return 0
@@ -145,8 +264,7 @@ def cmd_bench(args) -> int:
     if args.what == "step":
         from fxsched.runtime.bench.step import print_step_bench
 
-        sizes = tuple(int(n) for n in args.sizes.split(","))
-        print_step_bench(sizes, ticks=args.ticks, repeats=args.repeats)
+        print_step_bench(args.sizes, ticks=args.ticks, repeats=args.repeats)
         return 0
     if args.what == "kernels":
         try:
@@ -200,7 +318,7 @@ def _cuda() -> bool:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fxsched", description="LLM inference scheduling as a pure step function")
+    parser = ArgumentParser(prog="fxsched", description="LLM inference scheduling as a pure step function")
     parser.add_argument("-v", "--verbose", action="store_true", help="structlog events on stderr")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -208,8 +326,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("name", nargs="?", help="scenario name (see --list) or path to a .toml file")
     run.add_argument("--list", action="store_true", help="list the known scenarios")
     mode = run.add_mutually_exclusive_group()
-    mode.add_argument("--check", action="store_true", help="compare with specs/goldens; print the first differing line")
-    mode.add_argument("--write", action="store_true", help="regenerate specs/goldens/<name>.trace")
+    mode.add_argument("--check", action="store_true",
+                      help="compare with the golden (specs/goldens/<name>.trace for a shipped scenario, PATH.trace "
+                           "next to any other PATH.toml); print the first differing line")
+    mode.add_argument("--write", action="store_true",
+                      help="regenerate the golden (specs/goldens/<name>.trace for a shipped scenario, PATH.trace "
+                           "next to any other PATH.toml)")
     run.add_argument("-v", "--verbose", action="store_true", dest="verbose_run", help="structlog events on stderr")
     from fxsched.runtime.cli.ep import add_ep_ranks_argument
 
@@ -217,9 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.set_defaults(func=cmd_run)
 
     check = sub.add_parser("check", help="model-check step with a seeded random walk")
-    check.add_argument("--seed", type=int, default=0)
-    check.add_argument("--steps", type=int, help="stop after this many steps")
-    check.add_argument("--time", type=float, help="stop after this many seconds")
+    check.add_argument("--seed", type=int_arg(-MAX_SEED, MAX_SEED), default=0)
+    check.add_argument("--steps", type=int_arg(1, 10**12), help="stop after this many steps")
+    check.add_argument("--time", type=seconds_arg, help="stop after this many seconds")
     check.add_argument("--replay-file", help="where to write the replay file of a violation")
     check.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                        help="show a progress bar (default: on runs longer than a few seconds)")
@@ -236,9 +358,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="print speed figures (medians of repeats); `bench gdn-prefill --help` "
                                          "for the GDN prefill memory figures")
     bench.add_argument("what", choices=["step", "kernels", "check"])
-    bench.add_argument("--sizes", default="1,8,64,256", help="running sequences, comma-separated (step)")
-    bench.add_argument("--ticks", type=int, default=200, help="ticks per measurement (step)")
-    bench.add_argument("--repeats", type=int, default=5, help="repeats; the median is reported")
+    bench.add_argument("--sizes", type=sizes_arg, default=(1, 8, 64, 256),
+                       help="running sequences, comma-separated, each 1..4096 (step; default 1,8,64,256)")
+    bench.add_argument("--ticks", type=int_arg(1, 1_000_000), default=200,
+                       help="ticks per measurement (step; check: 100 steps per tick)")
+    bench.add_argument("--repeats", type=int_arg(1, 1000), default=5, help="repeats; the median is reported")
     bench.set_defaults(func=cmd_bench)
 
     from fxsched.runtime.cli.generate import add_bench_generate, add_generate_command  # imports torch lazily
@@ -248,6 +372,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_OUTPUT_ERRORS = (errno.ENOSPC, errno.EIO, errno.EFBIG, errno.EDQUOT)
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's last flush of what could not be written
+    raises nothing more at exit."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout without a file descriptor (a test's capture)
+        pass
+
+
 def main(argv=None) -> int:
     words = sys.argv[1:] if argv is None else list(argv)
     if words[:2] == ["bench", "gdn-prefill"]:  # its own options (runtime/bench/gdn_prefill.py)
@@ -255,13 +393,28 @@ def main(argv=None) -> int:
 
         return gdn_prefill_main(words[2:])
     parser = build_parser()
-    args = parser.parse_args(argv)
-    configure_logging(args.verbose or getattr(args, "verbose_run", False))
     try:
-        return args.func(args)
+        args = parser.parse_args(words)
+    except SystemExit as stop:  # --help, or a refusal already printed as one line
+        return stop.code if isinstance(stop.code, int) else EXIT_USAGE
+    configure_logging(args.verbose or getattr(args, "verbose_run", False))
+    command = f"fxsched {args.command}"
+    try:
+        code = args.func(args)
+        sys.stdout.flush()
+        return code
     except BrokenPipeError:  # e.g. piped into head
-        sys.stderr.close()
+        _silence_stdout()
         return 0
+    except OSError as err:
+        if err.errno not in _OUTPUT_ERRORS:
+            raise
+        print(f"{command}: cannot write the output ({err.strerror or err})", file=sys.stderr)
+        _silence_stdout()
+        return 1
+    except KeyboardInterrupt:
+        print(f"{command}: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -12,34 +12,39 @@ and for ``generate`` (``fxsched.runtime.cli.generate``)::
 
 ``--ep-ranks 1`` (the default) is the plain single-rank run. A failed EP group raises
 ``EpRunError``, a ``RunError``: the commands print it (``fxsched run: EP worker 1 did not answer
-within 30s``) and exit 1.
+within 30s``, or ``EP worker 1 died (its process exited with code 3)`` when it ended) and exit 1.
+``--ep-ranks`` takes 1 to ``MAX_RANKS``, ``--ep-timeout`` seconds above 0, at most ``MAX_TIMEOUT_S``.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import re
 from typing import Callable
 
 from fxsched.runtime.ep.run import DEFAULT_TIMEOUT_S
 
 
+MAX_RANKS = 64
+MAX_TIMEOUT_S = 86_400.0  # a day
+
+
 def _ranks(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text}: not an integer") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"{text}: must be at least 1")
+    if not re.fullmatch(r"[0-9]{1,9}", text):
+        raise argparse.ArgumentTypeError(f"{text}: not an integer")
+    n = int(text)
+    if not 1 <= n <= MAX_RANKS:
+        raise argparse.ArgumentTypeError(f"{text}: must be from 1 to {MAX_RANKS}")
     return n
 
 
 def _seconds(text: str) -> float:
-    try:
-        s = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text}: not a number of seconds") from None
-    if not s > 0:
-        raise argparse.ArgumentTypeError(f"{text}: must be more than 0")
+    if not re.fullmatch(r"[0-9]+\.?[0-9]*|\.[0-9]+|[0-9]+(\.[0-9]*)?[eE][+-]?[0-9]+", text):
+        raise argparse.ArgumentTypeError(f"{text}: not a number of seconds")
+    s = float(text)
+    if not (math.isfinite(s) and 0 < s <= MAX_TIMEOUT_S):
+        raise argparse.ArgumentTypeError(f"{text}: must be a number of seconds above 0, at most {MAX_TIMEOUT_S:g}")
     return s
 
 

@@ -32,13 +32,20 @@ token, which the scheduler picks without a record).
 Bad input (an out-of-range sampling value, an empty or malformed prompt, a token id outside the vocabulary, a prompt longer than
 the context, text for a model without a tokenizer, an unknown ``--spec``, ``--device cuda``
 without CUDA, a missing or unreadable weights file, model or tokenizer directory) exits 2 with one
-line on stderr naming the input and what is wrong.
+line on stderr naming the input and what is wrong. Numbers are written in ASCII digits (``1_0``,
+``٣``, ``nan`` are refused).
+
+Ctrl-C during a run prints what was generated so far (each unfinished request with finish reason
+"interrupted", then the summary), one line on stderr, and exits 130; with ``--ep-ranks`` the
+workers ignore it and the leader tears them down.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +53,9 @@ from typing import Any, Callable, Optional
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
+EXIT_INTERRUPTED = 130
+_INTEGER = re.compile(r"[+-]?[0-9]{1,30}")
+_DECIMAL = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 PROGRESS_MIN_TOKENS = 512  # show a progress bar when a run may produce this many tokens
 DTYPES = ("float32", "bfloat16", "float16")
 PROMPT_OPTIONS = ("--prompt", "--prompt-ids", "--prompt-file", "--prompt-ids-file")
@@ -133,10 +143,9 @@ def add_bench_generate(bench: argparse.ArgumentParser) -> None:
 
 
 def _int(value: str, name: str, low: int, high: Optional[int] = None) -> int:
-    try:
-        n = int(value)
-    except (TypeError, ValueError):
-        raise UsageError(f"{name} {value}: not an integer") from None
+    if not isinstance(value, str) or not _INTEGER.fullmatch(value.strip()):
+        raise UsageError(f"{name} {value}: not an integer")
+    n = int(value)
     if n < low or (high is not None and n > high):
         bound = f"between {low} and {high}" if high is not None else f"at least {low}"
         raise UsageError(f"{name} {value}: must be {bound}")
@@ -144,10 +153,12 @@ def _int(value: str, name: str, low: int, high: Optional[int] = None) -> int:
 
 
 def _float(value: str, name: str) -> float:
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise UsageError(f"{name} {value}: not a number") from None
+    if not isinstance(value, str) or not _DECIMAL.fullmatch(value.strip()):
+        raise UsageError(f"{name} {value}: not a number")
+    number = float(value)
+    if not math.isfinite(number):
+        raise UsageError(f"{name} {value}: not a finite number")
+    return number
 
 
 def _sampling(args):
@@ -158,11 +169,7 @@ def _sampling(args):
         value = getattr(args, name, None)
         return default if value is None else str(value)
 
-    seed_text = given("seed", "0")
-    try:
-        seed = int(seed_text)
-    except ValueError:
-        raise UsageError(f"--seed {seed_text}: not an integer") from None
+    seed = _int(given("seed", "0"), "--seed", -(2**62), 2**62)
 
     try:
         return SamplingOptions(
@@ -248,6 +255,9 @@ def _engine(choice: ModelChoice | Optional[str], device: str):
     if choice.weights is None:
         return HybridEngine(default_config(), device=device)
     path = Path(choice.weights)
+    if path.is_dir():
+        raise UsageError(f"--weights {choice.weights}: is a directory, not a safetensors file (for a Hugging Face "
+                         f"checkpoint directory give --model {choice.weights})")
     if not path.is_file():
         raise UsageError(f"--weights {choice.weights}: no such file")
     try:
@@ -472,6 +482,8 @@ def run_generate(args, out=None) -> int:
         eos_ids = tokenizer.eos_ids
     else:
         eos_ids = None  # the model config's
+    from fxsched.runtime.generate import GenerateInterrupted
+
     mode = "json" if args.json else ("text" if tokenizer is not None else "tokens")
     printer = Printer(out, mode, len(token_lists), think=tokenizer is not None and tokenizer.think_ids is not None)
     text = TextOptions(tokenizer, stops) if tokenizer is not None else None
@@ -481,6 +493,7 @@ def run_generate(args, out=None) -> int:
         from tqdm import tqdm
 
         bar = tqdm(total=total, unit="tok", desc=f"generate ({args.spec})", disable=None, leave=False)
+    interrupted = False
     try:
         from fxsched.runtime.cli.ep import generate_function
 
@@ -490,10 +503,16 @@ def run_generate(args, out=None) -> int:
                      on_text=printer.on_text, on_finish=printer.on_finish, sampling=sampling)
     except GenerateError as err:
         raise UsageError(str(err)) from None
+    except GenerateInterrupted as stop:  # Ctrl-C: the unfinished requests were reported as "interrupted"
+        result, interrupted = stop.result, True
     finally:
         if bar is not None:
             bar.close()
     printer.finish(result)
+    if interrupted:
+        print("fxsched generate: interrupted (Ctrl-C); the output is what was generated until then",
+              file=sys.stderr)
+        return EXIT_INTERRUPTED
     return EXIT_FAILED if any(r.error for r in result.results) else 0
 
 
@@ -522,7 +541,11 @@ def run_bench_generate(args, out=None) -> list[dict]:
 
     device = _torch_device(args.device)
     batches = [_int(b, "--batches", 1) for b in args.batches.split(",") if b.strip()]
+    if not batches:
+        raise UsageError(f"--batches {args.batches!r}: give batch sizes separated by commas, e.g. 1,4,16")
     specs = [s.strip() for s in args.specs.split(",") if s.strip()]
+    if not specs:
+        raise UsageError(f"--specs {args.specs!r}: give speculation modes separated by commas, e.g. none,mtp")
     for spec in specs:
         if spec not in SPECS:
             raise UsageError(f"--specs {spec}: unknown speculation mode (choose from {', '.join(SPECS)})")
@@ -564,7 +587,9 @@ def cmd_bench_generate(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fxsched", description="fxsched generate / bench generate")
+    from fxsched.runtime.cli.app import ArgumentParser  # one-line refusals, as the fxsched command's
+
+    parser = ArgumentParser(prog="fxsched", description="fxsched generate / bench generate")
     parser.add_argument("-v", "--verbose", action="store_true", help="structlog events on stderr")
     sub = parser.add_subparsers(dest="command", required=True)
     add_generate_command(sub)

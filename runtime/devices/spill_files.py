@@ -1,7 +1,9 @@
 """Spill files: a sequence's saved state on disk, with a header and a checksum.
 
 Layout: one header line ``FXSPILL 1 <sha256 of the body> <body length>`` then a JSON body. A
-missing, truncated or altered file is a ``SpillError`` naming the file and what is wrong.
+missing, truncated or altered file is a ``SpillError`` naming the file and what is wrong. The error
+names the file by its own name (``seq-3.spill``), never by the private temporary folder it lives
+in, so a trace that records the error is the same on every run.
 """
 
 from __future__ import annotations
@@ -47,20 +49,21 @@ class SpillFiles:
     def read(self, seq: int) -> dict:
         """The saved state of ``seq``; the file is removed once read and checked."""
         path = self.path_for(seq)
+        name = path.name  # what an error names: the same on every run (see the module docstring)
         try:
             raw = path.read_bytes()
         except FileNotFoundError:
-            raise SpillError(f"spill file {path} is missing") from None
+            raise SpillError(f"spill file {name} is missing") from None
         head, _, body = raw.partition(b"\n")
         parts = head.decode(errors="replace").split()
         if len(parts) != 4 or parts[0] != MAGIC:
-            raise SpillError(f"spill file {path} has no {MAGIC} header")
+            raise SpillError(f"spill file {name} has no {MAGIC} header")
         if parts[1] != str(VERSION):
-            raise SpillError(f"spill file {path} has version {parts[1]}, expected {VERSION}")
+            raise SpillError(f"spill file {name} has version {parts[1]}, expected {VERSION}")
         if not parts[3].isdigit() or int(parts[3]) != len(body):
-            raise SpillError(f"spill file {path} is truncated ({len(body)} of {parts[3]} bytes)")
+            raise SpillError(f"spill file {name} is truncated ({len(body)} of {parts[3]} bytes)")
         if hashlib.sha256(body).hexdigest() != parts[2]:
-            raise SpillError(f"spill file {path} is corrupted (checksum mismatch)")
+            raise SpillError(f"spill file {name} is corrupted (checksum mismatch)")
         path.unlink()
         return json.loads(body)
 

@@ -10,7 +10,9 @@ Two implementations of one pair of interfaces:
 * ``LoopbackLink``: in-process workers called directly (tests of the protocol, no processes).
 
 A broadcast that fails, or an ack that does not come before the deadline, raises ``LinkError``
-naming the worker(s) concerned; the leader never waits longer than its timeout.
+naming the worker(s) concerned; the leader never waits longer than its timeout. A worker whose
+process has ended is reported as dead with its exit code (``EP worker 1 died (its process exited
+with code 3)``), not as a timeout: the leader saw it end and did not wait.
 """
 
 from __future__ import annotations
@@ -29,14 +31,16 @@ POLL_S = 0.01  # the longest pause between two looks at the store while waiting 
 
 
 class LinkError(RuntimeError):
-    """Worker ``ranks`` did not take a message or did not answer in time; ``detail`` says how."""
+    """Worker ``ranks`` did not take a message or did not answer in time; ``detail`` says how.
+    ``died``: their processes ended (``detail`` gives the exit codes), so nobody waited for them."""
 
-    def __init__(self, ranks: tuple[int, ...], timeout_s: float, detail: str = ""):
+    def __init__(self, ranks: tuple[int, ...], timeout_s: float, detail: str = "", died: bool = False):
         self.ranks = ranks
         self.timeout_s = timeout_s
         self.detail = detail
+        self.died = died
         who = f"EP worker {ranks[0]}" if len(ranks) == 1 else "EP workers " + ", ".join(map(str, ranks))
-        text = f"{who} did not answer within {timeout_s:g}s"
+        text = f"{who} died" if died else f"{who} did not answer within {timeout_s:g}s"
         super().__init__(f"{text} ({detail})" if detail else text)
 
 
@@ -102,7 +106,8 @@ class TorchLeaderLink:
             if tail is not None:
                 dist.broadcast(torch.tensor(tail, dtype=torch.int64, device=self.comm_device), src=0, group=self.group)
         except RuntimeError as err:
-            raise LinkError(self._suspects(), self.timeout_s, self._why(err)) from err
+            gone = any(self.exitcode(r) is not None for r in range(1, self.world_size))
+            raise LinkError(self._suspects(), self.timeout_s, self._why(err), died=gone) from err
 
     def collect(self, key: str, timeout_s: float) -> dict[int, bytes]:
         """Every worker's value under ``key`` (consumed), or LinkError at the deadline."""
@@ -113,7 +118,7 @@ class TorchLeaderLink:
             if not await_key(self.store, name, deadline, functools.partial(self.exitcode, rank)):
                 code = self.exitcode(rank)
                 detail = f"its process exited with code {code}" if code is not None else ""
-                raise LinkError((rank,), timeout_s, detail)
+                raise LinkError((rank,), timeout_s, detail, died=code is not None)
             answers[rank] = self.store.get(name)
             self.store.delete_key(name)
         return answers

@@ -6,11 +6,20 @@ recording device is wrapped in ``EpLeaderDevice``.
 (the default process group for start-up, then an EP group whose collective timeout is the leader's
 ``timeout_s``). On exit it never leaves a process behind: workers that acknowledged the shutdown
 are joined, the others terminated, then killed.
+
+Ctrl-C: the workers are born ignoring SIGINT (``_sigint_ignored`` around their start; an
+ignored signal stays ignored in a spawned interpreter), so a terminal's Ctrl-C, which reaches the
+whole process group, interrupts the leader alone. Leaving the cluster on a ``KeyboardInterrupt``
+sends nothing more (a message may have been cut in half) and terminates the workers at once,
+which end quietly.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import signal
+import threading
 import time
 from datetime import timedelta
 from typing import Any, Callable, Optional
@@ -53,6 +62,19 @@ class EpRunError(RunError):
 WorkerEntry = Callable[[int, int, str, int, WorkerOptions], None]
 
 
+@contextlib.contextmanager
+def _sigint_ignored():
+    """SIGINT ignored while processes are started (they inherit it; see the module docstring)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 class EpCluster:
     """Rank 0 in this process, ranks 1.. in spawned processes. Each worker process runs
     ``entries.get(rank, run_worker)(rank, world_size, host, port, options)``; an entry must be
@@ -74,13 +96,13 @@ class EpCluster:
     def __enter__(self) -> "EpCluster":
         try:
             self._start()
-        except BaseException:
-            self.close()
+        except BaseException as err:
+            self.close(abort=isinstance(err, KeyboardInterrupt))
             raise
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(abort=exc_type is not None and issubclass(exc_type, KeyboardInterrupt))
 
     def exitcode(self, rank: int) -> Optional[int]:
         return self.processes[rank - 1].exitcode
@@ -102,7 +124,8 @@ class EpCluster:
             entry = self.entries.get(rank, run_worker)
             p = ctx.Process(target=entry, args=(rank, self.world_size, "127.0.0.1", self.store.port, self.options),
                             name=f"fxsched-ep-worker-{rank}", daemon=True)
-            p.start()
+            with _sigint_ignored():
+                p.start()
             self.processes.append(p)
         self._await_ready()
         dist.init_process_group(self.options.backend, store=dist.PrefixStore("ep/pg", self.store), rank=0,
@@ -129,22 +152,23 @@ class EpCluster:
         self.leader = EpLeaderDevice(inner, self.link, self.timeout_s)
         return self.leader
 
-    def close(self) -> None:
-        """Stop the workers (shutdown word if the run did not send it), then reap every process."""
+    def close(self, abort: bool = False) -> None:
+        """Stop the workers (shutdown word if the run did not send it), then reap every process.
+        ``abort`` (Ctrl-C): send nothing, terminate the workers at once."""
         import torch.distributed as dist
 
-        if self.leader is not None:
+        if self.leader is not None and not abort:
             try:
                 self.leader.stop_workers()
             except Exception as err:  # noqa: BLE001 — closing must go on
                 log.warning("ep_stop_workers_failed", error=str(err))
         clean = self.leader is not None and self.leader.shut_down and self.leader.failure is None
-        deadline = time.monotonic() + (JOIN_S if clean else 0.5)
+        deadline = time.monotonic() + (JOIN_S if clean else 0.0 if abort else 0.5)
         for p in self.processes:
             p.join(max(deadline - time.monotonic(), 0.01))
         for p in self.processes:
             if p.is_alive():
-                log.warning("ep_worker_terminated", name=p.name, pid=p.pid)
+                (log.info if abort else log.warning)("ep_worker_terminated", name=p.name, pid=p.pid)
                 p.terminate()
                 p.join(2.0)
             if p.is_alive():

@@ -154,9 +154,13 @@ def serve(worker: EpWorker, receive: Callable[[], Message]) -> None:
 def run_worker(rank: int, world_size: int, host: str, port: int, options: WorkerOptions = DEFAULT_OPTIONS,
                serve: Serve = serve) -> None:
     """Process entry of worker ``rank``: join the group through the leader's store, ``serve`` the
-    stream, leave. Exits 0 after the shutdown word, ``EXIT_LINK_LOST`` when the leader is gone."""
+    stream, leave. Exits 0 after the shutdown word, ``EXIT_LINK_LOST`` when the leader is gone.
+    Ctrl-C is the leader's to handle (it tears the workers down): SIGINT is ignored here."""
+    import signal
+
     import torch.distributed as dist
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     from fxsched.runtime.ep.link import TorchWorkerLink, ready_key
     from fxsched.runtime.logs import ensure_configured
 

@@ -1,5 +1,10 @@
 """The scenario runner: one deterministic run of a scenario on the recording device, printed as a
-trace (specs/runner.md). Every run starts from a fresh device and a fresh scheduler."""
+trace (specs/runner.md). Every run starts from a fresh device and a fresh scheduler, and every
+run, finished or failed, removes its spill files (the device's private temporary folder).
+
+A scenario that turns out impossible while it runs (a late arrival at a tick the run never
+reaches: ticks pass only while requests are in flight) raises ``ScenarioError``; a run that
+breaks down raises ``RunError``."""
 
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ from fxsched.core.state import SchedulerState, initial_state
 from fxsched.effects.client import TERMINAL_OUTPUTS, RotationAck, TokenOut, TokensOut
 from fxsched.runtime.devices.recording import RecordingDevice
 from fxsched.runtime.interpreter import Host, Interpreter, Observer, RunError
-from fxsched.runtime.scenarios.loader import Scenario
+from fxsched.runtime.scenarios.loader import Scenario, ScenarioError
 
 log = structlog.get_logger("fxsched.runner")
 
@@ -51,6 +56,7 @@ class ScenarioHost(Host):
         self.finished: set[int] = set()
         self.late: dict[int, list[ev.Event]] = {}
         self.rotation_ack: Optional[str] = None
+        self.tick = 0
         for spec in scenario.requests:
             if spec.streaming:
                 self.streams[spec.id] = []
@@ -66,6 +72,7 @@ class ScenarioHost(Host):
         return events
 
     def on_tick(self, tick: int) -> None:
+        self.tick = tick
         self.inputs.extend(self.late.pop(tick, []))
 
     def send(self, output) -> None:
@@ -91,6 +98,12 @@ class ScenarioHost(Host):
     def wait_for_input(self) -> list[ev.Event]:
         if self.complete():
             return [ev.InboxClosed()]
+        if self.late:  # ticks pass only while there is work: a later arrival can never come
+            tick = min(self.late)
+            ids = [s.id for s in self.scenario.requests if s.arrive_at_tick == tick]
+            raise ScenarioError(f"scenario {self.scenario.name}: request {ids[0]} has arrive_at_tick = {tick}, but "
+                                f"the run went idle after tick {self.tick} (ticks pass only while requests are "
+                                f"in flight)")
         missing = [s.id for s in self.scenario.requests if s.id not in self.finished]
         raise RunError(f"scenario {self.scenario.name}: the scheduler waits for input that can never come "
                        f"(requests without a final frame: {missing})")
@@ -155,10 +168,12 @@ def execute_scenario(scenario: Scenario, wrap_device=None) -> RunResult:
     host, device, interpreter, state = setup.host, setup.device, setup.interpreter, setup.state
     try:
         interpreter.run(state, host.initial_events() + [ev.Boot()])
-    except RunError:
+    except (RunError, ScenarioError):
         raise
     except Exception as err:  # a fault of the run names the scenario
         raise RunError(f"scenario {scenario.name}: {type(err).__name__}: {err}") from err
+    finally:  # a run that stopped before its teardown leaves no spill file behind
+        device.spill.close()
     log.info("scenario_done", scenario=scenario.name, steps=interpreter.steps, lines=len(device.lines))
     return RunResult(scenario, device.lines, host, interpreter.steps)
 

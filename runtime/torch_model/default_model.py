@@ -82,6 +82,7 @@ THINK_TOKENS = ("<think>", "</think>")
 ADDED_TOKENS = SPECIAL_TOKENS + THINK_TOKENS
 MTP_DRAFTS = 3  # drafts per MTP proposal (runtime/generate.py's MTP_DRAFTS): the chain depth trained
 NORM_NOISE = 0.1
+MIXER_SCALE = 0.5  # extra factor on the target's GDN / attention output projections (see the module docstring)
 DEFAULT_DIR_RESOURCE = ("fxsched.specs", "models/default")
 CORPUS_RESOURCE = ("fxsched.specs", "models/default_corpus.txt")
 FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
@@ -228,6 +229,9 @@ def target_weights(cfg: ModelConfig, ids: TokenIds) -> Weights:
         if name.rsplit(".", 1)[-1].endswith("norm"):
             noise = torch.randn(w[name].shape, generator=gen) * NORM_NOISE
             w[name] = (1.0 + noise.clamp(-0.4, 0.4)).to(w[name].dtype)  # in [0.6, 1.4]: c - 1 is exact
+    for name in sorted(w):
+        if name.startswith("layers.") and name.endswith(("gdn.o_proj", "attn.o_proj")):
+            w[name] = w[name] * MIXER_SCALE
     head = w["lm_head"].clone()
     head[list(ids.all)] = 0.0
     w["lm_head"] = head
@@ -298,6 +302,7 @@ class DistillSettings:
     lr: float = 3e-3
     warmup: int = 50
     depth: int = MTP_DRAFTS
+    soft: float = 0.0  # weight of the soft cross-entropy against the target's distribution (rest: greedy token)
     seed: int = 4321
     threads: int = 2
 
@@ -368,6 +373,7 @@ class ChainData:
     chain_tokens: list[torch.Tensor]  # per depth k >= 2: [N, T] g_{i+k-1}
     labels: list[torch.Tensor]  # per depth k >= 1: [N, T] g_{i+k}
     valid: list[torch.Tensor]  # per depth: [N, T] rows with a label of a greedy continuation
+    all_hidden: torch.Tensor  # [N, L, D]: every hidden row (the teacher's distribution at i+k is row i+k's)
 
 
 def chain_data(tokens: torch.Tensor, hidden: torch.Tensor, greedy: torch.Tensor, depth: int) -> ChainData:
@@ -386,7 +392,7 @@ def chain_data(tokens: torch.Tensor, hidden: torch.Tensor, greedy: torch.Tensor,
             ok = ok & (nxt[:, rows + k] == g[:, rows + k - 1])  # the sequence went on as drafted
         labels.append(g[:, rows + k])
         valid.append(ok & (rows + k <= length - 1)[None, :])
-    return ChainData(tokens[:, 1:].clone(), hidden[:, :t].clone(), chain, labels, valid)
+    return ChainData(tokens[:, 1:].clone(), hidden[:, :t].clone(), chain, labels, valid, hidden)
 
 
 def distill_mtp(model_dir: Path, settings: DistillSettings = DistillSettings(), progress: Progress = None,
@@ -450,7 +456,14 @@ def _train(cfg: ModelConfig, w: Weights, params: dict[str, torch.Tensor], data: 
         for k, out in enumerate(logits):
             mask = data.valid[k][pick]
             if mask.any():
-                loss = loss + F.cross_entropy(out[mask], data.labels[k][pick][mask])
+                loss = loss + (1 - settings.soft) * F.cross_entropy(out[mask], data.labels[k][pick][mask])
+                if settings.soft:
+                    at = torch.clamp(torch.arange(out.shape[1]) + k + 1, max=data.all_hidden.shape[1] - 1)
+                    with torch.no_grad():
+                        teacher = linear(rms_norm(data.all_hidden[pick][:, at], w["final_norm"], cfg.rms_norm_eps),
+                                         w["lm_head"]).softmax(-1)
+                    soft = -(teacher[mask] * out[mask].log_softmax(-1)).sum(-1).mean()
+                    loss = loss + settings.soft * soft
                 if step >= settings.steps - tail:
                     hits[k] += float((out[mask].argmax(-1) == data.labels[k][pick][mask]).sum())
                     counts[k] += float(mask.sum())

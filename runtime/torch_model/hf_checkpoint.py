@@ -31,7 +31,8 @@ the rule at index j (cfg.mlp_kind). Qwen3.5-MoE always renormalises its top-k we
 RoPE: `rope_type` must be "default". Qwen3.5's interleaved M-RoPE, for text (the three position
 components equal), is exactly plain RoPE over rotary_dim = head_dim * partial_rotary_factor.
 
-Every defect raises ModelDirError naming the file: the directory, config.json, the index or a shard.
+Every defect raises ModelDirError naming the file: the directory, config.json, the index or a shard
+(a tensor holding NaN or infinite values is one: it names the shard and the tensor).
 
 Export (`save_pretrained_dir`, `hf_config`, `hf_tensors`): the inverse of the conversion, kept here so
 this module stays the one place that knows checkpoint names; Qwen3_5ForCausalLM (dense) only, which
@@ -395,9 +396,12 @@ class _Shards:
 
     def read(self, name: str) -> torch.Tensor:
         try:
-            return self.handles[self.files[name]].get_tensor(name)
+            tensor = self.handles[self.files[name]].get_tensor(name)
         except (SafetensorError, OSError, ValueError, RuntimeError) as err:
             raise ModelDirError(self.files[name], f"tensor '{name}' unreadable ({err})") from None
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):  # silent garbage otherwise
+            raise ModelDirError(self.files[name], f"tensor '{name}' holds NaN or infinite values")
+        return tensor
 
 
 # ---- conversion --------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 Invariant: `param_shapes(cfg)` is the single source of truth for tensor names and shapes;
 `init_weights(cfg)` is a pure function of cfg (bit-identical across calls and processes), and
-`load_weights` accepts a file only if it holds exactly those tensors with those shapes and dtypes.
+`load_weights` accepts a file only if it holds exactly those tensors with those shapes and dtypes,
+all of them finite (`check_finite`: a NaN or infinite weight is refused, naming the tensor).
 
 Canonical names (every checkpoint format is converted to these by hf_checkpoint.py):
 
@@ -205,6 +206,14 @@ def check_weights(weights: Weights, cfg: ModelConfig, source: str = "<weights>")
             raise WeightsError(f"{source}: tensor '{name}' has dtype {weights[name].dtype}, expected {want}")
 
 
+def check_finite(weights: Weights, source: str = "<weights>") -> None:
+    """Raise WeightsError naming the first floating-point tensor that holds a NaN or an infinity
+    (loaded weights only: such a model would answer garbage without a word)."""
+    for name, tensor in weights.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise WeightsError(f"{source}: tensor '{name}' holds NaN or infinite values")
+
+
 def save_weights(path: str | Path, weights: Weights, cfg: ModelConfig) -> None:
     """Write `weights` (checked against cfg) and cfg itself (JSON in the metadata) as safetensors."""
     check_weights(weights, cfg)
@@ -247,6 +256,7 @@ def load_weights(path: str | Path, cfg: ModelConfig | None = None,
     cfg = cfg or file_cfg
     assert cfg is not None
     check_weights(tensors, cfg, str(path))
+    check_finite(tensors, str(path))
     out = {n: t.to(device) for n, t in tensors.items()}
     if cfg.tie_word_embeddings:
         out["lm_head"] = out["embed"]
