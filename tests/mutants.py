@@ -141,10 +141,10 @@ MUTANTS: tuple[Mutant, ...] = (
        "    return content_count >= CONTENT_LOOP_MIN and content_count % CONTENT_LOOP_EVERY == 0\n",
        "    return content_count > CONTENT_LOOP_MIN and content_count % CONTENT_LOOP_EVERY == 0\n",
        "the content-loop check first runs at 64 content tokens instead of 48"),
-    _m("watchdog_rollback_ignores_cancel_flag", "watchdog",
-       "    if not config.rollback_resteer or seq.has_cancel_flag or not model.supports_rollback:\n",
+    _m("watchdog_rollback_streams", "watchdog",
+       "    if not config.rollback_resteer or seq.has_cancel_flag or seq.request.streaming or not model.supports_rollback:\n",
        "    if not config.rollback_resteer or not model.supports_rollback:\n",
-       "a streaming (cancellable) sequence is rolled back instead of guarded"),
+       "a streaming sequence is rolled back although its client has seen the dropped tokens"),
     # --- emit ------------------------------------------------------------------------------------
     _m("emit_plain_ignores_cancel", "emit",
        "    if seq.cancel_requested:\n"
@@ -285,10 +285,14 @@ MUTANTS: tuple[Mutant, ...] = (
        "        pending=state.pending + state.inbox,\n",
        "        pending=state.inbox + state.pending,\n",
        "new arrivals are queued ahead of the requests already waiting"),
-    _m("tick_shutdown_with_preempted", "tick",
-       "    if state.closed and not state.pending and not state.swapped and not state.preempted:\n",
-       "    if state.closed and not state.pending and not state.swapped:\n",
-       "the loop shuts down while a preempted sequence still waits (it is aborted)"),
+    _m("tick_shutdown_with_new_requests", "tick",
+       "    if state.new_requests or in_flight(state):\n"
+       "        return state\n"
+       "    state = drain_inbox(state)\n",
+       "    if in_flight(state):\n"
+       "        return state\n"
+       "    state = drain_inbox(state)\n",
+       "the idle check shuts a closed loop down while this tick's admitted requests have not started"),
     _m("tick_compaction_ignores_prefilling", "tick",
        "    pinned = tuple(e.slot for e in state.prefilling)\n",
        "    pinned = ()\n",
@@ -306,10 +310,10 @@ MUTANTS: tuple[Mutant, ...] = (
        "        state = replace(state, prefix_hits=state.prefix_hits + ((waiting.seq_ids[0], event.cached_tokens),))\n",
        "        state = replace(state, prefix_hits=((waiting.seq_ids[0], event.cached_tokens),))\n",
        "a prefix-cache hit replaces the hits remembered for other prompts in flight"),
-    _m("flow_prefix_hit_on_last_id", "flow",
-       "(waiting.seq_ids[0], event.cached_tokens)",
-       "(waiting.seq_ids[-1], event.cached_tokens)",
-       "a prefix-cache hit is booked to the last sequence of the forward, not the prefilled one"),
+    _m("flow_first_continuation_dropped", "flow",
+       "    return push(state, *waiting.then) if waiting.then else state\n",
+       "    return push(state, *waiting.then[1:]) if waiting.then else state\n",
+       "a forward's first continuation is dropped when the forward is done"),
     # --- prefill ---------------------------------------------------------------------------------
     _m("prefill_one_token_budget_runs_on", "prefill",
        "    if is_eos or request.max_tokens <= 1:\n",
@@ -349,10 +353,11 @@ MUTANTS: tuple[Mutant, ...] = (
        "    if config.ngram_speculative and len(active) == 1 and covered:\n",
        "    if config.ngram_speculative and len(active) >= 1 and covered:\n",
        "n-gram drafting is chosen with more than one active sequence"),
-    _m("decode_speculates_with_guard", "decode",
-       "            and all(may_speculate(s) for s in active)):\n",
-       "            ):\n",
-       "MTP speculation runs while a sequence has a guard set"),
+    _m("decode_forgets_decode_time", "decode",
+       "    state = replace(state, last_decode_ms=state.now_ms)\n"
+       "    config, model = state.config, state.model\n",
+       "    config, model = state.config, state.model\n",
+       "a decode step does not reset SLAI's time since the last decode (prefills held back for good)"),
     # --- spec_step -------------------------------------------------------------------------------
     _m("spec_step_bootstrap_also_verified", "spec_step",
        "    verify = tuple(s.seq_id for s in state.active if s.drafts)\n",
