@@ -32,6 +32,19 @@ EXIT_USAGE = 2
 FXSCHED = [sys.executable, "-m", "fxsched.runtime.cli"]
 
 
+@pytest.fixture(scope="module")
+def toy(tmp_path_factory) -> str:
+    """A weights file of the internal toy model: the generate cases run it, whatever the default
+    model of ``fxsched generate`` is."""
+    from fxsched.runtime.torch_model import default_config
+    from fxsched.runtime.torch_model.weights import init_weights, save_weights
+
+    cfg = default_config()
+    path = tmp_path_factory.mktemp("toy") / "toy.safetensors"
+    save_weights(path, init_weights(cfg), cfg)
+    return str(path)
+
+
 @pytest.fixture(autouse=True)
 def temp_folder(tmp_path, monkeypatch) -> Any:
     """TMPDIR is a fresh folder (for this process and its children); cwd another; both checked
@@ -119,8 +132,9 @@ def test_check_steps_must_be_positive(capsys, value):
 
 
 @pytest.mark.parametrize("ids", ["1_0", "٣", "1 2 ３"])
-def test_generate_prompt_ids_are_ascii_digits(capsys, ids):
-    refused(capsys, ["generate", "--prompt-ids", ids, "--max-tokens", "2"], "--prompt-ids", "is not a token id",
+def test_generate_prompt_ids_are_ascii_digits(capsys, toy, ids):
+    refused(capsys, ["generate", "--prompt-ids", ids, "--max-tokens", "2", "--weights", toy], "--prompt-ids",
+            "is not a token id",
             limit=TORCH_LIMIT_S)
 
 
@@ -139,10 +153,11 @@ def test_a_directory_as_scenario(capsys, temp_folder, name):
     refused(capsys, ["run", str(temp_folder / name)], name, "is a directory")
 
 
-def test_a_non_utf8_prompt_file(capsys, temp_folder):
+def test_a_non_utf8_prompt_file(capsys, temp_folder, toy):
     path = temp_folder / "prompts.txt"
     path.write_bytes(b"caf\xe9\n")
-    refused(capsys, ["generate", "--prompt-ids-file", str(path)], "--prompt-ids-file", "prompts.txt", "not UTF-8",
+    refused(capsys, ["generate", "--prompt-ids-file", str(path), "--weights", toy], "--prompt-ids-file",
+            "prompts.txt", "not UTF-8",
             limit=TORCH_LIMIT_S)
 
 
@@ -285,13 +300,13 @@ def test_stdout_on_a_full_disk():
 # --- Ctrl-C during generate ------------------------------------------------------------------------
 
 
-def _interrupt_generate(folder: Path, *extra: str) -> tuple[int, list[str], str]:
+def _interrupt_generate(folder: Path, toy: str, *extra: str) -> tuple[int, list[str], str]:
     """Start a long ``generate --json``, press Ctrl-C (SIGINT to its process group) once the first
     request has finished; (exit code, stdout lines, stderr)."""
     prompts = folder / "prompts.txt"
     prompts.write_text("".join(f"1 2 3 {i}\n" for i in range(40)))
     proc = subprocess.Popen(FXSCHED + ["generate", "--prompt-ids-file", str(prompts), "--batch", "1",
-                                       "--max-tokens", "400", "--json", "--no-progress", *extra],
+                                       "--max-tokens", "400", "--json", "--no-progress", "--weights", toy, *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         first = proc.stdout.readline() if proc.stdout else ""
@@ -318,13 +333,13 @@ def _check_interrupted(code: int, lines: list[str], err: str) -> None:
     assert summary["generated_tokens"] == sum(len(r["token_ids"]) for r in requests)
 
 
-def test_ctrl_c_during_generate_prints_what_was_generated(temp_folder):
-    _check_interrupted(*_interrupt_generate(temp_folder))
+def test_ctrl_c_during_generate_prints_what_was_generated(temp_folder, toy):
+    _check_interrupted(*_interrupt_generate(temp_folder, toy))
 
 
-def test_ctrl_c_during_generate_with_two_ep_ranks(temp_folder):
+def test_ctrl_c_during_generate_with_two_ep_ranks(temp_folder, toy):
     pytest.importorskip("torch.distributed")
-    code, lines, err = _interrupt_generate(temp_folder, "--ep-ranks", "2")
+    code, lines, err = _interrupt_generate(temp_folder, toy, "--ep-ranks", "2")
     _check_interrupted(code, lines, err)
 
 

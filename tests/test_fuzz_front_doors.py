@@ -199,10 +199,25 @@ def _kind(cls, name: str) -> str:
     return "int"
 
 
+def mostly(common: st.SearchStrategy, rare: st.SearchStrategy, percent: int) -> st.SearchStrategy:
+    """``rare`` in about ``percent`` % of the draws, else ``common``."""
+    return st.sampled_from(range(100)).flatmap(lambda n: rare if n >= 100 - percent else common)  # 0, the simplest: common
+
+
 small_int = st.one_of(st.integers(0, 20), st.integers(-2, 70))
-any_int = st.one_of(small_int, small_int, st.sampled_from(BIG))
+any_int = mostly(small_int, st.sampled_from(BIG), 15)
+# values a real scenario would use, for the fields where a small integer is mostly out of range
+SANE = {"vocab": st.sampled_from([64, 65, 100, 256]), "block_size": st.integers(1, 32),
+        "total_blocks": st.integers(1, 2000), "max_batch_size": st.integers(1, 16), "num_drafts": st.integers(0, 6),
+        "dflash_gamma": st.integers(1, 8), "ring_slots": st.integers(0, 16), "max_tokens": st.integers(1, 30),
+        "num_beams": st.integers(1, 4), "max_batch_tokens": st.integers(1, 10_000),
+        "swap_space_gb": st.sampled_from([0.0, 0.5, 1.0, 2.0]), "temperature": st.sampled_from([0.0, 0.0, 0.7, 1.0]),
+        "top_p": st.sampled_from([1.0, 0.9, 0.5]), "min_p": st.sampled_from([0.0, 0.1]),
+        "lora_rotation": st.sampled_from(["adapter-x", "b"]), "boundary_tokens": st.lists(st.integers(0, 63), max_size=3),
+        "beam_hyp": st.lists(st.integers(0, 63), max_size=4)}
 any_float = st.one_of(st.sampled_from([0.0, 0.5, 1.0, 1.5, 2.0]), st.floats(allow_nan=True, allow_infinity=True))
-text = st.one_of(st.sampled_from(["adapter-x", "", "a b", "é", "x\ny", "../up"]), st.text(max_size=8))
+text = st.one_of(st.sampled_from(["adapter-x", "", "a b", "é", "x\ny", "../up"]),
+                 st.text(st.characters(exclude_categories=["Cs"]), max_size=8))  # TOML holds no lone surrogate
 token_list = st.lists(st.one_of(st.integers(0, 62), st.integers(0, 62), st.just(63), st.sampled_from(BIG)),
                       max_size=8)
 VALUES = {"int": any_int, "float": any_float, "bool": st.booleans(), "str": text, "ints": token_list}
@@ -212,7 +227,7 @@ wrong = st.one_of(st.booleans(), text, any_float, token_list, st.dictionaries(st
 
 def _field(cls, name: str) -> st.SearchStrategy:
     right = VALUES[_kind(cls, name)]
-    return st.one_of(right, right, right, right, right, right, wrong)
+    return mostly(mostly(SANE.get(name, right), right, 20), wrong, 8)
 
 
 def table(cls, required: tuple[str, ...] = (), tokens: bool = False) -> st.SearchStrategy:
@@ -223,26 +238,31 @@ def table(cls, required: tuple[str, ...] = (), tokens: bool = False) -> st.Searc
     def build(draw):
         out: dict[str, Any] = {}
         for name in required:
-            if draw(st.integers(0, 19)):  # now and then a required field is missing
+            if draw(st.sampled_from(range(20))) != 19:  # now and then a required field is missing
                 out[name] = draw(_field(cls, name))
-        for name in draw(st.lists(st.sampled_from(optional), max_size=4, unique=True)):
+        for name in draw(st.lists(st.sampled_from(optional), max_size=3, unique=True)):
             out[name] = draw(_field(cls, name))
-        if tokens and "tokens" in out and draw(st.integers(0, 4)) == 0:
+        if tokens and "tokens" in out and draw(st.sampled_from(range(5))) == 4:
             out["tokens"] = {"toks": draw(any_int), "base": draw(any_int), "eos": draw(st.booleans())}
-        if draw(st.integers(0, 14)) == 0:
+        if draw(st.sampled_from(range(40))) == 39:
             out["no_such_field"] = draw(any_int)
         return out
 
     return build()
 
 
+def _numbered(requests: list[dict]) -> list[dict]:
+    """Ids 1, 2, ... where the draw gave an id of 0..5 (a drawn duplicate id stays possible)."""
+    return [{**r, "id": i + 1} if r.get("id") in range(6) else r for i, r in enumerate(requests)]
+
+
 request = st.fixed_dictionaries({"id": st.integers(0, 5), "prompt_len": st.integers(1, 40),
                                  "tokens": st.lists(st.integers(0, 62), min_size=1, max_size=6).map(lambda t: t + [63]),
                                  }).flatmap(lambda base: table(RequestSpec, tokens=True).map(lambda extra: {**base, **extra}))
 document = st.fixed_dictionaries(
-    {"name": st.one_of(st.just("fuzz"), st.just("fuzz"), st.just("fuzz"), text),
+    {"name": mostly(st.just("fuzz"), text, 5),
      "model": table(DeviceConfig), "options": table(RunOptions),
-     "requests": st.lists(request, min_size=0, max_size=3)},
+     "requests": mostly(st.lists(request, min_size=1, max_size=3).map(_numbered), st.just([]), 3)},
 )
 
 
@@ -300,11 +320,11 @@ def test_the_document_builder_writes_valid_scenarios(server):
 
 NUMBERS = ["0", "1", "2", "3", "-1", "1_0", "٣", "nan", "inf", "0.5", "1e3", "x", "", "10000000000000000000000",
            "99999999999999999999999999999999999999999999"]
-number = st.sampled_from(NUMBERS)
 small = st.sampled_from(["1", "2", "3"])
+number = mostly(small, st.sampled_from(NUMBERS), 30)
 
 
-def _flags(spec: dict[str, st.SearchStrategy]) -> st.SearchStrategy:
+def _flags(spec: dict[str, Optional[st.SearchStrategy]]) -> st.SearchStrategy:
     """A random subset of ``spec``'s flags (value strategies; None: a switch), in random order."""
 
     @st.composite
@@ -323,25 +343,28 @@ scenario_name = st.sampled_from(["plain_decode", "spill_swap_out_in", "beam", "n
 RUN = st.tuples(st.just(["run"]), st.lists(scenario_name, max_size=2),
                 _flags({"--list": None, "--check": None, "--write": None, "-v": None, "--ep-ranks": number,
                         "--ep-timeout": number}))
+# tiny budgets: a value the walk accepts is small; the others are refused
+BAD_NUMBERS = ["-1", "0", "1_0", "٣", "nan", "inf", "1e999", "x", "", "10000000000000000000000"]
+steps = mostly(st.sampled_from(["1", "50", "300"]), st.sampled_from(BAD_NUMBERS), 30)
+seconds = mostly(st.sampled_from(["0.05", "0.2", ".1"]), st.sampled_from(BAD_NUMBERS), 30)
 CHECK = st.tuples(st.just(["check"]),
-                  st.one_of(st.tuples(st.just("--steps"), st.one_of(st.sampled_from(["1", "50", "300"]), number)),
-                            st.tuples(st.just("--time"), st.one_of(st.sampled_from(["0.05", "0.2"]), number)),
+                  st.one_of(st.tuples(st.just("--steps"), steps), st.tuples(st.just("--time"), seconds),
                             st.just(())).map(list),
                   _flags({"--seed": st.one_of(small, number), "--replay-file": st.sampled_from(
                       ["r.json", "no/such/r.json", ".", ""]), "--progress": None, "--no-progress": None,
-                          "--steps": st.sampled_from(["20", "-1"])}))
-REPLAY = st.tuples(st.just(["replay"]), st.lists(st.sampled_from(["good.json", "broken.json", "nope.json", "."]),
+                          "--steps": steps, "--time": seconds}))
+REPLAY: st.SearchStrategy = st.tuples(st.just(["replay"]), st.lists(st.sampled_from(["good.json", "broken.json", "nope.json", "."]),
                                                  max_size=2), st.just([]))
 BENCH = st.tuples(st.just(["bench"]), st.lists(st.sampled_from(["step", "check", "nope"]), min_size=0, max_size=1),
                   _flags({"--sizes": st.sampled_from(["1", "1,2", "0", "a", "", "1,,2", "5000"]),
                           "--ticks": st.one_of(small, number), "--repeats": st.one_of(small, number)}))
 GENERATE = st.tuples(
     st.just(["generate"]),
-    st.one_of(st.tuples(st.just("--prompt-ids"), st.sampled_from(["1 2 3", "1,2", "1_0", "٣", "", "70", "-1",
-                                                                 "5 " * 600])),
+    mostly(st.just(("--prompt-ids", "1 2 3")), st.one_of(
+              st.tuples(st.just("--prompt-ids"), st.sampled_from(["1,2", "1_0", "٣", "", "70", "-1", "5 " * 600])),
               st.tuples(st.just("--prompt"), st.just("hello")),
               st.tuples(st.just("--prompt-ids-file"), st.sampled_from(["ids.txt", "latin.txt", "empty.txt", "nope"])),
-              st.just(())).map(list),
+              st.just(())), 40).map(list),
     _flags({"--max-tokens": st.one_of(small, number), "--batch": st.one_of(small, number),
             "--spec": st.sampled_from(["none", "mtp", "dflash", "ngram", "warp"]),
             "--temperature": st.one_of(st.sampled_from(["0", "0.7"]), number), "--top-p": number, "--top-k": number,
@@ -386,8 +409,26 @@ def test_fuzzed_command_lines_run_or_are_refused_in_one_line(server, parts):
     assert_clean(outcome, violation_ok=argv[0] in ("check", "replay"))
 
 
+@functools.lru_cache(maxsize=1)
+def _toy_weights() -> bytes:
+    """The internal toy model's weights file (the generate cases run it, whatever the default model is)."""
+    import tempfile
+
+    from fxsched.runtime.torch_model import default_config
+    from fxsched.runtime.torch_model.weights import init_weights, save_weights
+
+    cfg = default_config()
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "toy.safetensors"
+        save_weights(path, init_weights(cfg), cfg)
+        return path.read_bytes()
+
+
 @examples(12)
 @given(parts=GENERATE)
 def test_fuzzed_generate_command_lines_run_or_are_refused_in_one_line(server, parts):
-    outcome = server.run(_argv(parts), files=FILES)
+    argv = _argv(parts)
+    if "--weights" not in argv and "--model" not in argv:
+        argv += ["--weights", "toy.safetensors"]
+    outcome = server.run(argv, files={**FILES, "toy.safetensors": _toy_weights()})
     assert_clean(outcome)

@@ -62,11 +62,14 @@ def int_arg(low: int, high: int):
     return parse
 
 
+MAX_SECONDS = 7 * 86_400.0  # a week
+
+
 def seconds_arg(text: str) -> float:
-    """An argparse ``type``: a finite number of seconds above 0."""
+    """An argparse ``type``: a number of seconds above 0, at most ``MAX_SECONDS``."""
     value = float(text) if _DECIMAL.fullmatch(text) else math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a finite number of seconds above 0")
+    if not (math.isfinite(value) and 0 < value <= MAX_SECONDS):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds above 0, at most {MAX_SECONDS:g}")
     return value
 
 
@@ -144,7 +147,7 @@ def cmd_run(args) -> int:
     if args.check:
         path = _golden_for(scenario)
         if not path.exists():
-            print(f"fxsched run --check: no golden {path}", file=sys.stderr)
+            print(f"fxsched run --check: no golden {path} (write it with --write)", file=sys.stderr)
             return 1
         try:
             want = path.read_text(encoding="utf-8")

@@ -192,6 +192,9 @@ def _check_range(key: str, kind: str, value: Any, where: str) -> None:
         if bad is not None:
             raise ScenarioError(f"{where}: field '{key}' holds {_show(bad)}, out of range "
                                 f"(each entry from {low} to {high})")
+    elif key == "prompt_len" and value < 1:
+        raise ScenarioError(f"{where}: field 'prompt_len' = {_show(value)} expects a positive integer "
+                            f"(the prompt is empty)")
     elif not low <= value <= high:
         raise ScenarioError(f"{where}: field '{key}' = {_show(value)} is out of range (expected {low} to {high})")
 
