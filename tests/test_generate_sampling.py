@@ -22,6 +22,8 @@ pytest.importorskip("torch")
 
 import torch  # noqa: E402
 
+from support.toy_model import toy_argv  # noqa: E402
+
 from fxsched.effects.device_calls import HostPick  # noqa: E402
 from fxsched.runtime.cli.app import build_parser  # noqa: E402
 from fxsched.runtime.devices.torch_sampling import sample_rows  # noqa: E402
@@ -35,7 +37,7 @@ MAX_TOKENS = 24
 
 
 def fxsched(*argv: str) -> int:
-    args = build_parser().parse_args(["generate", *argv])
+    args = build_parser().parse_args(toy_argv(["generate", *argv]))  # the internal model unless one is named
     return args.func(args)
 
 

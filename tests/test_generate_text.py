@@ -23,6 +23,7 @@ pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 
 from support.tiny_tokenizer import TinyTokenizer, write_tiny_tokenizer  # noqa: E402
+from support.toy_model import toy_argv  # noqa: E402
 
 from fxsched.runtime.cli.app import build_parser  # noqa: E402
 from fxsched.runtime.cli.generate import add_bench_generate, add_generate_command  # noqa: E402
@@ -45,7 +46,7 @@ def wired_parser() -> argparse.ArgumentParser:
 
 
 def fxsched(*argv: str) -> int:
-    args = wired_parser().parse_args(list(argv))
+    args = wired_parser().parse_args(toy_argv(list(argv)))  # the internal model unless one is named
     return args.func(args)
 
 

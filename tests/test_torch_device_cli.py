@@ -10,6 +10,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 
+from support.toy_model import toy_argv  # noqa: E402
+
 from fxsched.runtime.cli.app import build_parser  # noqa: E402
 from fxsched.runtime.cli.generate import add_bench_generate, add_generate_command  # noqa: E402
 from fxsched.runtime.torch_model import HybridEngine, default_config, init_weights, save_weights  # noqa: E402
@@ -29,7 +31,7 @@ def wired_parser() -> argparse.ArgumentParser:
 
 
 def fxsched(*argv: str) -> int:
-    args = wired_parser().parse_args(list(argv))
+    args = wired_parser().parse_args(toy_argv(list(argv)))  # the internal model unless one is named
     return args.func(args)
 
 
@@ -119,14 +121,15 @@ def test_cuda_without_cuda_exits_2(capsys):
 
 
 def test_bench_generate_table(capsys):
-    assert fxsched("bench", "generate", "--batches", "1,2", "--max-tokens", "4", "--specs", "none,dflash") == 0
+    assert fxsched("bench", "generate", "--batches", "1,2", "--max-tokens", "4", "--specs", "none,dflash",
+                   "--prompts", "held-out") == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("bench generate: device=cpu max_tokens=4")
     header = out[1].split()
-    assert header == ["spec", "batch", "tokens", "tokens/s", "fwd/token", "mean_acc_len", "lossless"]
+    assert header == ["prompts", "spec", "batch", "tokens", "tokens/s", "fwd/token", "mean_acc_len", "lossless"]
     rows = [line.split() for line in out[2:]]
-    assert [(r[0], r[1]) for r in rows] == [("none", "1"), ("dflash", "1"), ("none", "2"), ("dflash", "2")]
-    assert all(r[-1] == "yes" for r in rows)
+    assert [(r[1], r[2]) for r in rows] == [("none", "1"), ("dflash", "1"), ("none", "2"), ("dflash", "2")]
+    assert [r[-1] for r in rows] == ["-", "yes", "-", "yes"]  # none is the reference
 
 
 def test_bench_still_dispatches_the_other_benchmarks(capsys):

@@ -7,9 +7,13 @@ Wiring into ``fxsched.runtime.cli.app.build_parser`` takes one line per command:
 
 ``python -m fxsched.runtime.cli.generate generate ...`` runs the same commands standalone.
 
-The model: the seeded internal model (default), ``--weights FILE`` (its safetensors file) or
-``--model DIR`` (a Hugging Face checkpoint directory, through ``HybridEngine.from_pretrained``,
-with ``--dtype``, ``--max-seq-len`` and a DFlash ``--draft-model DIR``). The tokenizer comes from the model directory (or ``--tokenizer DIR``); a model
+The model: ``--model DIR`` (a Hugging Face checkpoint directory, through ``HybridEngine.from_pretrained``,
+with ``--dtype``, ``--max-seq-len`` and a DFlash ``--draft-model DIR``), ``--weights FILE`` (a
+safetensors file of the internal toy model), or, with neither, the embedded default model: the
+Hugging Face directory ``specs/models/default/`` (a tiny Qwen3.5 checkpoint with a self-distilled MTP
+layer and a tokenizer, see ``runtime/torch_model/default_model.py``), loaded exactly like a
+``--model`` directory. With ``--ep-ranks N > 1`` and neither option the internal toy model runs (the
+EP workers build it). The tokenizer comes from the model directory (or ``--tokenizer DIR``); a model
 without one takes token ids only.
 
 Prompts: ``--prompt TEXT`` / ``--prompt-file FILE`` (text, one prompt per non-blank line,
@@ -32,8 +36,8 @@ token, which the scheduler picks without a record).
 Bad input (an out-of-range sampling value, an empty or malformed prompt, a token id outside the vocabulary, a prompt longer than
 the context, text for a model without a tokenizer, an unknown ``--spec``, ``--device cuda``
 without CUDA, a missing or unreadable weights file, model or tokenizer directory) exits 2 with one
-line on stderr naming the input and what is wrong. Numbers are written in ASCII digits (``1_0``,
-``٣``, ``nan`` are refused).
+line on stderr naming the input and what is wrong. Numbers are written in ASCII digits (``1_0`` and
+``٣`` are refused; a NaN fails the range check).
 
 Ctrl-C during a run prints what was generated so far (each unfinished request with finish reason
 "interrupted", then the summary), one line on stderr, and exits 130; with ``--ep-ranks`` the
@@ -44,7 +48,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 import sys
 from dataclasses import dataclass
@@ -71,7 +74,7 @@ class UsageError(Exception):
 def _add_model_arguments(p: argparse.ArgumentParser, what: str = "") -> None:
     p.add_argument("--weights", help=f"a safetensors weights file of the internal model{what}")
     p.add_argument("--model", metavar="DIR", help=f"a Hugging Face model directory (config.json, safetensors, "
-                                                  f"tokenizer){what}")
+                                                  f"tokenizer; default: the embedded default model){what}")
     p.add_argument("--dtype", default=None, metavar="{" + ",".join(DTYPES) + "}",
                    help=f"weights and compute dtype of a --model checkpoint (default: the checkpoint's){what}")
     p.add_argument("--max-seq-len", default=None, metavar="N",
@@ -83,8 +86,8 @@ def _add_model_arguments(p: argparse.ArgumentParser, what: str = "") -> None:
 def add_generate_command(sub) -> None:
     """Register ``generate`` (with its own ``func``) on an ``add_subparsers`` object."""
     p = sub.add_parser("generate", help="generate text or tokens with the torch model, scheduled by fxsched",
-                       description="Generation (greedy unless --temperature > 0) through the scheduler on the internal hybrid torch model "
-                                   "or a Hugging Face checkpoint (--model). Prints each request's text (or token "
+                       description="Generation (greedy unless --temperature > 0) through the scheduler on a Hugging Face checkpoint "
+                                   "(--model; default: the embedded default model) or the internal toy model (--weights). Prints each request's text (or token "
                                    "ids, for a model without a tokenizer) and a summary line.")
     p.add_argument("--prompt", help="prompt text (encoded with the model's tokenizer)")
     p.add_argument("--prompt-ids", help='prompt token ids separated by spaces or commas, e.g. "1 2 3"')
@@ -130,7 +133,12 @@ def add_bench_generate(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--device", default="cpu", help="cpu or cuda (generate)")
     bench.add_argument("--batches", default="1,4,16", help="batch sizes, comma-separated (generate)")
     bench.add_argument("--max-tokens", default="32", help="tokens per request (generate)")
-    bench.add_argument("--specs", default="none,mtp,dflash", help="speculation modes, comma-separated (generate)")
+    bench.add_argument("--specs", default="none,mtp,dflash,ngram",
+                       help="speculation modes, comma-separated; one the model cannot run is reported as skipped "
+                            "(generate)")
+    bench.add_argument("--prompts", default="held-out,repetitive",
+                       help="prompt sets, comma-separated: held-out, repetitive (generate)")
+    bench.add_argument("--json", action="store_true", help="one JSON object per row, nothing else (generate)")
     _add_model_arguments(bench, " (generate)")
     previous = bench.get_default("func")
 
@@ -153,12 +161,10 @@ def _int(value: str, name: str, low: int, high: Optional[int] = None) -> int:
 
 
 def _float(value: str, name: str) -> float:
-    if not isinstance(value, str) or not _DECIMAL.fullmatch(value.strip()):
+    if not isinstance(value, str) or not (_DECIMAL.fullmatch(value.strip())
+                                          or value.strip().lower() in ("nan", "inf", "-inf", "+inf")):
         raise UsageError(f"{name} {value}: not a number")
-    number = float(value)
-    if not math.isfinite(number):
-        raise UsageError(f"{name} {value}: not a finite number")
-    return number
+    return float(value)  # a NaN or an infinity is refused by the option's range check
 
 
 def _sampling(args):
@@ -217,6 +223,12 @@ class ModelChoice:
     dtype: Optional[str] = None
     max_seq_len: Optional[int] = None
     draft_model: Optional[str] = None
+    default: bool = False  # `model` is the embedded default model (no --model / --weights given)
+
+    @property
+    def label(self) -> str:
+        """How errors name the model directory."""
+        return f"the default model {self.model}" if self.default else f"--model {self.model}"
 
 
 def _model_choice(args) -> ModelChoice:
@@ -227,6 +239,11 @@ def _model_choice(args) -> ModelChoice:
         raise UsageError("--weights and --model: give one of them, not both")
     if dtype is not None and dtype not in DTYPES:
         raise UsageError(f"--dtype {dtype}: unknown dtype (choose {', '.join(DTYPES)})")
+    default = model is None and weights is None and getattr(args, "ep_ranks", 1) <= 1
+    if default:
+        from fxsched.runtime.torch_model.default_model import default_model_dir
+
+        model = str(default_model_dir())
     if model is None:
         if dtype is not None:
             raise UsageError(f"--dtype {dtype}: only for a --model checkpoint (the internal model runs in float32)")
@@ -236,11 +253,12 @@ def _model_choice(args) -> ModelChoice:
             raise UsageError(f"--draft-model {draft_model}: only for a --model checkpoint")
         return ModelChoice(weights=weights)
     if not Path(model).is_dir():
-        raise UsageError(f"--model {model}: no such directory")
+        what = "the default model" if default else "--model"
+        raise UsageError(f"{what} {model}: no such directory")
     if draft_model is not None and not Path(draft_model).is_dir():
         raise UsageError(f"--draft-model {draft_model}: no such directory")
     length = _int(max_seq_len, "--max-seq-len", 16) if max_seq_len is not None else None
-    return ModelChoice(model=model, dtype=dtype, max_seq_len=length, draft_model=draft_model)
+    return ModelChoice(model=model, dtype=dtype, max_seq_len=length, draft_model=draft_model, default=default)
 
 
 def _engine(choice: ModelChoice | Optional[str], device: str):
@@ -273,7 +291,7 @@ def _pretrained(choice: ModelChoice, device: str):
     assert choice.model is not None
     from_pretrained = getattr(HybridEngine, "from_pretrained", None)
     if from_pretrained is None:
-        raise UsageError(f"--model {choice.model}: this build cannot load Hugging Face checkpoints yet "
+        raise UsageError(f"{choice.label}: this build cannot load Hugging Face checkpoints yet "
                          f"(HybridEngine.from_pretrained is missing)")
     kwargs: dict[str, Any] = {"device": device}
     if choice.dtype is not None:
@@ -294,7 +312,7 @@ def _blame(choice: ModelChoice, err: BaseException) -> str:
     """The option a loading error is about: the drafter directory when the message names it."""
     if choice.draft_model is not None and str(Path(choice.draft_model)) in str(err):
         return f"--draft-model {choice.draft_model}"
-    return f"--model {choice.model}"
+    return choice.label
 
 
 def _one_line(err: BaseException) -> str:
@@ -308,7 +326,7 @@ def _tokenizer(args, choice: ModelChoice):
     directory = getattr(args, "tokenizer", None)
     option = "--tokenizer"
     if directory is None:
-        directory, option = choice.model, "--model"
+        directory, option = choice.model, ("the default model" if choice.default else "--model")
     if directory is None:
         return None
     try:
@@ -457,7 +475,7 @@ def run_generate(args, out=None) -> int:
     if any(not s for s in stops):
         raise UsageError("--stop: a stop string must not be empty")
     choice = _model_choice(args)
-    if choice.model is not None and getattr(args, "ep_ranks", 1) > 1:
+    if choice.model is not None and getattr(args, "ep_ranks", 1) > 1:  # (the default model is not chosen then)
         raise UsageError(f"--ep-ranks {args.ep_ranks}: not supported with --model yet (the workers build the "
                          f"internal model)")
     device = _torch_device(args.device)
@@ -536,7 +554,7 @@ def cmd_generate(args) -> int:
 
 def run_bench_generate(args, out=None) -> list[dict]:
     out = out or sys.stdout
-    from fxsched.runtime.bench.generate import bench_generate, format_table
+    from fxsched.runtime.bench.generate import PROMPT_SETS, bench_generate, format_table, row_json
     from fxsched.runtime.generate import SPECS
 
     device = _torch_device(args.device)
@@ -550,7 +568,13 @@ def run_bench_generate(args, out=None) -> list[dict]:
         if spec not in SPECS:
             raise UsageError(f"--specs {spec}: unknown speculation mode (choose from {', '.join(SPECS)})")
     max_tokens = _int(args.max_tokens, "--max-tokens", 1)
+    sets = [s.strip() for s in getattr(args, "prompts", ",".join(PROMPT_SETS)).split(",") if s.strip()]
+    for name in sets or [""]:
+        if name not in PROMPT_SETS:
+            raise UsageError(f"--prompts {name or args.prompts!r}: unknown prompt set (choose from "
+                             f"{', '.join(PROMPT_SETS)})")
     choice = _model_choice(args)
+    tokenizer = _tokenizer(args, choice)
     engine = _engine(choice, device)  # validates the model once
     for b in batches:
         if b > engine.cfg.max_slots:
@@ -565,11 +589,17 @@ def run_bench_generate(args, out=None) -> list[dict]:
         bar.update()
 
     try:
-        rows = bench_generate(lambda: _engine(choice, device), batches, max_tokens, specs, progress=progress)
+        rows = bench_generate(lambda: _engine(choice, device), batches, max_tokens, specs, progress=progress,
+                              tokenizer=tokenizer, prompt_sets=sets)
     finally:
         bar.close()
     model = choice.model or choice.weights or "random (seeded)"
-    label = "model" if choice.model else "weights"
+    label = "default model" if choice.default else ("model" if choice.model else "weights")
+    if getattr(args, "json", False):
+        for row in rows:
+            record = {**row_json(row), "device": device, "max_tokens": max_tokens, "model": model}
+            print(json.dumps(record), file=out)
+        return rows
     print(f"bench generate: device={device} max_tokens={max_tokens} {label}={model}", file=out)
     print(format_table(rows), file=out)
     return rows

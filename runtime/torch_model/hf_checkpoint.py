@@ -594,7 +594,7 @@ def hf_config(cfg: ModelConfig, *, max_position_embeddings: int | None = None) -
                             "mrope_interleaved": True, "mrope_section": section},
         "max_position_embeddings": max_position_embeddings or cfg.max_seq_len,
         "tie_word_embeddings": cfg.tie_word_embeddings, "dtype": cfg.dtype,
-        "bos_token_id": None, "eos_token_id": cfg.eos_id, "pad_token_id": None,
+        "bos_token_id": None, "eos_token_id": list(cfg.stop_ids) if cfg.eos_ids else cfg.eos_id, "pad_token_id": None,
         "mtp_num_hidden_layers": cfg.mtp_layers, "use_cache": True,
     }
 

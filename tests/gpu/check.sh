@@ -33,4 +33,4 @@ echo "== bench generate (cuda)"
 timeout 150 "$PY" -m fxsched.runtime.cli.generate bench generate --device cuda --batches 1,4,16 --max-tokens 32
 
 echo "== generate example (cuda)"
-timeout 30 "$PY" -m fxsched.runtime.cli.generate generate --device cuda --prompt-ids "1 2 3 4 5" --max-tokens 16 --spec dflash --batch 4
+timeout 30 "$PY" -m fxsched.runtime.cli.generate generate --device cuda --prompt "The lighthouse keeper climbed the stairs" --max-tokens 16 --spec mtp --batch 4

@@ -1,0 +1,39 @@
+"""The internal toy model as a weights file, for CLI tests written against it.
+
+`fxsched generate` / `fxsched bench generate` without `--model` or `--weights` run the embedded
+default model (the Hugging Face directory specs/models/default/). Tests that check the internal
+model's tokens, vocabulary bounds or "no tokenizer" errors name it explicitly: `toy_argv(argv)` adds
+`--weights FILE` (the seeded `default_config()` weights, written once per process to a temporary
+folder that is removed at exit) to a generate / bench generate command line that names no model.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import shutil
+import tempfile
+from pathlib import Path
+
+MODEL_OPTIONS = ("--model", "--weights")
+
+
+@functools.cache
+def toy_weights_file() -> Path:
+    """A safetensors file of the internal model's seeded weights (fxsched/specs/models/default.toml)."""
+    from fxsched.runtime.torch_model import default_config, init_weights, save_weights
+
+    folder = Path(tempfile.mkdtemp(prefix="fxsched-toy-"))
+    atexit.register(shutil.rmtree, folder, True)
+    path = folder / "toy.safetensors"
+    cfg = default_config()
+    save_weights(path, init_weights(cfg), cfg)
+    return path
+
+
+def toy_argv(argv: list[str]) -> list[str]:
+    """argv with `--weights <toy>` appended when it is a generate / bench generate command naming no model."""
+    command = argv[:2] if argv[:1] == ["bench"] else argv[:1]
+    if command not in (["generate"], ["bench", "generate"]) or any(a in MODEL_OPTIONS for a in argv):
+        return argv
+    return [*argv, "--weights", str(toy_weights_file())]
