@@ -56,7 +56,9 @@ PLANTED_BUGS: tuple[PlantedBug, ...] = (
     PlantedBug(
         "accepted_prefix_off_by_one",
         "a partial accept keeps one rejected draft (the serial K-verify and the batched DFlash verify)",
-        "lossless",
+        # the simulated device checks that a commit covers exactly the accepted drafts + 1, which
+        # refuses the bad commit before the kept draft reaches a client (lossless)
+        "device_arguments",
         (
             Edit("core/kverify.py",
                  "    na = min(accepted_prefix(waiting.drafts[:nd], rows), nd)\n",

@@ -12,7 +12,7 @@ from typing import Any, Optional
 from fxsched.core import events as ev
 from fxsched.core.config import SCRIPTED_EOS as EOS
 from fxsched.core.state import SchedulerState
-from fxsched.core.phases import AwaitPublishBlocks
+from fxsched.core.phases import AwaitAdapterIds, AwaitPublishBlocks
 from fxsched.effects import device_calls as dc
 from fxsched.effects import lifecycle as lc
 from fxsched.effects.client import DoneOut, ErrorOut, ResponseOut, TokenOut, TokensOut
@@ -140,6 +140,10 @@ def early_stop_justified(request, expected: tuple[int, ...], frame, out, *, canc
     if reason == "timeout":
         if request.deadline_ms is None or request.deadline_ms > now_ms:
             raise Violation("early_stop", f"request {rid} timed out at {now_ms} ms, deadline {request.deadline_ms}")
+        if ended_eos or n >= request.max_tokens:
+            # the deadline finishes only unfinished sequences (specs/scheduler.md §5.19 step 1)
+            raise Violation("early_stop", f"request {rid} reports timeout after it finished "
+                                          f"({'EOS' if ended_eos else 'budget spent'}, n={n})")
         return
     if guard == "request_timeout":
         raise Violation("early_stop", f"request {rid} has guard request_timeout but reason {reason}")
@@ -229,8 +233,23 @@ def no_effect_on_released(effects, released: set, live: set) -> None:
             if s in released:
                 raise Violation("no_effect_on_released", f"{type(effect).__name__} names sequence {s} after its release")
         if isinstance(effect, lc.ReleaseSeq):
+            release_cache_flag(effect)
             released.add(effect.seq)
             live.discard(effect.seq)
+
+
+RELEASE_CACHES = {"finish_sequence": True, "preempt_requeue": True, "spill_out_sequence": False,
+                  "send_error": False}
+
+
+def release_cache_flag(effect) -> None:
+    """release: the prefix-cache flag follows the reason (specs/scheduler.md §5.20, §5.18, §5.9,
+    specs/faults.md): a finished or requeued sequence's blocks enter the cache, a spilled or
+    failed one's never do."""
+    want = RELEASE_CACHES.get(str(effect.reason))
+    if want is not None and effect.cache != want:
+        raise Violation("release_cache_flag", f"ReleaseSeq of sequence {effect.seq} for {effect.reason} has "
+                                              f"cache={effect.cache}")
 
 
 def fold_before_commit(effects) -> None:
@@ -295,6 +314,11 @@ def compaction_target_free(effects, device) -> None:
         elif isinstance(effect, (lc.CompactSlot, dc.CompactSequence)):
             target = effect.target if isinstance(effect, lc.CompactSlot) else effect.new_slot
             holders = [s for s, slot in slot_of.items() if slot == target and s != effect.seq]
+            here = slot_of.get(effect.seq)
+            if here is not None and target >= here:
+                # compaction (§5.19 step 3) and a swap-out's move (§5.9 step 4) only ever move down
+                raise Violation("compaction_target_free", f"{type(effect).__name__} moves sequence {effect.seq} from "
+                                                          f"slot {here} up to slot {target}")
             if holders:
                 raise Violation("compaction_target_free", f"{type(effect).__name__} moves sequence {effect.seq} "
                                                           f"into slot {target}, held by sequence {holders[0]}")
@@ -378,8 +402,81 @@ def admission_order(policy: str, queue: list, selected: tuple, cap: int) -> None
                                            f"(room {cap}); the policy says {[r.id for r in want]}")
 
 
+def drafts_verified(state: SchedulerState, device) -> None:
+    """every pending draft block is verified (specs/speculation.md §6.2 step 5): in a tick that
+    verified drafts, and saw no fault, every active unfinished sequence still holding a proposal
+    from an earlier tick was verified too (a gate's left-outs go serial after its chunks)."""
+    proposed_at = getattr(device, "proposed_at", None)
+    if not proposed_at or device.verify_tick != device.tick:
+        return
+    for seq in state.active:
+        at = proposed_at.get(seq.seq_id)
+        if at is not None and at < device.tick and not seq.finished:
+            raise Violation("drafts_verified", f"sequence {seq.seq_id} holds drafts proposed in tick {at} that tick "
+                                               f"{device.tick} did not verify, though it verified others")
+
+
+def committed_kv(state: SchedulerState) -> int:
+    """The KV blocks committed to everything in flight, by the rule book's formula (specs/scheduler.md
+    §5.5 step 4): commitment(current, budget) = blocks_for(min(current + min(budget, W), max(W,
+    current))) over active (seq_len + 1, remaining), prefilling (prompt_len, max_tokens), swapped
+    (seq_len + 1, remaining) and preempted (len(tokens) + 1, remaining)."""
+    w = state.config.admission_watermark
+    bs = state.model.block_size
+
+    def commit(current: int, budget: int) -> int:
+        return min(current + min(budget, w), max(w, current)) // bs + 1
+
+    total = sum(commit(s.seq_len + 1, s.remaining) for s in state.active)
+    total += sum(commit(p.request.prompt_len, p.request.max_tokens) for p in state.prefilling)
+    total += sum(commit(x.sequence.seq_len + 1, x.sequence.remaining) for x in state.swapped)
+    total += sum(commit(len(q.tokens) + 1, q.sequence.remaining) for q in state.preempted)
+    return total
+
+
+def no_overtaking(selection, admitted, adapters, refused: set, committed: int, state: SchedulerState) -> None:
+    """admission by the KV reservation (specs/scheduler.md §5.5 step 4): of a selection, the
+    admitted requests are the longest prefix, in selection order, of the selected ones of their
+    adapter cohort that were not refused whose commitments fit ``total_blocks`` on top of what was
+    committed (the first is admitted anyway when nothing was); the first that does not fit stops
+    the walk, so no later request overtakes it."""
+    if not admitted or adapters is None:
+        return
+
+    def adapter(r) -> int:
+        return adapters.get(getattr(r, "adapter_slot", -1), -1)
+
+    cohort = adapter(admitted[0])
+    candidates = [r for r in selection if adapter(r) == cohort and r.id not in refused]
+    total = state.model.total_blocks
+    want = []
+    if total == 0:
+        want = [r.id for r in candidates]
+    else:
+        w = state.config.admission_watermark
+        for index, r in enumerate(candidates):
+            need = min(r.prompt_len + min(r.max_tokens, w), max(w, r.prompt_len)) // state.model.block_size + 1
+            if committed + need <= total or (index == 0 and committed == 0):
+                committed += need
+                want.append(r.id)
+            else:
+                break
+    ids = [r.id for r in admitted]
+    if ids != want:
+        raise Violation("admission_order", f"admitted {ids} of the selection {[r.id for r in selection]}; the KV "
+                                           f"reservation admits {want} (no overtaking)")
+
+
+def refused_prompt(request, frame, max_seq_len: int) -> None:
+    """refused prompt (specs/scheduler.md §5.5): a prompt as long as the context or longer is
+    refused with an ``Error``; it never runs."""
+    if request.prompt_len >= max_seq_len and not isinstance(frame, ErrorOut):
+        raise Violation("refused_prompt", f"request {request.id} with a {request.prompt_len}-token prompt (context "
+                                          f"{max_seq_len}) ended with {type(frame).__name__}, not an Error")
+
+
 def error_justified(request, message: str, *, in_fault_step: bool, blamed, in_flight: bool, model,
-                    config, adapter_id: int) -> None:
+                    config, adapter_id: int, requeued_kv: Optional[int] = None) -> None:
     """early_stop (errors): an ``Error`` only for a request the rule book fails
     (specs/faults.md §8.1–8.4, specs/scheduler.md §5.5, §5.19 step 5): one no device could serve (an
     unknown adapter, a prompt past the context or the block pool), one whose preempted KV could
@@ -391,8 +488,11 @@ def error_justified(request, message: str, *, in_fault_step: bool, blamed, in_fl
         return
     if model.total_blocks and request.prompt_len // bs + 1 > model.total_blocks:
         return
-    if model.total_blocks and (request.prompt_len + request.max_tokens) // bs + 2 > model.total_blocks:
-        return  # a requeue resume that can never fit (the bound of any KV it could hold)
+    if requeued_kv is None:
+        if model.total_blocks and (request.prompt_len + request.max_tokens) // bs + 2 > model.total_blocks:
+            return  # a requeue resume that can never fit (the bound of any KV it could hold)
+    elif model.total_blocks and requeued_kv // bs + 2 > model.total_blocks:
+        return  # a requeue resume that can never fit: want = len(tokens) // block_size + 1, plus 1 (§5.19 step 5)
     if in_fault_step:
         if not in_flight:
             raise Violation("early_stop", f"request {rid} failed by a fault before it arrived or after it ended")
@@ -402,7 +502,63 @@ def error_justified(request, message: str, *, in_fault_step: bool, blamed, in_fl
     raise Violation("early_stop", f"request {rid} failed ({message}) with no fault and no reason to refuse it")
 
 
+def decode_rows(effect, device, requests) -> None:
+    """plain decode rows (specs/scheduler.md §5.16, §5.11): a decode of several sequences lists them
+    in slot order, and a host pick of a row is seeded with the request's seed plus its output
+    length (the tokens already out: the KV holds prompt + output but the last token, which this
+    decode feeds), with EOS masked exactly while that length is below ``min_tokens``."""
+    seqs = effect.seqs
+    live = device.live
+    if len(seqs) > 1:
+        slots = [live[i].slot for i in seqs if i in live]
+        if slots != sorted(slots):
+            raise Violation("decode_rows", f"a decode lists sequences {list(seqs)} in slots {slots}, not in slot order")
+    if not effect.picks:
+        return
+    for seq_id, pick in zip(seqs, effect.picks, strict=False):
+        s = live.get(seq_id)
+        request = requests.get(device._rid(s)) if s is not None else None
+        if request is None:
+            continue
+        out = s.seq_len - request.prompt_len + 1
+        seed = getattr(request, "seed", 42) + out
+        if pick.seed != seed or pick.mask_eos != (out < getattr(request, "min_tokens", 0)):
+            raise Violation("decode_rows", f"request {request.id} with {out} tokens out picks with seed {pick.seed} "
+                                           f"mask_eos={pick.mask_eos}; the rule says seed {seed}")
+
+
 from fxsched.effects import plans  # noqa: E402
+
+
+DRAFT_RULED = (dc.SlotDraftCapacity, dc.ProposeMulti, dc.ProposeBatched, dc.CatchupBatched, dc.DecodeVerify)
+"""The effects ``Monitor._draft_rules`` looks at."""
+
+DECODE_LANE = (plans.Decode, dc.DecodeCall, dc.SerialVerify, dc.DecodeVerifyBatched, dc.SlotDraftCapacity,
+               dc.MixedForward, dc.MixedForwardBatch)
+"""Effects only a decode-lane step or a mixed step makes: each sets ``last_decode_ms``
+(specs/scheduler.md §5.4)."""
+
+
+def admission_ran(state: SchedulerState, now_ms: float, last_decode_ms: float, selected: bool) -> None:
+    """admission decision (specs/scheduler.md §5.4 step 3), checked at the tick's publish, which
+    directly follows the selection and its admission check (``selected``: the tick asked the
+    adapter ids of a selection; the check may defer some back): with requests pending and a free
+    seat the tick selects some
+    unless the policy declines; FIFO never declines, SLAI declines exactly while something is
+    active and ``now − last_decode ≥ 0.8 × slai_deadline_ms`` (``last_decode`` is the checker's
+    own clock reading at the last decode-lane or mixed step)."""
+    config = state.config
+    cap = config.max_batch_size - len(state.active) - len(state.prefilling) - len(state.new_requests)
+    if not selected and (not state.pending or cap <= 0):
+        return
+    declines = (config.policy == "slai" and bool(state.active)
+                and now_ms - last_decode_ms >= 0.8 * config.slai_deadline_ms)
+    if declines and selected:
+        raise Violation("admission_decision", f"SLAI admitted at {now_ms} ms, {now_ms - last_decode_ms} ms after the "
+                                              f"last decode (deadline {config.slai_deadline_ms} ms): it must decline")
+    if not declines and not selected:
+        raise Violation("admission_decision", f"{config.policy} admitted nothing at {now_ms} ms with requests pending "
+                                              f"and {cap} seats free (last decode at {last_decode_ms} ms)")
 
 
 # --- the monitor --------------------------------------------------------------------------------------------
@@ -420,7 +576,10 @@ class Monitor:
     1 + max_rollbacks times (a rollback gives the dropped tokens back).
 
     ``config`` and ``model`` (when given) arm the oracles that need the rule book's settings: the
-    early-stop causes, the admission order, the batch bound and the packed slots.
+    early-stop causes, the admission order and decision, the KV reservation, the batch bound, the
+    packed slots, refused prompts, the draft count, drafts for finished sequences, every pending
+    draft block verified, the preemption victim (with the checker's own immunity record), cancels
+    ending streams. Every batch's release flags, compaction moves and decode rows are checked too.
     """
 
     def __init__(self, requests, device, counts_acc: bool, config=None, model=None):
@@ -450,6 +609,21 @@ class Monitor:
         self.selected: tuple = ()  # what is left of it in ``new_requests``
         self.served: set[int] = set()  # requests allocated a sequence or finished
         self.fault_step = False
+        self.tick_fault = False  # a fault came in the tick now running
+        self.capacity_query = (0, 0)  # the last capacity query: (its first answer in the device's log, slots)
+        self.kv_fault = False  # the event being stepped is a KV-exhaustion fault
+        self.last_decode_ms = 0.0
+        self.selected_in_tick = False  # this tick's admission asked the adapter ids of a selection
+        self.admitting: tuple = ()  # the selection whose admission check is under way
+        self.committed = 0  # the KV blocks committed when it began
+        self.requeued_kv: dict[int, int] = {}  # request id -> KV tokens it held when preempted (requeued)
+        self.last_decode_rows: tuple[int, ...] = ()
+        self.prev_active: dict[int, tuple] = {}  # seq -> (output length, slot, request id, seq) after the last step
+        self.prev_state_active: tuple = ()  # the active sequences after the last step
+        self.evicted: set[int] = set()  # requests preempted (requeued), not yet resumed
+        self.moved: set[int] = set()  # requests ever spilled or requeued
+        self.first_token_owed: set[int] = set()  # cancelled before they were active: the first token may stream
+        self.immune: dict[int, int] = {}  # request id -> the output length its immunity lasts to
         self.blamed = None
 
     def add_request(self, request) -> None:
@@ -463,15 +637,21 @@ class Monitor:
     def on_event(self, event) -> None:
         """An event about to be stepped: clocks, arrivals, cancels and faults are causes."""
         self.fault_step = False
+        self.kv_fault = False
         if isinstance(event, ev.Clock):
             self.now_ms = event.now_ms
         elif isinstance(event, ev.Cancel):
-            self.cancelled.add(event.request_id)
+            rid = event.request_id
+            if rid not in self.cancelled and rid in self.streamed and not self.streamed[rid]:
+                self.first_token_owed.add(rid)
+            self.cancelled.add(rid)
         elif isinstance(event, ev.Arrival):
             self.arrived.add(event.request.id)
             self.queue.append(event.request)
         elif isinstance(event, ev.DeviceFault):
             self.fault_step = True
+            self.tick_fault = True
+            self.kv_fault = event.kv_exhausted
             take = getattr(self.device, "take_blame", None)
             self.blamed = take() if take is not None else None
 
@@ -479,15 +659,130 @@ class Monitor:
         no_effect_on_released(effects, self.released, self.live)
         fold_before_commit(effects)
         compaction_target_free(effects, self.device)
+        drafting = releasing = decoding = False
         for effect in effects:
             if self.shutdown_tail or isinstance(effect, (lc.EpShutdown, lc.Quiesce, lc.Teardown)):
                 shutdown_order(self.shutdown_tail, effect)
             elif isinstance(effect, (dc.AllocSequence, dc.AllocSequenceFor)) and effect.session:
                 self.served.add(effect.session)
+            elif isinstance(effect, lc.ReleaseSeq):
+                releasing = True
+            elif isinstance(effect, DRAFT_RULED):
+                drafting = True
+            if isinstance(effect, DECODE_LANE):
+                decoding = True
+                if isinstance(effect, plans.Decode) and hasattr(self.device, "_rid"):
+                    decode_rows(effect, self.device, self.requests)
+        if self.config is None:
+            return
+        if drafting and hasattr(self.device, "capacity_log"):
+            self._draft_rules(effects)
+        if releasing:
+            self._preemption(effects)
+        elif self.kv_fault is False:
+            for effect in reversed(effects):
+                if isinstance(effect, plans.Decode):
+                    self.last_decode_rows = effect.seqs
+                    break
+        if decoding:
+            self.last_decode_ms = self.now_ms
+
+    def _preemption(self, effects) -> None:
+        """preemption victim (specs/scheduler.md §5.18): after a KV-exhausted decode, the sequence
+        preempted (requeued or spilled) is, among the failed decode's rows, the smallest
+        (output length, slot), ignoring the rows still immune unless all are. Immunity is the
+        checker's own record: a sequence requeue-resumed after a preemption is immune until its
+        output grows by ``preemption_immunity_tokens`` (§5.19 step 5; a swap-in keeps what it had)."""
+        rows: tuple[int, ...] = self.last_decode_rows
+        self.prev_active = {seq.seq_id: (len(seq.output), seq.slot, seq.request.id, seq.seq_id)
+                            for seq in self.prev_state_active}
+        for effect in effects:
+            if isinstance(effect, plans.Decode):
+                rows = effect.seqs
+            elif (isinstance(effect, lc.ReleaseSeq) and self.kv_fault
+                  and str(effect.reason) in ("preempt_requeue", "spill_out_sequence")):
+                known = [self.prev_active[i] for i in rows if i in self.prev_active]
+                if len(known) == len(rows) and effect.seq in rows:
+                    mortal = [k for k in known if k[0] >= self.immune.get(k[2], 0)] or known
+                    want = min(mortal)
+                    if want[3] != effect.seq:
+                        raise Violation("preemption_victim", f"preempted sequence {effect.seq}; of the failed rows "
+                                                             f"(output, slot, request, seq) {sorted(known)} with "
+                                                             f"immunity {self.immune} the rule picks {want[3]}")
+                self.kv_fault = False
+            if isinstance(effect, lc.ReleaseSeq) and str(effect.reason) in ("preempt_requeue", "spill_out_sequence"):
+                rid = self.prev_active.get(effect.seq, (0, 0, None, 0))[2]
+                if rid is not None:
+                    self.moved.add(rid)
+                    if str(effect.reason) == "preempt_requeue":
+                        self.evicted.add(rid)
+                        held = self.device.live.get(effect.seq)
+                        if held is not None:
+                            self.requeued_kv[rid] = held.seq_len
+        self.last_decode_rows = rows
+
+    def _draft_rules(self, effects) -> None:
+        """The draft count of a step and who may get drafts (specs/speculation.md §6.2, §6.15):
+        every proposal asks for count = min(base, the step's capacities) drafts, where base is
+        ``num_drafts`` for DFlash and the MTP ladder (3 while at most 8 sequences are active,
+        else 1, clamped to [1, num_drafts]) for MTP; a self-speculative verify feeds
+        min(num_drafts, capacity) drafts; and no proposal or catch-up names a sequence whose
+        request has spent its budget (its last token is out, earlier in the same batch or before)."""
+        config = self.config
+        device = self.device
+        out: dict[int, int] = {}
+        for effect in effects:
+            if isinstance(effect, dc.SlotDraftCapacity):
+                self.capacity_query = (len(device.capacity_log), len(effect.slots))
+            elif isinstance(effect, (TokenOut, TokensOut)):
+                rid = effect.request_id
+                out[rid] = out.get(rid, len(self.streamed.get(rid, ()))) + (
+                    1 if isinstance(effect, TokenOut) else len(effect.tokens))
+            elif isinstance(effect, (dc.ProposeMulti, dc.ProposeBatched, dc.CatchupBatched, dc.DecodeVerify)):
+                start, n_active = self.capacity_query
+                caps = device.capacity_log[start:start + n_active]
+                if isinstance(effect, dc.DecodeVerify):
+                    if config.self_speculative and caps:
+                        count = min([config.num_drafts] + caps)
+                        if len(effect.tokens) - 1 != count:
+                            raise Violation("draft_count", f"a self-speculative verify feeds {len(effect.tokens) - 1} "
+                                                           f"drafts, the step's count is {count}")
+                    continue
+                if isinstance(effect, dc.CatchupBatched):
+                    batch = device.batch_seqs
+                    seqs = tuple(batch[s // 4] for s in effect.slots if s // 4 < len(batch))
+                else:
+                    seqs = (effect.seq,) if isinstance(effect, dc.ProposeMulti) else effect.seqs
+                    if config.dflash:
+                        base = config.num_drafts
+                    else:
+                        base = max(1, min(3 if n_active <= 8 else 1, config.num_drafts))
+                    count = min([base] + caps)
+                    if len(caps) == n_active and effect.n != count:
+                        raise Violation("draft_count", f"{type(effect).__name__} asks {effect.n} drafts with "
+                                                       f"{n_active} active and capacities {caps}; the count is {count}")
+                for seq_id in seqs:
+                    s = device.live.get(seq_id)
+                    request = self.requests.get(device._rid(s)) if s is not None else None
+                    if request is None or not getattr(request, "streaming", True):
+                        continue
+                    rid = request.id
+                    if out.get(rid, len(self.streamed[rid])) >= request.max_tokens:
+                        raise Violation("finished_gets_drafts", f"{type(effect).__name__} names sequence {seq_id} "
+                                                                f"of request {rid}, whose budget is spent")
 
     def on_output(self, output) -> None:
         rid = output.request_id
         one_terminal_output(rid, rid in self.final, output)
+        if isinstance(output, (TokenOut, TokensOut)) and rid in self.cancelled and rid not in self.moved:
+            # a delivered cancel ends the stream at the next emit (specs/scheduler.md §5.17, speculation.md
+            # §6.1); one that came before the request was active lets its first token through (§5.12); a
+            # sequence once spilled or requeued is exempt (a swap-in comes back without its cancel flag)
+            if rid in self.first_token_owed and isinstance(output, TokenOut):
+                self.first_token_owed.discard(rid)
+            else:
+                raise Violation("cancel_ends_stream", f"request {rid} streams {type(output).__name__} after its "
+                                                      f"cancel was delivered")
         if isinstance(output, TokenOut):
             lossless(self.expected[rid], self.streamed[rid], (output.token,), rid)
             self.streamed[rid].append(output.token)
@@ -501,6 +796,8 @@ class Monitor:
             expected = self.expected[rid]
             final_frame_matches(expected, output, self.streamed[rid], request.max_tokens,
                                 rid in self.cancelled, rid)
+            if self.config is not None:
+                refused_prompt(request, output, self.config.max_seq_len)
             if isinstance(output, (DoneOut, ResponseOut)):
                 n = output.n if isinstance(output, DoneOut) else len(output.tokens)
                 counted = self.device.accepted.get(rid, 0) if self.counts_acc else None
@@ -523,7 +820,7 @@ class Monitor:
                 slot = getattr(request, "adapter_slot", -1)
                 error_justified(request, output.message, in_fault_step=self.fault_step, blamed=self.blamed,
                                 in_flight=rid in self.arrived, model=self.model, config=self.config,
-                                adapter_id=adapters.get(slot, -1))
+                                adapter_id=adapters.get(slot, -1), requeued_kv=self.requeued_kv.get(rid))
 
     def _selection(self, state: SchedulerState) -> None:
         new = state.new_requests
@@ -544,6 +841,14 @@ class Monitor:
 
     def on_state(self, state: SchedulerState) -> None:
         device_arguments(self.device)
+        if self.config is not None:
+            self.prev_state_active = state.active
+            if self.evicted:
+                for seq in state.active:
+                    rid = seq.request.id
+                    if rid in self.evicted:  # requeue-resumed: immune for the next tokens (specs/scheduler.md §5.19)
+                        self.evicted.discard(rid)
+                        self.immune[rid] = len(seq.output) + self.config.preemption_immunity_tokens
         blocks_balance(self.device)
         slots_unique(state, self.device)
         batch_bound(state)
@@ -555,6 +860,20 @@ class Monitor:
         for request in state.new_requests:
             self.admitted_by.setdefault(request.id, state.tick + self.work)
         if isinstance(state.waiting, AwaitPublishBlocks):
+            if self.config is not None:
+                admission_ran(state, self.now_ms, self.last_decode_ms, self.selected_in_tick)
+                self.selected_in_tick = False
+        elif isinstance(state.waiting, AwaitAdapterIds):
+            self.selected_in_tick = True
+            self.admitting = state.waiting.new
+            self.committed = committed_kv(state)
+        if self.admitting and not isinstance(state.waiting, AwaitAdapterIds):
+            no_overtaking(self.admitting, state.new_requests, getattr(self.device, "adapters", None), set(self.final),
+                          self.committed, state)
+            self.admitting = ()
+            if not self.tick_fault:
+                drafts_verified(state, self.device)
+            self.tick_fault = False
             kv_mirror(state, self.device)
             slots_packed(state)
             blocks_free_at_quiescence(state, self.device)

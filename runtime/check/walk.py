@@ -8,7 +8,13 @@ points, deadlines, late arrivals, blocking or streaming, beams, sampling paramet
 logprobs, adapter slots), scheduled faults (KV exhaustion, fatal decode and verify errors,
 corrupted or missing spill files, a ``DeviceFault`` answered in a chosen waiting phase), perhaps
 armed watchdogs with long looping scripts, perhaps a LoRA rotation, and the inbox closing at a
-random tick after the last arrival.
+random tick after the last arrival. ``_proposer_quirks`` then adds what a real device and client
+vary: short or empty proposals, draft capacities changing per step (0 included), a prompt as long
+as the context, DFlash gates over uneven draft blocks, MTP batches wider than the ladder, more
+requests than seats on a small pool with early KV exhaustion (aimed at a full batch while
+sequences wait preempted or swapped, which coverage still shows unreached), greedy rows whose
+script says EOS below ``min_tokens``, and host-side cancels (perhaps while the prompt still
+prefills).
 
 Coverage: ``FEATURES`` names every feature the walk must reach; ``feature_counts`` reads a
 walk's counts for them, one per feature (``fxsched check`` prints one line each, and
@@ -65,6 +71,7 @@ class SimRequest:
     min_p: float = 0.0
     top_logprobs: int = 0
     adapter_slot: int = -1
+    host_cancel_tick: Optional[int] = None  # the client cancels at this tick (whatever the request is doing)
 
     def request(self) -> Request:
         prompt = (self.id,) + tuple(2 + (i % 7) for i in range(1, self.prompt_len))
@@ -103,6 +110,9 @@ class Episode:
     spill_missing_for: tuple[int, ...] = ()
     fault_phase: str = ""
     fault_phase_at: int = 0
+    short_proposals: bool = False
+    capacities: tuple[int, ...] = ()
+    ssm_ring: int = 0  # > 0: the model has SSM layers and a snapshot ring of this many slots
 
     def to_json(self) -> dict:
         return attrs.asdict(self)
@@ -134,6 +144,7 @@ class Episode:
         return ModelInfo(total_blocks=self.total_blocks, has_proposer=self.mode.startswith(("mtp", "dflash")),
                          dflash_gamma=6 if self.mode == "dflash" else None,
                          has_self_speculative=self.mode == "self_spec",
+                         has_ssm_layers=self.ssm_ring > 0, ring_slots=self.ssm_ring,
                          supports_beam=any(r.num_beams > 1 for r in self.requests))
 
 
@@ -209,7 +220,7 @@ def random_episode(rng: random.Random) -> Episode:
     fault_phase = rng.choice(FAULT_PHASES) if rng.random() < 0.3 else ""
     episode = Episode(
         mode=mode, max_batch_size=rng.choice([1, 2, 3, 4, 8, 12]),
-        max_prefill_tokens=0 if beams and rng.random() < 0.7 else rng.choice([0, 0, 4, 8, 16]),
+        max_prefill_tokens=0 if beams and rng.random() < 0.7 else rng.choice([0, 0, 4, 6, 8, 10, 16]),
         spill=spill, total_blocks=rng.choice([6, 8, 12, 24, 1000]) if not watchdog else 1000,
         held_blocks=held, requests=tuple(requests),
         kv_exhaust_at=tuple(sorted(rng.sample(range(30), rng.randint(0, 2)))),
@@ -229,7 +240,78 @@ def random_episode(rng: random.Random) -> Episode:
         fault_phase=fault_phase,
         fault_phase_at=rng.choice([0, 0, 0, 1, 3]) if fault_phase else 0,
     )
+    episode = _proposer_quirks(episode, rng)
     return _suited_to_fault(episode, rng) if fault_phase else episode
+
+
+def _proposer_quirks(episode: Episode, rng: random.Random) -> Episode:
+    """What a real device and client vary and the scripts alone never do (see the module
+    docstring); each quirk is drawn on its own."""
+    changes: dict[str, Any] = {}
+    if episode.mode != "plain" and rng.random() < 0.35:
+        changes["short_proposals"] = True
+    if episode.mode != "plain" and rng.random() < 0.3:
+        changes["capacities"] = tuple(rng.choice((0, 1, 2, 3, 8, 8)) for _ in range(rng.randint(2, 7)))
+    if episode.mode == "dflash" and not episode.watchdog and rng.random() < 0.5:
+        # a gate with uneven blocks: three or more sequences verified at once, short proposals
+        requests = tuple(attrs.evolve(r, arrive_tick=0, max_tokens=max(r.max_tokens, 12), cancel_at=None,
+                                      num_beams=1, tokens=tuple(t for t in r.tokens if t != EOS) or (5,))
+                         for r in episode.requests)
+        while len(requests) < 3:
+            requests += tuple(attrs.evolve(r, id=r.id + len(requests)) for r in requests)
+        changes.update(short_proposals=True, can_batch_verify=True, requests=requests[:6],
+                       max_batch_size=max(episode.max_batch_size, 4))
+    if episode.mode.startswith("mtp") and not episode.watchdog and rng.random() < 0.12:
+        # a wide batch: nine or more sequences at once, past the MTP ladder's width of 8
+        requests = tuple(attrs.evolve(r, arrive_tick=0, max_tokens=max(r.max_tokens, 8), cancel_at=None,
+                                      num_beams=1, streaming=True) for r in episode.requests)
+        while len(requests) < 10:
+            requests += tuple(attrs.evolve(r, id=r.id + len(requests)) for r in requests)
+        changes.update(requests=requests[:rng.randint(9, 12)], max_batch_size=12, total_blocks=1000,
+                       kv_exhaust_at=(), max_seq_len=4096)
+    if not episode.watchdog and not episode.fault_phase and rng.random() < 0.06:
+        # more requests than seats on a small block pool, KV exhaustion early, a spill pool half the
+        # time (aimed at a full batch while preempted or swapped sequences wait)
+        requests = tuple(attrs.evolve(r, arrive_tick=0, max_tokens=max(r.max_tokens, 10), num_beams=1,
+                                      prompt_len=min(r.prompt_len, 20), tokens=tuple(t for t in r.tokens if t != EOS)
+                                      or (5,)) for r in changes.get("requests", episode.requests))
+        while len(requests) < 5:
+            requests += tuple(attrs.evolve(r, id=r.id + len(requests)) for r in requests)
+        changes.update(requests=requests[:8], max_batch_size=rng.choice((2, 3)), spill=rng.random() < 0.5,
+                       total_blocks=rng.choice((10, 12, 16)), held_blocks=0, reclaimable=0,
+                       kv_exhaust_at=(1, 3, 6), max_seq_len=4096, spill_corrupt_for=(), spill_missing_for=())
+    if episode.mode == "plain" and rng.random() < 0.1:
+        # greedy rows below min_tokens whose script says EOS early: the EOS must be masked
+        rs: list[SimRequest] = list(changes.get("requests", episode.requests))
+        i = rng.randrange(len(rs))
+        r = rs[i]
+        if r.num_beams == 1:
+            lead = tuple(r.tokens[:rng.randint(0, 2)])
+            rs[i] = attrs.evolve(r, tokens=lead + (EOS,) + tuple(t for t in r.tokens if t != EOS) + (EOS,),
+                                 min_tokens=rng.randint(len(lead) + 1, len(lead) + 4), temperature=0.0,
+                                 top_logprobs=0, max_tokens=max(r.max_tokens, 8))
+            changes["requests"] = tuple(rs)
+    if episode.watchdog and rng.random() < 0.5:
+        # a hybrid model: rollbacks need a snapshot of the SSM state in the ring
+        changes["ssm_ring"] = rng.choice((1, 2, 3, 4))
+        if rng.random() < 0.7:  # boundary tokens all through the lead-in: saves that go round the ring
+            step = rng.randint(5, 12)
+            changes["requests"] = tuple(attrs.evolve(r, tokens=tuple(
+                BOUNDARY if i % step == step - 1 and i < 90 else t for i, t in enumerate(r.tokens)))
+                for r in changes.get("requests", episode.requests))
+    if rng.random() < 0.15:
+        # a client cancel from the host, perhaps while the prompt still prefills
+        rs = list(changes.get("requests", episode.requests))
+        i = rng.randrange(len(rs))
+        if rs[i].streaming:
+            rs[i] = attrs.evolve(rs[i], host_cancel_tick=rs[i].arrive_tick + rng.randint(1, 4))
+            changes["requests"] = tuple(rs)
+    if episode.max_seq_len < 4096 and rng.random() < 0.3:
+        rs = list(changes.get("requests", episode.requests))
+        i = rng.randrange(len(rs))
+        rs[i] = attrs.evolve(rs[i], prompt_len=episode.max_seq_len)
+        changes["requests"] = tuple(rs)
+    return attrs.evolve(episode, **changes) if changes else episode
 
 
 def _suited_to_fault(episode: Episode, rng: random.Random) -> Episode:
@@ -285,6 +367,10 @@ class WalkHost(Host):
         for r in episode.requests:
             if r.arrive_tick > 0:
                 self.pending.setdefault(r.arrive_tick, []).append(ev.Arrival(r.request()))
+        self.cancels: dict[int, list] = {}
+        for r in episode.requests:
+            if r.host_cancel_tick is not None:
+                self.cancels.setdefault(r.host_cancel_tick, []).append(ev.Cancel(r.id))
         self.closed = False
 
     def initial_events(self) -> list:
@@ -293,6 +379,7 @@ class WalkHost(Host):
     def on_tick(self, tick: int) -> None:
         self.inputs.append(ev.Clock(tick * TICK_MS))
         self.inputs.extend(self.pending.pop(tick, []))
+        self.inputs.extend(self.cancels.pop(tick, []))
         if self.episode.rotation_tick == tick:
             self.inputs.append(ev.RotationRequested("adapter-x"))
         if tick >= self.episode.close_tick and not self.pending and not self.closed:
@@ -442,6 +529,15 @@ class EpisodeResult:
     events: tuple
 
 
+def hash_seed(episode: Episode) -> int:
+    """A seed drawn from the episode itself (its requests' ids, lengths and budgets), so a replay
+    file replays the same device."""
+    h = 17
+    for r in episode.requests:
+        h = (h * 1_000_003 + r.id * 131 + r.prompt_len * 7 + r.max_tokens + len(r.tokens)) & 0xFFFFFFFF
+    return h
+
+
 def run_episode(episode: Episode, coverage: Counter, step_limit: int = 20000, keep_log: bool = False) -> EpisodeResult:
     """Run one episode to its end on the interpreter's drive loop; the first broken invariant
     stops it."""
@@ -456,7 +552,12 @@ def run_episode(episode: Episode, coverage: Counter, step_limit: int = 20000, ke
                        cancel_flags={r.id for r in episode.requests if r.streaming},
                        can_batch_verify=episode.can_batch_verify, count_accepted=counts_acc,
                        reclaimable=episode.reclaimable, prefix_cache=episode.prefix_cache, adapters=ADAPTERS,
-                       max_prefill_tokens=config.max_prefill_tokens, max_batch_tokens=config.max_batch_tokens)
+                       max_prefill_tokens=config.max_prefill_tokens, max_batch_tokens=config.max_batch_tokens,
+                       short_proposals=hash_seed(episode) if episode.short_proposals else None,
+                       capacities=episode.capacities)
+    device.strict_drafts = counts_acc
+    device.ring_slots = episode.ssm_ring
+    device.dflash = episode.mode == "dflash"
     monitor = Monitor(episode.requests, device, counts_acc=counts_acc, config=config, model=model)
     watch = WalkObserver(monitor, coverage, step_limit, keep_log, episode)
     host = WalkHost(episode)

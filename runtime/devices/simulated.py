@@ -28,6 +28,18 @@ checker reports as ``device_refused``, never a fault the scheduler may absorb):
   an index of the last stash;
 - proposals are asked at the sequence's next position (``pos == seq_len``), batched ones once per
   live sequence; a catch-up names distinct stash slots (4·i), at most 4 drafts each;
+- a serial verify of fixed width gets exactly that many tokens (K = 2 / 3 / 4, the fused K = 4),
+  a DFlash block verify five or more; a speculative verify (serial or batched) feeds the anchor
+  then a prefix of the drafts the device itself last proposed for the sequence, and in a proposer
+  mode (``strict_drafts``) none comes without a proposal since the sequence's allocation or last
+  verify, none verifies a sequence twice in a tick, and (MTP) none takes a proposal of its own
+  tick; ``commit_accepted_prefix`` commits exactly the drafts that verify accepted + 1, counted
+  from its own inputs and rows; ``rollback_ssm_states`` rolls back exactly the rows the KV kept
+  past the verify's base; a catch-up's position is ``seq_len − len(tokens)`` of the batch's
+  sequence its stash slot names;
+- an MTP proposal follows a hidden-row save since the last forward, from the stash entry of its
+  own sequence when it came from the stash; the checkpoint after a proposal is the async one after
+  a bootstrap decode and the Marconi one after a K = 2 verify, never the async one otherwise;
 - ``save_sequence_state`` saves a sequence not saved already; ``restore_sequence_state`` needs a
   saved, sound file (``spill_corrupt_for`` damages one, ``spill_missing_for`` loses it) into a
   fresh sequence.
@@ -37,10 +49,18 @@ Prefix cache (``prefix_cache``): ``cache_sequence`` remembers the body of the se
 whole blocks with a remembered one reports those tokens as cached (``cached[request id]``). The
 ``reclaimable`` blocks are part of ``held_blocks``: a reclaim moves them to the free pool.
 Adapters: ``adapters`` maps an adapter slot to its id (slot -1, the base model, is id 0).
+
+What a real device varies (the recording device never does, so the goldens stay as they are):
+``short_proposals`` (a seed) cuts now and then a proposal's drafts short, to none sometimes;
+``capacities`` are the answers of ``mtp_slot_draft_capacity`` in turn (0 included); a
+self-speculative draft decode is wrong at the script's ``draft_wrong_every`` positions. The device
+keeps for the invariants the drafts it proposed (``proposed``, ``proposed_at``), the capacities it
+answered (``capacity_log``) and the last batched verify's sequences (``batch_seqs``).
 """
 
 from __future__ import annotations
 
+import random
 from typing import Optional
 
 from fxsched.runtime.devices.device import DeviceError
@@ -59,7 +79,8 @@ class SimDevice(ScriptedDevice):
                  verify_fault_at=(), spill_corrupt_for=(), spill_missing_for=(), cancel_flags=(),
                  can_batch_verify: bool = True, slot_draft_capacity: int = 8, count_accepted: bool = True,
                  reclaimable: int = 0, prefix_cache: bool = False, adapters: Optional[dict[int, int]] = None,
-                 max_prefill_tokens: int = 0, max_batch_tokens: int = 8192):
+                 max_prefill_tokens: int = 0, max_batch_tokens: int = 8192, short_proposals: Optional[int] = None,
+                 capacities: tuple[int, ...] = ()):
         super().__init__(scripts, vocab=vocab, block_size=block_size, total_blocks=total_blocks,
                          held_blocks=held_blocks, reclaimable=min(reclaimable, held_blocks),
                          cancel_flags=cancel_flags, kv_exhaust_at=kv_exhaust_at,
@@ -82,6 +103,25 @@ class SimDevice(ScriptedDevice):
         self.blamed: Optional[frozenset[int]] = None  # request ids the last failed call worked on
         self.refused: Optional[str] = None  # the first call refused for its arguments
         self.reach: dict[int, int] = {}  # request id -> the longest KV a decode or verify wrote for it
+        # short proposals: a seeded draw cuts a proposal's drafts (to none, sometimes)
+        self.short_rng = random.Random(short_proposals) if short_proposals is not None else None
+        self.capacities = tuple(capacities)  # answers of mtp_slot_draft_capacity, in turn (empty: the fixed one)
+        self.capacity_calls = 0
+        self.proposed: dict[int, list[int]] = {}  # seq -> the drafts of its last proposal, until a verify
+        self.verify_io: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # seq -> (inputs, rows)
+        self.batch_seqs: tuple[int, ...] = ()  # the sequences of the last batched verify, in order
+        self.proposed_at: dict[int, int] = {}  # seq -> the tick of its pending proposal
+        self.verify_tick = -1  # the tick of the last speculative verify
+        self.strict_drafts = False  # proposer modes: the draft, hidden-state and checkpoint rules hold
+        self.dflash = False  # DFlash: a bootstrap's proposal is verified in its own step
+        self.last_forward: dict[int, str] = {}  # seq -> the call of its last forward
+        self.checkpoint_due: dict[int, str] = {}  # seq -> the checkpoint call its last proposal needs
+        self.verified_tick: dict[int, int] = {}  # seq -> the tick of its last speculative verify
+        self.hidden_saved = False  # a hidden row was saved for the proposer since the last forward
+        self.stash_index: Optional[int] = None  # the stash entry of that save, when it came from the stash
+        self.capacity_log: list[int] = []  # every draft capacity answered, in order
+        self.ring_slots = 0  # the SSM snapshot ring's slots (0: no ring)
+        self.rings: dict[int, tuple[dict[int, int], int]] = {}  # request id -> (ring slot -> position, cursor)
 
     # --- strict bookkeeping ---------------------------------------------------------------------------
 
@@ -185,11 +225,14 @@ class SimDevice(ScriptedDevice):
         if s.seq_len or not tokens:
             raise self._bad("prefill", f"{len(tokens)} tokens into sequence {seq}, which holds {s.seq_len}")
         super().prefill(seq, tokens, stream)
+        self._ring_reset(s)
         return self._first_prefill(s, tokens)
 
     def prefill_chunk(self, seq: int, prompt, start: int, length: int, last: bool, stream: int):
         s = self._seq(seq)
         self._check_slice("prefill_chunk", s, prompt, start, length, last)
+        if start == 0:
+            self._ring_reset(s)
         super().prefill_chunk(seq, prompt, start, length, last, stream)
         return self._first_prefill(s, prompt) if start == 0 else 0
 
@@ -200,6 +243,7 @@ class SimDevice(ScriptedDevice):
         for sl in prefills:
             self._check_slice(call, self._seq(sl.seq), sl.prompt, sl.start, sl.length, sl.last)
             if sl.start == 0:
+                self._ring_reset(self._seq(sl.seq))
                 self._first_prefill(self._seq(sl.seq), sl.prompt)
 
     def mixed_forward(self, decode_tokens, decode_seqs, prefill, stream: int) -> None:
@@ -228,7 +272,24 @@ class SimDevice(ScriptedDevice):
         super().decode_batch(tokens, seqs, stream)
         for i, seq_len in before:  # a plain decode commits one row per sequence (commit_ctx n=1)
             self.verified[i] = (1, seq_len)
+            self.verify_io.pop(i, None)
         self.blamed = None
+
+    def _single_decode(self, name: str, token: int, seq: int, stream: int, cancel: bool) -> None:
+        super()._single_decode(name, token, seq, stream, cancel)
+        self.last_forward[seq] = name
+        self.hidden_saved = False
+
+    def decode_draft(self, token: int, seq: int, stream: int) -> None:
+        """A self-speculative draft decode: the script's answer, but wrong (``+ 1 mod (vocab - 1)``)
+        at every ``draft_wrong_every``-th generated index, like the proposers' drafts, so the
+        verify that follows sometimes rejects and the SSM state is rolled back."""
+        super().decode_draft(token, seq, stream)
+        s = self._seq(seq)
+        script = self._script(s)
+        m = script.draft_wrong_every
+        if m > 0 and (s.seq_len - script.prompt_len) % m == 0:
+            self.rows = [(self.rows[0] + 1) % (self.vocab - 1)]
 
     def truncate_sequence(self, seq: int, seq_len: int) -> None:
         s = self._seq(seq)
@@ -238,21 +299,74 @@ class SimDevice(ScriptedDevice):
 
     # --- verifies and what they leave to commit -------------------------------------------------------
 
+    WIDTHS = {"decode_verify_graphed": 2, "decode_verify_graphed_k3": 3, "decode_verify_graphed_k4": 4,
+              "decode_and_verify_fused": 4}
+    """The verifies of a fixed width (anchor + drafts)."""
+
+    def _check_drafts(self, call: str, seq: int, tokens) -> None:
+        """A verify after a proposal feeds the anchor then a prefix of the drafts that proposal
+        returned (specs/speculation.md §6.5: keep ≤ the drafts held; the surplus is dropped)."""
+        drafts = self.proposed.pop(seq, None)
+        at = self.proposed_at.pop(seq, None)
+        self.verify_tick = self.tick
+        if self.strict_drafts:
+            if self.verified_tick.get(seq) == self.tick:
+                raise self._bad(call, f"sequence {seq} verified twice in tick {self.tick}")
+            if at == self.tick and not self.dflash:  # an MTP bootstrap is verified from the next step on
+                raise self._bad(call, f"sequence {seq} verifies the drafts proposed in this step (tick {self.tick})")
+        self.verified_tick[seq] = self.tick
+        self.last_forward[seq] = call
+        self.hidden_saved = False
+        if drafts is None:
+            if self.strict_drafts and len(tokens) > 1:
+                raise self._bad(call, f"inputs {list(tokens)} for sequence {seq}, which has no proposal since its "
+                                      f"allocation or last verify")
+        elif list(tokens[1:]) != drafts[:len(tokens) - 1]:
+            raise self._bad(call, f"inputs {list(tokens)} for sequence {seq}, whose proposal was {drafts}")
+
     def _verify(self, name: str, seq: int, tokens) -> list[int]:
         s = self._seq(seq)
+        width = self.WIDTHS.get(name)
+        if width is not None and len(tokens) != width:
+            raise self._bad(name, f"{len(tokens)} tokens for a width-{width} verify")
+        if name == "decode_verify_dflash" and len(tokens) < 5:  # keep >= 4 (specs/speculation.md §6.5)
+            raise self._bad(name, f"a block verify of {len(tokens) - 1} drafts (four or more take it)")
+        if name != "decode_verify":
+            self._check_drafts(name, seq, tokens)
         self.blamed = frozenset((self._rid(s),))
         self.verified[seq] = (len(tokens), s.seq_len)
         rows = super()._verify(name, seq, tokens)
+        self.verify_io[seq] = (tuple(tokens), tuple(rows))
         self.blamed = None
         return rows
+
+    def _accepted(self, seq: int) -> Optional[int]:
+        """The drafts the last verify of ``seq`` accepted, from its own inputs and rows (None: no
+        verify since the last plain decode)."""
+        io = self.verify_io.get(seq)
+        if io is None:
+            return None
+        inputs, rows = io
+        a = 0
+        while a + 1 < len(inputs) and inputs[a + 1] == rows[a]:
+            a += 1
+        return a
 
     def decode_verify_batched(self, tokens, ks, seqs, stream: int, woa: bool) -> list[int]:
         if len(set(seqs)) != len(seqs) or len(ks) != len(seqs) or sum(ks) != len(tokens):
             raise self._bad("decode_verify_batched", f"ks={list(ks)} seqs={list(seqs)} for {len(tokens)} tokens")
         self._blame(seqs)
+        offset = 0
         for k, seq_id in zip(ks, seqs, strict=True):
             self.verified[seq_id] = (k, self._seq(seq_id).seq_len)
+            self._check_drafts("decode_verify_batched", seq_id, tokens[offset:offset + k])
+            offset += k
         rows = super().decode_verify_batched(tokens, ks, seqs, stream, woa)
+        offset = 0
+        for k, seq_id in zip(ks, seqs, strict=True):
+            self.verify_io[seq_id] = (tuple(tokens[offset:offset + k]), tuple(rows[offset:offset + k]))
+            offset += k
+        self.batch_seqs = tuple(seqs)
         self.blamed = None
         return rows
 
@@ -267,6 +381,10 @@ class SimDevice(ScriptedDevice):
         rows, _ = self._verified("commit_accepted_prefix", seq)
         if not 0 <= na <= min(k, rows):
             raise self._bad("commit_accepted_prefix", f"na={na}, k={k} for sequence {seq}, whose verify had {rows} rows")
+        accepted = self._accepted(seq)
+        if accepted is not None and na != accepted + 1:
+            raise self._bad("commit_accepted_prefix", f"na={na} for sequence {seq}, whose verify accepted {accepted} "
+                                                      f"drafts (commit accepted + 1)")
         super().commit_accepted_prefix(seq, na, k)
 
     def commit_ctx(self, seq: int, n: int, base: int, row: int) -> None:
@@ -298,6 +416,8 @@ class SimDevice(ScriptedDevice):
 
     def save_hidden_for_mtp(self, row: int, stream: int) -> None:
         self._check_row("save_hidden_for_mtp", row)
+        self.hidden_saved = True
+        self.stash_index = None
         super().save_hidden_for_mtp(row, stream)
 
     def stash_verify_hidden_rows(self, rows, stream: int) -> None:
@@ -314,13 +434,66 @@ class SimDevice(ScriptedDevice):
     def save_hidden_for_mtp_from_stash(self, index: int, stream: int) -> None:
         if not 0 <= index < self.stash:
             raise self._bad("save_hidden_for_mtp_from_stash", f"index {index}, the stash holds {self.stash}")
+        self.hidden_saved = True
+        self.stash_index = index
         super().save_hidden_for_mtp_from_stash(index, stream)
 
     def run_mtp_propose_multi(self, token: int, pos: int, n: int, seq: int, stream: int, mask: bool) -> list[int]:
         s = self._seq(seq)
         if pos != s.seq_len or n < 1:
             raise self._bad("run_mtp_propose_multi", f"pos={pos}, n={n} for sequence {seq}, which holds {s.seq_len}")
-        return super().run_mtp_propose_multi(token, pos, n, seq, stream, mask)
+        if self.strict_drafts and not self.dflash and not self.hidden_saved:
+            # (a DFlash bootstrap proposes straight from the last token: specs/speculation.md §6.4)
+            raise self._bad("run_mtp_propose_multi", f"sequence {seq}: no hidden state saved since the last forward")
+        index, self.stash_index = self.stash_index, None
+        if index is not None and self.hidden_saved and (index >= len(self.batch_seqs) or self.batch_seqs[index] != seq):
+            # the stash holds the batched verify's rows in batch order (specs/speculation.md §6.12)
+            owner = self.batch_seqs[index] if index < len(self.batch_seqs) else None
+            raise self._bad("run_mtp_propose_multi", f"sequence {seq} proposes from stash entry {index}, which is "
+                                                     f"sequence {owner}'s")
+        self.hidden_saved = False
+        after = self.last_forward.get(seq)
+        self.checkpoint_due[seq] = {"decode": "start_checkpoint_async",
+                                    "decode_verify_graphed": "decode_marconi_checkpoint"}.get(after or "", "")
+        drafts = self._short(super().run_mtp_propose_multi(token, pos, n, seq, stream, mask))
+        self.proposed[seq] = list(drafts)
+        self.proposed_at[seq] = self.tick
+        return drafts
+
+    def _short(self, drafts: list[int]) -> list[int]:
+        """A proposal as the proposer may really return it: with short proposals on, now and then
+        fewer drafts than asked, or none."""
+        rng = self.short_rng
+        if rng is None or not drafts or rng.random() >= 0.3:
+            return drafts
+        return drafts[:rng.randrange(len(drafts))]
+
+    def mtp_slot_draft_capacity(self, slot: int) -> int:
+        if not self.capacities:
+            answer = super().mtp_slot_draft_capacity(slot)
+        else:
+            answer = self.capacities[self.capacity_calls % len(self.capacities)]
+            self.capacity_calls += 1
+        self.capacity_log.append(answer)
+        return answer
+
+    def _checkpoint(self, call: str, seq: int) -> None:
+        """The checkpoint after a proposal (specs/speculation.md §6.3 step 5, §6.6 step 5): the
+        async one after a bootstrap decode, the Marconi one after a K = 2 verify, none after a
+        K = 3 / 4 verify (a later plain decode makes its own Marconi checkpoint, scheduler.md
+        §5.16, so only an async one is wrong there)."""
+        self._seq(seq)
+        due = self.checkpoint_due.pop(seq, None)
+        if self.strict_drafts and due is not None and due != call and (due or call == "start_checkpoint_async"):
+            raise self._bad(call, f"sequence {seq}: after its proposal the rule book calls {due or 'no checkpoint'}")
+
+    def start_checkpoint_async(self, seq: int) -> None:
+        self._checkpoint("start_checkpoint_async", seq)
+        super().start_checkpoint_async(seq)
+
+    def decode_marconi_checkpoint(self, seq: int) -> None:
+        self._checkpoint("decode_marconi_checkpoint", seq)
+        super().decode_marconi_checkpoint(seq)
 
     def run_mtp_propose_batched(self, tokens, positions, stash, n: int, seqs, stream: int) -> list[list[int]]:
         if len(set(seqs)) != len(seqs) or not len(tokens) == len(positions) == len(seqs) or n < 1:
@@ -331,7 +504,10 @@ class SimDevice(ScriptedDevice):
                 raise self._bad("run_mtp_propose_batched", f"pos={pos} for sequence {seq_id}, which holds "
                                                            f"{self._seq(seq_id).seq_len}")
         self._blame(seqs)
-        drafts = super().run_mtp_propose_batched(tokens, positions, stash, n, seqs, stream)
+        drafts = [self._short(d) for d in super().run_mtp_propose_batched(tokens, positions, stash, n, seqs, stream)]
+        for seq_id, mine in zip(seqs, drafts, strict=True):
+            self.proposed[seq_id] = list(mine)
+            self.proposed_at[seq_id] = self.tick
         self.blamed = None
         return drafts
 
@@ -342,7 +518,61 @@ class SimDevice(ScriptedDevice):
                 or any(slot % 4 or len(t) > 4 for slot, t in zip(slots, tokens, strict=True))):
             raise self._bad("run_mtp_catchup_batched", f"slots={list(slots)}, {len(tokens)} token lists "
                                                        f"{[len(t) for t in tokens]}, {len(pos)} positions")
+        for slot, mine, p in zip(slots, tokens, pos, strict=True):  # slot 4·i: the batch's i-th sequence
+            i = slot // 4
+            seq_id = self.batch_seqs[i] if i < len(self.batch_seqs) else None
+            s = self.live.get(seq_id) if seq_id is not None else None
+            if s is None or p != s.seq_len - len(mine):
+                held = s.seq_len if s is not None else None
+                raise self._bad("run_mtp_catchup_batched", f"pos={p} for stash slot {slot} (sequence {seq_id}, "
+                                                           f"holding {held}) with {len(mine)} drafts")
         return super().run_mtp_catchup_batched(tokens, slots, pos)
+
+    def rollback_ssm_states(self, seq: int, n: int) -> None:
+        """Roll the SSM state back to ``n`` steps past the last verify's base, which is where the
+        KV now ends (the truncate came first)."""
+        s = self._seq(seq)
+        _, before = self._verified("rollback_ssm_states", seq)
+        if n != s.seq_len - before:
+            raise self._bad("rollback_ssm_states", f"n={n} for sequence {seq}, which holds {s.seq_len - before} "
+                                                   f"tokens past its verify's base {before}")
+        super().rollback_ssm_states(seq, n)
+
+    # --- the SSM snapshot ring (specs/watchdog.md §7.4, §7.5) ------------------------------------------
+
+    def _ring_reset(self, s: ScriptedSequence) -> None:
+        """A prompt written from its start (a first prefill or a requeue resume): an empty ring."""
+        self.rings[self._rid(s)] = ({}, 0)
+
+    def save_decode_ssm_snapshot(self, seq: int, ring: int) -> None:
+        """A save goes to the ring's cursor, then the cursor moves on (mod ``ring_slots``); the
+        entry's position is the output length, the new token included (the KV holds it but that
+        token)."""
+        s = self._seq(seq)
+        if self.ring_slots:
+            entries, cursor = self.rings.get(self._rid(s), ({}, 0))
+            if ring != cursor:
+                raise self._bad("save_decode_ssm_snapshot", f"ring slot {ring} for sequence {seq}, the cursor is "
+                                                            f"at {cursor} of {self.ring_slots}")
+            entries = dict(entries)
+            entries[ring] = s.seq_len - self._script(s).prompt_len + 1
+            self.rings[self._rid(s)] = (entries, (cursor + 1) % self.ring_slots)
+        super().save_decode_ssm_snapshot(seq, ring)
+
+    def restore_decode_ssm_snapshot(self, seq: int, ring: int) -> None:
+        """A restore names a slot holding an entry; the ring then keeps the entries up to its
+        position and the cursor follows the kept entry of the largest position."""
+        s = self._seq(seq)
+        if self.ring_slots:
+            entries, _ = self.rings.get(self._rid(s), ({}, 0))
+            if ring not in entries:
+                raise self._bad("restore_decode_ssm_snapshot", f"ring slot {ring} of sequence {seq} holds nothing "
+                                                               f"(the ring holds {entries})")
+            at = entries[ring]
+            kept = {slot: pos for slot, pos in entries.items() if pos <= at}
+            top = max(kept, key=lambda slot: kept[slot])
+            self.rings[self._rid(s)] = (kept, (top + 1) % self.ring_slots)
+        super().restore_decode_ssm_snapshot(seq, ring)
 
     # --- slots, spill, prefix cache, adapters ---------------------------------------------------------
 
@@ -355,6 +585,9 @@ class SimDevice(ScriptedDevice):
     def free_sequence(self, seq: int) -> None:
         super().free_sequence(seq)
         self.verified.pop(seq, None)
+        for held in (self.verify_io, self.proposed, self.proposed_at, self.last_forward, self.checkpoint_due,
+                     self.verified_tick):
+            held.pop(seq, None)
 
     def cache_sequence(self, seq: int) -> None:
         s = self._seq(seq)

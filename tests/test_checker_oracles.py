@@ -1,0 +1,106 @@
+"""The model checker's value and policy oracles of issue 16 round 2, each shown to fire on a
+wrong value and to stay quiet on the right one: the simulated device's own checks of commit
+counts, verify inputs, SSM rollbacks and catch-up positions, and the monitor's checks of release
+flags, refused prompts and decode rows. (That they catch real scheduler bugs is measured by the
+mutation suite, tests/run_mutants.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from fxsched.effects import lifecycle as lc
+from fxsched.effects import plans
+from fxsched.effects import device_calls as dc
+from fxsched.effects.client import DoneOut, ErrorOut
+from fxsched.runtime.check.invariants import Violation, decode_rows, refused_prompt, release_cache_flag
+from fxsched.runtime.check.walk import SimRequest
+from fxsched.runtime.devices.scripted import Script
+from fxsched.runtime.devices.simulated import ArgumentError, SimDevice
+
+
+def _device(**kwargs) -> SimDevice:
+    """One request (id 1): a 4-token prompt, then the script 10 11 12 13 14 15."""
+    scripts = {1: Script(4, (10, 11, 12, 13, 14, 15))}
+    device = SimDevice(scripts, **kwargs)
+    device.alloc_sequence(0, 1)
+    device.prefill(0, [1, 2, 3, 4], 0)
+    return device
+
+
+def test_a_commit_must_cover_the_accepted_drafts_plus_one():
+    device = _device()
+    rows = device.decode_verify_graphed_k3(0, [10, 11, 99])  # 11 accepted, 99 rejected
+    assert rows[:2] == [11, 12]
+    with pytest.raises(ArgumentError, match="accepted 1"):
+        device.commit_accepted_prefix(0, 3, 3)
+    device.refused = None
+    device.commit_accepted_prefix(0, 2, 3)
+    assert device.refused is None
+
+
+def test_a_verify_feeds_a_prefix_of_the_device_s_own_proposal():
+    device = _device()
+    device.strict_drafts = True
+    device.save_hidden_for_mtp(0, 0)  # the prefill's row
+    drafts = device.run_mtp_propose_multi(10, 4, 2, 0, 0, False)
+    assert drafts == [11, 12]
+    with pytest.raises(ArgumentError, match="proposed in this step"):  # MTP verifies from the next step on
+        device.decode_verify_graphed_k3(0, [10] + drafts)
+    device.refused = None
+    device.proposed[0], device.proposed_at[0] = drafts, -1
+    with pytest.raises(ArgumentError, match="whose proposal was"):
+        device.decode_verify_graphed_k3(0, [10, 12, 11])
+    device.refused = None
+    device.tick += 1
+    device.proposed[0], device.proposed_at[0] = drafts, device.tick - 1
+    device.decode_verify_graphed_k3(0, [10] + drafts)
+    assert device.refused is None
+
+
+def test_a_fixed_width_verify_gets_its_width():
+    device = _device()
+    with pytest.raises(ArgumentError, match="width-4"):
+        device.decode_verify_graphed_k4(0, [10, 11, 12])
+
+
+def test_the_ssm_rollback_counts_the_rows_the_kv_kept():
+    device = _device()
+    device.decode_verify(0, [10, 11, 99])
+    device.truncate_sequence(0, 6)  # anchor + one accepted draft kept past the base of 4
+    with pytest.raises(ArgumentError, match="n=1"):
+        device.rollback_ssm_states(0, 1)
+    device.refused = None
+    device.rollback_ssm_states(0, 2)
+    assert device.refused is None
+
+
+def test_the_release_flag_follows_its_reason():
+    release_cache_flag(lc.ReleaseSeq(0, 0, cache=True, reason="finish_sequence"))
+    release_cache_flag(lc.ReleaseSeq(0, 0, cache=False, reason="send_error"))
+    with pytest.raises(Violation, match="release_cache_flag"):
+        release_cache_flag(lc.ReleaseSeq(0, 0, cache=True, reason="send_error"))
+    with pytest.raises(Violation, match="release_cache_flag"):
+        release_cache_flag(lc.ReleaseSeq(0, 0, cache=False, reason="finish_sequence"))
+
+
+def test_a_prompt_as_long_as_the_context_must_be_refused():
+    request = SimRequest(id=1, prompt_len=24, tokens=(5,), max_tokens=3)
+    refused_prompt(request, ErrorOut(1, "prompt too long"), 24)
+    with pytest.raises(Violation, match="refused_prompt"):
+        refused_prompt(request, DoneOut(1, "length", 1, 0, 0, 0, None), 24)
+
+
+def test_decode_rows_come_in_slot_order_with_seeds_by_output_length():
+    scripts = {1: Script(4, (10, 11, 12)), 2: Script(4, (20, 21, 22))}
+    device = SimDevice(scripts)
+    for seq, rid in ((0, 1), (1, 2)):
+        device.alloc_sequence(seq, rid)
+        device.prefill(seq, [rid, 2, 3, 4], 0)
+    requests = {1: SimRequest(id=1, prompt_len=4, tokens=(10,), max_tokens=3),
+                2: SimRequest(id=2, prompt_len=4, tokens=(20,), max_tokens=3)}
+    pick = dc.HostPick(0.5, 42 + 1, False)  # one token out: the KV holds the prompt only
+    decode_rows(plans.Decode((10, 20), (0, 1), (4, 4), (pick, pick)), device, requests)
+    with pytest.raises(Violation, match="slot order"):
+        decode_rows(plans.Decode((20, 10), (1, 0), (4, 4)), device, requests)
+    with pytest.raises(Violation, match="seed"):
+        decode_rows(plans.Decode((10,), (0,), (4,), (dc.HostPick(0.5, 42, False),)), device, requests)
