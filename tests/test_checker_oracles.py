@@ -104,3 +104,18 @@ def test_decode_rows_come_in_slot_order_with_seeds_by_output_length():
         decode_rows(plans.Decode((20, 10), (1, 0), (4, 4)), device, requests)
     with pytest.raises(Violation, match="seed"):
         decode_rows(plans.Decode((10,), (0,), (4,), (dc.HostPick(0.5, 42, False),)), device, requests)
+
+
+def test_content_loop_due_fires_when_a_loop_by_48_tokens_was_let_through():
+    """The plain sink checks the output before the token that brings the content count to 48 (then
+    every 16): a final output whose first 48 tokens end in a loop, yet goes on, broke that rule;
+    one whose loop only completes after 48 did not."""
+    from fxsched.runtime.check.invariants import Violation, content_loop_checked_when_due
+
+    lead = list(range(10, 40))  # 30 distinct tokens, then a period-6 block three times: a loop at 48
+    looped = lead + [2, 3, 4, 5, 6, 7] * 3
+    with pytest.raises(Violation, match="content_loop_due"):
+        content_loop_checked_when_due(1, tuple(looped + [8]))
+    content_loop_checked_when_due(1, tuple(looped))  # it ends there: the guard may have fired at 48
+    late = list(range(10, 45)) + [2, 3, 4, 5, 6] * 3  # 35 + 15 = 50: the loop completes after 48
+    content_loop_checked_when_due(1, tuple(late + [9, 9]))

@@ -125,6 +125,26 @@ def guard_held(guard: Optional[str], out, armed: bool) -> bool:
     return guard in (None, "fuzzy_repetition") and has_fuzzy_repetition(out)
 
 
+def content_loop_checked_when_due(rid: int, out) -> None:
+    """content_loop_due: on the plain path with the watchdogs armed, the content-loop check runs on
+    the output before each token that brings the content count (output length - 1, rollbacks
+    included, specs/watchdog.md §7.1) to k >= 48 with k % 16 == 0 (specs/scheduler.md §5.17 step 2),
+    and a hit drops that token. So in a final output, no prefix out[:k] at such a k that is followed
+    by another token may hold a loop: the check would have caught it."""
+    for k in range(48, len(out), 16):
+        if has_content_loop(out[:k]):
+            raise Violation("content_loop_due", f"request {rid} has a content loop in its first {k} tokens, "
+                                                f"yet token {k + 1} followed: the check due at content count "
+                                                f"{k} did not run or did not fire")
+
+
+def plain_path_only(config, model, request) -> bool:
+    """Whether every token after the first goes through the plain sink: no drafting of any kind and
+    no beams (specs/scheduler.md §5.15-5.17)."""
+    return (not config.use_speculative and not config.ngram_speculative and not config.self_speculative
+            and getattr(request, "num_beams", 1) == 1)
+
+
 def early_stop_justified(request, expected: tuple[int, ...], frame, out, *, cancelled: bool, now_ms: float,
                          max_seq_len: int, armed: bool, reach: int = 0) -> None:
     """early_stop: a final frame's reason matches what really happened (specs/scheduler.md §5.19):
@@ -807,6 +827,8 @@ class Monitor:
                         out = tuple(output.tokens)
                     else:
                         out = tuple(self.streamed[rid]) + ((EOS,) if n > len(self.streamed[rid]) else ())
+                    if self.config.loop_watchdog and plain_path_only(self.config, self.model, request):
+                        content_loop_checked_when_due(rid, out)
                     early_stop_justified(request, expected, output, out, cancelled=rid in self.cancelled,
                                          now_ms=self.now_ms, max_seq_len=self.config.max_seq_len,
                                          armed=self.config.loop_watchdog,

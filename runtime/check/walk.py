@@ -158,8 +158,9 @@ def _looping_script(rng: random.Random) -> list[int]:
     (each copy perhaps with one token changed, which only the fuzzy check forgives)."""
     lead = [rng.randint(2, 40) for _ in range(rng.randint(5, 70))]
     lead[rng.randrange(len(lead))] = BOUNDARY
-    noisy = rng.random() < 0.5
-    block = [rng.randint(2, 40) for _ in range(rng.randint(24, 36) if noisy else rng.randint(2, 20))]
+    early = len(lead) < 30  # with a short block, a loop complete before the first content-loop check (48)
+    noisy = rng.random() < 0.5 and not early
+    block = [rng.randint(2, 40) for _ in range(rng.randint(24, 36) if noisy else rng.randint(2, 6 if early else 20))]
     tokens = list(lead)
     while len(tokens) < 260:
         copy = list(block)
