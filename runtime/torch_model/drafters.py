@@ -6,7 +6,7 @@ verified output, because the target verifies every draft.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import torch
 
@@ -45,43 +45,22 @@ class MtpHead:
         return torch.stack(drafts, dim=1)
 
 
-class DFlashDrafter:
-    """DFlash-style block drafter: one non-causal forward over [last token, MASK x gamma].
+class SlotContext:
+    """Per-slot context K/V of a block drafter: for each drafter layer j, ctx_k[j] / ctx_v[j]
+    [slots, max_len, Hkv, Dh], of which the first ctx_len[slot] rows of a slot are valid.
+    Invariant: rows are only appended (`put_rows`) and dropped from the end (`trim`)."""
 
-    Each slot has a context of projected target hidden states (K/V per drafter layer, roped at
-    their positions 0..ctx_len-1). The block's rows sit at positions ctx_len..ctx_len+gamma and
-    attend to the whole context and to each other; rows 1..gamma give the drafts. Invariant: the
-    context of a slot holds exactly ctx_len(slot) rows, appended by `append` and dropped by `trim`.
-    """
+    def __init__(self, layers: int, slots: int, max_len: int, kv_heads: int, head_dim: int,
+                 device: torch.device | str, dtype: torch.dtype) -> None:
+        shape = (slots, max_len, kv_heads, head_dim)
+        self.ctx_k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
+        self.ctx_v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
+        self.ctx_len = [0] * slots
 
-    def __init__(self, cfg: ModelConfig, w: Weights, device: torch.device | str) -> None:
-        if cfg.dflash_gamma <= 0:
-            raise ValueError("config has dflash_gamma = 0: the model has no DFlash drafter")
-        self.cfg, self.w = cfg, w
-        shape = (cfg.max_slots, cfg.max_seq_len, cfg.num_kv_heads, cfg.head_dim)
-        dtype = torch_dtype(cfg)  # the context holds projected K/V rows, in the model's dtype
-        self.ctx_k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.dflash_layers)]
-        self.ctx_v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.dflash_layers)]
-        self.ctx_len = [0] * cfg.max_slots
-
-    def _project(self, x: torch.Tensor, prefix: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cfg = self.cfg
-        shape = (*x.shape[:-1], cfg.num_kv_heads, cfg.head_dim)
-        k = apply_rope(linear(x, self.w[f"{prefix}.k_proj"]).view(shape), positions, cfg.rope_theta)
-        return k, linear(x, self.w[f"{prefix}.v_proj"]).view(shape)
-
-    def append(self, slot: int, hidden: torch.Tensor) -> None:
-        """Extend the context of `slot` with target hidden rows [n, D] (pre-norm), in order."""
-        n, start = hidden.shape[0], self.ctx_len[slot]
-        if start + n > self.cfg.max_seq_len:
-            raise ValueError(f"DFlash context of slot {slot} would exceed max_seq_len={self.cfg.max_seq_len}")
-        feats = rms_norm(linear(hidden, self.w["dflash.ctx_proj"]), self.w["dflash.ctx_norm"], self.cfg.rms_norm_eps)
-        positions = torch.arange(start, start + n, device=hidden.device)
-        for j in range(self.cfg.dflash_layers):
-            k, v = self._project(feats, f"dflash.layers.{j}.attn", positions)
-            self.ctx_k[j][slot, start:start + n] = k
-            self.ctx_v[j][slot, start:start + n] = v
-        self.ctx_len[slot] = start + n
+    def put_rows(self, slot: int, start: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write rows k/v [n, Hkv, Dh] of drafter layer `layer` at positions start.. (the caller sets ctx_len)."""
+        self.ctx_k[layer][slot, start:start + k.shape[0]] = k
+        self.ctx_v[layer][slot, start:start + v.shape[0]] = v
 
     def trim(self, slot: int, n_drop: int) -> None:
         """Drop the last n_drop context rows of `slot` (0 <= n_drop <= ctx_len)."""
@@ -103,17 +82,52 @@ class DFlashDrafter:
     def export(self, slot: int) -> dict[str, torch.Tensor]:
         """Copies of the context tensors of `slot` ([ctx_len, Hkv, Dh] per layer, K then V)."""
         n = self.ctx_len[slot]
-        out = {f"dflash_ctx_k.{j}": self.ctx_k[j][slot, :n].clone() for j in range(self.cfg.dflash_layers)}
-        out.update({f"dflash_ctx_v.{j}": self.ctx_v[j][slot, :n].clone() for j in range(self.cfg.dflash_layers)})
+        out = {f"dflash_ctx_k.{j}": k[slot, :n].clone() for j, k in enumerate(self.ctx_k)}
+        out.update({f"dflash_ctx_v.{j}": v[slot, :n].clone() for j, v in enumerate(self.ctx_v)})
         return out
 
-    def load(self, slot: int, tensors: dict[str, torch.Tensor]) -> None:
+    def load(self, slot: int, tensors: Mapping[str, torch.Tensor]) -> None:
         """Inverse of `export` (shapes already checked by the caller)."""
         n = tensors["dflash_ctx_k.0"].shape[0]
-        for j in range(self.cfg.dflash_layers):
+        for j in range(len(self.ctx_k)):
             self.ctx_k[j][slot, :n] = tensors[f"dflash_ctx_k.{j}"]
             self.ctx_v[j][slot, :n] = tensors[f"dflash_ctx_v.{j}"]
         self.ctx_len[slot] = n
+
+
+class DFlashDrafter(SlotContext):
+    """DFlash-style block drafter: one non-causal forward over [last token, MASK x gamma].
+
+    Each slot has a context of projected target hidden states (K/V per drafter layer, roped at
+    their positions 0..ctx_len-1). The block's rows sit at positions ctx_len..ctx_len+gamma and
+    attend to the whole context and to each other; rows 1..gamma give the drafts. Invariant: the
+    context of a slot holds exactly ctx_len(slot) rows, appended by `append` and dropped by `trim`.
+    """
+
+    def __init__(self, cfg: ModelConfig, w: Weights, device: torch.device | str) -> None:
+        if cfg.dflash_gamma <= 0:
+            raise ValueError("config has dflash_gamma = 0: the model has no DFlash drafter")
+        self.cfg, self.w = cfg, w
+        # the context holds projected K/V rows, in the model's dtype
+        super().__init__(cfg.dflash_layers, cfg.max_slots, cfg.max_seq_len, cfg.num_kv_heads, cfg.head_dim,
+                         device, torch_dtype(cfg))
+
+    def _project(self, x: torch.Tensor, prefix: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        shape = (*x.shape[:-1], cfg.num_kv_heads, cfg.head_dim)
+        k = apply_rope(linear(x, self.w[f"{prefix}.k_proj"]).view(shape), positions, cfg.rope_theta)
+        return k, linear(x, self.w[f"{prefix}.v_proj"]).view(shape)
+
+    def append(self, slot: int, hidden: torch.Tensor) -> None:
+        """Extend the context of `slot` with target hidden rows [n, D] (pre-norm), in order."""
+        n, start = hidden.shape[0], self.ctx_len[slot]
+        if start + n > self.cfg.max_seq_len:
+            raise ValueError(f"DFlash context of slot {slot} would exceed max_seq_len={self.cfg.max_seq_len}")
+        feats = rms_norm(linear(hidden, self.w["dflash.ctx_proj"]), self.w["dflash.ctx_norm"], self.cfg.rms_norm_eps)
+        positions = torch.arange(start, start + n, device=hidden.device)
+        for j in range(self.cfg.dflash_layers):
+            self.put_rows(slot, start, j, *self._project(feats, f"dflash.layers.{j}.attn", positions))
+        self.ctx_len[slot] = start + n
 
     def propose(self, slots: Sequence[int], last_tokens: torch.Tensor) -> torch.Tensor:
         """Drafts [B, gamma] for `slots`, each continuing its context with last_tokens [B]."""

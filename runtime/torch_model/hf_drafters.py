@@ -43,6 +43,7 @@ import torch
 
 from .attention import apply_rope, attention_out, attention_qkv, masked_attention
 from .config import ModelConfig
+from .drafters import SlotContext
 from .errors import ModelDirError
 from .model import mlp_block
 from .ops import linear, rms_norm, swiglu_mlp
@@ -439,18 +440,15 @@ def load_dflash_drafter(draft_dir: str | Path, target_cfg: ModelConfig, target_w
 # ==========================================================================================
 
 
-class PublishedDFlash:
+class PublishedDFlash(SlotContext):
     """A DFlash block drafter with its per-slot context K/V (see the module docstring)."""
 
     def __init__(self, spec: DFlashSpec, w: Weights, max_slots: int, max_seq_len: int,
                  device: str | torch.device = "cpu") -> None:
         self.spec, self.w = spec, w
         self.max_seq_len = max_seq_len
-        dtype = w["fc"].dtype
-        shape = (max_slots, max_seq_len, spec.num_kv_heads, spec.head_dim)
-        self.ctx_k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(spec.num_layers)]
-        self.ctx_v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(spec.num_layers)]
-        self.ctx_len = [0] * max_slots
+        super().__init__(spec.num_layers, max_slots, max_seq_len, spec.num_kv_heads, spec.head_dim, device,
+                         w["fc"].dtype)
 
     @property
     def gamma(self) -> int:
@@ -496,47 +494,13 @@ class PublishedDFlash:
         positions = torch.arange(start, start + n, device=feats.device)
         feats = feats.to(self.ctx_k[0].dtype)
         for j in range(self.spec.num_layers):
-            k, v = self._kv(feats, j, positions)
-            self.ctx_k[j][slot, start:start + n] = k
-            self.ctx_v[j][slot, start:start + n] = v
+            self.put_rows(slot, start, j, *self._kv(feats, j, positions))
         self.ctx_len[slot] = start + n
-
-    def trim(self, slot: int, n_drop: int) -> None:
-        """Drop the last n_drop context rows of `slot` (0 <= n_drop <= ctx_len)."""
-        if not 0 <= n_drop <= self.ctx_len[slot]:
-            raise ValueError(f"cannot drop {n_drop} of {self.ctx_len[slot]} DFlash context rows of slot {slot}")
-        self.ctx_len[slot] -= n_drop
-
-    def reset(self, slot: int) -> None:
-        """Empty the context of `slot`."""
-        self.ctx_len[slot] = 0
-
-    def move(self, src: int, dst: int) -> None:
-        """Move the context of slot src to slot dst; src becomes empty."""
-        n = self.ctx_len[src]
-        for cache in (*self.ctx_k, *self.ctx_v):
-            cache[dst, :n] = cache[src, :n]
-        self.ctx_len[dst], self.ctx_len[src] = n, 0
-
-    def export(self, slot: int) -> dict[str, torch.Tensor]:
-        """Copies of the context tensors of `slot` ([ctx_len, Hkv, Dh] per layer, K then V)."""
-        n = self.ctx_len[slot]
-        out = {f"dflash_ctx_k.{j}": self.ctx_k[j][slot, :n].clone() for j in range(self.spec.num_layers)}
-        out.update({f"dflash_ctx_v.{j}": self.ctx_v[j][slot, :n].clone() for j in range(self.spec.num_layers)})
-        return out
 
     def export_shapes(self, n: int) -> dict[str, tuple[int, ...]]:
         """Shapes `export` gives for a context of n rows."""
         shape = (n, self.spec.num_kv_heads, self.spec.head_dim)
         return {f"dflash_ctx_{kv}.{j}": shape for kv in "kv" for j in range(self.spec.num_layers)}
-
-    def load(self, slot: int, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Inverse of `export` (shapes already checked by the caller)."""
-        n = tensors["dflash_ctx_k.0"].shape[0]
-        for j in range(self.spec.num_layers):
-            self.ctx_k[j][slot, :n] = tensors[f"dflash_ctx_k.{j}"]
-            self.ctx_v[j][slot, :n] = tensors[f"dflash_ctx_v.{j}"]
-        self.ctx_len[slot] = n
 
     # ---- proposals -----------------------------------------------------------------------------
     def propose(self, slots: Sequence[int], last_tokens: torch.Tensor) -> torch.Tensor:
