@@ -10,7 +10,6 @@ byte (tokenizer, configs) or bit for bit (target tensors), and two such builds m
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 from typing import Any, Iterator
@@ -19,6 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from support.hf_tiny import transformers_torch_gdn
+from support.toy_model import run_fxsched
 
 from fxsched.runtime.generate import generate
 from fxsched.runtime.text import load_tokenizer
@@ -88,21 +88,8 @@ def test_logits_equal_transformers(hf_model):
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
-def _wired_parser() -> argparse.ArgumentParser:
-    from fxsched.runtime.cli.app import build_parser
-    from fxsched.runtime.cli.generate import add_bench_generate, add_generate_command
-
-    parser = build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    if "generate" not in sub.choices:
-        add_generate_command(sub)
-        add_bench_generate(sub.choices["bench"])
-    return parser
-
-
 def _fxsched(*argv: str) -> int:
-    args = _wired_parser().parse_args(list(argv))
-    return args.func(args)
+    return run_fxsched(*argv, toy=False)
 
 
 @pytest.mark.parametrize("spec", ["none", "mtp"])

@@ -11,7 +11,6 @@ the checkpoint loader exists.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 from pathlib import Path
@@ -23,10 +22,8 @@ pytest.importorskip("safetensors")
 pytest.importorskip("tokenizers")
 
 from support.tiny_tokenizer import TinyTokenizer, write_tiny_tokenizer  # noqa: E402
-from support.toy_model import toy_argv  # noqa: E402
+from support.toy_model import run_fxsched  # noqa: E402
 
-from fxsched.runtime.cli.app import build_parser  # noqa: E402
-from fxsched.runtime.cli.generate import add_bench_generate, add_generate_command  # noqa: E402
 from fxsched.runtime.generate import SPECS, TextOptions, generate  # noqa: E402
 from fxsched.runtime.text import TextTokenizer, load_tokenizer  # noqa: E402
 from fxsched.runtime.torch_model import HybridEngine, default_config, init_weights, save_weights  # noqa: E402
@@ -36,18 +33,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 PROMPT = "the quick brown"
 
 
-def wired_parser() -> argparse.ArgumentParser:
-    parser = build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    if "generate" not in sub.choices:
-        add_generate_command(sub)
-        add_bench_generate(sub.choices["bench"])
-    return parser
-
-
 def fxsched(*argv: str) -> int:
-    args = wired_parser().parse_args(toy_argv(list(argv)))  # the internal model unless one is named
-    return args.func(args)
+    return run_fxsched(*argv)  # the internal model unless one is named
 
 
 @dataclasses.dataclass

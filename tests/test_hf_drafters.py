@@ -14,7 +14,6 @@ References, independent of the engine's caches:
 
 from __future__ import annotations
 
-import argparse
 import copy
 import importlib
 import json
@@ -27,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from support.hf_tiny import TinyCheckpoint, build, transformers_torch_gdn
+from support.toy_model import run_fxsched
 from support.hf_tiny_dflash import (dflash_config, dflash_tensors, target_sizes, write_tiny_dflash,
                                     write_tiny_dflash_for)
 
@@ -361,21 +361,8 @@ def test_generate_is_lossless_in_every_speculation_mode(ckpts, drafts_dir, arch,
         assert result.summary.verifies > 0 and result.device.stats.drafts_proposed > 0
 
 
-def _cli_parser() -> argparse.ArgumentParser:
-    from fxsched.runtime.cli.app import build_parser
-    from fxsched.runtime.cli.generate import add_bench_generate, add_generate_command
-
-    parser = build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    if "generate" not in sub.choices:
-        add_generate_command(sub)
-        add_bench_generate(sub.choices["bench"])
-    return parser
-
-
 def _fxsched(*argv: str) -> int:
-    args = _cli_parser().parse_args(list(argv))
-    return int(args.func(args))
+    return run_fxsched(*argv, toy=False)
 
 
 def _cli_tokens(out: str) -> list[list[int]]:

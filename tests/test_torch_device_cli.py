@@ -3,36 +3,22 @@ way the CLI owner will (one line each), tokens and summary on stdout, one-line e
 
 from __future__ import annotations
 
-import argparse
 
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("safetensors")
 
-from support.toy_model import toy_argv  # noqa: E402
+from support.toy_model import run_fxsched  # noqa: E402
 
-from fxsched.runtime.cli.app import build_parser  # noqa: E402
-from fxsched.runtime.cli.generate import add_bench_generate, add_generate_command  # noqa: E402
 from fxsched.runtime.torch_model import HybridEngine, default_config, init_weights, save_weights  # noqa: E402
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def wired_parser() -> argparse.ArgumentParser:
-    """build_parser(), which already has the two lines the CLI adds (added again if missing)."""
-    parser = build_parser()
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    if "generate" not in sub.choices:
-        add_generate_command(sub)
-        add_bench_generate(sub.choices["bench"])
-    return parser
-
-
 def fxsched(*argv: str) -> int:
-    args = wired_parser().parse_args(toy_argv(list(argv)))  # the internal model unless one is named
-    return args.func(args)
+    return run_fxsched(*argv)  # the internal model unless one is named
 
 
 def test_generate_prints_tokens_and_summary(capsys):

@@ -9,6 +9,7 @@ folder that is removed at exit) to a generate / bench generate command line that
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import functools
 import shutil
@@ -37,3 +38,23 @@ def toy_argv(argv: list[str]) -> list[str]:
     if command not in (["generate"], ["bench", "generate"]) or any(a in MODEL_OPTIONS for a in argv):
         return argv
     return [*argv, "--weights", str(toy_weights_file())]
+
+
+def wired_parser() -> argparse.ArgumentParser:
+    """build_parser(), which already has the two lines the CLI adds (added again if missing)."""
+    from fxsched.runtime.cli.app import build_parser
+    from fxsched.runtime.cli.generate import add_bench_generate, add_generate_command
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    if "generate" not in sub.choices:
+        add_generate_command(sub)
+        add_bench_generate(sub.choices["bench"])
+    return parser
+
+
+def run_fxsched(*argv: str, toy: bool = True) -> int:
+    """Run one fxsched command in this process; with `toy`, on the internal model unless one is named."""
+    words = toy_argv(list(argv)) if toy else list(argv)
+    args = wired_parser().parse_args(words)
+    return int(args.func(args))
