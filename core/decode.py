@@ -16,8 +16,12 @@ from fxsched.core.phases import AwaitDecode, DecodeLane, NgramStep, PlainDecode,
 from fxsched.core.records import replace
 from fxsched.core.rows import by_slot, greedy_row, grow, host_pick, may_speculate, prefill_barrier
 from fxsched.core.state import SchedulerState
+from fxsched.core.sequence import Sequence
+from fxsched.core.watchdog import snapshots_possible
 from fxsched.effects import plans
 from fxsched.effects.base import Effect
+from fxsched.effects.client import StreamOut
+from fxsched.effects.lifecycle import MarconiCheckpoints
 
 
 def decode_lane(state: SchedulerState, task: DecodeLane, out: list[Effect]) -> SchedulerState:
@@ -64,6 +68,8 @@ def decoded(state: SchedulerState, waiting: AwaitDecode, event: TokensSampled | 
         # a fatal device error fails only the sequences of its batch; the others go on
         return fail_sequences(state, waiting.seq_ids, event.message, out)
     config, block_size = state.config, state.model.block_size
+    if not config.loop_watchdog and not snapshots_possible(config, state.model):
+        return _decoded_batch(state, waiting.seq_ids, event, out)
     logprobs = event.logprobs or (0,) * len(event.tokens)
     active = by_id(state)
     updated = {}
@@ -72,3 +78,69 @@ def decoded(state: SchedulerState, waiting: AwaitDecode, event: TokensSampled | 
         seq = grow(seq, seq.seq_len + 1, block_size)
         updated[seq_id] = plain_token(seq, token, config, out, lp, state.model)
     return replace(state, active=tuple(updated.get(s.seq_id, s) for s in state.active))
+
+
+def _decoded_batch(state: SchedulerState, seq_ids: tuple[int, ...], event: TokensSampled,
+                   out: list[Effect]) -> SchedulerState:
+    """``plain_token`` for every row at once, when no watchdog or SSM snapshot can fire: the rows'
+    checkpoints and streamed tokens go out as one ``MarconiCheckpoints`` and one ``StreamOut``
+    (the same frames and device calls, row by row, as the per-row sink), and each sequence is
+    copied once. The state's active order is the rows' order unless a fault moved a sequence."""
+    config = state.config
+    block_size = state.model.block_size
+    eos = config.eos_set
+    seq_limit = config.max_seq_len - 1
+    active = state.active
+    if len(active) == len(seq_ids) and all(s.seq_id == i for s, i in zip(active, seq_ids, strict=True)):
+        rows: tuple[Sequence, ...] | list[Sequence] = active
+    else:
+        lookup = by_id(state)
+        rows = [lookup[i] for i in seq_ids]
+    logprobs = event.logprobs or (0,) * len(seq_ids)
+    checkpoints: list[int] = []
+    stream_ids: list[int] = []
+    stream_tokens: list[int] = []
+    stream_logprobs: list[int] = []
+    new_rows: list[Sequence] = []
+    new = object.__new__
+    for seq, token, lp in zip(rows, event.tokens, logprobs, strict=True):
+        fields = seq.__dict__
+        grown = new(Sequence)
+        changes = grown.__dict__
+        changes.update(fields)
+        new_rows.append(grown)
+        seq_len = fields["seq_len"] + 1
+        changes["seq_len"] = seq_len
+        blocks = seq_len // block_size + 1  # kv.blocks_for: room for the next token included
+        if blocks > fields["blocks"]:
+            changes["blocks"] = blocks
+        if fields["cancel_requested"]:
+            changes["finished"] = True
+            continue
+        remaining = fields["remaining"] - 1
+        records = fields["logprob_records"] + (1 if lp else 0)
+        changes["remaining"] = remaining
+        changes["content_count"] = fields["content_count"] + 1
+        changes["logprob_records"] = records
+        changes["output"] = fields["output"].append(token)
+        if token in eos:
+            changes["finished"] = True
+            continue
+        changes["last_token"] = token
+        checkpoints.append(fields["seq_id"])
+        request = fields["request"]
+        if request.streaming:
+            stream_ids.append(request.id)
+            stream_tokens.append(token)
+            stream_logprobs.append(request.top_logprobs if records else 0)
+        if remaining <= 0 or seq_len >= seq_limit:
+            changes["finished"] = True
+    if checkpoints:
+        out.append(MarconiCheckpoints(tuple(checkpoints)))
+    if stream_ids:
+        out.append(StreamOut(tuple(stream_ids), tuple(stream_tokens),
+                             logprobs=tuple(stream_logprobs) if any(stream_logprobs) else ()))
+    if rows is active:
+        return replace(state, active=tuple(new_rows))
+    updated = {s.seq_id: s for s in new_rows}
+    return replace(state, active=tuple([updated.get(s.seq_id, s) for s in active]))

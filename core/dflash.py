@@ -9,9 +9,8 @@ unfinished sequences are trimmed and re-proposed.
 from __future__ import annotations
 
 from fxsched.core.agenda import ask, by_id, find_seq, push, put_seq, put_seqs
-from fxsched.core.emit import spec_tokens
+from fxsched.core.emit import Streamed, settle_tokens, spec_tokens
 from fxsched.core.events import BatchVerifyAllowed, Drafts, VerifyRows
-from fxsched.core.kv import blocks_for
 from fxsched.core.phases import (
     AwaitBatchedDflash,
     AwaitDflashDrafts,
@@ -118,7 +117,8 @@ def batched_verify(state: SchedulerState, task: BatchedDflashVerify, out: list[E
         tokens.append(s.last_token)
         tokens.extend(s.drafts)
     out.append(dc.SyncSecondaryCall())
-    query = dc.DecodeVerifyBatched(tokens=tokens, ks=(task.k,) * len(seqs), seqs=task.seq_ids, stream=0, woa=True)
+    query = dc.DecodeVerifyBatched(tokens=tuple(tokens), ks=(task.k,) * len(seqs), seqs=task.seq_ids, stream=0,
+                                   woa=True)
     waiting = AwaitBatchedDflash(task.seq_ids, tuple(s.drafts for s in seqs), tuple(s.seq_len for s in seqs),
                                  task.k, task.draft_count)
     return ask(state, out, query, waiting)
@@ -126,38 +126,77 @@ def batched_verify(state: SchedulerState, task: BatchedDflashVerify, out: list[E
 
 def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: VerifyRows,
                      out: list[Effect]) -> SchedulerState:
-    """Settle every sequence (rewind, drafter context, emits), fold, then commit all of them."""
+    """Settle every sequence (rewind, drafter context, emits), fold, then commit all of them.
+
+    A row's accepted tokens are its verify rows up to the first rejected draft and the bonus (the
+    accepted drafts equal their rows). The common row (nothing finishes, no watchdog) is settled
+    inline, one record copy each; any other goes through the speculative sink ``settle_tokens``."""
     k, config, block_size = waiting.k, state.config, state.model.block_size
     active = by_id(state)
     rows_all = event.rows
-    settled_seqs, accepted = [], []
+    settled_seqs: list[Sequence] = []
+    accepted: list[int] = []
     truncations: list[tuple[int, int]] = []
     contexts: list[tuple[int, int, int, int]] = []
-    emits: list[Effect] = []
-    for i, seq_id in enumerate(waiting.seq_ids):
-        seq, drafts, pre = active[seq_id], waiting.drafts[i], waiting.pre_lens[i]
-        rows = rows_all[i * k:(i + 1) * k]
-        na = accepted_prefix(drafts, rows)
-        seq_len = pre + na + 1
-        if seq_len < pre + k:
+    streamed = Streamed()
+    stream_ids, stream_tokens, stream_counts, stream_logprobs = (streamed.ids, streamed.tokens, streamed.counts,
+                                                                 streamed.logprobs)
+    inline = not config.loop_watchdog
+    eos = config.eos_set
+    seq_limit = config.max_seq_len - 1
+    new = object.__new__
+    for i, (seq_id, drafts, pre) in enumerate(zip(waiting.seq_ids, waiting.drafts, waiting.pre_lens, strict=True)):
+        seq = active[seq_id]
+        base = i * k
+        limit = len(drafts) if len(drafts) < k - 1 else k - 1
+        na = 0
+        while na < limit and drafts[na] == rows_all[base + na]:
+            na += 1
+        n = na + 1
+        seq_len = pre + n
+        if na < k - 1:
             truncations.append((seq_id, seq_len))
-        contexts.append((seq_id, na + 1, pre, i))
-        need = blocks_for(pre + k, block_size)  # the verify grew the table to cover all k rows
-        blocks = seq.blocks if seq.blocks >= need else need
-        seq = spec_tokens(seq, drafts[:na] + (rows[na],), config, emits,
-                          {"seq_len": seq_len, "drafts": (), "blocks": blocks, "acc": seq.acc + na})
-        settled_seqs.append(seq)
-        accepted.append(na + 1)
+        contexts.append((seq_id, n, pre, i))
+        need = (pre + k) // block_size + 1  # kv.blocks_for: the verify grew the table to cover all k rows
+        fields = seq.__dict__
+        blocks = fields["blocks"] if fields["blocks"] >= need else need
+        tokens = rows_all[base:base + n]
+        remaining = fields["remaining"]
+        if (inline and remaining > n and seq_len < seq_limit and not fields["finished"]
+                and not fields["cancel_requested"] and eos.isdisjoint(tokens)):
+            settled = new(Sequence)
+            changes = settled.__dict__
+            changes.update(fields)
+            changes["seq_len"] = seq_len
+            changes["drafts"] = ()
+            changes["blocks"] = blocks
+            changes["acc"] = fields["acc"] + na
+            changes["output"] = fields["output"].extend(tokens)
+            changes["remaining"] = remaining - n
+            changes["content_count"] = fields["content_count"] + n
+            changes["last_token"] = tokens[-1]
+            request = fields["request"]
+            if request.streaming:
+                stream_ids.append(request.id)
+                stream_tokens.extend(tokens)
+                stream_counts.append(n)
+                stream_logprobs.append(request.top_logprobs if fields["logprob_records"] else 0)
+        else:
+            settled, sent = settle_tokens(seq, tokens, config, {"seq_len": seq_len, "drafts": (), "blocks": blocks,
+                                                                "acc": fields["acc"] + na})
+            streamed.take(settled, sent)
+        settled_seqs.append(settled)
+        accepted.append(n)
     if truncations:
         out.append(dc.TruncateSequences(tuple(truncations)))
     out.append(dc.CommitCtxBatch(tuple(contexts)))
-    out.extend(emits)
-    out.append(dc.GdnFoldAccepted(tuple(s.slot for s in settled_seqs), tuple(accepted), k))
-    out.append(dc.CommitAcceptedPrefixBatch(tuple((s.seq_id, n, k)
-                                                  for s, n in zip(settled_seqs, accepted, strict=True))))
-    out.append(dc.StashVerifyHiddenRows(tuple(i * k + n - 1 for i, n in enumerate(accepted))))
+    streamed.flush(out)
+    out.append(dc.GdnFoldAccepted(tuple([s.slot for s in settled_seqs]), tuple(accepted), k))
+    out.append(dc.CommitAcceptedPrefixBatch(tuple([(s.seq_id, n, k)
+                                                   for s, n in zip(settled_seqs, accepted, strict=True)])))
+    out.append(dc.StashVerifyHiddenRows(tuple([i * k + n - 1 for i, n in enumerate(accepted)])))
     pending = [(i, s.seq_id) for i, s in enumerate(settled_seqs) if not s.finished]
     if pending:
-        out.append(dc.TrimProposerStateBatch(tuple((settled_seqs[i].seq_id, accepted[i] - 1) for i, _ in pending)))
+        out.append(dc.TrimProposerStateBatch(tuple([(settled_seqs[i].seq_id, accepted[i] - 1) for i, _ in pending])))
     state = put_seqs(state, {s.seq_id: s for s in settled_seqs})
     return propose_after_batch(state, pending, waiting.draft_count, out)

@@ -25,7 +25,7 @@ from fxsched.core.watchdog import (
     snapshot_wanted,
 )
 from fxsched.effects.base import Effect
-from fxsched.effects.client import TokenOut, TokensOut
+from fxsched.effects.client import StreamOut, TokenOut, TokensOut
 from fxsched.effects.lifecycle import MarconiCheckpoint
 
 
@@ -74,23 +74,56 @@ def spec_tokens(seq: Sequence, tokens: tuple[int, ...], config: SchedulerConfig,
     that finishes the sequence. ``changes`` (a settled ``seq_len``, ``acc``, ...) are applied in the
     same rebuild, so a verify costs one record copy per sequence. ``changes`` must be a fresh dict:
     the sink takes it over."""
-    fields = changes if changes is not None else {}
+    seq, streamed = settle_tokens(seq, tokens, config, changes if changes is not None else {})
+    if streamed:
+        req = seq.request
+        k = req.top_logprobs if seq.logprob_records else 0
+        out.append(TokensOut(req.id, streamed, k) if len(streamed) > 1 else TokenOut(req.id, streamed[0], k))
+    return seq
+
+
+class Streamed:
+    """The frames of many sinks collected into one ``StreamOut`` (a batched verify's rows)."""
+
+    __slots__ = ("ids", "tokens", "counts", "logprobs")
+
+    def __init__(self) -> None:
+        self.ids: list[int] = []
+        self.tokens: list[int] = []
+        self.counts: list[int] = []
+        self.logprobs: list[int] = []
+
+    def take(self, seq: Sequence, streamed: tuple[int, ...]) -> None:
+        if streamed:
+            self.ids.append(seq.request.id)
+            self.tokens.extend(streamed)
+            self.counts.append(len(streamed))
+            self.logprobs.append(seq.request.top_logprobs if seq.logprob_records else 0)
+
+    def flush(self, out: list[Effect]) -> None:
+        if self.ids:
+            counts = () if all(n == 1 for n in self.counts) else tuple(self.counts)
+            logprobs = tuple(self.logprobs) if any(self.logprobs) else ()
+            out.append(StreamOut(tuple(self.ids), tuple(self.tokens), counts, logprobs))
+
+
+def settle_tokens(seq: Sequence, tokens: tuple[int, ...], config: SchedulerConfig,
+                  fields: dict[str, Any]) -> tuple[Sequence, tuple[int, ...]]:
+    """The speculative sink's decisions: the new sequence (``fields`` applied too; the dict is taken
+    over) and the tokens its client is to get now (EOS never streamed; none for a blocking request)."""
     if seq.finished:
-        return with_fields(seq, fields) if fields else seq
+        return (with_fields(seq, fields) if fields else seq), ()
     seq_len = fields.get("seq_len", seq.seq_len)
     n = len(tokens)
     req = seq.request
     if (n and not seq.cancel_requested and seq.remaining > n and seq_len + 1 < config.max_seq_len
             and not config.loop_watchdog and config.eos_set.isdisjoint(tokens)):
         # the common case: every token is streamed and nothing finishes
-        if req.streaming:
-            k = req.top_logprobs if seq.logprob_records else 0
-            out.append(TokensOut(req.id, tokens, k) if n > 1 else TokenOut(req.id, tokens[0], k))
         fields["output"] = seq.output.extend(tokens)
         fields["remaining"] = seq.remaining - n
         fields["content_count"] = seq.content_count + n
         fields["last_token"] = tokens[-1]
-        return with_fields(seq, fields)
+        return with_fields(seq, fields), (tokens if req.streaming else ())
     count, remaining, content, last = len(seq.output), seq.remaining, seq.content_count, seq.last_token
     finished = False
     eos_ids = config.eos_set
@@ -120,14 +153,11 @@ def spec_tokens(seq: Sequence, tokens: tuple[int, ...], config: SchedulerConfig,
         if remaining <= 0 or seq_len + 1 >= config.max_seq_len:
             finished = True
             break
-    if streamed:
-        k = req.top_logprobs if seq.logprob_records else 0
-        out.append(TokensOut(req.id, tuple(streamed), k) if len(streamed) > 1 else TokenOut(req.id, streamed[0], k))
     fields.update(output=seq.output.extend(tuple(tokens[:taken])) if taken else seq.output, remaining=remaining,
                   content_count=content, last_token=last, finished=finished)
     if guard is not None:
         fields["guard"] = guard
-    return with_fields(seq, fields)
+    return with_fields(seq, fields), tuple(streamed)
 
 
 def spec_token(seq: Sequence, token: int, config: SchedulerConfig, out: list[Effect]) -> Sequence:

@@ -22,7 +22,8 @@ from fxsched.core.phases import (
     SpecStep,
     Verifies,
 )
-from fxsched.core.records import replace, with_fields
+from fxsched.core.records import replace
+from fxsched.core.sequence import Sequence
 from fxsched.core.state import SchedulerState
 from fxsched.core.verdict import base_draft_count
 from fxsched.core.verifying import dflash_bootstrap, mtp_bootstrap
@@ -79,6 +80,12 @@ def proposed(state: SchedulerState, waiting: AwaitProposal, event: Drafts, out: 
 def batched_proposed(state: SchedulerState, waiting: AwaitBatchedProposal, event: BatchedDrafts,
                      out: list[Effect]) -> SchedulerState:
     active = by_id(state)
-    updated = {i: with_fields(active[i], {"drafts": d})
-               for i, d in zip(waiting.seq_ids, event.drafts, strict=True)}
+    updated = {}
+    new = object.__new__
+    for seq_id, drafts in zip(waiting.seq_ids, event.drafts, strict=True):
+        seq = new(Sequence)
+        fields = seq.__dict__
+        fields.update(active[seq_id].__dict__)
+        fields["drafts"] = drafts
+        updated[seq_id] = seq
     return put_seqs(state, updated)

@@ -1,75 +1,98 @@
-"""An append-only token list with O(1) append that shares its prefix between versions.
+"""An append-only token list with O(1) amortised append that shares its storage between versions.
 
 A sequence's output grows every step; copying a tuple of a thousand tokens per step per
-sequence would make ``step`` linear in the output length. A ``TokenLog`` is a chain of chunks:
-``extend`` makes a new head that points at the old log, so both versions stay valid and share
-everything before the new chunk. To every caller it is an immutable sequence of ints that behaves
-like the tuple of its tokens: ``len``, iteration, indexing and slicing, ``in``, ``index``,
-``count``, ``+``, comparison and hashing all go by the token contents (a ``TokenLog`` equals and
-hashes like the tuple of its tokens).
+sequence would make ``step`` linear in the output length, and a node per append would cost the
+state tens of bytes per token. A ``TokenLog`` is a *view*: the first ``length`` entries of a
+machine-integer array (``array('i')``, 4 bytes a token; ``'q'`` once a token needs more) that
+versions of the same output share.
+
+``extend`` appends to the shared array in place when this view reaches its end (the usual case:
+the newest version of an output is the one that grows) and returns a longer view; every older
+view still sees exactly its own prefix, since nothing before its end ever changes. A view that
+does not reach the end (an older version extended a second time: a rollback, or the model
+checker stepping twice from one state) copies its prefix into a fresh array first. So no value
+that any version can observe ever changes, and ``step`` stays pure.
+
+To every caller it is an immutable sequence of ints that behaves like the tuple of its tokens:
+``len``, iteration, indexing and slicing, ``in``, ``index``, ``count``, ``+``, comparison and
+hashing all go by the token contents (a ``TokenLog`` equals and hashes like the tuple of its
+tokens).
 """
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as AbcSequence
+from itertools import islice
 from typing import Any, Optional, overload
 
 
-class TokenLog(AbcSequence[int]):
-    __slots__ = ("_prev", "_chunk", "_length")
+def _array(tokens: Iterable[int]) -> "array[int]":
+    """An int32 array of ``tokens``, or int64 when one of them does not fit."""
+    try:
+        return array("i", tokens)
+    except OverflowError:
+        return array("q", tokens)
 
-    _prev: Optional["TokenLog"]
-    _chunk: tuple[int, ...]
+
+class TokenLog(AbcSequence[int]):
+    __slots__ = ("_buf", "_length")
+
+    _buf: "array[int]"
     _length: int
 
     def __init__(self, tokens: Iterable[int] = ()) -> None:
-        chunk = tuple(tokens)
-        self._prev = None
-        self._chunk = chunk
-        self._length = len(chunk)
-
-    @classmethod
-    def _link(cls, prev: "TokenLog", chunk: tuple[int, ...]) -> "TokenLog":
-        log = object.__new__(cls)
-        log._prev = prev
-        log._chunk = chunk
-        log._length = prev._length + len(chunk)
-        return log
+        self._buf = _array(tokens)
+        self._length = len(self._buf)
 
     def extend(self, tokens: Iterable[int]) -> "TokenLog":
         """A new log with ``tokens`` appended; this one is unchanged."""
         chunk = tokens if type(tokens) is tuple else tuple(tokens)
         if not chunk:
             return self
-        if self._length == 0:
-            return TokenLog(chunk)
-        return TokenLog._link(self, chunk)
+        buf = self._buf
+        if len(buf) != self._length:  # a later version already grew the array: fork a copy
+            buf = buf[: self._length]
+        try:
+            buf.extend(chunk)
+        except OverflowError:
+            buf = array("q", buf)
+            buf.extend(chunk)
+        log = object.__new__(TokenLog)
+        log._buf = buf
+        log._length = len(buf)
+        return log
 
     def append(self, token: int) -> "TokenLog":
         """A new log with ``token`` appended; this one is unchanged."""
-        return self.extend((token,))
+        buf = self._buf
+        length = self._length
+        if len(buf) != length:
+            buf = buf[:length]
+        try:
+            buf.append(token)
+        except OverflowError:
+            buf = array("q", buf)
+            buf.append(token)
+        log = object.__new__(TokenLog)
+        log._buf = buf
+        log._length = length + 1
+        return log
 
     @property
     def last(self) -> Optional[int]:
         """The newest token, or ``None`` for an empty log."""
-        node: Optional[TokenLog] = self
-        while node is not None:
-            if node._chunk:
-                return node._chunk[-1]
-            node = node._prev
-        return None
+        return self._buf[self._length - 1] if self._length else None
 
     def tokens(self) -> tuple[int, ...]:
-        """All tokens, oldest first (walks the chain iteratively)."""
-        if self._prev is None:
-            return self._chunk
-        chunks = []
-        node: Optional[TokenLog] = self
-        while node is not None:
-            chunks.append(node._chunk)
-            node = node._prev
-        return tuple(t for chunk in reversed(chunks) for t in chunk)
+        """All tokens, oldest first."""
+        buf = self._buf
+        return tuple(buf) if len(buf) == self._length else tuple(islice(buf, self._length))
+
+    def nbytes(self) -> int:
+        """Bytes of token storage this view's array holds (shared with the other versions)."""
+        return self._buf.buffer_info()[1] * self._buf.itemsize
 
     # --- the sequence protocol, by contents ---------------------------------------------------
 
@@ -80,7 +103,7 @@ class TokenLog(AbcSequence[int]):
         return self._length > 0
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self.tokens())
+        return islice(self._buf, self._length)
 
     def __reversed__(self) -> Iterator[int]:
         return reversed(self.tokens())
@@ -95,7 +118,17 @@ class TokenLog(AbcSequence[int]):
     def __getitem__(self, index: slice) -> tuple[int, ...]: ...
 
     def __getitem__(self, index: int | slice) -> int | tuple[int, ...]:
-        return self.tokens()[index]
+        if isinstance(index, slice):
+            start, stop, stride = index.indices(self._length)
+            if stride == 1:
+                return tuple(self._buf[start:stop]) if start < stop else ()
+            return self.tokens()[index]
+        length = self._length
+        if index < 0:
+            index += length
+        if not 0 <= index < length:
+            raise IndexError("TokenLog index out of range")
+        return int(self._buf[index])
 
     def index(self, value: Any, start: int = 0, stop: int | None = None) -> int:
         return self.tokens().index(value, start, len(self) if stop is None else stop)

@@ -78,9 +78,13 @@ def ring_truncate(ring: tuple[tuple[int, int], ...], after: int,
     return kept, (newest[0] + 1) % capacity
 
 
+def snapshots_possible(config: SchedulerConfig, model: ModelInfo) -> bool:
+    """Whether any token can take an SSM snapshot (a ring, and boundary tokens to save at)."""
+    return model.has_ssm_layers and model.ring_slots > 0 and bool(config.boundary_tokens)
+
+
 def snapshot_wanted(seq: Sequence, token: int, config: SchedulerConfig, model: ModelInfo) -> bool:
-    return (model.has_ssm_layers and model.ring_slots > 0 and bool(config.boundary_tokens)
-            and token in config.boundary_tokens)
+    return snapshots_possible(config, model) and token in config.boundary_tokens
 
 
 def save_snapshot(seq: Sequence, model: ModelInfo, out: list[Effect]) -> Sequence:

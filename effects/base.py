@@ -20,6 +20,19 @@ class Effect:
     QUERY: ClassVar[bool] = False
 
 
+def expand_batched(effects: Iterable[Effect]) -> list[Effect]:
+    """``effects`` with each batched record (one that has ``split``: ``StreamOut``,
+    ``MarconiCheckpoints``) replaced by the per-request or per-sequence records it stands for."""
+    out: list[Effect] = []
+    for effect in effects:
+        split = getattr(effect, "split", None)
+        if split is None:
+            out.append(effect)
+        else:
+            out.extend(split())
+    return out
+
+
 def is_query(effect: Effect) -> bool:
     """True when the interpreter must answer ``effect`` with an event."""
     return effect.QUERY

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 from typing import Optional
 
 import attrs
@@ -52,6 +53,44 @@ class TokensOut(ClientOutput):
         if self.logprobs:
             return " ".join(f"TL{t}:{self.logprobs}" for t in self.tokens)
         return " ".join(f"T{t}" for t in self.tokens)
+
+
+@attrs.frozen
+class StreamOut(Effect):
+    """The streamed tokens of one forward for several requests in one record.
+
+    Row i sends ``counts[i]`` tokens (one each when ``counts`` is empty) from ``tokens``, in order,
+    to request ``request_ids[i]``, with record size ``logprobs[i]`` (0 each when empty). It stands
+    for the per-request frames ``split`` returns (``TokenOut`` for one token, else ``TokensOut``),
+    which is what a client receives. The fields are built as tuples by the core; no converter runs.
+    """
+
+    request_ids: tuple[int, ...]
+    tokens: tuple[int, ...]
+    counts: tuple[int, ...] = ()
+    logprobs: tuple[int, ...] = ()
+
+    def split(self) -> "list[TokenOut | TokensOut]":
+        ids, tokens, logprobs = self.request_ids, self.tokens, self.logprobs or (0,) * len(self.request_ids)
+        if not self.counts:
+            return [TokenOut(rid, token, k) for rid, token, k in zip(ids, tokens, logprobs, strict=True)]
+        frames: list[TokenOut | TokensOut] = []
+        at = 0
+        for rid, n, k in zip(ids, self.counts, logprobs, strict=True):
+            frames.append(TokenOut(rid, tokens[at], k) if n == 1 else TokensOut(rid, tokens[at:at + n], k))
+            at += n
+        return frames
+
+
+def client_frames(effects: "Iterable[Effect]") -> "list[ClientOutput]":
+    """The client outputs among ``effects``, per request, in order (a ``StreamOut`` split)."""
+    frames: list[ClientOutput] = []
+    for effect in effects:
+        if isinstance(effect, StreamOut):
+            frames.extend(effect.split())
+        elif isinstance(effect, ClientOutput):
+            frames.append(effect)
+    return frames
 
 
 def render_guard(guard: Optional[str]) -> str:

@@ -94,6 +94,21 @@ class MarconiCheckpoint(Lifecycle):
 
 
 @attrs.frozen
+class MarconiCheckpoints(Lifecycle):
+    """The Marconi checkpoints of a batched decode, one record for all its rows: it expands into a
+    ``MarconiCheckpoint`` per sequence of ``seqs``, in order, each with its own ``fx`` line."""
+
+    seqs: tuple[int, ...]
+
+    @property
+    def label(self) -> str:
+        return "MarconiCheckpoint"
+
+    def split(self) -> tuple[MarconiCheckpoint, ...]:
+        return tuple(MarconiCheckpoint(seq) for seq in self.seqs)
+
+
+@attrs.frozen
 class SsmSnapshotSave(Lifecycle):
     seq: int
     slot: int

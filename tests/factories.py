@@ -16,7 +16,7 @@ from fxsched.core.state import SchedulerState, initial_state
 from fxsched.effects import device_calls as dc
 from fxsched.effects import lifecycle as lc
 from fxsched.effects import plans
-from fxsched.effects.base import Effect
+from fxsched.effects.base import Effect, expand_batched
 
 
 def make_config(**kw) -> SchedulerConfig:
@@ -161,8 +161,8 @@ class Driver:
     def outputs(self, kind: type = object) -> list:
         from fxsched.effects.client import ClientOutput
 
-        return [e for e in self.history if isinstance(e, ClientOutput) and isinstance(e, kind)]
+        return [e for e in expand_batched(self.history) if isinstance(e, ClientOutput) and isinstance(e, kind)]
 
 
 def of_type(effects, kind: type) -> list:
-    return [e for e in effects if isinstance(e, kind)]
+    return [e for e in expand_batched(effects) if isinstance(e, kind)]

@@ -109,9 +109,9 @@ def test_with_fields_gets_only_final_values(checking_with_fields):
 
 
 def test_the_with_fields_check_can_fail(checking_with_fields):
-    import fxsched.core.spec_step as spec_step
+    import fxsched.core.emit as emit
 
-    spec_step.with_fields(_sequence(), {"drafts": [1, 2]})
+    emit.with_fields(_sequence(), {"drafts": [1, 2]})
     assert checking_with_fields == [("Sequence", "drafts", "list")]
 
 

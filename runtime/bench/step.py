@@ -1,15 +1,32 @@
-"""``fxsched bench step``: microseconds per tick and per running sequence of ``step`` itself.
+"""``fxsched bench step``: the CPU cost of ``step`` itself, per tick and per running sequence.
 
-A steady-state DFlash batched workload: N sequences that never finish, each tick a capacity
-query, the batching gate, one batched verify (3 of 5 drafts accepted) and one batched propose.
-The device is a stub that answers every query at once and records nothing, so the figures are
-the scheduler's own cost. Medians over repeats; the machine is shared and noisy.
+Like for like with vLLM's scheduler benchmark (one ``schedule()`` + ``update_from_output()`` per
+step, the model output faked and not timed): N sequences in steady decode that never finish, a
+device stub that answers every query at once, and only the ``step`` calls timed. Each answer is
+built between two timed windows, so neither the stub nor the random draws count.
+
+Modes:
+
+* ``plain``: no speculation; each tick is one batched decode of every sequence (one token each).
+  Compare with vLLM's ``A0``.
+* ``spec5``: DFlash batched speculation with 5 drafts; each tick is a capacity query, the batching
+  gate, one batched verify whose accepted count per sequence is drawn from U{0..5} by a seeded
+  generator (outside the timed window), and one batched propose. Compare with vLLM's ``A5``
+  (ngram, k = 5, 1 + U{0..5} tokens per step).
+
+Method: the state is built and warmed up, the garbage collector's heap is frozen (``gc.freeze``),
+then ``repeats`` windows of ``ticks`` ticks each are timed with this thread's CPU time
+(``time.thread_time_ns``) and wall time around every ``step`` call; the figures are medians over
+the windows. These machines are shared and noisy: compare CPU times, side by side in one run.
 """
 
 from __future__ import annotations
 
+import gc
+import random
 import statistics
 import time
+from typing import Any
 
 from tqdm import tqdm
 
@@ -21,23 +38,38 @@ from fxsched.core.state import initial_state
 from fxsched.effects import device_calls as dc
 from fxsched.effects import plans
 
-DRAFTS = (1, 2, 3, 4, 5)
+MODES = ("plain", "spec5")
+DRAFTS = (11, 12, 13, 14, 15)  # what the stub drafter proposes (never an EOS)
+MISS = 9  # the target token where a draft is rejected
 
 
 class InstantAnswers:
-    """Answers queries with plausible values at once (3 of 5 drafts accepted, nothing finishes)."""
+    """Answers every query at once with plausible values; nothing ever finishes.
 
-    def __init__(self):
+    A verify accepts U{0..5} drafts per sequence, drawn from ``random.Random(seed)``.
+    """
+
+    def __init__(self, seed: int = 0):
         self.next_slot = 0
+        self.rng = random.Random(seed)
 
-    def answer(self, effect):
+    def _verify_rows(self, ks) -> tuple[int, ...]:
+        rows: list[int] = []
+        for k in ks:
+            accepted = self.rng.randint(0, k - 1) if k > 1 else 0  # k = drafts + 1 rows
+            rows.extend(DRAFTS[:accepted])
+            rows.append(MISS)
+            rows.extend((MISS,) * (k - 1 - accepted))
+        return tuple(rows)
+
+    def answer(self, effect) -> ev.Event:
         match effect:
             case dc.CreateStream():
                 return ev.StreamCreated(1)
             case dc.CreateEvent():
                 return ev.EventCreated(2)
             case dc.NumFreeBlocks():
-                return ev.FreeBlocks(1000)
+                return ev.FreeBlocks(1 << 30)
             case dc.AdapterIdFor(slots=slots):
                 return ev.AdapterIds((0,) * len(slots))
             case dc.AllocSequence():
@@ -56,51 +88,84 @@ class InstantAnswers:
             case dc.ProposeBatched(seqs=seqs, n=n):
                 return ev.BatchedDrafts((DRAFTS[:n],) * len(seqs))
             case dc.SerialVerify(tokens=tokens):
-                return ev.VerifyRows(tokens[1:] + (9,))
+                return ev.VerifyRows(self._verify_rows((len(tokens),)))
             case dc.DecodeVerifyBatched(ks=ks):
-                row = DRAFTS[:3] + (9,) * (ks[0] - 3)
-                return ev.VerifyRows(row * len(ks))
+                return ev.VerifyRows(self._verify_rows(ks))
             case plans.Decode(seqs=seqs):
                 return ev.TokensSampled((7,) * len(seqs))
+            case dc.ArgmaxBatch(n=n):
+                return ev.TokensSampled((7,) * n)
         raise RuntimeError(f"the bench stub has no answer for {type(effect).__name__}")
 
 
-def _boot(n: int):
-    config = SchedulerConfig(max_batch_size=max(n, 8), use_speculative=True, dflash=True, num_drafts=5,
-                             mtp_width_limit=max(n, 32), max_seq_len=1 << 30, admission_watermark=4096)
-    model = ModelInfo(has_proposer=True, dflash_gamma=6, total_blocks=1 << 30)
+def _config(mode: str, n: int) -> tuple[SchedulerConfig, ModelInfo]:
+    common: dict[str, Any] = dict(max_batch_size=max(n, 8), max_seq_len=1 << 30, admission_watermark=4096)
+    if mode == "plain":
+        return SchedulerConfig(**common), ModelInfo(total_blocks=1 << 30)
+    return (SchedulerConfig(use_speculative=True, dflash=True, num_drafts=5, mtp_width_limit=max(n, 32), **common),
+            ModelInfo(has_proposer=True, dflash_gamma=6, total_blocks=1 << 30))
+
+
+def _boot(mode: str, n: int):
+    config, model = _config(mode, n)
     state = initial_state(config, model)
     for i in range(n):
         state, _ = step(state, ev.Arrival(Request(id=i + 1, prompt=(i + 1, 3, 4, 5, 6), max_tokens=1 << 30)))
     return state
 
 
-def _run_ticks(state, stub: InstantAnswers, ticks: int, pending):
-    start_tick = state.tick
-    event = pending
-    steps = 0
-    while state.tick < start_tick + ticks:
+def _run_ticks(state, stub: InstantAnswers, ticks: int, event, clock=None):
+    """Run ``ticks`` ticks; with ``clock`` = [cpu_ns, wall_ns], add the time of each ``step`` call."""
+    end = state.tick + ticks
+    if clock is None:
+        while state.tick < end:
+            state, effects = step(state, event)
+            event = stub.answer(effects[-1])
+        return state, event
+    thread_ns, perf_ns = time.thread_time_ns, time.perf_counter_ns
+    cpu = wall = 0
+    while state.tick < end:
+        c0 = thread_ns()
+        w0 = perf_ns()
         state, effects = step(state, event)
-        steps += 1
+        w1 = perf_ns()
+        c1 = thread_ns()
+        cpu += c1 - c0
+        wall += w1 - w0
         event = stub.answer(effects[-1])
-    return state, event, steps
+    clock[0] += cpu
+    clock[1] += wall
+    return state, event
 
 
-def measure(n: int, ticks: int, repeats: int) -> dict:
-    """Median microseconds per tick and per sequence-tick at ``n`` running sequences."""
-    stub = InstantAnswers()
-    state, effects = step(_boot(n), ev.Boot())
+def measure(n: int, mode: str = "plain", ticks: int = 200, repeats: int = 5, seed: int = 0) -> dict:
+    """Medians over ``repeats`` windows of ``ticks`` ticks at ``n`` running sequences."""
+    if mode not in MODES:
+        raise ValueError(f"--mode {mode}: unknown (choose from {', '.join(MODES)})")
+    stub = InstantAnswers(seed)
+    state, effects = step(_boot(mode, n), ev.Boot())
     event = stub.answer(effects[-1])
-    state, event, _ = _run_ticks(state, stub, 3, event)  # admission and bootstraps
-    per_tick = []
-    steps = 0
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        state, event, steps = _run_ticks(state, stub, ticks, event)
-        per_tick.append((time.perf_counter() - t0) / ticks * 1e6)
-    us = statistics.median(per_tick)
-    return {"sequences": n, "us_per_tick": us, "us_per_seq_tick": us / n, "steps_per_tick": steps / ticks,
-            "active": len(state.active)}
+    state, event = _run_ticks(state, stub, 20, event)  # admission, prefill and the first verifies
+    if len(state.active) != n:
+        raise RuntimeError(f"bench step: {len(state.active)} of {n} sequences running after warm-up")
+    produced_before = sum(len(s.output) for s in state.active)
+    gc.collect()
+    gc.freeze()
+    cpu_us, wall_us = [], []
+    try:
+        for _ in range(repeats):
+            clock = [0, 0]
+            state, event = _run_ticks(state, stub, ticks, event, clock)
+            cpu_us.append(clock[0] / ticks / 1e3)
+            wall_us.append(clock[1] / ticks / 1e3)
+    finally:
+        gc.unfreeze()
+    if len(state.active) != n:
+        raise RuntimeError(f"bench step: a sequence finished during the run ({len(state.active)} of {n} left)")
+    cpu, wall = statistics.median(cpu_us), statistics.median(wall_us)
+    return {"mode": mode, "n": n, "us_per_tick": cpu, "us_per_seq": cpu / n,
+            "wall_us_per_tick": wall, "wall_us_per_seq": wall / n,
+            "tokens_per_seq_tick": (sum(len(s.output) for s in state.active) - produced_before) / (n * ticks * repeats)}
 
 
 def print_table(rows: list[dict]) -> None:
@@ -113,7 +178,18 @@ def print_table(rows: list[dict]) -> None:
         print("  ".join(cells))
 
 
-def print_step_bench(sizes, ticks: int = 200, repeats: int = 5) -> list[dict]:
-    rows = [measure(n, ticks, repeats) for n in tqdm(sizes, desc="bench step", unit="size", leave=False)]
-    print_table(rows)
+def run_step_bench(sizes, mode: str = "plain", ticks: int = 200, repeats: int = 5) -> list[dict]:
+    return [measure(n, mode, ticks, repeats) for n in tqdm(sizes, desc=f"bench step {mode}", unit="size", leave=False)]
+
+
+def print_step_bench(sizes, mode: str = "plain", ticks: int = 200, repeats: int = 5, as_json: bool = False
+                     ) -> list[dict]:
+    import json
+
+    rows = run_step_bench(sizes, mode, ticks, repeats)
+    if as_json:
+        for row in rows:
+            print(json.dumps(row))
+    else:
+        print_table(rows)
     return rows
