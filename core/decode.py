@@ -7,13 +7,13 @@ its ``blocks`` cover ``seq_len``; a failed batch changes no sequence it did not 
 
 from __future__ import annotations
 
-from fxsched.core.agenda import ask, by_id, push
+from fxsched.core.agenda import by_id, push
 from fxsched.core.emit import plain_token
 from fxsched.core.events import DeviceFault, TokensSampled
 from fxsched.core.faults import fail_sequences
 from fxsched.core.memory import preempt, preemption_victim
 from fxsched.core.phases import AwaitDecode, DecodeLane, NgramStep, PlainDecode, SelfSpecStep, SpecStep
-from fxsched.core.records import replace
+from fxsched.core.records import replace, with_fields
 from fxsched.core.rows import by_slot, greedy_row, grow, host_pick, may_speculate, prefill_barrier
 from fxsched.core.state import SchedulerState
 from fxsched.core.sequence import Sequence
@@ -27,33 +27,34 @@ from fxsched.effects.lifecycle import MarconiCheckpoints
 def decode_lane(state: SchedulerState, task: DecodeLane, out: list[Effect]) -> SchedulerState:
     if state.mixed_step_ran:
         return state
-    state = replace(state, last_decode_ms=state.now_ms)
     config, model = state.config, state.model
     if state.prefilling:
         prefill_barrier(state, out)
     active = state.active
     covered = all(s.slot < config.speculation_slot_cap for s in active)
     if config.ngram_speculative and len(active) == 1 and covered:
-        return push(state, NgramStep())
-    if config.self_speculative and model.has_self_speculative and len(active) == 1 and covered:
-        return push(state, SelfSpecStep())
-    if (config.uses_mtp(model) and len(active) <= config.mtp_width_limit and covered
+        lane: object = NgramStep()
+    elif config.self_speculative and model.has_self_speculative and len(active) == 1 and covered:
+        lane = SelfSpecStep()
+    elif (config.uses_mtp(model) and len(active) <= config.mtp_width_limit and covered
             and all(may_speculate(s) for s in active)):
-        return push(state, SpecStep())
-    return push(state, PlainDecode())
+        lane = SpecStep()
+    else:
+        lane = PlainDecode()
+    return with_fields(state, {"last_decode_ms": state.now_ms, "agenda": (lane,) + state.agenda})
 
 
 def plain_decode(state: SchedulerState, task: PlainDecode, out: list[Effect]) -> SchedulerState:
     active = by_slot(state.active)
-    state = replace(state, active=active)
     picks = () if all(greedy_row(s) for s in active) else tuple(host_pick(s) for s in active)
     plan = plans.Decode(
-        tokens=tuple(s.last_token for s in active),
-        seqs=tuple(s.seq_id for s in active),
-        seq_lens=tuple(s.seq_len for s in active),
+        tokens=tuple([s.last_token for s in active]),
+        seqs=tuple([s.seq_id for s in active]),
+        seq_lens=tuple([s.seq_len for s in active]),
         picks=picks,
     )
-    return ask(state, out, plan, AwaitDecode(plan.seqs))
+    out.append(plan)
+    return with_fields(state, {"active": active, "waiting": AwaitDecode(plan.seqs)})
 
 
 def decoded(state: SchedulerState, waiting: AwaitDecode, event: TokensSampled | DeviceFault,

@@ -13,6 +13,7 @@ from fxsched.core.emit import Streamed, settle_tokens, spec_tokens
 from fxsched.core.events import BatchVerifyAllowed, Drafts, VerifyRows
 from fxsched.core.phases import (
     AwaitBatchedDflash,
+    AwaitBatchedProposal,
     AwaitDflashDrafts,
     AwaitDflashGate,
     AwaitDflashVerify,
@@ -20,7 +21,7 @@ from fxsched.core.phases import (
     DflashGate,
     SerialVerify,
 )
-from fxsched.core.records import replace
+from fxsched.core.records import replace, with_fields
 from fxsched.core.sequence import Sequence
 from fxsched.core.state import SchedulerState
 from fxsched.core.verdict import accepted_prefix, verify_width
@@ -132,12 +133,20 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
     accepted drafts equal their rows). The common row (nothing finishes, no watchdog) is settled
     inline, one record copy each; any other goes through the speculative sink ``settle_tokens``."""
     k, config, block_size = waiting.k, state.config, state.model.block_size
-    active = by_id(state)
+    ids = waiting.seq_ids
+    active = state.active
+    in_order = len(active) == len(ids) and all(s.seq_id == i for s, i in zip(active, ids, strict=True))
+    rows_of = active if in_order else [by_id(state)[i] for i in ids]
     rows_all = event.rows
     settled_seqs: list[Sequence] = []
+    slots: list[int] = []
     accepted: list[int] = []
+    commits: list[tuple[int, int, int]] = []
+    stash_rows: list[int] = []
     truncations: list[tuple[int, int]] = []
     contexts: list[tuple[int, int, int, int]] = []
+    pending: list[tuple[int, int]] = []
+    trims: list[tuple[int, int]] = []
     streamed = Streamed()
     stream_ids, stream_tokens, stream_counts, stream_logprobs = (streamed.ids, streamed.tokens, streamed.counts,
                                                                  streamed.logprobs)
@@ -145,9 +154,9 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
     eos = config.eos_set
     seq_limit = config.max_seq_len - 1
     new = object.__new__
-    for i, (seq_id, drafts, pre) in enumerate(zip(waiting.seq_ids, waiting.drafts, waiting.pre_lens, strict=True)):
-        seq = active[seq_id]
-        base = i * k
+    base = 0
+    for i, (seq, drafts, pre) in enumerate(zip(rows_of, waiting.drafts, waiting.pre_lens, strict=True)):
+        seq_id = seq.seq_id
         limit = len(drafts) if len(drafts) < k - 1 else k - 1
         na = 0
         while na < limit and drafts[na] == rows_all[base + na]:
@@ -181,22 +190,37 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
                 stream_tokens.extend(tokens)
                 stream_counts.append(n)
                 stream_logprobs.append(request.top_logprobs if fields["logprob_records"] else 0)
+            finished = False
         else:
             settled, sent = settle_tokens(seq, tokens, config, {"seq_len": seq_len, "drafts": (), "blocks": blocks,
                                                                 "acc": fields["acc"] + na})
             streamed.take(settled, sent)
+            finished = settled.finished
         settled_seqs.append(settled)
+        slots.append(fields["slot"])
         accepted.append(n)
+        commits.append((seq_id, n, k))
+        stash_rows.append(base + na)
+        if not finished:
+            pending.append((i, seq_id))
+            trims.append((seq_id, na))
+        base += k
     if truncations:
         out.append(dc.TruncateSequences(tuple(truncations)))
     out.append(dc.CommitCtxBatch(tuple(contexts)))
     streamed.flush(out)
-    out.append(dc.GdnFoldAccepted(tuple([s.slot for s in settled_seqs]), tuple(accepted), k))
-    out.append(dc.CommitAcceptedPrefixBatch(tuple([(s.seq_id, n, k)
-                                                   for s, n in zip(settled_seqs, accepted, strict=True)])))
-    out.append(dc.StashVerifyHiddenRows(tuple([i * k + n - 1 for i, n in enumerate(accepted)])))
-    pending = [(i, s.seq_id) for i, s in enumerate(settled_seqs) if not s.finished]
-    if pending:
-        out.append(dc.TrimProposerStateBatch(tuple([(settled_seqs[i].seq_id, accepted[i] - 1) for i, _ in pending])))
-    state = put_seqs(state, {s.seq_id: s for s in settled_seqs})
+    out.append(dc.GdnFoldAccepted(tuple(slots), tuple(accepted), k))
+    out.append(dc.CommitAcceptedPrefixBatch(tuple(commits)))
+    out.append(dc.StashVerifyHiddenRows(tuple(stash_rows)))
+    if trims:
+        out.append(dc.TrimProposerStateBatch(tuple(trims)))
+    if in_order:
+        state = with_fields(state, {"active": tuple(settled_seqs)})
+    else:
+        state = put_seqs(state, {s.seq_id: s for s in settled_seqs})
+    if len(pending) >= 2 and len(pending) == len(settled_seqs):  # everyone goes on: propose from the rows at hand
+        query = dc.ProposeBatched(tokens=tuple([s.last_token for s in settled_seqs]),
+                                  positions=tuple([s.seq_len for s in settled_seqs]),
+                                  stash=tuple(range(len(settled_seqs))), n=waiting.draft_count, seqs=ids)
+        return ask(state, out, query, AwaitBatchedProposal(ids))
     return propose_after_batch(state, pending, waiting.draft_count, out)

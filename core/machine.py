@@ -36,9 +36,9 @@ from fxsched.core.agenda import PhaseError, push, put_seqs
 from fxsched.core.events import Arrival, Boot, Cancel, Clock, DeviceFault, Event, InboxClosed, RotationRequested
 from fxsched.core.faults import Halt, RuleTakesFault, apply_fault
 from fxsched.core.phases import StartUp
-from fxsched.core.records import replace
+from fxsched.core.records import replace, with_fields
 from fxsched.core.state import SchedulerState
-from fxsched.core.table import ANSWERS, TASKS
+from fxsched.core.table import ANSWERS, IDLE, TASKS
 from fxsched.effects.base import Effect
 
 __all__ = ["PhaseError", "advance", "step"]
@@ -63,12 +63,20 @@ def _take_input(state: SchedulerState, event: Event) -> SchedulerState:
 
 
 def advance(state: SchedulerState, out: list[Effect]) -> SchedulerState:
-    """Run tasks until one waits for an answer or the loop has stopped."""
+    """Run tasks until one waits for an answer or the loop has stopped. A task whose ``IDLE``
+    predicate holds is dropped unrun: its rule would change nothing (specs/scheduler.md §5.2)."""
+    idle = IDLE
     while state.waiting is None and not state.stopped:
-        if not state.agenda:
+        agenda = state.agenda
+        i = 0
+        for task in agenda:
+            nothing_to_do = idle.get(type(task))
+            if nothing_to_do is None or not nothing_to_do(state):
+                break
+            i += 1
+        else:
             raise PhaseError(f"the agenda ran dry without a query ({state.describe()})")
-        task = state.agenda[0]
-        state = replace(state, agenda=state.agenda[1:])
+        state = with_fields(state, {"agenda": agenda[i + 1:]})
         state = TASKS[type(task)](state, task, out)
     return state
 

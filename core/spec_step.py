@@ -22,7 +22,7 @@ from fxsched.core.phases import (
     SpecStep,
     Verifies,
 )
-from fxsched.core.records import replace
+from fxsched.core.records import replace, with_fields
 from fxsched.core.sequence import Sequence
 from fxsched.core.state import SchedulerState
 from fxsched.core.verdict import base_draft_count
@@ -79,13 +79,17 @@ def proposed(state: SchedulerState, waiting: AwaitProposal, event: Drafts, out: 
 
 def batched_proposed(state: SchedulerState, waiting: AwaitBatchedProposal, event: BatchedDrafts,
                      out: list[Effect]) -> SchedulerState:
-    active = by_id(state)
-    updated = {}
+    ids, active = waiting.seq_ids, state.active
+    in_order = len(active) == len(ids) and all(s.seq_id == i for s, i in zip(active, ids, strict=True))
+    rows = active if in_order else [by_id(state)[i] for i in ids]
+    proposed_rows = []
     new = object.__new__
-    for seq_id, drafts in zip(waiting.seq_ids, event.drafts, strict=True):
+    for row, drafts in zip(rows, event.drafts, strict=True):
         seq = new(Sequence)
         fields = seq.__dict__
-        fields.update(active[seq_id].__dict__)
+        fields.update(row.__dict__)
         fields["drafts"] = drafts
-        updated[seq_id] = seq
-    return put_seqs(state, updated)
+        proposed_rows.append(seq)
+    if in_order:
+        return with_fields(state, {"active": tuple(proposed_rows)})
+    return put_seqs(state, {s.seq_id: s for s in proposed_rows})

@@ -93,6 +93,21 @@ TASKS: dict[type, TaskRule] = {
     ph.RequeueResume: lifecycle.requeue_resume,
 }
 
+IDLE: dict[type, Callable[[SchedulerState], bool]] = {
+    # tasks whose rule would return the state as it is and emit nothing when the predicate holds;
+    # ``advance`` drops them without running the rule (or copying the state to pop them). Each
+    # predicate implies its rule's own first test, which stays in the rule.
+    ph.Rotate: lambda s: not s.rotations,
+    ph.IdleCheck: lambda s: bool(s.new_requests or s.active or s.prefilling),
+    ph.SwapOutRoom: lambda s: not s.new_requests or not s.config.spill_pool,
+    ph.StartRequests: lambda s: not s.new_requests,
+    ph.ContinuePrefills: lambda s: not s.prefilling,
+    ph.EmptyBatchExit: lambda s: bool(s.active),
+    ph.EmptyBatchSkip: lambda s: bool(s.active),
+    ph.RequeueResume: lambda s: not s.preempted,
+    ph.SwapIn: lambda s: not s.swapped,
+}
+
 ANSWERS: dict[type, Phase] = {
     # the loop
     ph.AwaitStream: Phase((ev.StreamCreated,), Halt("the device has no prefill stream"), tick.stream_created),

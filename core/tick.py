@@ -32,7 +32,7 @@ from fxsched.core.phases import (
     SwapOutRoom,
     TickStart,
 )
-from fxsched.core.records import replace
+from fxsched.core.records import replace, with_fields
 from fxsched.core.request import Request
 from fxsched.core.retire import compact, finish_and_release
 from fxsched.core.sequence import Guard
@@ -87,13 +87,16 @@ def tick_start(state: SchedulerState, task: TickStart, out: list[Effect]) -> Sch
     if state.pending and not admission.policy_declines(state):
         cap = state.config.max_batch_size - len(state.active) - len(state.prefilling)
         new = admission.select_requests(state.config, state.pending, cap)
-    state = replace(state, new_requests=new, pending=admission.without(state.pending, new),
-                    mixed_step_ran=False)
-    tasks: tuple[object, ...] = (Publish(), Rotate(), IdleCheck(), SwapOutRoom(), StartRequests(), ContinuePrefills(),
-                    EmptyBatchExit(), DecodeLane(), EndOfTick())
+    tasks: tuple[object, ...] = _TICK_TASKS
     if new:
         tasks = (Admit(),) + tasks
-    return push(state, *tasks)
+    return with_fields(state, {"new_requests": new, "pending": admission.without(state.pending, new) if new else state.pending,
+                               "mixed_step_ran": False, "agenda": tasks + state.agenda})
+
+
+# the agenda of a tick (after ``Admit`` when there are new requests); tasks are stateless records
+_TICK_TASKS: tuple[object, ...] = (Publish(), Rotate(), IdleCheck(), SwapOutRoom(), StartRequests(), ContinuePrefills(),
+                                   EmptyBatchExit(), DecodeLane(), EndOfTick())
 
 
 def input_ready(state: SchedulerState, waiting: AwaitInput, event: InputReady, out: list[Effect]) -> SchedulerState:
@@ -202,8 +205,9 @@ def expire_deadlines(state: SchedulerState) -> SchedulerState:
     return replace(state, active=tuple(changed.get(s.seq_id, s) for s in state.active))
 
 
-def retire_finished(state: SchedulerState, out: list[Effect]) -> SchedulerState:
-    """Finish and release every finished sequence in active order; compact the survivors."""
+def retire_finished(state: SchedulerState, out: list[Effect], then: tuple[object, ...] = ()) -> SchedulerState:
+    """Finish and release every finished sequence in active order; compact the survivors; push
+    the tasks ``then``."""
     survivors = []
     config = state.config
     for s in state.active:
@@ -212,15 +216,17 @@ def retire_finished(state: SchedulerState, out: list[Effect]) -> SchedulerState:
         else:
             finish_and_release(s, config, out)
     pinned = tuple(e.slot for e in state.prefilling)
-    return replace(state, active=compact(tuple(survivors), out, pinned))
+    return with_fields(state, {"active": compact(tuple(survivors), out, pinned), "agenda": then + state.agenda})
 
 
 def end_of_tick(state: SchedulerState, task: EndOfTick, out: list[Effect]) -> SchedulerState:
     state = expire_deadlines(state)
-    state = retire_finished(state, out)
-    if state.config.spill_pool:
-        return push(state, SwapIn(), RequeueResume(), TickStart())
-    return push(state, RequeueResume(), TickStart())
+    then = _AFTER_TICK_SPILL if state.config.spill_pool else _AFTER_TICK
+    return retire_finished(state, out, then)
+
+
+_AFTER_TICK: tuple[object, ...] = (RequeueResume(), TickStart())
+_AFTER_TICK_SPILL: tuple[object, ...] = (SwapIn(), RequeueResume(), TickStart())
 
 
 # --- shutdown ---------------------------------------------------------------------------------

@@ -354,9 +354,8 @@ MUTANTS: tuple[Mutant, ...] = (
        "    if config.ngram_speculative and len(active) >= 1 and covered:\n",
        "n-gram drafting is chosen with more than one active sequence"),
     _m("decode_forgets_decode_time", "decode",
-       "    state = replace(state, last_decode_ms=state.now_ms)\n"
-       "    config, model = state.config, state.model\n",
-       "    config, model = state.config, state.model\n",
+       '    return with_fields(state, {"last_decode_ms": state.now_ms, "agenda": (lane,) + state.agenda})\n',
+       '    return with_fields(state, {"agenda": (lane,) + state.agenda})\n',
        "a decode step does not reset SLAI's time since the last decode (prefills held back for good)"),
     # --- spec_step -------------------------------------------------------------------------------
     _m("spec_step_bootstrap_also_verified", "spec_step",
@@ -411,12 +410,14 @@ MUTANTS: tuple[Mutant, ...] = (
        "    singles = {i for c in chunks if len(c) < 2 for i in c}\n",
        "sequences the DFlash gate could not batch are not verified this step"),
     _m("dflash_batched_stash_row_off", "dflash",
-       "    out.append(dc.StashVerifyHiddenRows(tuple(i * k + n - 1 for i, n in enumerate(accepted))))\n",
-       "    out.append(dc.StashVerifyHiddenRows(tuple(i * k + n for i, n in enumerate(accepted))))\n",
+       "        stash_rows.append(base + na)\n",
+       "        stash_rows.append(base + na + 1)\n",
        "a batched DFlash verify stashes the hidden row after the last accepted one"),
     _m("dflash_batched_reproposes_finished", "dflash",
-       "    pending = [(i, s.seq_id) for i, s in enumerate(settled_seqs) if not s.finished]\n",
-       "    pending = [(i, s.seq_id) for i, s in enumerate(settled_seqs)]\n",
+       "        if not finished:\n"
+       "            pending.append((i, seq_id))\n",
+       "        if True:\n"
+       "            pending.append((i, seq_id))\n",
        "a batched DFlash verify trims and re-proposes sequences that just finished"),
     _m("dflash_verified_commit_short", "dflash",
        "    out.append(dc.CommitAcceptedPrefix(seq.seq_id, na + 1, k))\n"

@@ -66,8 +66,10 @@ PLANTED_BUGS: tuple[PlantedBug, ...] = (
                  "    if na < nd:\n"
                  "        na += 1\n"),
             Edit("core/dflash.py",
-                 "        na = accepted_prefix(drafts, rows)\n",
-                 "        na = accepted_prefix(drafts, rows)\n"
+                 "        while na < limit and drafts[na] == rows_all[base + na]:\n"
+                 "            na += 1\n",
+                 "        while na < limit and drafts[na] == rows_all[base + na]:\n"
+                 "            na += 1\n"
                  "        if na < len(drafts):\n"
                  "            na += 1\n"),
         ),
@@ -78,14 +80,10 @@ PLANTED_BUGS: tuple[PlantedBug, ...] = (
         "fold_before_commit",
         (
             Edit("core/dflash.py",
-                 "    out.append(dc.GdnFoldAccepted(tuple(s.slot for s in settled_seqs), tuple(accepted), k))\n"
-                 "    out.append(dc.CommitAcceptedPrefixBatch(tuple((s.seq_id, n, k)\n"
-                 "                                                  for s, n in zip(settled_seqs, accepted, "
-                 "strict=True))))\n",
-                 "    out.append(dc.CommitAcceptedPrefixBatch(tuple((s.seq_id, n, k)\n"
-                 "                                                  for s, n in zip(settled_seqs, accepted, "
-                 "strict=True))))\n"
-                 "    out.append(dc.GdnFoldAccepted(tuple(s.slot for s in settled_seqs), tuple(accepted), k))\n"),
+                 "    out.append(dc.GdnFoldAccepted(tuple(slots), tuple(accepted), k))\n"
+                 "    out.append(dc.CommitAcceptedPrefixBatch(tuple(commits)))\n",
+                 "    out.append(dc.CommitAcceptedPrefixBatch(tuple(commits)))\n"
+                 "    out.append(dc.GdnFoldAccepted(tuple(slots), tuple(accepted), k))\n"),
         ),
     ),
     PlantedBug(
@@ -122,8 +120,11 @@ PLANTED_BUGS: tuple[PlantedBug, ...] = (
                  '    return {"seq_len": seq_len, "acc": seq.acc + acc_gain(pre_len, seq_len)}\n',
                  '    return {"seq_len": seq_len, "acc": seq.acc + acc_gain(pre_len, seq_len) + 1}\n'),
             Edit("core/dflash.py",
-                 '"acc": seq.acc + na})\n',
-                 '"acc": seq.acc + na + 1})\n'),
+                 '            changes["acc"] = fields["acc"] + na\n',
+                 '            changes["acc"] = fields["acc"] + na + 1\n'),
+            Edit("core/dflash.py",
+                 '"acc": fields["acc"] + na})\n',
+                 '"acc": fields["acc"] + na + 1})\n'),
         ),
     ),
     PlantedBug(
@@ -162,7 +163,7 @@ PLANTED_BUGS: tuple[PlantedBug, ...] = (
                  "        out.append(dc.TruncateSequence(seq.seq_id, seq_len))\n",
                  ""),
             Edit("core/dflash.py",
-                 "        if seq_len < pre + k:\n"
+                 "        if na < k - 1:\n"
                  "            truncations.append((seq_id, seq_len))\n",
                  ""),
             Edit("core/ngram.py",
