@@ -14,6 +14,9 @@ Modes:
   generator (outside the timed window), and one batched propose. Compare with vLLM's ``A5``
   (ngram, k = 5, 1 + U{0..5} tokens per step).
 
+``--memory`` instead reports how many bytes the state grows by per generated token over
+``--ticks`` ticks (tracemalloc, only the newest state alive): the token logs hold 4 bytes a token.
+
 Method: the state is built and warmed up, the garbage collector's heap is frozen (``gc.freeze``),
 then ``repeats`` windows of ``ticks`` ticks each are timed with this thread's CPU time
 (``time.thread_time_ns``) and wall time around every ``step`` call; the figures are medians over
@@ -168,6 +171,31 @@ def measure(n: int, mode: str = "plain", ticks: int = 200, repeats: int = 5, see
             "tokens_per_seq_tick": (sum(len(s.output) for s in state.active) - produced_before) / (n * ticks * repeats)}
 
 
+def measure_memory(n: int, mode: str = "plain", ticks: int = 1000, seed: int = 0) -> dict:
+    """Bytes the scheduler state grows by per generated token over ``ticks`` ticks (tracemalloc:
+    the memory still allocated after the run, less that before it, with only the newest state
+    kept alive), at ``n`` running sequences."""
+    import tracemalloc
+
+    stub = InstantAnswers(seed)
+    state, effects = step(_boot(mode, n), ev.Boot())
+    event = stub.answer(effects[-1])
+    state, event = _run_ticks(state, stub, 20, event)
+    produced_before = sum(len(s.output) for s in state.active)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        state, event = _run_ticks(state, stub, ticks, event)
+        gc.collect()
+        after = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    generated = sum(len(s.output) for s in state.active) - produced_before
+    return {"mode": mode, "n": n, "ticks": ticks, "generated_tokens": generated, "state_growth_bytes": after - before,
+            "bytes_per_token": (after - before) / generated if generated else 0.0}
+
+
 def print_table(rows: list[dict]) -> None:
     if not rows:
         return
@@ -182,11 +210,15 @@ def run_step_bench(sizes, mode: str = "plain", ticks: int = 200, repeats: int = 
     return [measure(n, mode, ticks, repeats) for n in tqdm(sizes, desc=f"bench step {mode}", unit="size", leave=False)]
 
 
-def print_step_bench(sizes, mode: str = "plain", ticks: int = 200, repeats: int = 5, as_json: bool = False
-                     ) -> list[dict]:
+def print_step_bench(sizes, mode: str = "plain", ticks: int = 200, repeats: int = 5, as_json: bool = False,
+                     memory: bool = False) -> list[dict]:
     import json
 
-    rows = run_step_bench(sizes, mode, ticks, repeats)
+    if memory:
+        rows = [measure_memory(n, mode, ticks) for n in tqdm(sizes, desc=f"bench step memory {mode}", unit="size",
+                                                             leave=False)]
+    else:
+        rows = run_step_bench(sizes, mode, ticks, repeats)
     if as_json:
         for row in rows:
             print(json.dumps(row))
