@@ -13,7 +13,7 @@ from fxsched.core.events import DeviceFault, TokensSampled
 from fxsched.core.faults import fail_sequences
 from fxsched.core.memory import preempt, preemption_victim
 from fxsched.core.phases import AwaitDecode, DecodeLane, NgramStep, PlainDecode, SelfSpecStep, SpecStep
-from fxsched.core.records import replace, with_fields
+from fxsched.core.records import copy_fields, replace, with_fields
 from fxsched.core.rows import by_slot, greedy_row, grow, host_pick, may_speculate, prefill_barrier
 from fxsched.core.state import SchedulerState
 from fxsched.core.sequence import Sequence
@@ -103,12 +103,9 @@ def _decoded_batch(state: SchedulerState, seq_ids: tuple[int, ...], event: Token
     stream_tokens: list[int] = []
     stream_logprobs: list[int] = []
     new_rows: list[Sequence] = []
-    new = object.__new__
     for seq, token, lp in zip(rows, event.tokens, logprobs, strict=True):
         fields = seq.__dict__
-        grown = new(Sequence)
-        changes = grown.__dict__
-        changes.update(fields)
+        grown, changes = copy_fields(seq)
         new_rows.append(grown)
         seq_len = fields["seq_len"] + 1
         changes["seq_len"] = seq_len

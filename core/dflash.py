@@ -21,7 +21,7 @@ from fxsched.core.phases import (
     DflashGate,
     SerialVerify,
 )
-from fxsched.core.records import replace, with_fields
+from fxsched.core.records import copy_fields, replace, with_fields
 from fxsched.core.sequence import Sequence
 from fxsched.core.state import SchedulerState
 from fxsched.core.verdict import accepted_prefix, verify_width
@@ -153,7 +153,6 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
     inline = not config.loop_watchdog
     eos = config.eos_set
     seq_limit = config.max_seq_len - 1
-    new = object.__new__
     base = 0
     for i, (seq, drafts, pre) in enumerate(zip(rows_of, waiting.drafts, waiting.pre_lens, strict=True)):
         seq_id = seq.seq_id
@@ -173,9 +172,7 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
         remaining = fields["remaining"]
         if (inline and remaining > n and seq_len < seq_limit and not fields["finished"]
                 and not fields["cancel_requested"] and eos.isdisjoint(tokens)):
-            settled = new(Sequence)
-            changes = settled.__dict__
-            changes.update(fields)
+            settled, changes = copy_fields(seq)
             changes["seq_len"] = seq_len
             changes["drafts"] = ()
             changes["blocks"] = blocks

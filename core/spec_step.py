@@ -22,8 +22,7 @@ from fxsched.core.phases import (
     SpecStep,
     Verifies,
 )
-from fxsched.core.records import replace, with_fields
-from fxsched.core.sequence import Sequence
+from fxsched.core.records import copy_fields, replace, with_fields
 from fxsched.core.state import SchedulerState
 from fxsched.core.verdict import base_draft_count
 from fxsched.core.verifying import dflash_bootstrap, mtp_bootstrap
@@ -83,11 +82,8 @@ def batched_proposed(state: SchedulerState, waiting: AwaitBatchedProposal, event
     in_order = len(active) == len(ids) and all(s.seq_id == i for s, i in zip(active, ids, strict=True))
     rows = active if in_order else [by_id(state)[i] for i in ids]
     proposed_rows = []
-    new = object.__new__
     for row, drafts in zip(rows, event.drafts, strict=True):
-        seq = new(Sequence)
-        fields = seq.__dict__
-        fields.update(row.__dict__)
+        seq, fields = copy_fields(row)
         fields["drafts"] = drafts
         proposed_rows.append(seq)
     if in_order:
