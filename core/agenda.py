@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Optional
 
 from fxsched.core.phases import AwaitForward
-from fxsched.core.records import replace, with_fields
+from fxsched.core.records import with_fields
 from fxsched.core.request import Request
 from fxsched.core.sequence import Sequence
 from fxsched.core.state import SchedulerState
@@ -20,12 +20,12 @@ class PhaseError(Exception):
 def ask(state: SchedulerState, out: list[Effect], query: Effect, waiting: Any) -> SchedulerState:
     """End the batch with ``query`` and park ``waiting`` until its answer comes."""
     out.append(query)
-    return replace(state, waiting=waiting)
+    return with_fields(state, {"waiting": waiting})
 
 
 def push(state: SchedulerState, *tasks: Any) -> SchedulerState:
     """Put ``tasks`` at the front of the agenda, in order."""
-    return replace(state, agenda=tasks + state.agenda)
+    return with_fields(state, {"agenda": tasks + state.agenda})
 
 
 def forward(state: SchedulerState, out: list[Effect], query: Effect, seq_ids: Iterable[int], *then: Any,

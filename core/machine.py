@@ -117,6 +117,6 @@ def step(state: SchedulerState, event: Event) -> tuple[SchedulerState, tuple[Eff
         raise PhaseError(
             f"phase {type(waiting).__name__} waits for {names}, got {type(event).__name__} ({state.describe()})"
         )
-    state = phase.rule(replace(state, waiting=None), waiting, event, out)
+    state = phase.rule(with_fields(state, {"waiting": None}), waiting, event, out)
     state = advance(state, out)
     return state, tuple(out)

@@ -134,15 +134,21 @@ def adapter_ids(state: SchedulerState, waiting: AwaitAdapterIds, event: AdapterI
 # --- snapshot publish, rotation, idle check ----------------------------------------------------
 
 
+# records without fields, built once (they are frozen values: one instance is as good as another)
+_COUNT_FREE = dc.NumFreeBlocks()
+_AWAIT_PUBLISH = AwaitPublishBlocks()
+_OCCUPANCY = dc.SsmSnapshotOccupancy()
+
+
 def publish(state: SchedulerState, task: Publish, out: list[Effect]) -> SchedulerState:
-    return ask(state, out, dc.NumFreeBlocks(), AwaitPublishBlocks())
+    return ask(state, out, _COUNT_FREE, _AWAIT_PUBLISH)
 
 
 def published(state: SchedulerState, waiting: AwaitPublishBlocks, event: FreeBlocks,
               out: list[Effect]) -> SchedulerState:
-    out.append(dc.SsmSnapshotOccupancy())
-    out.append(dc.SsmSnapshotOccupancy())
-    return replace(state, tick=state.tick + 1)
+    out.append(_OCCUPANCY)
+    out.append(_OCCUPANCY)
+    return with_fields(state, {"tick": state.tick + 1})
 
 
 def rotate(state: SchedulerState, task: Rotate, out: list[Effect]) -> SchedulerState:

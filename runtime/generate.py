@@ -52,6 +52,7 @@ from __future__ import annotations
 import re
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Optional, Sequence as Seq
 
 import torch
@@ -613,6 +614,23 @@ class GenerateResult:
         return [r.tokens for r in self.results]
 
 
+def _recorder(record: Optional[str | Path], config: SchedulerConfig, model: ModelInfo, spec: str, max_tokens: int,
+              sampling: SamplingOptions, meta: Optional[dict[str, Any]]):
+    """The run's ``EventRecorder`` (None without ``record``); an unwritable path is a ``GenerateError``."""
+    if record is None:
+        return None
+    from fxsched.runtime.eventlog import EventLogError, EventRecorder
+
+    header_meta = {"command": "generate", "spec": spec, "max_tokens": max_tokens,
+                   "sampling": {k: getattr(sampling, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed",
+                                                                 "logprobs")},
+                   **(meta or {})}
+    try:
+        return EventRecorder(record, config, model, header_meta)
+    except EventLogError as err:
+        raise GenerateError(f"--record {err}") from None
+
+
 def generate(engine: HybridEngine, prompts: Seq[Seq[int]], max_tokens: int, spec: str = "none",
              batch: Optional[int] = None, drafter: Optional[Drafter] = None, strict: bool = False,
              progress: Optional[Callable[[int], None]] = None,
@@ -620,7 +638,8 @@ def generate(engine: HybridEngine, prompts: Seq[Seq[int]], max_tokens: int, spec
              eos_ids: Optional[Seq[int]] = None, text: Optional[TextOptions] = None,
              on_text: Optional[Callable[[int, str], None]] = None,
              on_finish: Optional[Callable[[RequestResult], None]] = None,
-             sampling: SamplingOptions = GREEDY) -> GenerateResult:
+             sampling: SamplingOptions = GREEDY, record: Optional[str | Path] = None,
+             record_meta: Optional[dict[str, Any]] = None) -> GenerateResult:
     """Generate up to ``max_tokens`` tokens for each prompt through the scheduler (greedy unless
     ``sampling`` says otherwise; see the module docstring).
 
@@ -630,7 +649,10 @@ def generate(engine: HybridEngine, prompts: Seq[Seq[int]], max_tokens: int, spec
     ``eos_ids``: the ids that end a request (default the model's; ``()`` for none). ``text``
     detokenizes and applies stop strings; ``on_text(request id, piece)`` streams that text and
     ``on_finish(result)`` is called as each request ends (request ids are 1, 2, ... in prompt
-    order). Raises ``GenerateError`` for bad input and ``RunError`` if the run cannot finish.
+    order). ``record``: write the run's event log there (``fxsched.runtime.eventlog``; replay it
+    with ``fxsched replay``), with ``record_meta`` in its header; the file is created only once the
+    input has been checked. Raises ``GenerateError`` for bad input (an unwritable ``record`` path
+    too) and ``RunError`` if the run cannot finish.
     """
     ensure_configured()
     cfg = engine.cfg
@@ -649,12 +671,18 @@ def generate(engine: HybridEngine, prompts: Seq[Seq[int]], max_tokens: int, spec
     if sampling.logprobs > cfg.vocab_size:
         raise GenerateError(f"--logprobs {sampling.logprobs}: must be at most the vocabulary size {cfg.vocab_size}")
     requests = [sampling.request(i, p, max_tokens) for i, p in enumerate(prompts)]
-    device = TorchDevice(engine, proposer=proposer, drafter=drafter, strict=strict)
+    recorder = _recorder(record, config, model, spec, max_tokens, sampling, record_meta)
+    try:
+        device = TorchDevice(engine, proposer=proposer, drafter=drafter, strict=strict)
+    except BaseException:
+        if recorder is not None:
+            recorder.close()
+        raise
     host = GenerateHost(requests, config.eos_ids, progress or (lambda n: None), text, on_text, on_finish)
     if sampling.logprobs:
         host.logprobs = _LogprobWitness(device)
     interpreter = Interpreter(wrap_device(device) if wrap_device else device, host, config.eos_ids,
-                              observer=_Observers(host.witness, host.logprobs))
+                              observer=_Observers(recorder, host.witness, host.logprobs))
     start = time.perf_counter()
     interrupted = False
     try:
@@ -664,6 +692,8 @@ def generate(engine: HybridEngine, prompts: Seq[Seq[int]], max_tokens: int, spec
     except KeyboardInterrupt:
         interrupted = True
     finally:
+        if recorder is not None:
+            recorder.close()
         try:
             device.release_all()
             device.close()

@@ -1,5 +1,6 @@
-"""EP over real processes: torch.multiprocessing (spawn), gloo over loopback. Every test leaves no
-process behind, also when it fails (the cluster reaps its workers; the fixture checks and kills)."""
+"""EP over real processes: torch.multiprocessing (forkserver, else spawn), gloo over loopback. Every
+test leaves no process behind, also when it fails (the cluster reaps its workers; the fixture checks
+and kills)."""
 
 from __future__ import annotations
 

@@ -25,6 +25,17 @@ Columns (``COLUMNS``): ``tokens/s`` generated tokens per wall-clock second of th
 serves every request in it, so plain decoding at batch B gives 1/B; an accepted draft saves one);
 ``mean_acc_len`` tokens gained per verify (accepted drafts + the target's own token; ``-`` for a mode
 that does not verify).
+
+Expert parallelism (``ep_ranks``, e.g. 1, 2, 4; specs/expert-parallel.md §10.5): every row runs once
+per rank count, 2 and more through ``generate_ep`` (rank 0 here, the others worker processes that
+load their experts from ``model_dir``; the time includes no start-up: the cluster is up before the
+run's clock starts, but each row starts its own). When the list is not just ``1`` the table gains
+``EP_COLUMNS``: ``ranks``; ``MiB/rank`` each rank's weights (rank 0 first, ``/``-separated) and
+``experts_MiB`` the experts part of them; ``coll_ms/fwd`` rank 0's milliseconds in the expert
+collectives (broadcasts and reduce, including the wait for the slowest rank) per target forward
+(the drafters' MoE layers included), 0 on one rank, ``-`` for a model without experts (its workers
+replay the forwards instead); ``=1rank`` whether the tokens equal those of the one-rank run of the
+same row.
 """
 
 from __future__ import annotations
@@ -38,6 +49,8 @@ from fxsched.runtime.torch_model import HybridEngine, ModelConfig
 
 PROMPT_SETS = ("held-out", "repetitive")
 COLUMNS = ("prompts", "spec", "batch", "tokens", "tokens/s", "fwd/token", "mean_acc_len", "lossless")
+EP_COLUMNS = ("ranks", "MiB/rank", "experts_MiB", "coll_ms/fwd", "=1rank")
+MIB = 1024 * 1024
 REPEAT_PATTERN_LEN = 6  # ids of the repeated pattern of a repetitive set without a tokenizer
 REPETITIVE_LEN = 40  # tokens of such a prompt
 
@@ -74,44 +87,94 @@ def _unavailable(cfg: ModelConfig, spec: str, batch: int) -> Optional[str]:
     return None
 
 
-def bench_generate(engine_factory: Callable[[], HybridEngine], batches: Iterable[int] = (1, 4, 16),
+def bench_generate(engine_factory: Callable[..., HybridEngine], batches: Iterable[int] = (1, 4, 16),
                    max_tokens: int = 32, specs: Iterable[str] = ("none", "mtp", "dflash", "ngram"),
                    progress: Optional[Callable[[str], None]] = None, tokenizer: Any = None,
-                   prompt_sets: Iterable[str] = PROMPT_SETS) -> list[dict[str, Any]]:
-    """One row per (prompt set, batch, mode): see the module docstring for the columns."""
+                   prompt_sets: Iterable[str] = PROMPT_SETS, ep_ranks: Iterable[int] = (1,),
+                   model_dir: Optional[str] = None, weights: Optional[str] = None) -> list[dict[str, Any]]:
+    """One row per (prompt set, batch, rank count, mode): see the module docstring for the columns.
+    ``engine_factory()`` builds a one-rank engine, ``engine_factory(n)`` rank 0's of n ranks (with
+    expert_shard=(0, n) for a MoE checkpoint); ``model_dir`` / ``weights`` name what the workers load."""
     specs = list(specs)
     ordered = (["none"] if "none" in specs else []) + [s for s in specs if s != "none"]
+    ranks_list = list(ep_ranks)
+    with_ep = ranks_list != [1]
     cfg = engine_factory().cfg
     sets = {name: prompt_set(name, cfg, tokenizer) for name in prompt_sets}
     rows: list[dict[str, Any]] = []
     for name, prompts in sets.items():
         for batch in batches:
             chosen = expand_prompts(prompts, batch)
-            base: Optional[GenerateResult] = None
-            for spec in ordered:
-                if progress:
-                    progress(f"{name} {spec} batch {batch}")
-                reason = _unavailable(cfg, spec, batch)
-                if reason is not None:
-                    rows.append({"prompts": name, "spec": spec, "batch": batch, "skipped": reason})
-                    continue
-                result = generate(engine_factory(), chosen, max_tokens, spec, batch, eos_ids=())
-                if spec == "none":
-                    base = result
-                s = result.summary
-                rows.append({
-                    "prompts": name, "spec": spec, "batch": batch, "tokens": s.generated_tokens,
-                    "tokens/s": s.tokens_per_s, "fwd/token": s.forwards_per_token,
-                    "mean_acc_len": s.mean_accepted_length,
-                    "lossless": None if base is None or spec == "none" else result.outputs == base.outputs,
-                })
+            one_rank: dict[str, list[list[int]]] = {}
+            for ranks in ranks_list:
+                base: Optional[GenerateResult] = None
+                for spec in ordered:
+                    if progress:
+                        progress(f"{name} {spec} batch {batch}" + (f" ranks {ranks}" if with_ep else ""))
+                    reason = _unavailable(cfg, spec, batch)
+                    if reason is not None:
+                        rows.append({"prompts": name, "spec": spec, "batch": batch, "skipped": reason,
+                                     **({"ranks": ranks} if with_ep else {})})
+                        continue
+                    result, engine = _run(engine_factory, ranks, chosen, max_tokens, spec, batch, model_dir, weights)
+                    if spec == "none":
+                        base = result
+                    s = result.summary
+                    row = {
+                        "prompts": name, "spec": spec, "batch": batch, "tokens": s.generated_tokens,
+                        "tokens/s": s.tokens_per_s, "fwd/token": s.forwards_per_token,
+                        "mean_acc_len": s.mean_accepted_length,
+                        "lossless": None if base is None or spec == "none" else result.outputs == base.outputs,
+                    }
+                    if with_ep:
+                        if ranks == 1:
+                            one_rank[spec] = result.outputs
+                        row.update(_ep_figures(result, engine, ranks))
+                        row["=1rank"] = None if ranks == 1 or spec not in one_rank else result.outputs == one_rank[spec]
+                    rows.append(row)
     return rows
+
+
+def _run(engine_factory: Callable[..., HybridEngine], ranks: int, prompts: list[list[int]], max_tokens: int,
+         spec: str, batch: int, model_dir: Optional[str], weights: Optional[str]) -> tuple[GenerateResult, HybridEngine]:
+    """One run on a fresh engine, on one rank or through ``generate_ep``."""
+    if ranks == 1:
+        engine = engine_factory()
+        return generate(engine, prompts, max_tokens, spec, batch, eos_ids=()), engine
+    from fxsched.runtime.ep.generate import generate_ep
+
+    engine = engine_factory(ranks)
+    return generate_ep(engine, prompts, max_tokens, spec, batch, eos_ids=(), ep_ranks=ranks, model_dir=model_dir,
+                       weights=weights), engine
+
+
+def _ep_figures(result: GenerateResult, engine: HybridEngine, ranks: int) -> dict[str, Any]:
+    """The EP columns of a row: weights per rank, collective time per target forward."""
+    from fxsched.runtime.torch_model.moe import weight_bytes
+
+    report = getattr(result, "weights", None)
+    if report is not None:  # a sharded model: each rank's own report
+        per_rank = [list(r) for r in report.ranks]
+    else:  # one rank, or replicas: every rank holds the whole model
+        per_rank = [list(weight_bytes(engine.model.w))] * ranks
+    stats = getattr(result, "experts", None) or {}
+    forwards = result.summary.target_forwards
+    if ranks == 1:
+        coll: Optional[float] = 0.0
+    elif stats and forwards:
+        coll = 1000.0 * stats["collective_s"] / forwards
+    else:
+        coll = None
+    return {"ranks": ranks, "MiB/rank": [(e + o) / MIB for e, o in per_rank],
+            "experts_MiB": [e / MIB for e, _ in per_rank], "coll_ms/fwd": coll}
 
 
 def row_json(row: dict[str, Any]) -> dict[str, Any]:
     """The ``--json`` record of a row: the same keys, ``tokens_per_s`` / ``forwards_per_token`` /
     ``mean_accepted_length`` spelled out, JSON null where a figure does not apply."""
-    names = {"tokens/s": "tokens_per_s", "fwd/token": "forwards_per_token", "mean_acc_len": "mean_accepted_length"}
+    names = {"tokens/s": "tokens_per_s", "fwd/token": "forwards_per_token", "mean_acc_len": "mean_accepted_length",
+             "MiB/rank": "weights_mib_per_rank", "experts_MiB": "expert_mib_per_rank",
+             "coll_ms/fwd": "collective_ms_per_forward", "=1rank": "same_as_one_rank"}
     return {names.get(k, k): v for k, v in row.items()}
 
 
@@ -119,10 +182,11 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     """The rows as a right-aligned text table; skipped modes are listed below it with their reason."""
     ran = [r for r in rows if "skipped" not in r]
     lines: list[str] = []
+    columns = COLUMNS + (EP_COLUMNS if any("ranks" in r for r in rows) else ())
     if ran:
-        cells = [[_cell(r.get(k), k) for k in COLUMNS] for r in ran]
-        widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(COLUMNS)]
-        lines.append("  ".join(f"{k:>{w}}" for k, w in zip(COLUMNS, widths, strict=True)))
+        cells = [[_cell(r.get(k), k) for k in columns] for r in ran]
+        widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(columns)]
+        lines.append("  ".join(f"{k:>{w}}" for k, w in zip(columns, widths, strict=True)))
         lines += ["  ".join(f"{c:>{w}}" for c, w in zip(row, widths, strict=True)) for row in cells]
     skipped = {(r["spec"], r["skipped"]) for r in rows if "skipped" in r}
     lines += [f"{spec}: skipped ({reason})" for spec, reason in sorted(skipped)]
@@ -130,8 +194,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def _cell(value: Any, key: str) -> str:
-    if key == "lossless":
+    if key in ("lossless", "=1rank"):
         return "-" if value is None else ("yes" if value else "NO")
     if value is None:
         return "-"
+    if isinstance(value, list):
+        return "/".join(f"{v:.2f}" for v in value)
     return f"{value:.2f}" if isinstance(value, float) else str(value)

@@ -242,9 +242,35 @@ def _unwritable(path: Path) -> str:
     return ""
 
 
+def _replay_event_log(args) -> int:
+    """``fxsched replay`` of an event log (``--record``): identical, or the first departing event."""
+    from fxsched.runtime.eventlog import EventLogError, render_output, replay_log
+
+    try:
+        result = replay_log(args.file)
+    except EventLogError as err:
+        print(f"fxsched replay: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    if result.departure is not None:
+        print("\n".join(result.departure.report()))
+        return 1
+    if args.outputs:
+        for index, output in result.outputs:
+            print(render_output(index, output))
+    print(result.summary())
+    return 0
+
+
 def cmd_replay(args) -> int:
     from fxsched.runtime.check.replay import ReplayError, replay_run
+    from fxsched.runtime.eventlog import is_event_log
 
+    if is_event_log(args.file):
+        return _replay_event_log(args)
+    if args.outputs:
+        print(f"fxsched replay: --outputs: only for an event log (fxsched generate --record), and {args.file} "
+              f"is not one", file=sys.stderr)
+        return EXIT_USAGE
     try:
         outcome = replay_run(args.file)
     except ReplayError as err:
@@ -267,7 +293,8 @@ def cmd_bench(args) -> int:
     if args.what == "step":
         from fxsched.runtime.bench.step import print_step_bench
 
-        print_step_bench(args.sizes, ticks=args.ticks, repeats=args.repeats)
+        print_step_bench(args.sizes, mode=args.mode, ticks=args.ticks, repeats=args.repeats, as_json=args.json,
+                         memory=args.memory)
         return 0
     if args.what == "kernels":
         try:
@@ -350,8 +377,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="show a progress bar (default: on runs longer than a few seconds)")
     check.set_defaults(func=cmd_check)
 
-    rep = sub.add_parser("replay", help="re-run a replay file to its violation")
+    rep = sub.add_parser("replay", help="re-run a checker replay file to its violation, or an event log "
+                                        "(--record) through step, reporting the first departing event")
     rep.add_argument("file")
+    rep.add_argument("--outputs", action="store_true",
+                     help="event log: also print the client outputs of the re-run, one per line")
     rep.set_defaults(func=cmd_replay)
 
     phases = sub.add_parser("phases", help="print the transition table of step (phase, answers, rule, fault scope)")
@@ -366,12 +396,19 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--ticks", type=int_arg(1, 1_000_000), default=200,
                        help="ticks per measurement (step; check: 100 steps per tick)")
     bench.add_argument("--repeats", type=int_arg(1, 1000), default=5, help="repeats; the median is reported")
+    bench.add_argument("--mode", choices=["plain", "spec5"], default="plain",
+                       help="step: plain decode (compare vLLM A0) or 5-draft DFlash speculation (compare A5)")
+    bench.add_argument("--memory", action="store_true",
+                       help="step: bytes of state per generated token over --ticks ticks (tracemalloc)")
     bench.set_defaults(func=cmd_bench)
 
     from fxsched.runtime.cli.generate import add_bench_generate, add_generate_command  # imports torch lazily
 
     add_generate_command(sub)
     add_bench_generate(bench)
+    from fxsched.runtime.cli.serve import add_serve_command  # imports fastapi only when serve runs
+
+    add_serve_command(sub)
     return parser
 
 
@@ -395,6 +432,10 @@ def main(argv=None) -> int:
         from fxsched.runtime.bench.gdn_prefill import main as gdn_prefill_main
 
         return gdn_prefill_main(words[2:])
+    if words[:2] == ["bench", "serve"]:  # its own options (runtime/bench/serve.py)
+        from fxsched.runtime.bench.serve import main as bench_serve_main
+
+        return bench_serve_main(words[2:])
     parser = build_parser()
     try:
         args = parser.parse_args(words)

@@ -12,8 +12,15 @@ and for ``generate`` (``fxsched.runtime.cli.generate``)::
 
 ``--ep-ranks 1`` (the default) is the plain single-rank run. A failed EP group raises
 ``EpRunError``, a ``RunError``: the commands print it (``fxsched run: EP worker 1 did not answer
-within 30s``, or ``EP worker 1 died (its process exited with code 3)`` when it ended) and exit 1.
+within 30s``, or ``EP worker 1 died (its process exited with code 3)`` when it ended) and exit 1;
+``generate`` first prints what the run generated until then, when it got that far.
 ``--ep-ranks`` takes 1 to ``MAX_RANKS``, ``--ep-timeout`` seconds above 0, at most ``MAX_TIMEOUT_S``.
+
+With ``--model DIR`` of a MoE checkpoint the ranks split its experts (specs/expert-parallel.md
+§10.2): the leader loads ``expert_shard=(0, N)``, each worker its own range from DIR, and before the
+first forward ``generate`` prints one line on stderr with every rank's weight memory
+(``fxsched generate: EP weights per rank: rank 0 0.854 MiB (experts 0.234 + other 0.619), rank 1
+0.234 MiB (experts 0.234)``).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import argparse
 import math
 import re
+import sys
 from typing import Callable
 
 from fxsched.runtime.ep.run import DEFAULT_TIMEOUT_S
@@ -79,5 +87,24 @@ def generate_function(args) -> Callable:
 
     from fxsched.runtime.ep.generate import generate_ep
 
+    model = getattr(args, "model", None)
+    extra = {"model_dir": model, "on_weights": print_weights} if model is not None else {}
     return partial(generate_ep, ep_ranks=args.ep_ranks, weights=getattr(args, "weights", None),
-                   timeout_s=args.ep_timeout)
+                   timeout_s=args.ep_timeout, **extra)
+
+
+def print_weights(report) -> None:
+    """The per-rank weights line of ``fxsched generate --ep-ranks N --model DIR`` (stderr)."""
+    print(f"fxsched generate: {report.line()}", file=sys.stderr, flush=True)
+
+
+def parse_ranks_list(text: str) -> list[int]:
+    """``--ep-ranks 1,2,4`` of ``bench generate``: rank counts from 1 to MAX_RANKS, comma-separated
+    (ValueError with a one-line reason otherwise)."""
+    out = []
+    for item in text.split(","):
+        try:
+            out.append(_ranks(item.strip()))
+        except argparse.ArgumentTypeError as err:
+            raise ValueError(str(err)) from None
+    return out

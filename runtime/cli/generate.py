@@ -13,7 +13,8 @@ safetensors file of the internal toy model), or, with neither, the embedded defa
 Hugging Face directory ``specs/models/default/`` (a tiny Qwen3.5 checkpoint with a self-distilled MTP
 layer and a tokenizer, see ``runtime/torch_model/default_model.py``), loaded exactly like a
 ``--model`` directory. With ``--ep-ranks N > 1`` and neither option the internal toy model runs (the
-EP workers build it). The tokenizer comes from the model directory (or ``--tokenizer DIR``); a model
+EP workers build it); with ``--model DIR`` of a MoE checkpoint the N ranks split its experts, each
+loading its share from DIR (runtime/cli/ep.py). The tokenizer comes from the model directory (or ``--tokenizer DIR``); a model
 without one takes token ids only.
 
 Prompts: ``--prompt TEXT`` / ``--prompt-file FILE`` (text, one prompt per non-blank line,
@@ -38,6 +39,10 @@ the context, text for a model without a tokenizer, an unknown ``--spec``, ``--de
 without CUDA, a missing or unreadable weights file, model or tokenizer directory) exits 2 with one
 line on stderr naming the input and what is wrong. Numbers are written in ASCII digits (``1_0`` and
 ``٣`` are refused; a NaN fails the range check).
+
+``--record FILE`` writes the run's event log (``fxsched.runtime.eventlog``, specs/event-log.md):
+``fxsched replay FILE`` re-runs the scheduler over it without the model. A path that cannot be
+written is refused before the model loads, and the file is only created once the input is checked.
 
 Ctrl-C during a run prints what was generated so far (each unfinished request with finish reason
 "interrupted", then the summary), one line on stderr, and exits 130; with ``--ep-ranks`` the
@@ -118,6 +123,9 @@ def add_generate_command(sub) -> None:
     _add_model_arguments(p)
     p.add_argument("--threads", default=None, help="torch CPU threads (default 1: the model is tiny)")
     p.add_argument("--no-progress", action="store_true", help="never show the progress bar")
+    p.add_argument("--record", metavar="FILE", default=None,
+                   help="write the run's event log to FILE (every event step took and a digest of its effects); "
+                        "fxsched replay FILE re-runs it without the model")
     from fxsched.runtime.cli.ep import add_ep_ranks_argument
 
     add_ep_ranks_argument(p)
@@ -139,6 +147,9 @@ def add_bench_generate(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--prompts", default="held-out,repetitive",
                        help="prompt sets, comma-separated: held-out, repetitive (generate)")
     bench.add_argument("--json", action="store_true", help="one JSON object per row, nothing else (generate)")
+    bench.add_argument("--ep-ranks", dest="bench_ep_ranks", default="1", metavar="N,N",
+                       help="expert-parallel rank counts, comma-separated (e.g. 1,2,4): every row runs on each; "
+                            "a MoE --model is split across the ranks (generate)")
     _add_model_arguments(bench, " (generate)")
     previous = bench.get_default("func")
 
@@ -224,6 +235,7 @@ class ModelChoice:
     max_seq_len: Optional[int] = None
     draft_model: Optional[str] = None
     default: bool = False  # `model` is the embedded default model (no --model / --weights given)
+    ep_ranks: int = 1  # > 1: a --model checkpoint is loaded as rank 0's expert shard (runtime/cli/ep.py)
 
     @property
     def label(self) -> str:
@@ -258,7 +270,9 @@ def _model_choice(args) -> ModelChoice:
     if draft_model is not None and not Path(draft_model).is_dir():
         raise UsageError(f"--draft-model {draft_model}: no such directory")
     length = _int(max_seq_len, "--max-seq-len", 16) if max_seq_len is not None else None
-    return ModelChoice(model=model, dtype=dtype, max_seq_len=length, draft_model=draft_model, default=default)
+    ranks = getattr(args, "ep_ranks", 1)
+    return ModelChoice(model=model, dtype=dtype, max_seq_len=length, draft_model=draft_model, default=default,
+                       ep_ranks=ranks if isinstance(ranks, int) else 1)
 
 
 def _engine(choice: ModelChoice | Optional[str], device: str):
@@ -300,9 +314,14 @@ def _pretrained(choice: ModelChoice, device: str):
         kwargs["max_seq_len"] = choice.max_seq_len
     if choice.draft_model is not None:
         kwargs["draft_model"] = choice.draft_model
+    if choice.ep_ranks > 1:
+        kwargs["expert_shard"] = (0, choice.ep_ranks)
     try:
         return from_pretrained(choice.model, **kwargs)
     except TorchModelError as err:  # ModelDirError among them: the message names the file
+        if getattr(err, "field", None) == "expert_shard":
+            expected = getattr(err, "expected", "")
+            raise UsageError(f"--ep-ranks {choice.ep_ranks}: {choice.label} takes {expected}") from None
         raise UsageError(f"{_blame(choice, err)}: {_one_line(err)}") from None
     except (OSError, ValueError) as err:
         raise UsageError(f"{_blame(choice, err)}: {type(err).__name__}: {_one_line(err)}") from None
@@ -474,10 +493,14 @@ def run_generate(args, out=None) -> int:
     stops = tuple(getattr(args, "stop", None) or ())
     if any(not s for s in stops):
         raise UsageError("--stop: a stop string must not be empty")
+    record = getattr(args, "record", None)
+    if record is not None:
+        from fxsched.runtime.cli.app import _unwritable
+
+        problem = "the path is empty" if not record else _unwritable(Path(record))
+        if problem:
+            raise UsageError(f"--record {record}: {problem}")
     choice = _model_choice(args)
-    if choice.model is not None and getattr(args, "ep_ranks", 1) > 1:  # (the default model is not chosen then)
-        raise UsageError(f"--ep-ranks {args.ep_ranks}: not supported with --model yet (the workers build the "
-                         f"internal model)")
     device = _torch_device(args.device)
     tokenizer = _tokenizer(args, choice)
     if stops and tokenizer is None:
@@ -511,27 +534,51 @@ def run_generate(args, out=None) -> int:
         from tqdm import tqdm
 
         bar = tqdm(total=total, unit="tok", desc=f"generate ({args.spec})", disable=None, leave=False)
-    interrupted = False
+    interrupted, failure = False, None
+    from fxsched.runtime.interpreter import RunError
+
     try:
         from fxsched.runtime.cli.ep import generate_function
 
         run = generate_function(args)
         result = run(engine, token_lists, max_tokens, args.spec, batch,
                      progress=bar.update if bar is not None else None, eos_ids=eos_ids, text=text,
-                     on_text=printer.on_text, on_finish=printer.on_finish, sampling=sampling)
+                     on_text=printer.on_text, on_finish=printer.on_finish, sampling=sampling,
+                     **_record_options(record, choice, prompts))
     except GenerateError as err:
         raise UsageError(str(err)) from None
     except GenerateInterrupted as stop:  # Ctrl-C: the unfinished requests were reported as "interrupted"
         result, interrupted = stop.result, True
+    except RunError as err:  # an EP group that failed mid-run: what was generated until then, then the error
+        if getattr(err, "result", None) is None:
+            raise
+        result, failure = err.result, str(err)  # type: ignore[attr-defined]
     finally:
         if bar is not None:
             bar.close()
     printer.finish(result)
+    if failure is not None:
+        print(f"fxsched generate: {failure}", file=sys.stderr)
+        return EXIT_FAILED
     if interrupted:
         print("fxsched generate: interrupted (Ctrl-C); the output is what was generated until then",
               file=sys.stderr)
         return EXIT_INTERRUPTED
     return EXIT_FAILED if any(r.error for r in result.results) else 0
+
+
+def _record_options(record: Optional[str], choice: ModelChoice, prompts: list) -> dict[str, Any]:
+    """The ``generate`` keywords of ``--record`` (none without it): the path and the header's meta."""
+    if record is None:
+        return {}
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        release = version("fxsched")
+    except PackageNotFoundError:
+        release = "unknown"
+    model = choice.model or choice.weights or "internal model (seeded)"
+    return {"record": record, "record_meta": {"model": model, "prompts": len(prompts), "fxsched": release}}
 
 
 def _reporting(command: str, run: Callable[[], int]) -> int:
@@ -573,12 +620,23 @@ def run_bench_generate(args, out=None) -> list[dict]:
         if name not in PROMPT_SETS:
             raise UsageError(f"--prompts {name or args.prompts!r}: unknown prompt set (choose from "
                              f"{', '.join(PROMPT_SETS)})")
+    from fxsched.runtime.cli.ep import parse_ranks_list
+
+    try:
+        ranks = parse_ranks_list(getattr(args, "bench_ep_ranks", None) or "1")
+    except ValueError as err:
+        raise UsageError(f"--ep-ranks {err}") from None
     choice = _model_choice(args)
     tokenizer = _tokenizer(args, choice)
     engine = _engine(choice, device)  # validates the model once
     for b in batches:
         if b > engine.cfg.max_slots:
             raise UsageError(f"--batches {b}: must be between 1 and {engine.cfg.max_slots} (the model's slots)")
+    experts = engine.cfg.num_experts if "moe" in engine.cfg.mlp_pattern else 0
+    for n in ranks:
+        if experts and n > experts:
+            raise UsageError(f"--ep-ranks {n}: {choice.label} takes at most {experts} ranks ({experts} experts per "
+                             f"MoE layer, at least one per rank)")
     _set_threads(None, device)
     from tqdm import tqdm
 
@@ -589,8 +647,11 @@ def run_bench_generate(args, out=None) -> list[dict]:
         bar.update()
 
     try:
-        rows = bench_generate(lambda: _engine(choice, device), batches, max_tokens, specs, progress=progress,
-                              tokenizer=tokenizer, prompt_sets=sets)
+        from dataclasses import replace
+
+        rows = bench_generate(lambda n=1: _engine(replace(choice, ep_ranks=n), device), batches, max_tokens, specs,
+                              progress=progress, tokenizer=tokenizer, prompt_sets=sets, ep_ranks=ranks,
+                              model_dir=choice.model, weights=choice.weights)
     finally:
         bar.close()
     model = choice.model or choice.weights or "random (seeded)"

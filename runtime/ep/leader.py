@@ -20,9 +20,14 @@ has ``sample_rows`` (the torch device): it syncs as the host copy would and then
 so the picks are those of a single-rank run. Around the recording device the leader stays the
 plain class, and the trace keeps its host copies.
 
-Failure: a broadcast that fails, an ack that does not come in time, or a worker that reports an
-error puts the leader in ``failure`` (a clear message, e.g. ``EP worker 1 did not answer within
-5s``). From then on nothing more is sent; every model-answer call raises ``DeviceError(failure)``,
+Experts: with a sharded MoE model, ``experts`` is the run's ``ExpertGroup`` (runtime/ep/experts.py),
+whose layer calls go out inside the forwards that ``inner`` runs (they are not messages of the
+command stream); a model answer after layer calls is preceded by a SYNC like one after messages,
+so a worker's failed expert computation is known before any token is read.
+
+Failure: a broadcast that fails, an ack that does not come in time, a failed expert call, or a
+worker that reports an error puts the leader in ``failure`` (a clear message, e.g. ``EP worker 1
+did not answer within 5s``). From then on nothing more is sent; every model-answer call raises ``DeviceError(failure)``,
 so the interpreter fails the requests in flight with that message (``DeviceFault``) instead of
 waiting; the run ends, and the caller checks ``failure``. The shutdown word raises it too.
 """
@@ -30,7 +35,7 @@ waiting; the run ends, and the caller checks ``failure``. The shutdown word rais
 from __future__ import annotations
 
 import json
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import structlog
 
@@ -48,6 +53,9 @@ from fxsched.runtime.ep.protocol import (
     Verify,
     pack_rows,
 )
+
+if TYPE_CHECKING:
+    from fxsched.runtime.ep.experts import ExpertGroup
 
 log = structlog.get_logger("fxsched.ep")
 
@@ -73,6 +81,8 @@ class EpLeaderDevice:
         # the last word command, until a forward consumes it
         self._announced: Optional[Prefill | Decode | Verify] = None
         self._unacked = False
+        self.experts: Optional[ExpertGroup] = None
+        self._expert_calls_acked = 0  # layer calls the last completed SYNC covered
         self._syncs = 0
         self._occupancy_reads = 0
 
@@ -108,11 +118,12 @@ class EpLeaderDevice:
     def _fail(self, message: str) -> None:
         if self.failure is None:
             self.failure = message
-            log.error("ep_group_failed", message=message)
+            log.info("ep_group_failed", message=message)  # the caller reports it (EpRunError, DeviceFault)
 
     def _sync(self) -> None:
         """Every worker has taken everything sent so far, or DeviceError(failure)."""
-        if self.healthy and self._unacked:
+        calls = self.experts.calls if self.experts is not None else 0
+        if self.healthy and (self._unacked or calls != self._expert_calls_acked):
             self._syncs += 1
             self._send(Kind.SYNC, self._syncs)
             if self.healthy:
@@ -122,6 +133,7 @@ class EpLeaderDevice:
                     self._fail(str(err))
                 else:
                     self._unacked = False
+                    self._expert_calls_acked = calls
                     for rank, status in sorted(acks.items()):
                         if status != b"ok":
                             self._fail(f"EP worker {rank} failed: {status.decode(errors='replace')}")

@@ -28,6 +28,9 @@ from fxsched.runtime.ep.protocol import HEADER_LEN, Message, decode_header, enco
 log = structlog.get_logger("fxsched.ep")
 
 POLL_S = 0.01  # the longest pause between two looks at the store while waiting for an answer
+# A collective that fails because a peer's sockets closed may report before that process can be
+# reaped: the leader looks this long for an ended worker before calling the failure a timeout.
+DEATH_GRACE_S = 0.5
 
 
 class LinkError(RuntimeError):
@@ -106,8 +109,21 @@ class TorchLeaderLink:
             if tail is not None:
                 dist.broadcast(torch.tensor(tail, dtype=torch.int64, device=self.comm_device), src=0, group=self.group)
         except RuntimeError as err:
-            gone = any(self.exitcode(r) is not None for r in range(1, self.world_size))
-            raise LinkError(self._suspects(), self.timeout_s, self._why(err), died=gone) from err
+            raise self.failure(err) from err
+
+    def failure(self, err: Exception) -> LinkError:
+        """A collective on the group that raised ``err``, as a LinkError: the workers whose
+        processes ended (looking up to ``DEATH_GRACE_S`` for one that is still being reaped, unless
+        the collective timed out), else every worker as not answering within the timeout."""
+        timed_out = "timed out" in str(err).lower() or "timeout" in str(err).lower()
+        deadline = time.monotonic() + (0.0 if timed_out else DEATH_GRACE_S)
+        while not self._ended() and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        gone = bool(self._ended())
+        return LinkError(self._suspects(), self.timeout_s, self._why(err) if gone or not timed_out else "", died=gone)
+
+    def _ended(self) -> list[int]:
+        return [r for r in range(1, self.world_size) if self.exitcode(r) is not None]
 
     def collect(self, key: str, timeout_s: float) -> dict[int, bytes]:
         """Every worker's value under ``key`` (consumed), or LinkError at the deadline."""

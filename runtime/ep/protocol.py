@@ -29,7 +29,13 @@ kind  name            fields                                 sent for
 9     RESTORE         a = slot, payload = tokens             ``restore_sequence_state``
 10    TICK            a = tick, b = digest of the mirror     the ``-- tick N`` read
 11    SYNC            a = sync number                        before a model answer is read
+12    EXPERTS         a = MoE layer id, b = rows,            a sharded MoE layer's routed sum
+                      payload = (top-k, hidden size)         (runtime/ep/experts.py): the data plane
 ====  ==============  =====================================  =====================================
+
+EXPERTS is not a command: it is numbered 0, never fed to the parser, and announces two more
+collectives on the same group, the layer's payload broadcast from rank 0 and a reduce of the
+ranks' partial sums to rank 0 (specs/expert-parallel.md §10.3); the other kinds are numbered 1, 2, ...
 
 A row group is ``slot, start, count, token * count``; a row payload is ``groups, group*``.
 Uncommitted rows stay pending until the slot's next forward (or a length) settles them; *draft*
@@ -79,6 +85,7 @@ class Kind(IntEnum):
     RESTORE = 9
     TICK = 10
     SYNC = 11
+    EXPERTS = 12
 
 
 class ProtocolError(RuntimeError):
@@ -283,6 +290,8 @@ class CommandParser:
                 return Tick(m.a, m.b)
             case Kind.SYNC:
                 return Sync(m.a)
+            case Kind.EXPERTS:
+                raise ProtocolError(f"message {m.number}: an expert call is data, not a command")
         raise ProtocolError(f"message {m.number}: kind {m.kind} has no meaning")  # pragma: no cover
 
     def _first_word(self, slot: int, word: int, number: int) -> Optional[Command]:

@@ -1,10 +1,11 @@
 """A worker's model copy: a ``HybridEngine`` driven by the mirror's slot operations.
 
-In a real expert-parallel model each rank holds some experts and every rank takes part in every
-forward. The small hybrid model has no experts, so a worker's "part of the model" is the whole
-model: it runs every forward the leader runs, on the same slots, batch for batch (committed rows
-are forwarded and folded; verify rows stay pending until a length or the slot's next forward
-settles them; draft rows extend the slot's draft chain, as ``TorchDevice`` does).
+For a model without experts (the small hybrid model, a dense checkpoint) there is nothing to
+shard, so a worker's "part of the model" is the whole model: it runs every forward the leader runs,
+on the same slots, batch for batch (committed rows are forwarded and folded; verify rows stay
+pending until a length or the slot's next forward settles them; draft rows extend the slot's draft
+chain, as ``TorchDevice`` does). A sharded MoE model's workers hold experts instead
+(runtime/ep/experts.py) and no replica.
 
 Invariant (checked at every tick): the engine's committed tokens plus the kept pending rows of
 each slot equal the mirror's tokens. Numerics: every forward that appends to a slot starts with
@@ -194,13 +195,15 @@ class EngineReplica:
 
 @attrs.frozen
 class EngineReplicaSpec:
-    """Builds an ``EngineReplica`` in the worker process (picklable: a spawn argument). The model
-    is the leader's: the same config and the same weights file (or the same seeded random init)."""
+    """Builds an ``EngineReplica`` in the worker process (picklable: a process argument). The model
+    is the leader's: the same config and the same weights file, checkpoint directory (loaded with
+    the leader's dtype and cache sizes), or seeded random init."""
 
     config: dict
     weights: Optional[str] = None
     device: str = "cpu"
     threads: int = 1
+    model_dir: Optional[str] = None
 
     def __call__(self) -> EngineReplica:
         import torch
@@ -210,6 +213,10 @@ class EngineReplicaSpec:
         if self.device == "cpu":
             torch.set_num_threads(self.threads)
         cfg = ModelConfig.from_dict(self.config)
+        if self.model_dir is not None:
+            return EngineReplica(HybridEngine.from_pretrained(
+                self.model_dir, device=self.device, dtype=cfg.dtype, max_seq_len=cfg.max_seq_len,
+                max_slots=cfg.max_slots, num_blocks=cfg.num_blocks, block_size=cfg.block_size))
         if self.weights is not None:
             return EngineReplica(HybridEngine.from_weights_file(self.weights, cfg, self.device))
         return EngineReplica(HybridEngine(cfg, device=self.device))

@@ -1,14 +1,21 @@
 """Running with expert-parallel ranks: the cluster of worker processes, and scenario runs whose
 recording device is wrapped in ``EpLeaderDevice``.
 
-``EpCluster`` (a context manager) spawns ``ep_ranks - 1`` workers with torch.multiprocessing
-(spawn context), rendezvous on a loopback ``TCPStore`` with a free port, and sets up the EP group
-(the default process group for start-up, then an EP group whose collective timeout is the leader's
+``EpCluster`` (a context manager) starts ``ep_ranks - 1`` workers with torch.multiprocessing,
+rendezvous on a loopback ``TCPStore`` with a free port, and sets up the EP group (the default
+process group for start-up, then an EP group whose collective timeout is the leader's
 ``timeout_s``). On exit it never leaves a process behind: workers that acknowledged the shutdown
 are joined, the others terminated, then killed.
 
-Ctrl-C: the workers are born ignoring SIGINT (``_sigint_ignored`` around their start; an
-ignored signal stays ignored in a spawned interpreter), so a terminal's Ctrl-C, which reaches the
+Start method: a forkserver where the platform has one (``_context``): it is started once per
+leader process, imports torch and the model code (``PRELOAD``) without running anything, and forks
+every worker of every later cluster from that state, so a worker starts in a fraction of a second
+instead of importing torch afresh (1-2 s each); it ends with the leader process. Elsewhere, spawn.
+Either way a worker is a fresh process that never shares the leader's threads or CUDA context.
+
+Ctrl-C: the workers are born ignoring SIGINT (``_sigint_ignored`` around their start: the
+forkserver, started inside it, and its children keep the ignored signal, as a spawned interpreter
+does; ``run_worker`` ignores it again), so a terminal's Ctrl-C, which reaches the
 whole process group, interrupts the leader alone. Leaving the cluster on a ``KeyboardInterrupt``
 sends nothing more (a message may have been cut in half) and terminates the workers at once,
 which end quietly.
@@ -48,15 +55,18 @@ log = structlog.get_logger("fxsched.ep")
 
 DEFAULT_TIMEOUT_S = 30.0
 JOIN_S = 10.0  # how long a worker that acknowledged the shutdown may take to exit
+TERM_S = 0.5  # how long a terminated worker may take to exit before it is killed (a stopped one never does)
 
 
 class EpRunError(RunError):
     """The EP group failed during a run; ``trace`` is what the leader recorded (requests in
-    flight end with the group's error)."""
+    flight end with the group's error); ``result`` what a ``generate`` run that still finished
+    produced (each request's tokens so far, the failed ones with the group's error)."""
 
-    def __init__(self, message: str, trace: Optional[str] = None):
+    def __init__(self, message: str, trace: Optional[str] = None, result: Any = None):
         super().__init__(message)
         self.trace = trace
+        self.result = result
 
 
 WorkerEntry = Callable[[int, int, str, int, WorkerOptions], None]
@@ -75,10 +85,26 @@ def _sigint_ignored():
         signal.signal(signal.SIGINT, previous)
 
 
+# Modules a forkserver imports once, so that each worker it forks starts without importing them.
+PRELOAD = ("torch", "torch.distributed", "fxsched.runtime.ep.worker", "fxsched.runtime.ep.experts",
+           "fxsched.runtime.ep.replica", "fxsched.runtime.torch_model")
+
+
+def _context(mp: Any) -> Any:
+    """The start method of the workers: a forkserver (it imports torch and the model code once per
+    leader process and runs nothing, so it forks each worker without a CUDA context or a busy
+    thread pool), else spawn."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
 class EpCluster:
-    """Rank 0 in this process, ranks 1.. in spawned processes. Each worker process runs
+    """Rank 0 in this process, ranks 1.. in worker processes. Each worker process runs
     ``entries.get(rank, run_worker)(rank, world_size, host, port, options)``; an entry must be
-    picklable (the processes are spawned)."""
+    picklable (it is sent to the forkserver, or to a spawned process)."""
 
     def __init__(self, ep_ranks: int, timeout_s: float = DEFAULT_TIMEOUT_S,
                  options: WorkerOptions = DEFAULT_OPTIONS, entries: Optional[dict[int, WorkerEntry]] = None):
@@ -119,7 +145,7 @@ class EpCluster:
         startup = timedelta(seconds=self.options.startup_timeout_s)
         self.store = dist.TCPStore("127.0.0.1", 0, self.world_size, is_master=True, timeout=startup,
                                    wait_for_workers=False)
-        ctx = mp.get_context("spawn")
+        ctx = _context(mp)
         for rank in range(1, self.world_size):
             entry = self.entries.get(rank, run_worker)
             p = ctx.Process(target=entry, args=(rank, self.world_size, "127.0.0.1", self.store.port, self.options),
@@ -168,9 +194,10 @@ class EpCluster:
             p.join(max(deadline - time.monotonic(), 0.01))
         for p in self.processes:
             if p.is_alive():
-                (log.info if abort else log.warning)("ep_worker_terminated", name=p.name, pid=p.pid)
+                # expected after Ctrl-C or a failed group (whose error the caller reports)
+                (log.warning if clean else log.info)("ep_worker_terminated", name=p.name, pid=p.pid)
                 p.terminate()
-                p.join(2.0)
+                p.join(TERM_S)
             if p.is_alive():
                 p.kill()
                 p.join(2.0)

@@ -1,13 +1,16 @@
-"""The EP worker: ranks >= 1 take the leader's stream, mirror every slot, and (given a model
-replica) run the same forwards.
+"""The EP worker: ranks >= 1 take the leader's stream, mirror every slot, and either (given a
+model replica, for a model without experts) run the same forwards, or (given an expert server,
+for a sharded MoE model) hold their share of the experts and compute it in every MoE layer call.
 
 ``EpWorker.handle`` takes one message at a time: the parser makes commands, the mirror applies
 them and hands the slot operations to the replica. Control messages: TICK compares the mirror's
 digest with the leader's (and the replica's tokens with the mirror); SYNC posts ``ok`` or the
 first error; the shutdown word posts the final report (``report()``, JSON) and stops. After an
 error the worker keeps taking messages (the leader must never block on it) but applies no more.
+An EXPERTS message (the data plane, runtime/ep/experts.py) is no command: it is not counted, and
+the expert server takes part in the layer call's collectives even after an error (with zeros).
 
-``run_worker`` is the process entry (``torch.multiprocessing`` spawn target).
+``run_worker`` is the process entry (the ``torch.multiprocessing`` target, see run.py).
 """
 
 from __future__ import annotations
@@ -15,13 +18,13 @@ from __future__ import annotations
 import json
 import sys
 from datetime import timedelta
-from typing import Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import attrs
 import structlog
 
 from fxsched.runtime.ep.mirror import EpMirror, MirrorError, Snapshot, SlotOp
-from fxsched.runtime.ep.protocol import CommandParser, Message, ProtocolError, Shutdown, Sync, Tick
+from fxsched.runtime.ep.protocol import CommandParser, Kind, Message, ProtocolError, Shutdown, Sync, Tick
 
 log = structlog.get_logger("fxsched.ep")
 
@@ -36,11 +39,20 @@ class Replica(Protocol):
     def stats(self) -> dict: ...
 
 
+class Experts(Protocol):
+    """A worker's expert shard serving the leader's MoE layer calls (experts.ExpertServer)."""
+
+    def serve(self, message: Message) -> Optional[str]: ...
+    def stats(self) -> dict: ...
+
+
 class EpWorker:
-    def __init__(self, rank: int, post: Callable[[str, bytes], None], replica: Optional[Replica] = None):
+    def __init__(self, rank: int, post: Callable[[str, bytes], None], replica: Optional[Replica] = None,
+                 experts: Optional[Experts] = None):
         self.rank = rank
         self.post = post
         self.replica = replica
+        self.experts = experts
         self.parser = CommandParser()
         self.mirror = EpMirror()
         self.ticks: list[tuple[int, Snapshot]] = []
@@ -50,6 +62,13 @@ class EpWorker:
 
     def handle(self, message: Message) -> bool:
         """Take one message; False once the shutdown word has come."""
+        if message.kind == Kind.EXPERTS:
+            if self.experts is None:  # cannot take part in the collectives that follow
+                raise ProtocolError(f"rank {self.rank}: an expert call, but this worker holds no experts")
+            error = self.experts.serve(message)
+            if error is not None:
+                self._fail(error)
+            return True
         self.messages += 1
         if message.number != self.messages and self.error is None:
             self._fail(f"message {message.number} arrived as number {self.messages}")
@@ -107,6 +126,7 @@ class EpWorker:
             "ticks": [[tick, [[slot, list(toks)] for slot, toks in snap]] for tick, snap in self.ticks],
             "final": [[slot, list(toks)] for slot, toks in self.mirror.snapshot()],
             "replica": self.replica.stats() if self.replica is not None else None,
+            "experts": self.experts.stats() if self.experts is not None else None,
             "error": self.error,
         }
 
@@ -120,12 +140,14 @@ def snapshot_from_json(raw) -> Snapshot:
 
 @attrs.frozen
 class WorkerOptions:
-    """How a worker process runs. ``replica`` builds its model copy (picklable; None: mirror only)."""
+    """How a worker process runs. ``replica`` builds its model copy, ``experts(rank, world)`` its
+    expert server (both picklable; neither: mirror only)."""
 
     backend: str = "gloo"
     startup_timeout_s: float = 60.0
     idle_timeout_s: float = 600.0
     replica: Optional[Callable[[], Replica]] = None
+    experts: Optional[Callable[[int, int], Any]] = None
 
 
 DEFAULT_OPTIONS = WorkerOptions()  # frozen, so one instance serves every default
@@ -153,9 +175,11 @@ def serve(worker: EpWorker, receive: Callable[[], Message]) -> None:
 
 def run_worker(rank: int, world_size: int, host: str, port: int, options: WorkerOptions = DEFAULT_OPTIONS,
                serve: Serve = serve) -> None:
-    """Process entry of worker ``rank``: join the group through the leader's store, ``serve`` the
-    stream, leave. Exits 0 after the shutdown word, ``EXIT_LINK_LOST`` when the leader is gone.
-    Ctrl-C is the leader's to handle (it tears the workers down): SIGINT is ignored here."""
+    """Process entry of worker ``rank``: join the group through the leader's store, build the
+    replica or load the expert shard (posting ``ep/weights/<rank>``: the shard's report, or the
+    loading error), ``serve`` the stream, leave. Exits 0 after the shutdown word,
+    ``EXIT_LINK_LOST`` when the leader is gone. Ctrl-C is the leader's to handle (it tears the
+    workers down): SIGINT is ignored here."""
     import signal
 
     import torch.distributed as dist
@@ -174,14 +198,34 @@ def run_worker(rank: int, world_size: int, host: str, port: int, options: Worker
     try:
         group = dist.new_group(backend=options.backend, timeout=timedelta(seconds=options.idle_timeout_s))
         replica = options.replica() if options.replica is not None else None
-        link = TorchWorkerLink(group, store, rank, comm_device(options.backend, rank))
-        worker = EpWorker(rank, link.post, replica)
+        device = comm_device(options.backend, rank)
+        link = TorchWorkerLink(group, store, rank, device)
+        experts = _load_experts(options, rank, world_size, link.post)
+        if experts is not None:
+            experts.attach(group, device)
+        worker = EpWorker(rank, link.post, replica, experts)
         try:
             serve(worker, link.receive)
         except RuntimeError as err:
-            log.error("ep_worker_link_lost", rank=rank, error=str(err).splitlines()[0] if str(err) else "")
+            log.info("ep_worker_link_lost", rank=rank, error=str(err).splitlines()[0] if str(err) else "")
             code = EXIT_LINK_LOST
     finally:
         dist.destroy_process_group()
     if code:
         sys.exit(code)
+
+
+def _load_experts(options: WorkerOptions, rank: int, world_size: int, post: Callable[[str, bytes], None]):
+    """The worker's expert server (None without ``options.experts``); its weights report, or the
+    error that stopped the loading, is posted for the leader either way."""
+    if options.experts is None:
+        return None
+    try:
+        experts = options.experts(rank, world_size)
+    except Exception as err:  # noqa: BLE001 -- the leader names it and stops the cluster
+        message = " ".join(f"{type(err).__name__}: {err}".split())
+        log.error("ep_worker_experts_failed", rank=rank, error=message)
+        post("weights", json.dumps({"rank": rank, "error": message}).encode())
+        return None
+    post("weights", json.dumps(experts.weights_report()).encode())
+    return experts

@@ -24,6 +24,14 @@ Conversion to the canonical names of weights.py (the forward only knows those):
 * published MTP tensors (`mtp.*`, dropped by transformers) map to `mtp.*` canonical names; if a
   checkpoint has none, the model gets mtp_layers = 0.
 
+Expert shards (specs/expert-parallel.md §10.2): `load_pretrained(..., expert_shard=(rank, world))`
+keeps of each MoE layer (decoder and MTP) only rank's contiguous range of experts (moe.expert_bounds)
+in an `ExpertShard`, with `ShardedExperts` placeholders under the stacked names; every other tensor is
+loaded whole. Only the rows of the range are read (a slice of a fused tensor, or the range's
+per-expert tensors; the other experts' tensors are checked for shape, never read), so a rank's peak
+memory is its share. `load_expert_shards(dir, rank, world)` reads nothing but that range (what an
+expert-parallel worker holds).
+
 Dense vs MoE feed-forward per layer: Qwen3.5-MoE all MoE; Qwen3-Next MoE unless the layer is in
 `mlp_only_layers` or (i + 1) % decoder_sparse_step != 0 (or num_experts == 0); MTP layer j follows
 the rule at index j (cfg.mlp_kind). Qwen3.5-MoE always renormalises its top-k weights.
@@ -54,6 +62,7 @@ from safetensors import SafetensorError, safe_open
 
 from .config import DTYPES, ModelConfig
 from .errors import ConfigError, ModelDirError
+from .moe import ExpertShard, expert_bounds, moe_prefixes
 from .weights import Weights, check_weights, param_dtype, param_shapes
 
 log = structlog.get_logger("fxsched.torch_model.hf_checkpoint")
@@ -75,13 +84,62 @@ _VISION_PREFIXES = ("model.visual.", "visual.")  # a Qwen3.5 composite checkpoin
 
 def load_pretrained(model_dir: str | Path, *, device: str | torch.device = "cpu", dtype: str | None = None,
                     max_seq_len: int | None = None, max_slots: int = 16, num_blocks: int | None = None,
-                    block_size: int = 16) -> tuple[ModelConfig, Weights]:
+                    block_size: int = 16, expert_shard: tuple[int, int] | None = None) -> tuple[ModelConfig, Weights]:
     """(config, canonical weights on `device`) of the checkpoint in `model_dir`.
 
     dtype: "float32" / "bfloat16" / "float16" (default: the checkpoint's `dtype` / `torch_dtype`, else
     float32). Runtime sizes: max_seq_len (default min(max_position_embeddings, 4096)), max_slots,
     block_size, num_blocks (default: enough blocks for every slot at max_seq_len).
+    expert_shard: (rank, world) keeps only rank's experts of each MoE layer (see the module
+    docstring; a model without MoE layers, or world 1, loads whole). More ranks than experts per
+    layer raise ConfigError (field 'expert_shard').
     """
+    root, cfg, family, shards = _open(model_dir, dtype, max_seq_len, max_slots, num_blocks, block_size)
+    converter = _Converter(cfg, family, shards, _bounds(cfg, expert_shard), device)
+    weights = converter.convert()
+    check_weights(weights, cfg, str(root))  # the converter's output is complete by construction
+    moved = {n: t.to(device) for n, t in weights.items()}  # (a shard's placeholders are on `device` already)
+    if cfg.tie_word_embeddings:
+        moved["lm_head"] = moved["embed"]
+    log.debug("loaded_checkpoint", path=str(root), architecture=cfg.architecture, dtype=cfg.dtype,
+              tensors=len(moved), mtp_layers=cfg.mtp_layers, expert_shard=expert_shard)
+    return cfg, moved
+
+
+def load_expert_shards(model_dir: str | Path, rank: int, world: int, *, device: str | torch.device = "cpu",
+                       dtype: str | None = None) -> tuple[ModelConfig, list[ExpertShard]]:
+    """(config, rank's `ExpertShard` of every MoE layer in moe_prefixes order) of the checkpoint in
+    `model_dir`, reading no other tensor (an expert-parallel worker's share). Raises ModelDirError
+    for a bad directory, ConfigError (field 'expert_shard') for a bad (rank, world) or a model
+    without MoE layers."""
+    _, cfg, family, shards = _open(model_dir, dtype, None, 1, None, 16)
+    bounds = _bounds(cfg, (rank, world))
+    if bounds is None:
+        raise ConfigError("expert_shard", "a model with MoE layers and world > 1", (rank, world))
+    return cfg, _Converter(cfg, family, shards, bounds, device).expert_layers()
+
+
+def _bounds(cfg: ModelConfig, expert_shard: tuple[int, int] | None) -> tuple[int, int, int, int] | None:
+    """(rank, world, first expert, count) of a shard request; None: load every expert."""
+    if expert_shard is None:
+        return None
+    ok = (isinstance(expert_shard, tuple) and len(expert_shard) == 2
+          and all(isinstance(v, int) and not isinstance(v, bool) for v in expert_shard))
+    if not ok or not 0 <= expert_shard[0] < expert_shard[1]:
+        raise ConfigError("expert_shard", "(rank, world) with 0 <= rank < world", expert_shard)
+    rank, world = expert_shard
+    if world == 1 or not moe_prefixes(cfg):
+        return None
+    if world > cfg.num_experts:
+        raise ConfigError("expert_shard", f"at most {cfg.num_experts} ranks ({cfg.num_experts} experts per MoE layer, "
+                                          f"at least one per rank)", expert_shard)
+    first, count = expert_bounds(cfg.num_experts, world)[rank]
+    return rank, world, first, count
+
+
+def _open(model_dir: str | Path, dtype: str | None, max_seq_len: int | None, max_slots: int,
+          num_blocks: int | None, block_size: int) -> tuple[Path, ModelConfig, str, "_Shards"]:
+    """(root, config, family, shards) of a checkpoint directory (ModelDirError for a defect)."""
     root = Path(model_dir)
     if not root.exists():
         raise ModelDirError(root, "no such model directory")
@@ -95,15 +153,7 @@ def load_pretrained(model_dir: str | Path, *, device: str | torch.device = "cpu"
     shards = _Shards.open(root)
     runtime = {"max_slots": max_slots, "block_size": block_size}
     cfg = _build_config(raw, text, family, config_path, root, shards, dtype, max_seq_len, num_blocks, runtime)
-    converter = _Converter(cfg, family, shards)
-    weights = converter.convert()
-    check_weights(weights, cfg, str(root))  # the converter's output is complete by construction
-    moved = {n: t.to(device) for n, t in weights.items()}
-    if cfg.tie_word_embeddings:
-        moved["lm_head"] = moved["embed"]
-    log.debug("loaded_checkpoint", path=str(root), architecture=cfg.architecture, dtype=cfg.dtype,
-              tensors=len(moved), mtp_layers=cfg.mtp_layers)
-    return cfg, moved
+    return root, cfg, family, shards
 
 
 # ---- config ------------------------------------------------------------------------------------
@@ -394,9 +444,14 @@ class _Shards:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.handles[self.files[name]].get_slice(name).get_shape())
 
-    def read(self, name: str) -> torch.Tensor:
+    def read(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The tensor `name`, or with rows=(first, count) only those rows of its first dimension."""
         try:
-            tensor = self.handles[self.files[name]].get_tensor(name)
+            handle = self.handles[self.files[name]]
+            if rows is None:
+                tensor = handle.get_tensor(name)
+            else:
+                tensor = handle.get_slice(name)[rows[0]:rows[0] + rows[1]]
         except (SafetensorError, OSError, ValueError, RuntimeError) as err:
             raise ModelDirError(self.files[name], f"tensor '{name}' unreadable ({err})") from None
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):  # silent garbage otherwise
@@ -409,13 +464,18 @@ class _Shards:
 class _Converter:
     """Builds the canonical weights of `cfg` from the checkpoint, tracking which tensors it used."""
 
-    def __init__(self, cfg: ModelConfig, family: str, shards: _Shards) -> None:
+    def __init__(self, cfg: ModelConfig, family: str, shards: _Shards,
+                 bounds: tuple[int, int, int, int] | None = None, device: str | torch.device = "cpu") -> None:
         self.cfg, self.family, self.shards = cfg, family, shards
         self.zero_centred = family in HYBRID_FAMILIES
         self.used: set[str] = set()
         self.alias = self._aliases()
         self.out: Weights = {}
         self.expected = param_shapes(cfg)
+        self.bounds = bounds  # (rank, world, first expert, count) of an expert shard, else None
+        self.device = device
+        self.layer_ids = {prefix: i for i, prefix in enumerate(moe_prefixes(cfg))}
+        self.expert_shards: list[ExpertShard] = []
 
     def _aliases(self) -> dict[str, str]:
         """Checkpoint-name -> stored-name for text models saved under model.language_model."""
@@ -430,7 +490,16 @@ class _Converter:
     def has(self, name: str) -> bool:
         return name in self.shards.files or name in self.alias
 
-    def take(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    def take(self, name: str, shape: tuple[int, ...], rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Tensor `name` of `shape` (only `rows` = (first, count) of its first dimension, if given)."""
+        stored = self._check(name, shape)
+        return self.shards.read(stored, rows)
+
+    def skip(self, name: str, shape: tuple[int, ...]) -> None:
+        """Tensor `name` is there with `shape` and belongs to the model, but is not read."""
+        self._check(name, shape)
+
+    def _check(self, name: str, shape: tuple[int, ...]) -> str:
         stored = name if name in self.shards.files else self.alias.get(name)
         if stored is None:
             raise ModelDirError(self.shards.listing or self.shards.root, f"missing tensor '{name}'")
@@ -439,7 +508,7 @@ class _Converter:
             raise ModelDirError(self.shards.files[stored],
                                 f"tensor '{stored}' has shape {list(got)}, expected {list(shape)}")
         self.used.add(stored)
-        return self.shards.read(stored)
+        return stored
 
     def put(self, name: str, tensor: torch.Tensor) -> None:
         shape = self.expected[name]
@@ -534,24 +603,53 @@ class _Converter:
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 self.copy(f"{dst}.mlp.{proj}", f"{src}.{proj}.weight")
             return
-        cfg, d = self.cfg, self.cfg.hidden_size
-        e, i = cfg.num_experts, cfg.moe_intermediate_size
+        cfg = self.cfg
         dst = f"{dst}.moe"
         self.copy(f"{dst}.router", f"{src}.gate.weight")
-        if self.has(f"{src}.experts.gate_up_proj"):  # transformers' fused in-memory layout
-            gate_up = self.take(f"{src}.experts.gate_up_proj", (e, 2 * i, d))
-            self.put(f"{dst}.gate_proj", gate_up[:, :i])
-            self.put(f"{dst}.up_proj", gate_up[:, i:])
-            self.put(f"{dst}.down_proj", self.take(f"{src}.experts.down_proj", (e, d, i)))
-        else:
-            shapes: dict[str, tuple[int, ...]] = {"gate_proj": (i, d), "up_proj": (i, d), "down_proj": (d, i)}
-            for proj, shape in shapes.items():
-                experts = [self.take(f"{src}.experts.{x}.{proj}.weight", shape) for x in range(e)]
-                self.put(f"{dst}.{proj}", torch.stack(experts))
+        self.experts(dst, src)
         if cfg.shared_expert_intermediate_size:
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 self.copy(f"{dst}.shared.{proj}", f"{src}.shared_expert.{proj}.weight")
             self.copy(f"{dst}.shared_gate", f"{src}.shared_expert_gate.weight")
+
+    def experts(self, dst: str, src: str) -> None:
+        """The stacked experts of MoE layer `dst` ("....moe") from the checkpoint's `src` ("....mlp"):
+        every expert, or with a shard only its range (see the module docstring)."""
+        cfg, d = self.cfg, self.cfg.hidden_size
+        e, i = cfg.num_experts, cfg.moe_intermediate_size
+        first, count = (0, e) if self.bounds is None else self.bounds[2:]
+        rows = None if self.bounds is None else (first, count)
+        parts: dict[str, torch.Tensor] = {}
+        if self.has(f"{src}.experts.gate_up_proj"):  # transformers' fused in-memory layout
+            gate_up = self.take(f"{src}.experts.gate_up_proj", (e, 2 * i, d), rows)
+            parts = {"gate_proj": gate_up[:, :i], "up_proj": gate_up[:, i:],
+                     "down_proj": self.take(f"{src}.experts.down_proj", (e, d, i), rows)}
+        else:
+            shapes: dict[str, tuple[int, ...]] = {"gate_proj": (i, d), "up_proj": (i, d), "down_proj": (d, i)}
+            for proj, shape in shapes.items():
+                names = [f"{src}.experts.{x}.{proj}.weight" for x in range(e)]
+                for x, name in enumerate(names):
+                    if not first <= x < first + count:
+                        self.skip(name, shape)
+                parts[proj] = torch.stack([self.take(name, shape) for name in names[first:first + count]])
+        if self.bounds is None:
+            for proj, t in parts.items():
+                self.put(f"{dst}.{proj}", t)
+            return
+        local = {proj: t.to(param_dtype(f"{dst}.{proj}", cfg)).contiguous().to(self.device)
+                 for proj, t in parts.items()}
+        rank, world = self.bounds[:2]
+        shard = ExpertShard(dst, self.layer_ids[dst], first, e, rank, world, local["gate_proj"], local["up_proj"],
+                            local["down_proj"])
+        self.expert_shards.append(shard)
+        self.out.update(shard.placeholders())
+
+    def expert_layers(self) -> list[ExpertShard]:
+        """This shard of every MoE layer, nothing else read (load_expert_shards)."""
+        for prefix in self.layer_ids:
+            layer = prefix[: -len(".moe")]
+            self.experts(prefix, f"{layer}.mlp" if layer.startswith("mtp.") else f"model.{layer}.mlp")
+        return self.expert_shards
 
     def mtp(self) -> None:
         d = self.cfg.hidden_size
@@ -702,5 +800,5 @@ class _Exporter:
             self.put(f"{dst}.{proj}.weight", self.w[f"{src}.{proj}"])
 
 
-__all__ = ["ARCHITECTURES", "EXPORT_ARCHITECTURES", "hf_config", "hf_tensors", "load_pretrained",
-           "save_pretrained_dir"]
+__all__ = ["ARCHITECTURES", "EXPORT_ARCHITECTURES", "hf_config", "hf_tensors", "load_expert_shards",
+           "load_pretrained", "save_pretrained_dir"]

@@ -1,4 +1,5 @@
-"""Sparse mixture-of-experts feed-forward (Qwen3-Next / Qwen3.5-MoE style), plain torch.
+"""Sparse mixture-of-experts feed-forward (Qwen3-Next / Qwen3.5-MoE style), plain torch, and the
+expert shards of an expert-parallel run.
 
 Per token x: router logits r = x W_router^T [E]; p = softmax(r) in fp32; the top-k experts by p
 (ties broken by torch.topk, as transformers) get weights p_top, renormalised to sum 1 when
@@ -10,19 +11,43 @@ gate_proj / up_proj [E, I, D], down_proj [E, D, I] (experts stacked on dim 0 so 
 runtime can slice them), and when cfg.shared_expert_intermediate_size > 0: shared.gate_proj,
 shared.up_proj, shared.down_proj and shared_gate [1, D].
 
-The implementation loops over the experts that received at least one token, in increasing expert
-order, gathering their tokens and scattering the weighted outputs back with index_add_ (the same
-accumulation order as transformers' eager experts). Rows are independent: a token's output depends
-only on that token, so padded rows never affect valid ones.
+The routed sum (`routed_sum`) loops over the experts that received at least one token, in
+increasing expert order, gathering their tokens and scattering the weighted outputs back with
+index_add_ (the same accumulation order as transformers' eager experts). Rows are independent: a
+token's output depends only on that token, so padded rows never affect valid ones.
+
+Expert shards (specs/expert-parallel.md §10.2). With `expert_shard=(rank, world)` the loader
+(hf_checkpoint.py) keeps only rank's contiguous range of each MoE layer's experts
+(`expert_bounds`): an `ExpertShard` holds those rows of gate/up/down, and the weights dict holds,
+under the three stacked names, `ShardedExperts` placeholders -- tensors of the full [E, ...] shape
+and dtype that own no memory and refuse every operation -- so `param_shapes` stays the one list
+of names and shapes. `sparse_moe` sees a placeholder and hands the layer to the shard's bound
+`ExpertCombine` (runtime/ep/experts.py), which returns the routed sum over all ranks' experts;
+routing and the shared expert stay here, on the rank that runs the forward. A placeholder whose
+shard has no combine bound raises `ExpertShardError` (a sharded model never computes with a
+part of its experts silently). Invariant: a rank's routed sum is `routed_sum` restricted to its
+range, so the sum over ranks is the single-rank routed sum up to the order of the additions
+(exactly equal when every token has at most two experts: a + b == b + a and x + 0 == x).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
 from .ops import linear, swiglu_mlp
+from .weights import param_shapes
+
+EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")  # the stacked [E, ...] tensors of a MoE layer
+_STACKED_SUFFIXES = tuple(f".moe.{part}" for part in EXPERT_PARTS)
+
+
+class ExpertShardError(RuntimeError):
+    """A sharded expert tensor was used as a whole, or a shard has no expert-parallel group."""
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,18 +59,167 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool) 
     return weights.to(x.dtype), experts
 
 
+def routed_sum(flat: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_w: torch.Tensor,
+               up_w: torch.Tensor, down_w: torch.Tensor, first: int = 0) -> torch.Tensor:
+    """sum_e p_e * SwiGLU_e(x) over the chosen experts e in [first, first + len(gate_w)) for tokens
+    flat [N, D] routed to `experts` [N, k] with `weights` [N, k]; gate_w/up_w/down_w hold those
+    experts' rows (expert first + j at row j). Experts outside the range add nothing."""
+    out = torch.zeros_like(flat)
+    last = first + gate_w.shape[0]
+    for e in torch.unique(experts).tolist():
+        if not first <= e < last:
+            continue
+        token, slot = torch.nonzero(experts == e, as_tuple=True)
+        h = flat[token]
+        j = e - first
+        y = linear(F.silu(linear(h, gate_w[j])) * linear(h, up_w[j]), down_w[j])
+        out.index_add_(0, token, y * weights[token, slot, None])
+    return out
+
+
+def expert_bounds(num_experts: int, world: int) -> list[tuple[int, int]]:
+    """(first expert, count) of each rank: contiguous ranges, the first num_experts % world ranks
+    one expert more (rank r holds experts first .. first + count - 1)."""
+    if world < 1 or num_experts < world:
+        raise ValueError(f"{world} expert-parallel ranks for {num_experts} experts per layer "
+                         f"(every rank needs at least one expert)")
+    base, extra = divmod(num_experts, world)
+    bounds, first = [], 0
+    for rank in range(world):
+        count = base + (1 if rank < extra else 0)
+        bounds.append((first, count))
+        first += count
+    return bounds
+
+
+def moe_prefixes(cfg: ModelConfig) -> list[str]:
+    """The MoE layers of the model ("layers.i.moe", "mtp.layers.j.moe") in param_shapes order;
+    a layer's position in this list is its id on the expert-parallel wire."""
+    return [name[: -len(".router")] for name in param_shapes(cfg) if name.endswith(".moe.router")]
+
+
+class ExpertCombine(Protocol):
+    """Computes a sharded MoE layer's routed sum over every rank's experts (runtime/ep/experts.py)."""
+
+    def combine(self, shard: "ExpertShard", flat: torch.Tensor, weights: torch.Tensor,
+                experts: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(eq=False)
+class ExpertShard:
+    """One rank's experts of one MoE layer: experts first .. first + count - 1 of num_experts.
+
+    gate_proj / up_proj [count, I, D], down_proj [count, D, I]; `layer` is the layer's id
+    (its index in `moe_prefixes`); `combine` is bound by the expert-parallel runtime while a run
+    is up (None otherwise)."""
+
+    prefix: str
+    layer: int
+    first: int
+    num_experts: int
+    rank: int
+    world: int
+    gate_proj: torch.Tensor
+    up_proj: torch.Tensor
+    down_proj: torch.Tensor
+    combine: Optional[ExpertCombine] = field(default=None, repr=False)
+
+    @property
+    def count(self) -> int:
+        return int(self.gate_proj.shape[0])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.gate_proj.shape[-1])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.gate_proj, self.up_proj, self.down_proj))
+
+    def local_sum(self, flat: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """This shard's part of the routed sum of tokens flat [N, D] (zeros for the other experts)."""
+        return routed_sum(flat, weights, experts, self.gate_proj, self.up_proj, self.down_proj, self.first)
+
+    def placeholders(self) -> dict[str, "ShardedExperts"]:
+        """The three stacked names of the layer -> placeholders of their full shapes."""
+        e = self.num_experts
+        return {f"{self.prefix}.{part}": ShardedExperts(self, part, (e, *getattr(self, part).shape[1:]))
+                for part in EXPERT_PARTS}
+
+
+class ShardedExperts(torch.Tensor):
+    """Stands for the stacked tensor `shard.prefix`.`part` [E, ...] of which this rank holds only
+    `shard`'s rows: the full shape, dtype and device, no storage; any operation on it raises
+    ExpertShardError (only `sparse_moe` knows what it is)."""
+
+    shard: ExpertShard
+    part: str
+
+    @staticmethod
+    def __new__(cls, shard: ExpertShard, part: str, shape: tuple[int, ...]) -> "ShardedExperts":
+        local = getattr(shard, part)
+        t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=local.device,
+                                                requires_grad=False)
+        t.shard = shard
+        t.part = part
+        return t
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]
+        shard = next((a.shard for a in args if isinstance(a, ShardedExperts)), None)
+        where = f"{shard.prefix} (experts {shard.first}..{shard.first + shard.count - 1} of {shard.num_experts} " \
+                f"on rank {shard.rank} of {shard.world})" if shard is not None else "a sharded expert tensor"
+        raise ExpertShardError(f"{where}: {func} on the whole stacked tensor, of which this rank holds a shard")
+
+    def __repr__(self, *, tensor_contents: Any = None) -> Any:  # type: ignore[override]  # the default computes
+        return (f"ShardedExperts({self.shard.prefix}.{self.part}, shape={list(self.shape)}, "
+                f"experts {self.shard.first}..{self.shard.first + self.shard.count - 1})")
+
+
+def expert_shards(weights: dict[str, torch.Tensor]) -> list[ExpertShard]:
+    """The distinct shards behind the ShardedExperts placeholders of `weights`, in layer order."""
+    seen: dict[int, ExpertShard] = {}
+    for t in weights.values():
+        if isinstance(t, ShardedExperts):
+            seen.setdefault(id(t.shard), t.shard)
+    return sorted(seen.values(), key=lambda s: s.layer)
+
+
+def weight_bytes(weights: dict[str, torch.Tensor]) -> tuple[int, int]:
+    """(expert bytes, other bytes) that `weights` holds on this rank: a shard counts its own rows, a
+    tensor stored under two names (tied embeddings) counts once."""
+    experts = sum(s.nbytes for s in expert_shards(weights))
+    other, seen = 0, set()
+    for name, t in weights.items():
+        if isinstance(t, ShardedExperts):
+            continue
+        key = (t.device, t.data_ptr())
+        if key in seen:
+            continue
+        seen.add(key)
+        size = t.numel() * t.element_size()
+        if name.endswith(_STACKED_SUFFIXES):
+            experts += size
+        else:
+            other += size
+    return experts, other
+
+
 def sparse_moe(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig) -> torch.Tensor:
     """MoE feed-forward of x [..., D] with the weights under `prefix`; returns [..., D]."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
     weights, experts = route(flat, w[f"{prefix}.router"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
     gate_w, up_w, down_w = w[f"{prefix}.gate_proj"], w[f"{prefix}.up_proj"], w[f"{prefix}.down_proj"]
-    out = torch.zeros_like(flat)
-    for e in torch.unique(experts).tolist():
-        token, slot = torch.nonzero(experts == e, as_tuple=True)
-        h = flat[token]
-        y = linear(F.silu(linear(h, gate_w[e])) * linear(h, up_w[e]), down_w[e])
-        out.index_add_(0, token, y * weights[token, slot, None])
+    if isinstance(gate_w, ShardedExperts):
+        shard = gate_w.shard
+        if shard.combine is None:
+            raise ExpertShardError(f"{prefix}: this rank holds experts {shard.first}..{shard.first + shard.count - 1} "
+                                   f"of {shard.num_experts} only (expert shard {shard.rank} of {shard.world}) and "
+                                   f"no expert-parallel group is bound to combine them")
+        out = shard.combine.combine(shard, flat, weights, experts)
+    else:
+        out = routed_sum(flat, weights, experts, gate_w, up_w, down_w)
     if cfg.shared_expert_intermediate_size:
         shared = swiglu_mlp(flat, w, f"{prefix}.shared")
         out = out + torch.sigmoid(linear(flat, w[f"{prefix}.shared_gate"])) * shared

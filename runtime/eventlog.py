@@ -1,0 +1,768 @@
+"""Event logs: every input the scheduler took and every device answer, recorded as the run goes
+(``EventRecorder``), and the re-run of ``step`` over them without the model (``replay_log``).
+
+The format is specs/event-log.md §9.1–9.3 (the replay: §9.4). In short: JSON lines, one record
+per line, append-only. The first line is a header object (format name, version, the
+``SchedulerConfig`` and ``ModelInfo`` fields that ``initial_state`` needs, and free ``meta``);
+every later line is a JSON array whose first element says what it is:
+
+* ``["!", tag, ClassName, [field, ...]]`` defines a short tag the first time a class is written;
+* ``[tag, field, ...]`` is one event fed to ``step``, its fields positional, trailing defaults left out;
+* ``["=", effect, ...]`` is what that ``step`` returned: a client output (or rotation
+  acknowledgement) in full as ``{tag: [fields]}``, any other effect as ``"tag.hash"``, a 32-bit
+  BLAKE2b digest of the effect's canonical form (just ``"tag"`` for a class without fields);
+* ``[".", events]`` ends a log that was closed.
+
+Why JSON lines rather than a binary framing: a line is one ``write``, a crash leaves a readable
+prefix that ends at the last newline, the file greps and diffs, and Python's ``json`` reads a line
+faster than a hand-written decoder would. Compact where it counts: the per-step records are arrays
+with one-letter tags and positional fields (a plain decode step at batch 1 is four short lines,
+about 90 bytes), the class and field names are written once in the definitions, and device
+effects are digests (their arguments follow from the events already in the log).
+
+The codec is generic: any attrs record whose fields hold ``None``, booleans, numbers, strings,
+enums, tuples and frozensets of those, or nested attrs records (an ``Arrival``'s ``Request``) is
+written by walking its fields, and read back guided by the fields' type hints, so a new event class
+needs no codec change. Reading checks every value against its field's type.
+
+Invariants:
+
+* the recorder writes an event before ``step`` runs on it and flushes once the effects are
+  written: a killed process leaves every completed step, and an exception inside ``step`` (the
+  recorder closed as the run unwinds) also the event that caused it;
+* the effect digests depend only on the effects (class names and field values), never on the tags
+  of the file, so a replay compares each effects record byte for byte (client outputs in full,
+  the other effects by digest);
+* ``replay_log`` never touches a device: it rebuilds ``initial_state(config, model)`` from the
+  header and feeds the events to the pure ``step``.
+
+Bad files raise ``EventLogError`` (a ``ValueError``) naming the file, the line and the problem.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import importlib
+import json
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Callable, Iterator, Optional, Self, Sequence as Seq
+
+import attrs
+
+from fxsched.core import events as ev
+from fxsched.core.config import ModelInfo, SchedulerConfig
+from fxsched.core.state import SchedulerState, initial_state
+from fxsched.effects.base import Effect
+from fxsched.effects import client as client_effects
+from fxsched.effects.client import ClientOutput, RotationAck
+from fxsched.runtime.interpreter import Observer
+
+FORMAT = "fxsched-eventlog"
+VERSION = 1
+MAGIC = b'{"format":"fxsched-eventlog"'  # how every event log begins (the header's first key)
+DEFINE, EFFECTS, END = "!", "=", "."
+DIGEST_BYTES = 4
+_SEPARATORS = (",", ":")
+_RECORD_MODULES = ("fxsched.core.events", "fxsched.core.request", "fxsched.effects.client",
+                   "fxsched.effects.device_calls", "fxsched.effects.lifecycle", "fxsched.effects.plans")
+
+
+class EventLogError(ValueError):
+    """An event log that cannot be written or read; the message names the file and the problem."""
+
+
+def is_event_log(path: str | Path) -> bool:
+    """Whether the file at ``path`` begins as an event log does (False when it cannot be read)."""
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(len(MAGIC)) == MAGIC
+    except OSError:
+        return False
+
+
+# --- the codec ---------------------------------------------------------------------------------
+
+
+# What the interpreter hands to the host: client outputs, rotation acknowledgements, and the
+# batched ``StreamOut`` record (one per forward, split into per-request frames on delivery).
+_CLIENT_TYPES: tuple[type, ...] = tuple(
+    t for t in (ClientOutput, RotationAck, getattr(client_effects, "StreamOut", None)) if isinstance(t, type))
+
+
+def _is_client(value: object) -> bool:
+    return isinstance(value, _CLIENT_TYPES)
+
+
+def client_frames(effects: Seq[Any]) -> list[Any]:
+    """The frames a client receives from ``effects``, in order (a batched record split)."""
+    frames: list[Any] = []
+    for effect in effects:
+        if _is_client(effect):
+            split = getattr(effect, "split", None)
+            frames.extend(split() if callable(split) else (effect,))
+    return frames
+
+
+def _init_fields(cls: type) -> tuple[attrs.Attribute, ...]:
+    return tuple(f for f in attrs.fields(cls) if f.init)
+
+
+def canonical(value: Any) -> Any:
+    """The tag-free JSON form of a value, for digests: a record is ``[ClassName, field, ...]`` with
+    every field, a tuple a list, a frozenset a sorted list, an enum its value."""
+    if attrs.has(type(value)):
+        return [type(value).__name__, *(canonical(getattr(value, f.name)) for f in _init_fields(type(value)))]
+    if isinstance(value, enum.Enum):
+        return canonical(value.value)
+    if isinstance(value, (tuple, list)):
+        return [canonical(v) for v in value]
+    if isinstance(value, (frozenset, set)):
+        return sorted((canonical(v) for v in value), key=repr)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return repr(value)
+
+
+def digest(effect: Any) -> str:
+    """The hex digest of an effect's canonical form (``DIGEST_BYTES`` bytes)."""
+    text = json.dumps(canonical(effect), separators=_SEPARATORS, ensure_ascii=False)
+    return hashlib.blake2b(text.encode("utf-8"), digest_size=DIGEST_BYTES).hexdigest()
+
+
+def _tag_name(n: int) -> str:
+    """The n-th short tag: a..z, A..Z, then two characters, and so on."""
+    letters = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+    out = letters[n % len(letters)]
+    n //= len(letters)
+    while n:
+        n -= 1
+        out = letters[n % len(letters)] + out
+        n //= len(letters)
+    return out
+
+
+class Encoder:
+    """Turns records into log values, assigning a tag to each class on first use. ``pending``
+    holds the definition records the caller must write before the record that used them."""
+
+    def __init__(self) -> None:
+        self.tags: dict[type, str] = {}
+        self.pending: list[list[Any]] = []
+
+    def tag(self, cls: type) -> str:
+        tag = self.tags.get(cls)
+        if tag is None:
+            tag = self.tags[cls] = _tag_name(len(self.tags))
+            self.pending.append([DEFINE, tag, cls.__name__, [f.name for f in _init_fields(cls)]])
+        return tag
+
+    def fields(self, record: Any) -> list[Any]:
+        """A record's fields, positional, with the trailing ones equal to their defaults left out."""
+        fields = _init_fields(type(record))
+        values = [getattr(record, f.name) for f in fields]
+        end = len(values)
+        while end and _is_default(fields[end - 1], values[end - 1]):
+            end -= 1
+        return [self.value(v) for v in values[:end]]
+
+    def record(self, record: Any) -> list[Any]:
+        """A top-level record: ``[tag, field, ...]``."""
+        return [self.tag(type(record)), *self.fields(record)]
+
+    def value(self, value: Any) -> Any:
+        if attrs.has(type(value)):
+            return {self.tag(type(value)): self.fields(value)}
+        if isinstance(value, enum.Enum):
+            return self.value(value.value)
+        if isinstance(value, (tuple, list)):
+            return [self.value(v) for v in value]
+        if isinstance(value, frozenset):
+            return sorted((self.value(v) for v in value), key=repr)
+        if value is None or isinstance(value, (bool, int, float, str)):
+            return value
+        raise EventLogError(f"cannot record a value of type {type(value).__name__} ({value!r:.60})")
+
+    def effects(self, effects: Seq[Any]) -> list[Any]:
+        """The effects record of one step: client outputs in full, the rest as ``tag.digest``."""
+        out: list[Any] = [EFFECTS]
+        for effect in effects:
+            if _is_client(effect):
+                out.append(self.value(effect))
+            elif _init_fields(type(effect)):
+                out.append(f"{self.tag(type(effect))}.{digest(effect)}")
+            else:  # a record without fields: its class says everything
+                out.append(self.tag(type(effect)))
+        return out
+
+
+def _is_default(f: attrs.Attribute, value: Any) -> bool:
+    default = f.default
+    if default is attrs.NOTHING or isinstance(default, attrs.Factory):  # type: ignore[arg-type]
+        return False
+    return type(value) is type(default) and value == default
+
+
+def _dumps(record: Any) -> str:
+    return json.dumps(record, separators=_SEPARATORS, ensure_ascii=False)
+
+
+def record_classes() -> dict[str, type]:
+    """Every record class a log may name, by class name: the attrs classes of the event, request
+    and effect modules, and any subclass of ``Event`` or ``Effect`` defined elsewhere."""
+    found: dict[str, type] = {}
+    for name in _RECORD_MODULES:
+        module = importlib.import_module(name)
+        for value in vars(module).values():
+            if isinstance(value, type) and attrs.has(value):
+                found.setdefault(value.__name__, value)
+    stack: list[type] = [ev.Event, Effect]
+    while stack:
+        cls = stack.pop()
+        stack.extend(cls.__subclasses__())
+        home = sys.modules.get(cls.__module__)
+        if attrs.has(cls) and getattr(home, cls.__qualname__, None) is cls:  # not a class attrs replaced
+            found.setdefault(cls.__name__, cls)
+    return found
+
+
+class _Bad(Exception):
+    """A value that does not fit its field (turned into an ``EventLogError`` with the line)."""
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=False) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+@dataclass
+class _Definition:
+    cls: type
+    names: tuple[str, ...]  # the fields as the file lists them
+
+
+class Decoder:
+    """Reads log values back into records, checking each against its field's type hint."""
+
+    def __init__(self, classes: Optional[dict[str, type]] = None):
+        self.classes = classes if classes is not None else record_classes()
+        self.defs: dict[str, _Definition] = {}
+        self._hints: dict[type, dict[str, Any]] = {}
+
+    def define(self, record: list[Any]) -> None:
+        if len(record) != 4 or not all(isinstance(x, str) for x in record[1:3]) or not isinstance(record[3], list) \
+                or not all(isinstance(x, str) for x in record[3]):
+            raise _Bad(f"a definition is [\"!\", tag, class name, [field names]], got {_show(record)}")
+        _, tag, name, names = record
+        if tag in (DEFINE, EFFECTS, END) or tag in self.defs:
+            raise _Bad(f"tag {tag!r} is defined twice" if tag in self.defs else f"tag {tag!r} is reserved")
+        cls = self.classes.get(name)
+        if cls is None:
+            raise _Bad(f"unknown record class {name!r} (not an event, request or effect of this fxsched)")
+        known = {f.name for f in _init_fields(cls)}
+        extra = [n for n in names if n not in known]
+        if extra:
+            raise _Bad(f"{name} has no field {extra[0]!r} in this fxsched (the log was written by another version)")
+        self.defs[tag] = _Definition(cls, tuple(names))
+
+    def definition(self, tag: Any) -> _Definition:
+        if not isinstance(tag, str) or tag not in self.defs:
+            raise _Bad(f"unknown tag {_show(tag)}")
+        return self.defs[tag]
+
+    def hints(self, cls: type) -> dict[str, Any]:
+        hints = self._hints.get(cls)
+        if hints is None:
+            try:
+                hints = typing.get_type_hints(cls)
+            except Exception:  # noqa: BLE001 - an annotation that does not resolve: its values go unchecked
+                hints = {}
+            self._hints[cls] = hints
+        return hints
+
+    def build(self, tag: Any, values: Any) -> Any:
+        """The record of ``tag`` from its positional field values."""
+        d = self.definition(tag)
+        name = d.cls.__name__
+        if not isinstance(values, list):
+            raise _Bad(f"{name}: expected a list of fields, got {_show(values)}")
+        if len(values) > len(d.names):
+            raise _Bad(f"{name}: {len(values)} fields, the log defines {len(d.names)}")
+        hints = self.hints(d.cls)
+        kwargs = {}
+        for field_name, raw in zip(d.names, values, strict=False):  # trailing defaults are left out
+            try:
+                kwargs[field_name] = self.value(raw, hints.get(field_name, Any))
+            except _Bad as err:
+                raise _Bad(f"{name}.{field_name}: {err}") from None
+        try:
+            return d.cls(**kwargs)
+        except (TypeError, ValueError) as err:
+            raise _Bad(f"{name}: {' '.join(str(err).split())}") from None
+
+    def value(self, raw: Any, hint: Any) -> Any:
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
+        if hint is Any or hint is object:
+            return self._untyped(raw)
+        if origin is typing.Union or origin is types.UnionType:
+            for arm in args:
+                try:
+                    return self.value(raw, arm)
+                except _Bad:
+                    continue
+            raise _Bad(f"expected {_words(hint)}, got {_show(raw)}")
+        if hint is type(None):
+            if raw is None:
+                return None
+            raise _Bad(f"expected null, got {_show(raw)}")
+        if hint is bool:
+            if isinstance(raw, bool):
+                return raw
+            raise _Bad(f"expected a boolean, got {_show(raw)}")
+        if hint is int:
+            if isinstance(raw, int) and not isinstance(raw, bool):
+                return raw
+            raise _Bad(f"expected an integer, got {_show(raw)}")
+        if hint is float:
+            if isinstance(raw, (int, float)) and not isinstance(raw, bool):
+                return raw
+            raise _Bad(f"expected a number, got {_show(raw)}")
+        if hint is str:
+            if isinstance(raw, str):
+                return raw
+            raise _Bad(f"expected a string, got {_show(raw)}")
+        if isinstance(hint, type) and issubclass(hint, enum.Enum):
+            try:
+                return hint(raw)
+            except ValueError:
+                raise _Bad(f"expected one of {[m.value for m in hint]}, got {_show(raw)}") from None
+        if origin in (tuple, frozenset, list) or hint in (tuple, frozenset, list):
+            if not isinstance(raw, list):
+                raise _Bad(f"expected a list, got {_show(raw)}")
+            if origin is tuple and args and not (len(args) == 2 and args[1] is Ellipsis):
+                if len(raw) != len(args):
+                    raise _Bad(f"expected a list of {len(args)}, got {_show(raw)}")
+                return tuple(self.value(r, a) for r, a in zip(raw, args, strict=True))
+            item = args[0] if args else Any
+            items = [self.value(r, item) for r in raw]
+            return frozenset(items) if (origin or hint) is frozenset else tuple(items)
+        if isinstance(hint, type) and attrs.has(hint):
+            record = self._instance(raw)
+            if not isinstance(record, hint):
+                raise _Bad(f"expected a {hint.__name__}, got a {type(record).__name__}")
+            return record
+        return self._untyped(raw)
+
+    def _instance(self, raw: Any) -> Any:
+        if not (isinstance(raw, dict) and len(raw) == 1):
+            raise _Bad(f"expected a record {{tag: [fields]}}, got {_show(raw)}")
+        ((tag, values),) = raw.items()
+        return self.build(tag, values)
+
+    def _untyped(self, raw: Any) -> Any:
+        if isinstance(raw, dict):
+            return self._instance(raw)
+        if isinstance(raw, list):
+            return tuple(self._untyped(r) for r in raw)
+        return raw
+
+
+def _words(hint: Any) -> str:
+    names = {bool: "a boolean", int: "an integer", float: "a number", str: "a string", type(None): "null"}
+    args = typing.get_args(hint)
+    if args:
+        return " or ".join(names.get(a, getattr(a, "__name__", str(a))) for a in args)
+    return names.get(hint, getattr(hint, "__name__", str(hint)))
+
+
+# --- the header --------------------------------------------------------------------------------
+
+
+def _settings(record: Any) -> dict[str, Any]:
+    return {f.name: canonical(getattr(record, f.name)) for f in _init_fields(type(record))}
+
+
+def header(config: SchedulerConfig, model: ModelInfo, meta: Optional[dict] = None) -> dict[str, Any]:
+    """The first record of a log (see the module docstring)."""
+    return {"format": FORMAT, "version": VERSION, "config": _settings(config), "model": _settings(model),
+            "meta": dict(meta or {})}
+
+
+def _settings_from(cls: type, raw: Any, decoder: Decoder, what: str) -> Any:
+    if not isinstance(raw, dict):
+        raise _Bad(f"header field {what!r} expects an object, got {_show(raw)}")
+    fields = {f.name for f in _init_fields(cls)}
+    unknown = sorted(set(raw) - fields)
+    if unknown:
+        raise _Bad(f"header {what} has field {unknown[0]!r}, which {cls.__name__} of this fxsched does not know")
+    hints = decoder.hints(cls)
+    kwargs = {}
+    for name, value in raw.items():
+        try:
+            kwargs[name] = decoder.value(value, hints.get(name, Any))
+        except _Bad as err:
+            raise _Bad(f"header {what}.{name}: {err}") from None
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as err:
+        raise _Bad(f"header {what}: {' '.join(str(err).split())}") from None
+
+
+# --- recording ---------------------------------------------------------------------------------
+
+
+class EventRecorder(Observer):
+    """An ``Observer`` that writes the event log of a run to ``path`` (a new file, replacing any).
+
+    ``before_step`` writes the event, ``stepped`` the effects record and flushes; ``close`` (also
+    on leaving a ``with`` block; idempotent) writes the end record and closes the file. Called from
+    the drive loop's thread only. A path that cannot be opened raises ``EventLogError``.
+    """
+
+    def __init__(self, path: str | Path, config: SchedulerConfig, model: ModelInfo, meta: Optional[dict] = None):
+        self.path = Path(path)
+        self.events = 0
+        self.bytes = 0
+        self._encoder = Encoder()
+        try:
+            self._fh: Optional[IO[str]] = open(self.path, "w", encoding="utf-8", newline="\n")
+        except OSError as err:
+            raise EventLogError(f"{path}: cannot write the event log ({err.strerror or err})") from None
+        try:
+            self._write(json.dumps(header(config, model, meta), separators=_SEPARATORS, ensure_ascii=False,
+                                   default=str))
+            self._flush()
+        except BaseException:
+            self.close()
+            raise
+
+    def _write(self, line: str) -> None:
+        if self._fh is None:
+            raise EventLogError(f"{self.path}: the event log is closed")
+        self._fh.write(line + "\n")
+        self.bytes += len(line.encode("utf-8")) + 1
+
+    def _flush(self) -> None:
+        if self._fh is not None:
+            self._fh.flush()
+
+    def _emit(self, record: list[Any]) -> None:
+        for definition in self._encoder.pending:
+            self._write(_dumps(definition))
+        self._encoder.pending.clear()
+        self._write(_dumps(record))
+
+    def before_step(self, event: ev.Event) -> None:
+        self._emit(self._encoder.record(event))
+        self.events += 1
+
+    def stepped(self, event: ev.Event, state: SchedulerState, effects: Seq) -> None:
+        self._emit(self._encoder.effects(effects))
+        self._flush()
+
+    def close(self) -> None:
+        """Write the end record and close the file; a second call does nothing."""
+        fh, self._fh = self._fh, None
+        if fh is None:
+            return
+        try:
+            fh.write(_dumps([END, self.events]) + "\n")
+        finally:
+            fh.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# --- reading -----------------------------------------------------------------------------------
+
+
+@dataclass
+class LogStep:
+    """One recorded step: the event (index among the events, 0-based; its line) and the effects
+    record that followed it (None when the log ends first)."""
+
+    index: int
+    line: int
+    event: ev.Event
+    effects: Optional[list[Any]] = None
+    effects_line: int = 0
+
+
+@dataclass
+class EventLog:
+    """A read log: the header's settings and meta, and its steps as they are read."""
+
+    path: Path
+    config: SchedulerConfig
+    model: ModelInfo
+    meta: dict
+    decoder: Decoder
+    steps: Iterator[LogStep]
+    cut_short: Optional[str] = None  # why the log ends early (set once ``steps`` is exhausted)
+    lines: int = 0
+
+
+def _lines(path: Path, fh: IO[bytes]) -> Iterator[tuple[int, Any, bool]]:
+    """(line number, parsed record, complete) for each line; an unterminated last line is given as
+    (number, None, False)."""
+    for number, raw in enumerate(fh, 1):
+        if not raw.endswith(b"\n"):
+            yield number, None, False
+            return
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise EventLogError(f"{path}: line {number}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+        try:
+            value = json.loads(text)
+        except ValueError as err:  # JSONDecodeError, or a number too long to read
+            raise EventLogError(f"{path}: line {number}: not valid JSON ({getattr(err, 'msg', err)})") from None
+        except RecursionError:
+            raise EventLogError(f"{path}: line {number}: nested too deeply") from None
+        yield number, value, True
+
+
+def read_log(path: str | Path) -> EventLog:
+    """Open an event log and read its header; its steps are read as ``EventLog.steps`` is iterated
+    (``EventLogError`` for a malformed line, raised when that line is reached)."""
+    path = Path(path)
+    try:
+        fh = open(path, "rb")
+    except FileNotFoundError:
+        raise EventLogError(f"{path}: no such event log") from None
+    except IsADirectoryError:
+        raise EventLogError(f"{path}: is a directory, not an event log") from None
+    except OSError as err:
+        raise EventLogError(f"{path}: cannot read it ({err.strerror or err})") from None
+    try:
+        lines = _lines(path, fh)
+        first = next(lines, None)
+        if first is None or not first[2]:
+            raise EventLogError(f"{path}: line 1: the header is missing or cut short")
+        head = first[1]
+        if not isinstance(head, dict) or head.get("format") != FORMAT:
+            raise EventLogError(f"{path}: line 1: not an fxsched event log (expected a header with format {FORMAT!r})")
+        if head.get("version") != VERSION:
+            raise EventLogError(f"{path}: line 1: event log version {_show(head.get('version'))} "
+                                f"(this fxsched reads version {VERSION})")
+        unknown = sorted(set(head) - {"format", "version", "config", "model", "meta"})
+        if unknown:
+            raise EventLogError(f"{path}: line 1: unknown header field {unknown[0]!r}")
+        decoder = Decoder()
+        meta = head.get("meta", {})
+        if not isinstance(meta, dict):
+            raise EventLogError(f"{path}: line 1: header field 'meta' expects an object, got {_show(meta)}")
+        try:
+            config = _settings_from(SchedulerConfig, head.get("config"), decoder, "config")
+            model = _settings_from(ModelInfo, head.get("model"), decoder, "model")
+        except _Bad as err:
+            raise EventLogError(f"{path}: line 1: {err}") from None
+    except BaseException:
+        fh.close()
+        raise
+    log = EventLog(path, config, model, meta, decoder, iter(()))
+    log.steps = _steps(log, lines, fh)
+    return log
+
+
+def _steps(log: EventLog, lines: Iterator[tuple[int, Any, bool]], fh: IO[bytes]) -> Iterator[LogStep]:
+    path, decoder = log.path, log.decoder
+    current: Optional[LogStep] = None
+    index = 0
+    ended = False
+    try:
+        for number, record, complete in lines:
+            log.lines = number
+            if not complete:
+                log.cut_short = f"line {number} is incomplete (the run was cut short mid-record)"
+                break
+            if ended:
+                raise EventLogError(f"{path}: line {number}: a record after the end record")
+            try:
+                if not isinstance(record, list) or not record or not isinstance(record[0], str):
+                    raise _Bad(f"expected a record [tag, ...], got {_show(record)}")
+                kind = record[0]
+                if kind == DEFINE:
+                    decoder.define(record)
+                elif kind == EFFECTS:
+                    if current is None or current.effects is not None:
+                        raise _Bad("an effects record without its event")
+                    current.effects, current.effects_line = record[1:], number
+                    yield current
+                elif kind == END:
+                    if len(record) != 2 or record[1] != index:
+                        raise _Bad(f"the end record {_show(record)} does not count the {index} events of the log")
+                    if current is not None and current.effects is None:
+                        yield current
+                    current, ended = None, True
+                else:
+                    if current is not None and current.effects is None:
+                        raise _Bad(f"an event where the effects of the event on line {current.line} belong")
+                    definition = decoder.definition(kind)
+                    if not issubclass(definition.cls, ev.Event):
+                        raise _Bad(f"tag {kind!r} names {definition.cls.__name__}, not an event")
+                    current = LogStep(index, number, decoder.build(kind, record[1:]))
+                    index += 1
+            except _Bad as err:
+                raise EventLogError(f"{path}: line {number}: {err}") from None
+        else:
+            if not ended and log.lines >= 1:
+                log.cut_short = "the log has no end record (the run was cut short, or is still running)"
+        if current is not None and current.effects is None and not ended:
+            yield current
+    finally:
+        fh.close()
+
+
+# --- replay ------------------------------------------------------------------------------------
+
+
+@dataclass
+class Departure:
+    """The first step whose effects differ from the recorded ones."""
+
+    index: int
+    line: int
+    event: ev.Event
+    recorded: list[str]  # the recorded effects, each as its type (client outputs rendered in full)
+    replayed: list[str]
+    position: int  # the first differing effect (0-based)
+    error: Optional[str] = None  # step raised instead of answering
+
+    def report(self) -> list[str]:
+        out = [f"replay: departs at event {self.index} (line {self.line}): {_brief(self.event)}"]
+        if self.error is not None:
+            out.append(f"  recorded: {len(self.recorded)} effects [{', '.join(self.recorded)}]")
+            out.append(f"  re-run:   step raised {self.error}")
+            return out
+        out.append(f"  recorded: {len(self.recorded)} effects [{', '.join(_kinds(self.recorded))}]")
+        out.append(f"  re-run:   {len(self.replayed)} effects [{', '.join(_kinds(self.replayed))}]")
+        want = self.recorded[self.position] if self.position < len(self.recorded) else "(none)"
+        got = self.replayed[self.position] if self.position < len(self.replayed) else "(none)"
+        out.append(f"  first differing effect #{self.position + 1}: recorded {want}, re-run {got}")
+        return out
+
+
+def _brief(value: Any, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _kinds(effects: list[str]) -> list[str]:
+    return [e.split("(", 1)[0].split(" ", 1)[0] for e in effects]
+
+
+@dataclass
+class ReplayResult:
+    """What ``replay_log`` found: the events re-run, the first departure (None: identical), why the
+    log ended early (None: it was closed), and the client outputs of the re-run, as
+    ``(event index, output)``."""
+
+    path: Path
+    events: int
+    departure: Optional[Departure]
+    cut_short: Optional[str]
+    outputs: list[tuple[int, Any]] = field(default_factory=list)
+    meta: dict = field(default_factory=dict)
+
+    def summary(self) -> str:
+        if self.departure is not None:
+            return f"replay: departs at event {self.departure.index}"
+        line = f"replay: {self.events} events, identical effects and client outputs"
+        if self.cut_short is not None:
+            line += f"; the log was cut short: {self.cut_short}"
+        return line
+
+
+def render_output(index: int, output: Any) -> str:
+    """One client output as ``replay --outputs`` prints it."""
+    if isinstance(output, RotationAck):
+        return f"event {index}: rotation {output.name} {output.render()}"
+    return f"event {index}: request {output.request_id} {output.render()}"
+
+
+def _describe_recorded(entry: Any, decoder: Decoder) -> str:
+    try:
+        if isinstance(entry, str) and "." in entry:
+            tag, hexdigest = entry.split(".", 1)
+            return f"{decoder.definition(tag).cls.__name__} (digest {hexdigest})"
+        if isinstance(entry, str):
+            return f"{decoder.definition(entry).cls.__name__}()"
+        return _brief(decoder._instance(entry))
+    except _Bad:
+        return _brief(entry)
+
+
+def _describe_replayed(effect: Any) -> str:
+    if _is_client(effect) or not _init_fields(type(effect)):
+        return _brief(effect)
+    return f"{_brief(effect)} (digest {digest(effect)})"
+
+
+class _TagsOf(Encoder):
+    """An encoder that uses the file's tags (a class the file never defined gets ``?Name``)."""
+
+    def __init__(self, decoder: Decoder):
+        super().__init__()
+        self.decoder = decoder
+
+    def tag(self, cls: type) -> str:
+        tag = self.tags.get(cls)
+        if tag is None:
+            tag = next((t for t, d in self.decoder.defs.items() if d.cls is cls), "?" + cls.__name__)
+            if not tag.startswith("?"):
+                self.tags[cls] = tag
+        return tag
+
+
+def replay_log(path: str | Path, step: Optional[Callable[[SchedulerState, ev.Event], Any]] = None) -> ReplayResult:
+    """Re-run ``step`` (default: the scheduler's) over the events of the log at ``path`` from
+    ``initial_state`` of its header, comparing each step's effects record with the recorded one.
+    Stops at the first departure. ``EventLogError`` for a malformed log."""
+    if step is None:
+        from fxsched.core import machine
+
+        step = machine.step
+    log = read_log(path)
+    state = initial_state(log.config, log.model)
+    encoder = _TagsOf(log.decoder)
+    outputs: list[tuple[int, Any]] = []
+    events = 0
+    departure: Optional[Departure] = None
+    for item in log.steps:
+        recorded = item.effects
+        try:
+            state, effects = step(state, item.event)
+        except Exception as err:  # noqa: BLE001 - a scheduler that fails here is what replay reports
+            if recorded is None:  # the recorded run stopped at this event too
+                events += 1
+                break
+            departure = Departure(item.index, item.line, item.event,
+                                  [_describe_recorded(e, log.decoder) for e in recorded], [], 0,
+                                  error=f"{type(err).__name__}: {err}")
+            break
+        events += 1
+        outputs.extend((item.index, frame) for frame in client_frames(effects))
+        if recorded is None:
+            break
+        mine = encoder.effects(effects)[1:]
+        if _dumps(mine) != _dumps(recorded):
+            position = next((i for i, (a, b) in enumerate(zip(mine, recorded, strict=False))
+                             if _dumps(a) != _dumps(b)), min(len(mine), len(recorded)))
+            departure = Departure(item.index, item.line, item.event,
+                                  [_describe_recorded(e, log.decoder) for e in recorded],
+                                  [_describe_replayed(e) for e in effects], position)
+            break
+    if departure is None:
+        for _ in log.steps:  # read to the end: a malformed line later on is still an error
+            pass
+    return ReplayResult(log.path, events, departure, log.cut_short if departure is None else None, outputs,
+                        log.meta)

@@ -1,0 +1,366 @@
+"""The HTTP layer of ``fxsched serve``: a FastAPI app over one ``ServeEngine``.
+
+Why FastAPI on uvicorn: it is the stack vLLM and SGLang serve the same API with, well kept, and
+asyncio-native (Starlette's ``StreamingResponse`` gives SSE and tells a disconnect); uvicorn is its
+reference ASGI server and lets ``fxsched serve`` own the signal handling (runtime/serve/server.py).
+Bodies are parsed by ``protocol.parse_request`` rather than FastAPI's own validation, so a bad field
+is a 400 with an OpenAI error body naming it, not FastAPI's 422.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream``: server-sent events,
+one ``data: {chunk}`` per frame that brings text, a final chunk with ``finish_reason``, a usage
+chunk with ``stream_options.include_usage``, then ``data: [DONE]``), ``GET /v1/models``, ``GET
+/health`` (200 while serving, 503 while draining or when the engine thread has stopped), ``GET
+/metrics`` (Prometheus text, runtime/serve/metrics.py).
+
+What the layer does, and nothing more (scheduling is the scheduler's): a request becomes a plan
+(protocol.py), its choices are submitted to the engine with a sink that moves each ``ChoiceEvent``
+onto the request's asyncio queue (``loop.call_soon_threadsafe``), and the events are turned into the
+response. A client that goes away (a stream closed early, a non-streaming client that hangs up) has
+its unfinished choices cancelled: ``ServeEngine.cancel``, a ``Cancel`` event for the scheduler.
+
+Errors: ``APIError`` as its status and body; a full waiting queue 429, a draining server 503; a
+choice the engine failed (an engine fault) 500, or, once a stream has started, an SSE ``data:
+{"error": ...}`` event followed by ``data: [DONE]``. Unknown routes get the OpenAI error body too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Optional
+
+import structlog
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from fxsched.runtime.serve.engine import ChoiceEvent, Draining, Overloaded, ServeEngine
+from fxsched.runtime.serve.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Limits,
+    Plan,
+    chat_plan,
+    completion_plan,
+    parse_request,
+)
+
+log = structlog.get_logger("fxsched.serve.http")
+
+
+@dataclass
+class ServeState:
+    """What the server's drain reads: whether it is draining, and the generation requests in flight
+    (from submit until their response has been sent, or their client has gone)."""
+
+    draining: bool = False
+    active: int = 0
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def _error(err: APIError) -> JSONResponse:
+    return JSONResponse(err.body(), status_code=err.status)
+
+
+class _EventStream(StreamingResponse):
+    """An SSE response that calls ``on_close`` however it ends (done, client gone, server cancel)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def _sse(data: Any) -> str:
+    import json
+
+    return f"data: {json.dumps(data, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class _Choice:
+    """What a response has gathered of one choice."""
+
+    def __init__(self) -> None:
+        self.parts: list[str] = []
+        self.tokens: list[int] = []
+        self.records: list[Optional[dict[str, Any]]] = []
+        self.pending_tokens: list[int] = []  # streamed tokens whose text has not been sent yet
+        self.pending_records: list[Optional[dict[str, Any]]] = []
+        self.offset = 0  # completions logprobs: characters of the tokens already reported
+        self.final: Optional[ChoiceEvent] = None
+
+    def take(self, event: ChoiceEvent) -> None:
+        self.parts.append(event.text)
+        self.tokens.extend(event.tokens)
+        self.pending_tokens.extend(event.tokens)
+        if event.logprobs is not None:
+            self.records.extend(event.logprobs)
+            self.pending_records.extend(event.logprobs)
+        if event.final:
+            self.final = event
+
+    def flush_pending(self) -> tuple[list[int], list[Optional[dict[str, Any]]]]:
+        tokens, records = self.pending_tokens, self.pending_records
+        self.pending_tokens, self.pending_records = [], []
+        return tokens, records
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+class _Formatter:
+    """The OpenAI shapes of one request's responses and chunks."""
+
+    def __init__(self, plan: Plan, created: int, token_text: Callable[[int], str]):
+        self.plan = plan
+        self.chat = plan.kind == "chat"
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = created
+        self.token_text = token_text
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.plan.model}
+
+    def usage(self, choices: list[_Choice]) -> dict[str, Any]:
+        completion = sum(c.final.completion_tokens for c in choices if c.final is not None)
+        # the prefix cache serves each prompt once per choice; report the most any choice of a prompt got
+        cached = max((c.final.cached_tokens for c in choices if c.final is not None), default=0)
+        return {"prompt_tokens": self.plan.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": self.plan.prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    # logprobs --------------------------------------------------------------------------------
+
+    def logprobs(self, choice: _Choice, tokens: list[int], records: list[Optional[dict[str, Any]]]
+                 ) -> Optional[dict[str, Any]]:
+        top = self.plan.logprobs
+        if top is None:
+            return None
+        records = records + [None] * (len(tokens) - len(records))
+        if self.chat:
+            return {"content": [self._chat_entry(t, r, top) for t, r in zip(tokens, records, strict=True)]}
+        strings = [self.token_text(t) for t in tokens]
+        offsets = []
+        for s in strings:
+            offsets.append(choice.offset)
+            choice.offset += len(s)
+        return {
+            "tokens": strings,
+            "token_logprobs": [r["logprob"] if r else None for r in records],
+            "top_logprobs": [({self.token_text(e["token_id"]): e["logprob"] for e in r["top_logprobs"][:top]}
+                              if r and top else None) for r in records],
+            "text_offset": offsets,
+        }
+
+    def _chat_entry(self, token: int, record: Optional[dict[str, Any]], top: int) -> dict[str, Any]:
+        text = self.token_text(token)
+        entries = record["top_logprobs"][:top] if record else []
+        return {"token": text, "logprob": record["logprob"] if record else None, "bytes": list(text.encode()),
+                "top_logprobs": [{"token": self.token_text(e["token_id"]), "logprob": e["logprob"],
+                                  "bytes": list(self.token_text(e["token_id"]).encode())} for e in entries]}
+
+    # whole responses ------------------------------------------------------------------------
+
+    def response(self, choices: list[_Choice]) -> dict[str, Any]:
+        out = []
+        for index, c in enumerate(choices):
+            assert c.final is not None
+            lp = self.logprobs(c, c.tokens, c.records)
+            if self.chat:
+                out.append({"index": index, "message": {"role": "assistant", "content": c.text},
+                            "logprobs": lp, "finish_reason": c.final.finish_reason})
+            else:
+                out.append({"index": index, "text": c.text, "logprobs": lp, "finish_reason": c.final.finish_reason})
+        head = self._head("chat.completion" if self.chat else "text_completion")
+        return {**head, "choices": out, "usage": self.usage(choices)}
+
+    # chunks ----------------------------------------------------------------------------------
+
+    def chunk(self, index: int, text: Optional[str], logprobs: Optional[dict[str, Any]],
+              finish_reason: Optional[str] = None, role: bool = False) -> dict[str, Any]:
+        if self.chat:
+            delta: dict[str, Any] = {}
+            if role:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        else:
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        out = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
+        if self.plan.include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, choices: list[_Choice]) -> dict[str, Any]:
+        head = self._head("chat.completion.chunk" if self.chat else "text_completion")
+        return {**head, "choices": [], "usage": self.usage(choices)}
+
+
+def _engine_failed(message: str) -> APIError:
+    return APIError(500, message, "server_error", None, "engine_fault")
+
+
+def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] = None,
+               lifespan: Optional[Callable[[Any], Any]] = None) -> FastAPI:
+    """The app serving ``engine`` (which the caller, or ``lifespan``, starts and stops); ``state``
+    is shared with the server's drain."""
+    state = state if state is not None else ServeState()
+    app = FastAPI(title="fxsched", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.state.serve = state
+    app.state.engine = engine
+    tokenizer = engine.tokenizer
+
+    @functools.lru_cache(maxsize=65536)
+    def token_text(token: int) -> str:
+        return tokenizer.decode([token], skip_special_tokens=False)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, err: APIError) -> JSONResponse:
+        return _error(err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
+        return _error(APIError(err.status_code, f"{request.method} {request.url.path}: {err.detail}", kind))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, err: Exception) -> JSONResponse:
+        log.error("http_internal_error", path=request.url.path, error=f"{type(err).__name__}: {err}")
+        return _error(APIError(500, f"internal error: {type(err).__name__}", "server_error", None, "internal_error"))
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if not engine.alive:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        data = [{"id": name, "object": "model", "created": state.created, "owned_by": "fxsched",
+                 "root": name, "max_model_len": limits.context, "spec": engine.spec}
+                for name in limits.model_names[:1]]
+        return JSONResponse({"object": "list", "data": data})
+
+    def _submit(plan: Plan, loop: asyncio.AbstractEventLoop) -> tuple[list[int], asyncio.Queue[ChoiceEvent]]:
+        q: asyncio.Queue[ChoiceEvent] = asyncio.Queue()
+
+        def sink(event: ChoiceEvent) -> None:
+            loop.call_soon_threadsafe(q.put_nowait, event)
+
+        if state.draining:
+            engine.metrics.rejected.labels("503").inc()
+            raise APIError(503, "the server is shutting down; retry on another server", "server_error", None,
+                           "server_shutting_down")
+        try:
+            ids = engine.submit(plan.choices, sink)
+        except Overloaded as err:
+            engine.metrics.rejected.labels("429").inc()
+            raise APIError(429, str(err), "rate_limit_error", None, "rate_limit_exceeded") from None
+        except Draining as err:
+            engine.metrics.rejected.labels("503").inc()
+            code = "server_shutting_down" if engine.closed and not engine.gave_up else "engine_stopped"
+            raise APIError(503, str(err), "server_error", None, code) from None
+        return ids, q
+
+    async def _serve(request: Request, plan: Plan) -> Response:
+        loop = asyncio.get_running_loop()
+        ids, q = _submit(plan, loop)
+        state.active += 1
+        fmt = _Formatter(plan, int(time.time()), token_text)
+        choices = [_Choice() for _ in plan.choices]
+        if plan.stream:
+            return _EventStream(_stream(fmt, choices, q), lambda: _closed(ids, choices))
+        try:
+            return await _whole(request, fmt, ids, choices, q)
+        finally:
+            state.active -= 1
+
+    def _closed(ids: list[int], choices: list[_Choice]) -> None:
+        engine.cancel([rid for rid, c in zip(ids, choices, strict=True) if c.final is None])
+        state.active -= 1
+
+    async def _whole(request: Request, fmt: _Formatter, ids: list[int], choices: list[_Choice],
+                     q: asyncio.Queue[ChoiceEvent]) -> Response:
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            remaining = len(choices)
+            while remaining:
+                getter = asyncio.ensure_future(q.get())
+                done, _ = await asyncio.wait({getter, gone}, return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:
+                    getter.cancel()
+                    engine.cancel([rid for rid, c in zip(ids, choices, strict=True) if c.final is None])
+                    return Response(status_code=499)  # nobody will read it
+                event = getter.result()
+                choices[event.index].take(event)
+                remaining -= event.final
+        finally:
+            gone.cancel()
+        failed = [c.final.error for c in choices if c.final is not None and c.final.error is not None]
+        if failed:
+            return _error(_engine_failed(failed[0]))
+        return JSONResponse(fmt.response(choices))
+
+    async def _stream(fmt: _Formatter, choices: list[_Choice], q: asyncio.Queue[ChoiceEvent]) -> AsyncIterator[str]:
+        if fmt.chat:
+            for index in range(len(choices)):
+                yield _sse(fmt.chunk(index, "", None, role=True))
+        remaining = len(choices)
+        while remaining:
+            event = await q.get()
+            choice = choices[event.index]
+            choice.take(event)
+            if event.error is not None:
+                yield _sse(_engine_failed(event.error).body())
+                yield "data: [DONE]\n\n"
+                return
+            if event.text:
+                tokens, records = choice.flush_pending()
+                yield _sse(fmt.chunk(event.index, event.text, fmt.logprobs(choice, tokens, records)))
+            if event.final:
+                remaining -= 1
+                tokens, records = choice.flush_pending()
+                lp = fmt.logprobs(choice, tokens, records) if tokens else None
+                yield _sse(fmt.chunk(event.index, None if fmt.chat else "", lp, event.finish_reason))
+        if fmt.plan.include_usage:
+            yield _sse(fmt.usage_chunk(choices))
+        yield "data: [DONE]\n\n"
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        req = parse_request(CompletionRequest, await request.body())
+        return await _serve(request, completion_plan(req, tokenizer, limits))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        req = parse_request(ChatCompletionRequest, await request.body())
+        return await _serve(request, chat_plan(req, tokenizer, limits))
+
+    return app
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client of ``request`` (whose body has been read) has gone away."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

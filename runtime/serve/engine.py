@@ -1,0 +1,605 @@
+"""The engine thread of ``fxsched serve``: one drive loop (``Interpreter.run``) that owns the
+scheduler state, fed by the HTTP layer through a thread-safe inbox.
+
+Threads. The HTTP layer (the asyncio loop) only calls ``submit``, ``cancel``, ``close`` and
+``abort_all``; each puts one item on the inbox (``queue.SimpleQueue``) and returns. The engine
+thread is the only one that touches the scheduler state, the ``TorchDevice`` and the engine; it
+runs ``Interpreter.run`` with a ``ServeHost``, whose
+
+* ``wait_for_input()`` (the scheduler's ``WaitForInput`` when idle) blocks on the inbox and returns
+  the events of what arrived, and ``take_inputs()`` (after every batch) takes what arrived while
+  the batch ran, without blocking: that is continuous batching, a new request joins at the next
+  tick. Every hand-over starts with a ``Clock`` event (milliseconds since the engine started,
+  ``time.monotonic``). A submitted choice becomes an ``Arrival``, a client disconnect a ``Cancel``
+  (the scheduler remembers a cancel of a request that is not running yet and applies it once it
+  runs, core/machine.py; the sinks finish a cancelled sequence at its next token), ``close`` an
+  ``InboxClosed`` (the scheduler finishes everything it holds, then stops);
+* ``send()`` gets every client output: tokens go through the request's detokenizer and stop
+  matcher exactly as in ``fxsched generate`` (``GenerateHost``: a completed stop string posts a
+  ``Cancel``, the EOS the scheduler never streams is added from the final frame), and each frame
+  becomes one ``ChoiceEvent`` handed to the request's sink (the HTTP layer's
+  ``loop.call_soon_threadsafe``). Nothing in the HTTP layer decides scheduling.
+
+Ids. Each choice of an HTTP request is one scheduler ``Request`` with a fresh integer id from a
+counter (never reused), streaming (so a disconnect can cancel it), with the choice's sampling fields.
+
+Backpressure. ``submit`` refuses (``Overloaded``) when the choices accepted but not yet started
+(no token or final frame yet) plus the new ones would exceed ``max_waiting``, and (``Draining``)
+once ``close`` was called.
+
+Faults. A ``DeviceError`` answering a query is the scheduler's to handle (its fault scope fails the
+requests concerned: an ``ErrorOut``, a 500 for them). Any exception out of ``Interpreter.run``
+(``RunError``, a ``PhaseError``, an engine bug) fails every choice the scheduler had taken (a final
+``ChoiceEvent`` with ``error``), frees every engine slot, and the loop starts again on a fresh
+``TorchDevice`` and a fresh ``initial_state``; choices still in the inbox are untouched. After
+``MAX_BARREN_FAULTS`` faults in a row with no choice served in between (a fault at every start),
+the engine stops instead: the inbox's choices fail, ``alive`` turns false (the HTTP layer then
+answers 503). With
+``record``, each scheduler life writes its own event log (``FILE``, then ``FILE.1``... after a
+restart: a log replays from ``initial_state``).
+
+Invariant: every submitted choice gets exactly one final ``ChoiceEvent`` (finish reason or error),
+unless the process dies; after it, the scheduler holds nothing of that choice.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional, Sequence as Seq
+
+import structlog
+import torch
+
+from fxsched.core import events as ev
+from fxsched.core.request import Request
+from fxsched.core.state import SchedulerState, initial_state
+from fxsched.runtime.devices.device import Device
+from fxsched.runtime.devices.torch import Drafter, TorchDevice
+from fxsched.runtime.generate import (
+    SPECS,
+    GenerateHost,
+    RequestResult,
+    TextOptions,
+    _LogprobWitness,
+    _Observers,
+    _TextStream,
+    scheduler_setup,
+)
+from fxsched.runtime.interpreter import Host, Interpreter, Observer
+from fxsched.runtime.logs import ensure_configured
+from fxsched.runtime.serve.metrics import ServeMetrics
+from fxsched.runtime.serve.protocol import ChoiceSpec
+from fxsched.runtime.text import TextTokenizer
+from fxsched.runtime.torch_model import HybridEngine
+
+log = structlog.get_logger("fxsched.serve.engine")
+
+ABORT = "abort"  # the finish reason of a choice cancelled by its client or by the drain timeout
+MAX_BARREN_FAULTS = 5  # faults in a row, with no choice finished in between, before the engine gives up
+RESTART_BACKOFF = 0.05  # seconds before the second restart in a row (doubling, at most 2 s)
+RECENT = 4096  # final records kept for inspection (``ServeEngine.recent``)
+
+
+class Overloaded(Exception):
+    """The waiting queue is full (HTTP 429)."""
+
+
+class Draining(Exception):
+    """The server is shutting down and takes no new requests (HTTP 503)."""
+
+
+@dataclass(frozen=True)
+class ChoiceEvent:
+    """What one client frame of a choice brought: its new text (safe to show), the token ids and
+    (with logprobs) their records; a final event has ``finish_reason`` ("stop", "length", "abort",
+    "error"), ``error`` for a failed choice, and the choice's totals."""
+
+    index: int
+    text: str
+    tokens: tuple[int, ...]
+    logprobs: Optional[tuple[Optional[dict[str, Any]], ...]] = None
+    finish_reason: Optional[str] = None
+    error: Optional[str] = None
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class _Choice:
+    """A submitted choice, as the engine thread tracks it."""
+
+    id: int
+    index: int
+    spec: ChoiceSpec
+    sink: Callable[[ChoiceEvent], None]
+    submitted: float
+    last_frame: Optional[float] = None
+    started: bool = False
+    cancelled: bool = False
+
+    def deliver(self, event: ChoiceEvent) -> None:
+        try:
+            self.sink(event)
+        except RuntimeError:  # the HTTP loop is closed (the server is going away): nobody listens
+            pass
+
+
+@dataclass(frozen=True)
+class FinalRecord:
+    """A finished choice, kept in ``ServeEngine.recent`` (tests and debugging)."""
+
+    request_id: int
+    finish_reason: str
+    completion_tokens: int
+    cancelled: bool
+    error: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class _Submit:
+    choices: tuple[_Choice, ...]
+
+
+@dataclass(frozen=True)
+class _Cancel:
+    ids: tuple[int, ...]
+
+
+_CLOSE = "close"
+_CANCEL_ALL = "cancel-all"
+
+
+class _Watch(Observer):
+    """Keeps the last scheduler state the loop performed (the metrics read it on ticks)."""
+
+    def __init__(self) -> None:
+        self.state: Optional[SchedulerState] = None
+
+    def stepped(self, event: ev.Event, state: SchedulerState, effects: Seq) -> None:
+        self.state = state
+
+
+class ServeHost(GenerateHost):
+    """The clients of the server: choices come and go while the loop runs (see the module docstring)."""
+
+    def __init__(self, owner: "ServeEngine"):
+        super().__init__((), owner.config.eos_ids, on_text=self._piece)
+        self.owner = owner
+        self.choices: dict[int, _Choice] = {}
+        self._pieces: list[str] = []
+
+    def _piece(self, request_id: int, piece: str) -> None:
+        self._pieces.append(piece)
+
+    # --- inputs --------------------------------------------------------------------------------
+
+    def take_inputs(self) -> list[ev.Event]:
+        # a stop string's cancel for a choice that ended in the same batch is dropped (it would be remembered)
+        events = [e for e in Host.take_inputs(self) if not (isinstance(e, ev.Cancel) and e.request_id not in self.results)]
+        events.extend(self._hand_over(block=False))
+        return events
+
+    def wait_for_input(self) -> list[ev.Event]:
+        self.owner._idle()
+        while True:
+            events = self._hand_over(block=True)
+            if events:
+                return events
+
+    def _hand_over(self, block: bool) -> list[ev.Event]:
+        inbox = self.owner._inbox
+        if not block and inbox.empty():  # the common case after a batch: nothing arrived
+            return []
+        items: list[Any] = [inbox.get()] if block else []
+        while True:
+            try:
+                items.append(inbox.get_nowait())
+            except queue.Empty:
+                break
+        if not items:
+            return []
+        events: list[Optional[ev.Event]] = [ev.Clock(self.owner.now_ms())]
+        for item in items:
+            if isinstance(item, _Submit):
+                events.extend(self._register(c) for c in item.choices)
+            elif isinstance(item, _Cancel):
+                events.extend(self._cancel(rid) for rid in item.ids if self._cancellable(rid))
+            elif item == _CANCEL_ALL:
+                events.extend(self._cancel(rid) for rid in list(self.choices) if self._cancellable(rid))
+            elif item == _CLOSE:
+                events.append(ev.InboxClosed())
+        return [e for e in events if e is not None]
+
+    def _register(self, choice: _Choice) -> Optional[ev.Event]:
+        s = choice.spec
+        try:
+            request = Request(id=choice.id, prompt=s.prompt, max_tokens=s.max_tokens, streaming=True,
+                              temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, seed=s.seed,
+                              top_logprobs=s.top_logprobs)
+        except ValueError as err:  # the protocol checks every field first; this is a last guard
+            self.choices[choice.id] = choice
+            self.results[choice.id] = RequestResult(choice.id, list(s.prompt), error=str(err))
+            self._final(choice, self.results[choice.id], "")
+            return None
+        self.choices[choice.id] = choice
+        self.results[choice.id] = RequestResult(choice.id, list(s.prompt))
+        self.streams[choice.id] = _TextStream(TextOptions(self.owner.tokenizer, s.stop, s.skip_special_tokens))
+        return ev.Arrival(request)
+
+    def _cancellable(self, rid: int) -> bool:
+        choice = self.choices.get(rid)
+        return choice is not None and not choice.cancelled
+
+    def _cancel(self, rid: int) -> ev.Event:
+        self.choices[rid].cancelled = True
+        return ev.Cancel(rid)
+
+    # --- outputs -------------------------------------------------------------------------------
+
+    def send(self, output) -> None:
+        rid = getattr(output, "request_id", None)
+        result = self.results.get(rid) if rid is not None else None
+        choice = self.choices.get(rid) if rid is not None else None
+        if result is None or choice is None:
+            return
+        before = len(result.tokens)
+        super().send(output)
+        text = "".join(self._pieces)
+        self._pieces.clear()
+        tokens = tuple(result.tokens[before:])
+        if rid in self.finished:
+            self._final(choice, result, text, before)
+            return
+        if not tokens and not text:
+            return
+        self.owner._frame(choice, len(tokens))
+        choice.deliver(ChoiceEvent(choice.index, text, tokens, self._records(choice, result, before)))
+
+    def _records(self, choice: _Choice, result: RequestResult, before: int
+                 ) -> Optional[tuple[Optional[dict[str, Any]], ...]]:
+        if not choice.spec.top_logprobs:
+            return None
+        records = result.logprobs or []
+        got = tuple(records[before:])
+        return got + (None,) * (len(result.tokens) - before - len(got))
+
+    def _final(self, choice: _Choice, result: RequestResult, text: str, before: Optional[int] = None) -> None:
+        before = len(result.tokens) if before is None else before
+        tokens = tuple(result.tokens[before:])
+        reason = "error" if result.error is not None else (result.finish_reason or "stop")
+        if choice.cancelled and reason not in ("length", "error") and result.stop is None:
+            reason = ABORT
+        self.owner._frame(choice, len(tokens))
+        cached = self.owner._cached_tokens(choice.id)
+        self._forget(choice.id)
+        event = ChoiceEvent(choice.index, text, tokens, self._records(choice, result, before), reason, result.error,
+                            len(result.tokens), cached)
+        self.owner._finished(choice, event, len(result.tokens))
+        choice.deliver(event)
+
+    def _forget(self, rid: int) -> None:
+        self.results.pop(rid, None)
+        self.streams.pop(rid, None)
+        self.choices.pop(rid, None)
+        self.finished.discard(rid)
+        if self.logprobs is not None:
+            self.logprobs.pending.pop(rid, None)
+
+    def fail_pending(self, message: str) -> None:
+        """The engine gave up: every choice still in the inbox ends with ``message``."""
+        for item in self.owner._drain_inbox():
+            if isinstance(item, _Submit):
+                for choice in item.choices:
+                    result = RequestResult(choice.id, list(choice.spec.prompt), error=message)
+                    self.choices[choice.id] = choice
+                    self.results[choice.id] = result
+                    self._final(choice, result, "")
+
+    def fail_all(self, message: str) -> None:
+        """Every choice the scheduler took ends with ``message`` (the drive loop failed)."""
+        for rid in list(self.choices):
+            result = self.results.get(rid)
+            if result is None:
+                continue
+            result.error = message
+            self._final(self.choices[rid], result, "")
+        self._pieces.clear()
+        self.inputs.clear()
+
+
+class ServeEngine:
+    """The engine of one server: the scheduler configuration, the inbox and the engine thread.
+
+    ``engine`` and ``tokenizer`` are the model; ``spec`` one of ``SPECS``; ``max_batch`` caps the
+    sequences running at once (default: the model's slots); ``drafter`` replaces the model's
+    drafter; ``wrap_device`` puts a layer between the interpreter and the device (tests inject
+    faults with it); ``record`` writes the event log (``fxsched.runtime.eventlog``).
+    """
+
+    def __init__(self, engine: HybridEngine, tokenizer: TextTokenizer, spec: str = "none",
+                 max_batch: Optional[int] = None, max_waiting: int = 1024, drafter: Optional[Drafter] = None,
+                 wrap_device: Optional[Callable[[TorchDevice], Device]] = None,
+                 metrics: Optional[ServeMetrics] = None, record: Optional[str | Path] = None,
+                 record_meta: Optional[dict[str, Any]] = None, eos_ids: Optional[Seq[int]] = None):
+        ensure_configured()
+        cfg = engine.cfg
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.spec = spec
+        self.speculative = spec != SPECS[0]
+        self.max_batch = max_batch if max_batch is not None else cfg.max_slots
+        eos = tuple(eos_ids) if eos_ids is not None else (tokenizer.eos_ids or None)
+        self.config, self.model_info, self.proposer = scheduler_setup(cfg, spec, self.max_batch, eos)
+        self.max_waiting = max_waiting
+        self.drafter = drafter
+        self.wrap_device = wrap_device
+        self.metrics = metrics if metrics is not None else ServeMetrics(spec, cfg.num_blocks, cfg.max_slots)
+        self.record = Path(record) if record is not None else None
+        self.record_meta = record_meta or {}
+        self.recent: deque[FinalRecord] = deque(maxlen=RECENT)
+        self.faults: list[str] = []
+        self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._ids = itertools.count(1)
+        self._waiting = 0
+        self._live = 0
+        self._closed = False
+        self._t0 = time.monotonic()
+        self._thread: Optional[threading.Thread] = None
+        self._device: Optional[TorchDevice] = None
+        self._watch = _Watch()
+        self._last_tick: Optional[float] = None
+        self._idled = False
+        self._served = 0  # choices finished without an error
+        self.gave_up = False
+        self.host = ServeHost(self)
+
+    # --- the HTTP side (any thread) -------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._main, name="fxsched-engine", daemon=True)
+            self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def live(self) -> int:
+        """Choices submitted and not finished."""
+        with self._lock:
+            return self._live
+
+    @property
+    def waiting(self) -> int:
+        """Choices submitted that have not started (no token or final frame yet)."""
+        with self._lock:
+            return self._waiting
+
+    def submit(self, specs: Seq[ChoiceSpec], sink: Callable[[ChoiceEvent], None]) -> list[int]:
+        """Queue the choices of one request (choice i reports ``index`` i to ``sink``); their ids.
+        Raises ``Draining`` after ``close`` and ``Overloaded`` when the waiting queue is full."""
+        with self._lock:
+            if self.gave_up or not self.alive:
+                raise Draining("the engine is not running (it stopped after repeated faults)" if self.gave_up
+                               else "the engine is not running")
+            if self._closed:
+                raise Draining("the server is shutting down")
+            if self._waiting + len(specs) > self.max_waiting:
+                raise Overloaded(f"the waiting queue is full ({self._waiting} choices waiting, at most "
+                                 f"{self.max_waiting}); retry later")
+            self._waiting += len(specs)
+            self._live += len(specs)
+            ids = [next(self._ids) for _ in specs]
+        now = time.perf_counter()
+        self._inbox.put(_Submit(tuple(_Choice(rid, i, spec, sink, now)
+                                      for i, (rid, spec) in enumerate(zip(ids, specs, strict=True)))))
+        return ids
+
+    def cancel(self, ids: Seq[int]) -> None:
+        """The clients of these choices went away (finished ones are ignored)."""
+        if ids:
+            self._inbox.put(_Cancel(tuple(ids)))
+
+    def abort_all(self) -> None:
+        """Cancel every choice the engine holds (the drain timeout); each still gets its final event."""
+        self._inbox.put(_CANCEL_ALL)
+
+    def close(self) -> None:
+        """Take no new requests; the scheduler finishes what it has, then the engine thread ends."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._inbox.put(_CLOSE)
+
+    def stop(self, timeout: Optional[float] = None) -> bool:
+        """``close`` and wait for the engine thread; whether it ended."""
+        self.close()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return not self.alive
+
+    def _drain_inbox(self) -> list[Any]:
+        with self._lock:  # submit checks ``alive`` under the lock: nothing new arrives once the thread ends
+            self._closed = True
+        items = []
+        while True:
+            try:
+                items.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return items
+
+    def now_ms(self) -> float:
+        return (time.monotonic() - self._t0) * 1000.0
+
+    # --- the engine thread ----------------------------------------------------------------------
+
+    def _main(self) -> None:
+        try:
+            self._lives()
+        except BaseException as err:  # a bug outside the drive loop: nobody must wait for an answer forever
+            message = " ".join(f"{type(err).__name__}: {err}".split())
+            log.error("engine_thread_failed", error=message)
+            self.gave_up = True
+            self.host.fail_all(f"engine stopped: {message}")
+            self.host.fail_pending(f"engine stopped: {message}")
+            raise
+
+    def _lives(self) -> None:
+        life = failures = 0
+        with torch.no_grad():
+            while True:
+                served = self._served
+                if self._life(life):
+                    break
+                life += 1
+                failures = 0 if self._served > served else failures + 1
+                if failures >= MAX_BARREN_FAULTS:
+                    log.error("engine_gave_up", faults=failures, last=self.faults[-1])
+                    self.gave_up = True
+                    self.host.fail_pending(f"engine stopped after {failures} faults in a row: {self.faults[-1]}")
+                    break
+                time.sleep(min(RESTART_BACKOFF * 2 ** (failures - 1), 2.0) if failures else 0.0)
+        log.info("engine_stopped", lives=life + 1)
+
+    def _life(self, life: int) -> bool:
+        """One scheduler life; True when it ended as asked (closed), False after a fault."""
+        device = TorchDevice(self.engine, proposer=self.proposer, drafter=self.drafter, on_tick=self._tick)
+        self._device = device
+        self.metrics.reset_speculation()
+        self.host.logprobs = None if self.speculative else _LogprobWitness(device)
+        recorder = self._recorder(life)
+        interpreter = Interpreter(self.wrap_device(device) if self.wrap_device else device, self.host,
+                                  self.config.eos_ids,
+                                  observer=_Observers(recorder, self.host.witness, self.host.logprobs, self._watch))
+        if self._closed:
+            self._inbox.put(_CLOSE)  # a restart after a fault while draining: the new scheduler must close too
+        try:
+            interpreter.run(initial_state(self.config, self.model_info), [ev.Boot()])
+            device.streams.synchronize_all()
+            return True
+        except Exception as err:
+            message = " ".join(f"{type(err).__name__}: {err}".split())
+            log.error("engine_fault", error=message, life=life)
+            self.faults.append(message)
+            self.metrics.faults.inc()
+            self.host.fail_all(f"engine fault: {message}")
+            return False
+        finally:
+            if recorder is not None:
+                recorder.close()
+            self._release(device)
+            self._refresh()
+
+    def _recorder(self, life: int):
+        if self.record is None:
+            return None
+        from fxsched.runtime.eventlog import EventLogError, EventRecorder
+
+        path = self.record if life == 0 else self.record.with_name(f"{self.record.stem}.{life}{self.record.suffix}")
+        meta = {"command": "serve", "spec": self.spec, "life": life, **self.record_meta}
+        try:
+            return EventRecorder(path, self.config, self.model_info, meta)
+        except EventLogError as err:  # the CLI checked the path; serving goes on without the log
+            log.error("record_failed", error=str(err))
+            return None
+
+    def _release(self, device: TorchDevice) -> None:
+        """Free every sequence of the device; if the device cannot, every allocated engine slot."""
+        try:
+            device.release_all()
+        except Exception as err:
+            log.warning("release_failed", error=str(err))
+            for slot in range(self.engine.cfg.max_slots):
+                if self.engine.is_allocated(slot):
+                    self.engine.free(slot)
+        device.close()
+
+    def _cached_tokens(self, rid: int) -> int:
+        device = self._device
+        if device is None:
+            return 0
+        return device.cached_tokens(rid)
+
+    # --- metrics (engine thread) ----------------------------------------------------------------
+
+    def _tick(self, tick: int) -> None:
+        now = time.perf_counter()
+        if self._last_tick is not None and not self._idled:
+            self.metrics.step.observe(now - self._last_tick)
+        self._last_tick, self._idled = now, False
+        self._refresh()
+
+    def _idle(self) -> None:
+        self._idled = True
+        self._refresh()
+
+    def _refresh(self) -> None:
+        m = self.metrics
+        if self._watch.state is not None:
+            m.scheduler(self._watch.state)
+        e = self.engine
+        free, evictable = e.num_free_blocks(), e.num_evictable_blocks()
+        m.device(e.cfg.num_blocks - free - evictable, e.num_cached_blocks(), e.cfg.max_slots - len(e.free_slots()))
+        if self._device is not None:
+            m.speculation(self._device.stats.verifies, self._device.stats.kept_rows)
+
+    def _frame(self, choice: _Choice, n: int) -> None:
+        now = time.perf_counter()
+        if n:
+            if choice.last_frame is None:
+                self.metrics.ttft.observe(now - choice.submitted)
+            else:
+                gap = (now - choice.last_frame) / n
+                for _ in range(n):
+                    self.metrics.itl.observe(gap)
+            choice.last_frame = now
+        if not choice.started:
+            choice.started = True
+            with self._lock:
+                self._waiting -= 1
+
+    def _finished(self, choice: _Choice, event: ChoiceEvent, completion_tokens: int) -> None:
+        m = self.metrics
+        m.e2e.observe(time.perf_counter() - choice.submitted)
+        m.prompt_tokens.inc(len(choice.spec.prompt))
+        m.generation_tokens.inc(completion_tokens)
+        m.finished.labels(event.finish_reason).inc()
+        self.recent.append(FinalRecord(choice.id, event.finish_reason or "", completion_tokens, choice.cancelled,
+                                       event.error))
+        if event.error is None:
+            self._served += 1
+        with self._lock:
+            self._live -= 1
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Counts of the engine's holdings (tests read them once the server is idle)."""
+
+    slots_used: int
+    blocks_used: int
+    live: int
+
+
+def snapshot(engine: ServeEngine) -> EngineSnapshot:
+    """Slots and KV blocks held by sequences right now (read from any thread: plain counters)."""
+    e = engine.engine
+    used = e.cfg.num_blocks - e.num_free_blocks() - e.num_evictable_blocks()
+    return EngineSnapshot(e.cfg.max_slots - len(e.free_slots()), used, engine.live)
