@@ -531,3 +531,45 @@ def test_record_writes_an_event_log_that_replays_identically(tok, tmp_path):
     done = [o for _, o in result.outputs if type(o).__name__ == "DoneOut"]
     assert len(done) == 3 and all(o.n == 6 for o in done)
     assert all(texts)
+
+
+def test_replay_of_a_served_run_reports_where_a_changed_rule_departs(tok, tmp_path, monkeypatch):
+    """A changed publish rule (one occupancy read per tick instead of two) departs at the first
+    publish answer of the served run; the index is found independently by stepping both rules."""
+    import attrs
+
+    from fxsched.core import machine, table
+    from fxsched.core import phases as ph
+    from fxsched.core.state import initial_state
+    from fxsched.runtime.eventlog import read_log, replay_log
+
+    path = tmp_path / "serve.log"
+    s = Server(tok, record=str(path))
+    try:
+        s.client().completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4)
+    finally:
+        s.close()
+    phase = table.ANSWERS[ph.AwaitPublishBlocks]
+
+    def one_read(state, waiting, event, out):
+        state = phase.rule(state, waiting, event, out)
+        out.pop()  # the rule's second SsmSnapshotOccupancy
+        return state
+
+    changed = attrs.evolve(phase, rule=one_read)
+    log = read_log(path)
+    before = after = initial_state(log.config, log.model)
+    first = None
+    for item in log.steps:
+        monkeypatch.setitem(table.ANSWERS, ph.AwaitPublishBlocks, phase)
+        before, want = machine.step(before, item.event)
+        monkeypatch.setitem(table.ANSWERS, ph.AwaitPublishBlocks, changed)
+        after, got = machine.step(after, item.event)
+        if want != got:
+            first = item.index
+            break
+    assert first is not None
+    result = replay_log(path)  # the changed rule is still in the table
+    assert result.departure is not None and result.departure.index == first
+    monkeypatch.setitem(table.ANSWERS, ph.AwaitPublishBlocks, phase)
+    assert replay_log(path).departure is None
