@@ -60,6 +60,7 @@ from fxsched.core.state import SchedulerState, initial_state
 from fxsched.effects.base import Effect
 from fxsched.effects import client as client_effects
 from fxsched.effects.client import ClientOutput, RotationAck
+from fxsched.runtime.files import open_binary
 from fxsched.runtime.interpreter import Observer
 
 FORMAT = "fxsched-eventlog"
@@ -534,14 +535,7 @@ def read_log(path: str | Path) -> EventLog:
     """Open an event log and read its header; its steps are read as ``EventLog.steps`` is iterated
     (``EventLogError`` for a malformed line, raised when that line is reached)."""
     path = Path(path)
-    try:
-        fh = open(path, "rb")
-    except FileNotFoundError:
-        raise EventLogError(f"{path}: no such event log") from None
-    except IsADirectoryError:
-        raise EventLogError(f"{path}: is a directory, not an event log") from None
-    except OSError as err:
-        raise EventLogError(f"{path}: cannot read it ({err.strerror or err})") from None
+    fh = open_binary(path, "event log", EventLogError)
     try:
         lines = _lines(path, fh)
         first = next(lines, None)

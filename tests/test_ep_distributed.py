@@ -5,7 +5,6 @@ and kills)."""
 from __future__ import annotations
 
 import argparse
-import multiprocessing
 import os
 import signal
 import time
@@ -14,7 +13,6 @@ import pytest
 
 pytest.importorskip("torch.distributed")
 
-import torch.distributed as dist  # noqa: E402
 
 from fxsched.runtime.cli.ep import add_ep_ranks_argument, generate_function, run_with_ep  # noqa: E402
 from fxsched.runtime.ep.run import (  # noqa: E402
@@ -27,22 +25,10 @@ from fxsched.runtime.ep.run import (  # noqa: E402
 from fxsched.runtime.ep.worker import snapshot_from_json  # noqa: E402
 from fxsched.runtime.scenarios.runner import run_scenario  # noqa: E402
 from fxsched.runtime.scenarios.loader import load_scenario, specs_dir  # noqa: E402
-from support.ep_faults import EXIT_INJECTED, ExitAfter, StallAfter, faulty  # noqa: E402
+from support.ep_faults import EXIT_INJECTED, ExitAfter, StallAfter, faulty, no_process_left  # noqa: E402, F401
 
 SHORT_S = 2.0  # the leader's timeout in the failure tests
 MARGIN_S = 1.5  # detection and clean-up on top of it (a loaded 2-core machine)
-
-
-@pytest.fixture(autouse=True)
-def no_process_left():
-    yield
-    left = multiprocessing.active_children()
-    for p in left:
-        p.kill()
-        p.join(5)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    assert left == [], f"processes left behind: {left}"
 
 
 @pytest.mark.parametrize("name", ["plain_decode", "dflash_batched"])

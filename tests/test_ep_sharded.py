@@ -21,7 +21,6 @@ pytest.importorskip("torch.distributed")
 pytest.importorskip("transformers")
 
 import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
 
 from fxsched.runtime.ep import generate as ep_generate  # noqa: E402
 from fxsched.runtime.ep.experts import ExpertGroup, ExpertShardSpec, weights_report  # noqa: E402
@@ -40,6 +39,7 @@ from fxsched.runtime.torch_model.moe import (  # noqa: E402
     moe_prefixes,
     weight_bytes,
 )
+from support.ep_faults import no_process_left  # noqa: E402, F401 (autouse)
 from support.hf_tiny import build  # noqa: E402
 from support.hf_tiny_dflash import write_tiny_dflash_for  # noqa: E402
 from support.toy_model import run_fxsched  # noqa: E402
@@ -51,18 +51,6 @@ MAX_TOKENS = 10
 TOLERANCE = 1e-5  # fp32 logits against one rank (the order of the ranks' additions differs)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(autouse=True)
-def no_process_left():
-    yield
-    left = multiprocessing.active_children()
-    for p in left:
-        p.kill()
-        p.join(5)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    assert left == [], f"processes left behind: {left}"
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,7 @@ from fxsched.core.prefill import MAX_BEAMS_PER_GROUP
 from fxsched.core.request import Request
 from fxsched.runtime.devices.recording import DeviceConfig
 from fxsched.runtime.devices.scripted import Script
+from fxsched.runtime.files import read_text
 
 
 class ScenarioError(Exception):
@@ -315,17 +316,9 @@ def parse_scenario(data: dict, source: str) -> Scenario:
 
 
 def load_scenario_file(path: Path) -> Scenario:
+    text = read_text(path, "scenario file", ScenarioError)
     try:
-        text = Path(path).read_bytes().decode("utf-8")
         data = tomllib.loads(text)
-    except FileNotFoundError:
-        raise ScenarioError(f"{path}: no such scenario file") from None
-    except IsADirectoryError:
-        raise ScenarioError(f"{path}: is a directory, not a scenario file") from None
-    except UnicodeDecodeError as err:
-        raise ScenarioError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
-    except OSError as err:
-        raise ScenarioError(f"{path}: cannot read it ({err.strerror or err})") from None
     except tomllib.TOMLDecodeError as err:
         raise ScenarioError(f"{path}: not valid TOML ({err})") from None
     except RecursionError:

@@ -4,12 +4,15 @@ after a number of messages (``EpCluster(..., entries={rank: faulty(ExitAfter(20)
 from __future__ import annotations
 
 import functools
+import multiprocessing
 import os
 import time
 from typing import Callable
 
 import attrs
+import pytest
 import structlog
+import torch.distributed as dist
 
 from fxsched.runtime.ep.worker import EpWorker, run_worker
 from fxsched.runtime.ep.protocol import Message
@@ -65,3 +68,17 @@ class StallAfter:
 def faulty(serve) -> Callable:
     """A worker process entry that runs ``serve`` as its message loop (picklable for spawn)."""
     return functools.partial(run_worker, serve=serve)
+
+
+@pytest.fixture(autouse=True)
+def no_process_left():
+    """After each test of a module that imports this fixture: no worker process is left (any found
+    is killed, then the test fails) and no process group is still initialised."""
+    yield
+    left = multiprocessing.active_children()
+    for p in left:
+        p.kill()
+        p.join(5)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    assert left == [], f"processes left behind: {left}"
