@@ -9,12 +9,17 @@ answer of the batch's query.
 
 Every batch that ``step`` returns ends in exactly one query, whose answer is the next event, or in
 the teardown; an input event's batch is empty. Anything else is a ``BatchError``.
+
+Each effect is carried out by the handler of its type (``_CASES``, tried in order, the first class
+the type is a subclass of wins; the choice is remembered per type, so dispatch costs one dictionary
+look-up). A handler returns the answer event of a query and ``None`` for anything else, whatever
+the device method returns; an effect type no case covers is a ``RunError`` naming it.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterable, Optional, Sequence as Seq
+from typing import Any, Callable, Iterable, Optional, Sequence as Seq, Union
 
 import structlog
 
@@ -24,7 +29,7 @@ from fxsched.core.state import SchedulerState
 from fxsched.effects import device_calls as dc
 from fxsched.effects import lifecycle as lc
 from fxsched.effects import plans
-from fxsched.effects.client import ClientOutput, RotationAck
+from fxsched.effects.client import ClientOutput, RotationAck, StreamOut
 from fxsched.effects.ep_words import RELEASE_CMD, SHUTDOWN_CMD
 from fxsched.runtime.devices.device import Device, DeviceError
 from fxsched.runtime.devices.sampling import decode_bf16_row, host_pick
@@ -91,6 +96,13 @@ def check_batch(event: ev.Event, effects: Seq, stopped: bool) -> None:
     query, or ends the run with the teardown and holds no query."""
     if not effects:
         return
+    last_index = len(effects) - 1
+    if effects[last_index].QUERY:  # the usual batch: its query last and no other
+        for i in range(last_index):
+            if effects[i].QUERY:
+                break
+        else:
+            return
     queries = [i for i, effect in enumerate(effects) if effect.QUERY]
     last = effects[-1]
     if queries == [len(effects) - 1]:
@@ -141,196 +153,47 @@ class Interpreter:
         answer = self.perform_all(effects)
         observer.performed(state)
         follow, self._waited = self._waited, []
-        follow.extend(self.host.take_inputs())
+        inputs = self.host.take_inputs()
+        if inputs:
+            follow.extend(inputs)
         if self._take_cancels is not None:
-            follow.extend(ev.Cancel(r) for r in self._take_cancels())
+            cancels = self._take_cancels()
+            if cancels:
+                follow.extend(ev.Cancel(r) for r in cancels)
         if answer is not None:
             follow.append(answer)
         return state, follow
 
+    # --- carrying out effects: one handler per effect type -----------------------------------------
+
+    def perform(self, effect) -> Optional[ev.Event]:
+        """Carry out one effect; its answer (``None`` for a fire-and-forget effect)."""
+        handler = _HANDLERS.get(type(effect)) or _handler_for(type(effect))
+        try:
+            return handler(self, effect)
+        except DeviceError as err:
+            return self._device_error(effect, err)
+
     def perform_all(self, effects) -> Optional[ev.Event]:
+        """Carry out a batch in order; the answer of its query (the last non-``None`` answer)."""
         answer = None
+        handlers = _HANDLERS
         for effect in effects:
-            result = self.perform(effect)
+            handler = handlers.get(type(effect)) or _handler_for(type(effect))
+            try:
+                result = handler(self, effect)
+            except DeviceError as err:
+                result = self._device_error(effect, err)
             if result is not None:
                 answer = result
         return answer
 
-    # --- one match over every effect kind ---------------------------------------------------------
-
-    def perform(self, effect) -> Optional[ev.Event]:
-        try:
-            return self._perform(effect)
-        except DeviceError as err:
-            if not effect.QUERY:
-                raise RunError(f"device error in {type(effect).__name__}: {err.message}") from err
-            log.info("device_fault", effect=type(effect).__name__, message=err.message)
-            return ev.DeviceFault(err.message, err.kv_exhausted)
-
-    def _perform(self, effect) -> Optional[ev.Event]:
-        d = self.device
-        if isinstance(effect, (ClientOutput, RotationAck)):
-            self.host.send(effect)
-            self.observer.output(effect)
-            return None
-        if isinstance(effect, plans.Decode):
-            return self._decode_plan(effect)
-        if isinstance(effect, lc.Lifecycle):
-            return self._lifecycle(effect)
-        match effect:
-            case dc.BindGpuToThread():
-                d.bind_gpu_to_thread()
-            case dc.CreateStream():
-                return ev.StreamCreated(d.create_stream())
-            case dc.CreateEvent():
-                return ev.EventCreated(d.create_event())
-            case dc.NumFreeBlocks():
-                return ev.FreeBlocks(d.num_free_blocks())
-            case dc.SsmSnapshotOccupancy():
-                d.ssm_snapshot_occupancy()
-            case dc.WaitForInput():
-                self._waited.extend(self.host.wait_for_input())
-                return ev.InputReady()
-            case dc.AllocSequence(seq=seq, session=session):
-                return ev.SlotAllocated(d.alloc_sequence(seq, session))
-            case dc.AllocSequenceFor(seq=seq, session=session, budget=budget):
-                return ev.SlotAllocated(d.alloc_sequence_for(seq, session, budget))
-            case dc.FreeSequence(seq=seq):
-                d.free_sequence(seq)
-            case dc.CacheSequence(seq=seq):
-                d.cache_sequence(seq)
-            case dc.CompactSequence(seq=seq, new_slot=slot):
-                d.compact_sequence(seq, slot)
-            case dc.DetachSlotForReuse(seq=seq):
-                d.detach_slot_for_reuse(seq)
-            case dc.SaveSequenceStateCall(seq=seq):
-                d.save_sequence_state(seq)
-            case dc.RestoreSequenceState(seq=seq, blocks=blocks):
-                d.restore_sequence_state(seq, blocks)
-                return ev.StateRestored()
-            case dc.ReclaimPrefixBlocks(n=n):
-                return ev.BlocksReclaimed(d.reclaim_prefix_blocks(n))
-            case dc.TruncateSequence(seq=seq, seq_len=seq_len):
-                d.truncate_sequence(seq, seq_len)
-            case dc.AdapterIdFor(slots=slots):
-                return ev.AdapterIds(tuple(d.adapter_id_for(s) for s in slots))
-            case dc.AcquireAdapterSlot(slot=slot):
-                d.acquire_adapter_slot(slot)
-            case dc.SetActiveLora(name=name):
-                d.set_active_lora(name)
-                return ev.LoraApplied()
-            case dc.EpBroadcastCmdForSeq(seq_slot=slot, cmd=cmd):
-                d.ep_broadcast_cmd_for_seq(slot, cmd)
-            case dc.EpBroadcastCmd(cmd=cmd):
-                d.ep_broadcast_cmd(cmd)
-            case dc.EpBroadcastTokens(tokens=tokens):
-                d.ep_broadcast_tokens(tokens)
-            case dc.EpSyncVisionEmbeds(n=n):
-                d.ep_sync_vision_embeds(n)
-            case dc.PollInnerq():
-                d.poll_innerq()
-            case dc.RecordEvent(event=e, stream=s):
-                d.record_event(e, s)
-            case dc.StreamWaitEvent(stream=s, event=e):
-                d.stream_wait_event(s, e)
-            case dc.Synchronize(stream=s):
-                d.synchronize(s)
-            case dc.SyncSecondaryCall():
-                d.sync_secondary()
-            case dc.TeardownCall():
-                d.teardown()
-            case dc.Prefill(seq=seq, tokens=tokens, stream=stream):
-                return ev.ForwardDone(d.prefill(seq, tokens, stream) or 0)
-            case dc.PrefillChunk(seq=seq, prompt=prompt, start=start, length=length, last=last, stream=stream):
-                return ev.ForwardDone(d.prefill_chunk(seq, prompt, start, length, last, stream) or 0)
-            case dc.MixedForward(decode_tokens=toks, decode_seqs=seqs, prefill=sl, stream=stream):
-                d.mixed_forward(toks, seqs, sl, stream)
-                return ev.ForwardDone()
-            case dc.MixedForwardBatch(decode_tokens=toks, decode_seqs=seqs, prefills=sls, stream=stream):
-                d.mixed_forward_batch(toks, seqs, sls, stream)
-                return ev.ForwardDone()
-            case dc.PrefillBatchChunk(prefills=sls, stream=stream):
-                d.prefill_batch_chunk(sls, stream)
-                return ev.ForwardDone()
-            case dc.NormalizeSsmStates(seq=seq, stream=stream):
-                d.normalize_ssm_states(seq, stream)
-            case dc.DecodeCall(token=token, seq=seq, stream=stream):
-                d.decode(token, seq, stream)
-                return ev.ForwardDone()
-            case dc.DecodeDraft(token=token, seq=seq, stream=stream):
-                d.decode_draft(token, seq, stream)
-                return ev.ForwardDone()
-            case dc.SerialVerify(seq=seq, tokens=tokens):
-                return ev.VerifyRows(getattr(d, effect.CALL)(seq, tokens))
-            case dc.DecodeVerifyBatched(tokens=tokens, ks=ks, seqs=seqs, stream=stream, woa=woa):
-                return ev.VerifyRows(d.decode_verify_batched(tokens, ks, seqs, stream, woa))
-            case dc.ProposeMulti(token=t, pos=pos, n=n, seq=seq, stream=stream, mask=mask):
-                return ev.Drafts(d.run_mtp_propose_multi(t, pos, n, seq, stream, mask))
-            case dc.ProposeBatched(tokens=t, positions=p, stash=st, n=n, seqs=seqs, stream=stream):
-                return ev.BatchedDrafts(d.run_mtp_propose_batched(t, p, st, n, seqs, stream))
-            case dc.CatchupBatched(tokens=t, slots=slots, pos=pos):
-                d.run_mtp_catchup_batched(t, slots, pos)
-            case dc.GenerateBeamBatch(prompts=prompts, num_beams=beams):
-                return ev.BeamHypotheses(d.generate_beam_batch(prompts, beams))
-            case dc.SlotDraftCapacity(slots=slots):
-                return ev.DraftCapacity(tuple(d.mtp_slot_draft_capacity(s) for s in slots))
-            case dc.CanBatchVerify(ks=ks):
-                return ev.BatchVerifyAllowed(d.can_batch_verify(ks))
-            case dc.ArgmaxOnDevice(row=row, stream=stream):
-                return ev.TokenSampled(d.argmax_on_device(row, stream))
-            case dc.ArgmaxBatch(row=row, n=n, stream=stream):
-                return ev.TokensSampled(d.argmax_batch(row, n, stream))
-            case dc.CopyLogitsToHost(row=row, n=n, picks=picks):
-                return self._host_picks(row, picks)
-            case dc.GdnFoldAccepted(slots=slots, accepted=accepted, k=k):
-                d.gdn_fold_accepted(slots, accepted, k)
-            case dc.CommitAcceptedPrefix(seq=seq, na=na, k=k):
-                d.commit_accepted_prefix(seq, na, k)
-            case dc.CommitCtx(seq=seq, n=n, base=base, row=row):
-                d.commit_ctx(seq, n, base, row)
-            case dc.CommitCtxBatch(entries=entries):
-                for seq, n, base, row in entries:
-                    d.commit_ctx(seq, n, base, row)
-            case dc.CommitAcceptedPrefixBatch(entries=entries):
-                for seq, na, k in entries:
-                    d.commit_accepted_prefix(seq, na, k)
-            case dc.TrimProposerStateBatch(entries=entries, stream=stream):
-                for seq, na in entries:
-                    d.trim_proposer_state(seq, na, stream)
-            case dc.TruncateSequences(entries=entries):
-                for seq, seq_len in entries:
-                    d.truncate_sequence(seq, seq_len)
-            case dc.TrimProposerState(seq=seq, na=na, stream=stream):
-                d.trim_proposer_state(seq, na, stream)
-            case dc.SaveHiddenForMtp(row=row, stream=stream):
-                d.save_hidden_for_mtp(row, stream)
-            case dc.SaveHiddenForMtpFromStash(index=index, stream=stream):
-                d.save_hidden_for_mtp_from_stash(index, stream)
-            case dc.StashVerifyHiddenRows(rows=rows, stream=stream):
-                d.stash_verify_hidden_rows(rows, stream)
-            case dc.StashVerifyCatchupRows(pairs=pairs):
-                d.stash_verify_catchup_rows(pairs)
-            case dc.DflashEagleAcceptAppend(seq=seq):
-                d.dflash_eagle_accept_append(seq)
-            case dc.StartCheckpointAsync(seq=seq):
-                d.start_checkpoint_async(seq)
-            case dc.StartRollbackAndCheckpointAsync(seq=seq, na=na):
-                d.start_rollback_and_checkpoint_async(seq, na)
-            case dc.CheckpointSsmStates(seq=seq):
-                d.checkpoint_ssm_states(seq)
-            case dc.RollbackSsmStates(seq=seq, n=n):
-                d.rollback_ssm_states(seq, n)
-            case dc.DecodeMarconiCheckpoint(seq=seq):
-                d.decode_marconi_checkpoint(seq)
-            case dc.SaveDecodeSsmSnapshot(seq=seq, ring=ring):
-                d.save_decode_ssm_snapshot(seq, ring)
-            case dc.RestoreDecodeSsmSnapshot(seq=seq, ring=ring):
-                d.restore_decode_ssm_snapshot(seq, ring)
-            case dc.SaveHiddenForCatchupCall(row=row, pos=pos):
-                d.save_hidden_for_catchup(row, pos)
-            case _:
-                raise RunError(f"the interpreter has no case for {type(effect).__name__}")
-        return None
+    def _device_error(self, effect, err: DeviceError) -> ev.Event:
+        """A device error in ``effect``: the answer of a query, the end of the run otherwise."""
+        if not effect.QUERY:
+            raise RunError(f"device error in {type(effect).__name__}: {err.message}") from err
+        log.info("device_fault", effect=type(effect).__name__, message=err.message)
+        return ev.DeviceFault(err.message, err.kv_exhausted)
 
     def _host_picks(self, row: int, picks) -> ev.TokensSampled:
         """Tokens of ``len(picks)`` rows from ``row`` by their picks: the device's own batched
@@ -359,45 +222,245 @@ class Interpreter:
             return self._host_picks(0, plan.picks)
         return ev.TokensSampled(d.argmax_batch(0, len(plan.seqs), 0))
 
-    def _lifecycle(self, effect: lc.Lifecycle) -> Optional[ev.Event]:
-        d = self.device
-        d.note_fx(effect.fx_line)
-        match effect:
-            case lc.ReleaseSeq(seq=seq, slot=slot, cache=cache):
-                if cache:
-                    d.cache_sequence(seq)
-                d.free_sequence(seq)
-                d.ep_broadcast_cmd_for_seq(slot, RELEASE_CMD)
-            case lc.CompactSlot(seq=seq, target=target):
-                d.compact_sequence(seq, target)
-            case lc.DetachSlot(seq=seq):
-                d.detach_slot_for_reuse(seq)
-            case lc.SaveSequenceState(seq=seq):
-                d.save_sequence_state(seq)
-            case lc.MarconiCheckpoint(seq=seq):
-                d.decode_marconi_checkpoint(seq)
-            case lc.SsmSnapshotSave(seq=seq, slot=slot):
-                d.save_decode_ssm_snapshot(seq, slot)
-            case lc.SsmSnapshotRestore(seq=seq, slot=slot):
-                d.restore_decode_ssm_snapshot(seq, slot)
-            case lc.SaveHiddenCatchup(row=row, pos=pos):
-                d.save_hidden_for_catchup(row, pos)
-            case lc.SyncSecondary():
-                d.sync_secondary()
-            case lc.EpShutdown():
-                d.ep_broadcast_cmd_for_seq(0, SHUTDOWN_CMD)
-            case lc.Quiesce(stream=stream):
-                d.synchronize(stream)
-            case lc.LoraRotate(name=name):
-                try:
-                    d.set_active_lora(name)
-                except DeviceError as err:
-                    return ev.LoraApplied(err.message)
-                return ev.LoraApplied()
-            case lc.Teardown():
-                d.teardown()
-            case lc.ReadLogits() | lc.ReserveKv() | lc.Rollback():
-                raise RunError(f"{effect.label} belongs to the asynchronous router, which this interpreter is not")
-            case _:
-                raise RunError(f"the interpreter has no case for {type(effect).__name__}")
-        return None
+
+# --- the handlers: one per effect type, found by ``_handler_for`` ------------------------------------
+#
+# A handler carries out one effect on ``it.device`` (or the host) and returns the answer event, or
+# ``None`` for a fire-and-forget effect. ``_CASES`` lists the effect classes in the order they are
+# tried: the first case whose class the effect's type is (a subclass of) handles it, and
+# ``_HANDLERS`` remembers that choice per type, so dispatch is one dictionary look-up per effect.
+
+Handler = Callable[[Interpreter, Any], Optional[ev.Event]]
+
+
+def _fire(act: Callable[[Any, Any], object]) -> Handler:
+    """A device call with no answer: ``act(device, effect)``."""
+
+    def handler(it: Interpreter, e) -> None:
+        act(it.device, e)
+
+    return handler
+
+
+def _announced(act: Callable[[Any, Any], object]) -> Handler:
+    """A lifecycle effect with no answer: its ``fx`` line, then ``act(device, effect)``."""
+
+    def handler(it: Interpreter, e) -> None:
+        d = it.device
+        d.note_fx(e.fx_line)
+        act(d, e)
+
+    return handler
+
+
+def _forward(act: Callable[[Any, Any], object]) -> Handler:
+    """A forward answered when it is done: ``act(device, effect)``, then ``ForwardDone``."""
+
+    def handler(it: Interpreter, e) -> ev.Event:
+        act(it.device, e)
+        return ev.ForwardDone()
+
+    return handler
+
+
+def _restore_sequence_state(it: Interpreter, e) -> ev.Event:
+    it.device.restore_sequence_state(e.seq, e.blocks)
+    return ev.StateRestored()
+
+
+def _set_active_lora(it: Interpreter, e) -> ev.Event:
+    it.device.set_active_lora(e.name)
+    return ev.LoraApplied()
+
+
+def _send(it: Interpreter, e) -> None:
+    it.host.send(e)
+    it.observer.output(e)
+
+
+def _stream_out(it: Interpreter, e) -> None:
+    """One record for a forward's rows: each client gets its own frame."""
+    send, seen = it.host.send, it.observer.output
+    for frame in e.split():
+        send(frame)
+        seen(frame)
+
+
+def _wait_for_input(it: Interpreter, e) -> ev.Event:
+    it._waited.extend(it.host.wait_for_input())
+    return ev.InputReady()
+
+
+def _commit_ctx_batch(it: Interpreter, e) -> None:
+    commit = it.device.commit_ctx
+    for seq, n, base, row in e.entries:
+        commit(seq, n, base, row)
+
+
+def _commit_accepted_prefix_batch(it: Interpreter, e) -> None:
+    commit = it.device.commit_accepted_prefix
+    for seq, na, k in e.entries:
+        commit(seq, na, k)
+
+
+def _trim_proposer_state_batch(it: Interpreter, e) -> None:
+    trim = it.device.trim_proposer_state
+    for seq, na in e.entries:
+        trim(seq, na, e.stream)
+
+
+def _truncate_sequences(it: Interpreter, e) -> None:
+    truncate = it.device.truncate_sequence
+    for seq, seq_len in e.entries:
+        truncate(seq, seq_len)
+
+
+def _marconi_checkpoints(it: Interpreter, e) -> None:
+    d = it.device
+    for seq in e.seqs:
+        d.note_fx(e.fx_line)
+        d.decode_marconi_checkpoint(seq)
+
+
+def _release_seq(it: Interpreter, e) -> None:
+    d = it.device
+    d.note_fx(e.fx_line)
+    if e.cache:
+        d.cache_sequence(e.seq)
+    d.free_sequence(e.seq)
+    d.ep_broadcast_cmd_for_seq(e.slot, RELEASE_CMD)
+
+
+def _lora_rotate(it: Interpreter, e) -> ev.Event:
+    d = it.device
+    d.note_fx(e.fx_line)
+    try:
+        d.set_active_lora(e.name)
+    except DeviceError as err:
+        return ev.LoraApplied(err.message)
+    return ev.LoraApplied()
+
+
+def _asynchronous_only(it: Interpreter, e) -> None:
+    it.device.note_fx(e.fx_line)
+    raise RunError(f"{e.label} belongs to the asynchronous router, which this interpreter is not")
+
+
+def _no_lifecycle_case(it: Interpreter, e) -> None:
+    it.device.note_fx(e.fx_line)
+    raise RunError(f"the interpreter has no case for {type(e).__name__}")
+
+
+def _no_case(it: Interpreter, e) -> None:
+    raise RunError(f"the interpreter has no case for {type(e).__name__}")
+
+
+_CASES: tuple[tuple[Union[type, tuple[type, ...]], Handler], ...] = (
+    ((ClientOutput, RotationAck), _send),
+    (StreamOut, _stream_out),
+    (plans.Decode, lambda it, e: it._decode_plan(e)),
+    (lc.MarconiCheckpoints, _marconi_checkpoints),
+    # lifecycle effects: an ``fx`` line, then their device calls
+    (lc.ReleaseSeq, _release_seq),
+    (lc.CompactSlot, _announced(lambda d, e: d.compact_sequence(e.seq, e.target))),
+    (lc.DetachSlot, _announced(lambda d, e: d.detach_slot_for_reuse(e.seq))),
+    (lc.SaveSequenceState, _announced(lambda d, e: d.save_sequence_state(e.seq))),
+    (lc.MarconiCheckpoint, _announced(lambda d, e: d.decode_marconi_checkpoint(e.seq))),
+    (lc.SsmSnapshotSave, _announced(lambda d, e: d.save_decode_ssm_snapshot(e.seq, e.slot))),
+    (lc.SsmSnapshotRestore, _announced(lambda d, e: d.restore_decode_ssm_snapshot(e.seq, e.slot))),
+    (lc.SaveHiddenCatchup, _announced(lambda d, e: d.save_hidden_for_catchup(e.row, e.pos))),
+    (lc.SyncSecondary, _announced(lambda d, e: d.sync_secondary())),
+    (lc.EpShutdown, _announced(lambda d, e: d.ep_broadcast_cmd_for_seq(0, SHUTDOWN_CMD))),
+    (lc.Quiesce, _announced(lambda d, e: d.synchronize(e.stream))),
+    (lc.LoraRotate, _lora_rotate),
+    (lc.Teardown, _announced(lambda d, e: d.teardown())),
+    ((lc.ReadLogits, lc.ReserveKv, lc.Rollback), _asynchronous_only),
+    (lc.Lifecycle, _no_lifecycle_case),
+    # direct device calls
+    (dc.BindGpuToThread, _fire(lambda d, e: d.bind_gpu_to_thread())),
+    (dc.CreateStream, lambda it, e: ev.StreamCreated(it.device.create_stream())),
+    (dc.CreateEvent, lambda it, e: ev.EventCreated(it.device.create_event())),
+    (dc.NumFreeBlocks, lambda it, e: ev.FreeBlocks(it.device.num_free_blocks())),
+    (dc.SsmSnapshotOccupancy, _fire(lambda d, e: d.ssm_snapshot_occupancy())),
+    (dc.WaitForInput, _wait_for_input),
+    (dc.AllocSequence, lambda it, e: ev.SlotAllocated(it.device.alloc_sequence(e.seq, e.session))),
+    (dc.AllocSequenceFor, lambda it, e: ev.SlotAllocated(it.device.alloc_sequence_for(e.seq, e.session, e.budget))),
+    (dc.FreeSequence, _fire(lambda d, e: d.free_sequence(e.seq))),
+    (dc.CacheSequence, _fire(lambda d, e: d.cache_sequence(e.seq))),
+    (dc.CompactSequence, _fire(lambda d, e: d.compact_sequence(e.seq, e.new_slot))),
+    (dc.DetachSlotForReuse, _fire(lambda d, e: d.detach_slot_for_reuse(e.seq))),
+    (dc.SaveSequenceStateCall, _fire(lambda d, e: d.save_sequence_state(e.seq))),
+    (dc.RestoreSequenceState, _restore_sequence_state),
+    (dc.ReclaimPrefixBlocks, lambda it, e: ev.BlocksReclaimed(it.device.reclaim_prefix_blocks(e.n))),
+    (dc.TruncateSequence, _fire(lambda d, e: d.truncate_sequence(e.seq, e.seq_len))),
+    (dc.AdapterIdFor, lambda it, e: ev.AdapterIds(tuple(it.device.adapter_id_for(s) for s in e.slots))),
+    (dc.AcquireAdapterSlot, _fire(lambda d, e: d.acquire_adapter_slot(e.slot))),
+    (dc.SetActiveLora, _set_active_lora),
+    (dc.EpBroadcastCmdForSeq, _fire(lambda d, e: d.ep_broadcast_cmd_for_seq(e.seq_slot, e.cmd))),
+    (dc.EpBroadcastCmd, _fire(lambda d, e: d.ep_broadcast_cmd(e.cmd))),
+    (dc.EpBroadcastTokens, _fire(lambda d, e: d.ep_broadcast_tokens(e.tokens))),
+    (dc.EpSyncVisionEmbeds, _fire(lambda d, e: d.ep_sync_vision_embeds(e.n))),
+    (dc.PollInnerq, _fire(lambda d, e: d.poll_innerq())),
+    (dc.RecordEvent, _fire(lambda d, e: d.record_event(e.event, e.stream))),
+    (dc.StreamWaitEvent, _fire(lambda d, e: d.stream_wait_event(e.stream, e.event))),
+    (dc.Synchronize, _fire(lambda d, e: d.synchronize(e.stream))),
+    (dc.SyncSecondaryCall, _fire(lambda d, e: d.sync_secondary())),
+    (dc.TeardownCall, _fire(lambda d, e: d.teardown())),
+    (dc.Prefill, lambda it, e: ev.ForwardDone(it.device.prefill(e.seq, e.tokens, e.stream) or 0)),
+    (dc.PrefillChunk, lambda it, e: ev.ForwardDone(
+        it.device.prefill_chunk(e.seq, e.prompt, e.start, e.length, e.last, e.stream) or 0)),
+    (dc.MixedForward, _forward(lambda d, e: d.mixed_forward(e.decode_tokens, e.decode_seqs, e.prefill, e.stream))),
+    (dc.MixedForwardBatch, _forward(lambda d, e: d.mixed_forward_batch(e.decode_tokens, e.decode_seqs, e.prefills,
+                                                                       e.stream))),
+    (dc.PrefillBatchChunk, _forward(lambda d, e: d.prefill_batch_chunk(e.prefills, e.stream))),
+    (dc.NormalizeSsmStates, _fire(lambda d, e: d.normalize_ssm_states(e.seq, e.stream))),
+    (dc.DecodeCall, _forward(lambda d, e: d.decode(e.token, e.seq, e.stream))),
+    (dc.DecodeDraft, _forward(lambda d, e: d.decode_draft(e.token, e.seq, e.stream))),
+    (dc.SerialVerify, lambda it, e: ev.VerifyRows(getattr(it.device, e.CALL)(e.seq, e.tokens))),
+    (dc.DecodeVerifyBatched, lambda it, e: ev.VerifyRows(
+        it.device.decode_verify_batched(e.tokens, e.ks, e.seqs, e.stream, e.woa))),
+    (dc.ProposeMulti, lambda it, e: ev.Drafts(
+        it.device.run_mtp_propose_multi(e.token, e.pos, e.n, e.seq, e.stream, e.mask))),
+    (dc.ProposeBatched, lambda it, e: ev.BatchedDrafts(
+        it.device.run_mtp_propose_batched(e.tokens, e.positions, e.stash, e.n, e.seqs, e.stream))),
+    (dc.CatchupBatched, _fire(lambda d, e: d.run_mtp_catchup_batched(e.tokens, e.slots, e.pos))),
+    (dc.GenerateBeamBatch, lambda it, e: ev.BeamHypotheses(it.device.generate_beam_batch(e.prompts, e.num_beams))),
+    (dc.SlotDraftCapacity, lambda it, e: ev.DraftCapacity(
+        tuple(it.device.mtp_slot_draft_capacity(s) for s in e.slots))),
+    (dc.CanBatchVerify, lambda it, e: ev.BatchVerifyAllowed(it.device.can_batch_verify(e.ks))),
+    (dc.ArgmaxOnDevice, lambda it, e: ev.TokenSampled(it.device.argmax_on_device(e.row, e.stream))),
+    (dc.ArgmaxBatch, lambda it, e: ev.TokensSampled(it.device.argmax_batch(e.row, e.n, e.stream))),
+    (dc.CopyLogitsToHost, lambda it, e: it._host_picks(e.row, e.picks)),
+    (dc.GdnFoldAccepted, _fire(lambda d, e: d.gdn_fold_accepted(e.slots, e.accepted, e.k))),
+    (dc.CommitAcceptedPrefix, _fire(lambda d, e: d.commit_accepted_prefix(e.seq, e.na, e.k))),
+    (dc.CommitCtx, _fire(lambda d, e: d.commit_ctx(e.seq, e.n, e.base, e.row))),
+    (dc.CommitCtxBatch, _commit_ctx_batch),
+    (dc.CommitAcceptedPrefixBatch, _commit_accepted_prefix_batch),
+    (dc.TrimProposerStateBatch, _trim_proposer_state_batch),
+    (dc.TruncateSequences, _truncate_sequences),
+    (dc.TrimProposerState, _fire(lambda d, e: d.trim_proposer_state(e.seq, e.na, e.stream))),
+    (dc.SaveHiddenForMtp, _fire(lambda d, e: d.save_hidden_for_mtp(e.row, e.stream))),
+    (dc.SaveHiddenForMtpFromStash, _fire(lambda d, e: d.save_hidden_for_mtp_from_stash(e.index, e.stream))),
+    (dc.StashVerifyHiddenRows, _fire(lambda d, e: d.stash_verify_hidden_rows(e.rows, e.stream))),
+    (dc.StashVerifyCatchupRows, _fire(lambda d, e: d.stash_verify_catchup_rows(e.pairs))),
+    (dc.DflashEagleAcceptAppend, _fire(lambda d, e: d.dflash_eagle_accept_append(e.seq))),
+    (dc.StartCheckpointAsync, _fire(lambda d, e: d.start_checkpoint_async(e.seq))),
+    (dc.StartRollbackAndCheckpointAsync, _fire(lambda d, e: d.start_rollback_and_checkpoint_async(e.seq, e.na))),
+    (dc.CheckpointSsmStates, _fire(lambda d, e: d.checkpoint_ssm_states(e.seq))),
+    (dc.RollbackSsmStates, _fire(lambda d, e: d.rollback_ssm_states(e.seq, e.n))),
+    (dc.DecodeMarconiCheckpoint, _fire(lambda d, e: d.decode_marconi_checkpoint(e.seq))),
+    (dc.SaveDecodeSsmSnapshot, _fire(lambda d, e: d.save_decode_ssm_snapshot(e.seq, e.ring))),
+    (dc.RestoreDecodeSsmSnapshot, _fire(lambda d, e: d.restore_decode_ssm_snapshot(e.seq, e.ring))),
+    (dc.SaveHiddenForCatchupCall, _fire(lambda d, e: d.save_hidden_for_catchup(e.row, e.pos))),
+)
+"""Every effect class the interpreter carries out, in the order they are tried, with its handler."""
+
+_HANDLERS: dict[type, Handler] = {}
+"""The handler of each effect type met so far (filled by ``_handler_for``)."""
+
+
+def _handler_for(cls: type) -> Handler:
+    """The handler of effect type ``cls``: that of the first case it is a subclass of (remembered)."""
+    handler = next((h for pattern, h in _CASES if issubclass(cls, pattern)), _no_case)
+    _HANDLERS[cls] = handler
+    return handler

@@ -3,11 +3,20 @@
 Each invariant is a named function with the rule in its docstring; ``Monitor`` calls them after
 every step of the random walk and the hypothesis machine, and raises ``Violation`` naming the
 first one broken. Cheap checks run on every step; whole-state checks run at tick boundaries.
+
+The per-step checks run only where they have something to look at, which keeps the checker's own
+cost per step small: a batch's checks run when the batch holds an effect of a type they read (the
+type's ``ROLES``, worked out once per type; a check with nothing to read would pass), and
+``Monitor.on_state`` re-runs a check of the device's pool and slots or of the state's in-flight
+tuples only when its inputs changed since it last held (the simulated device's ``epoch``; the very
+same tuples in the state, which frozen records keep when nothing in them changed).
 """
 
 from __future__ import annotations
 
 from typing import Any, Optional
+
+import attrs
 
 from fxsched.core import events as ev
 from fxsched.core.config import SCRIPTED_EOS as EOS
@@ -15,6 +24,7 @@ from fxsched.core.state import SchedulerState
 from fxsched.core.phases import AwaitAdapterIds, AwaitPublishBlocks
 from fxsched.effects import device_calls as dc
 from fxsched.effects import lifecycle as lc
+from fxsched.effects.base import expand_batched
 from fxsched.effects.client import DoneOut, ErrorOut, ResponseOut, TokenOut, TokensOut
 
 
@@ -227,32 +237,33 @@ def slots_unique(state: SchedulerState, device) -> None:
         raise Violation("slots_unique", f"the device has two sequences in one slot: {sorted(dslots)}")
 
 
-_SEQ_FIELDS = ("seq",)
-
-
 def no_effect_on_released(effects, released: set, live: set) -> None:
     """released sequences: no effect names a sequence after its release (until it is allocated
-    again); a released slot is never used by an effect again."""
+    again); a released slot is never used by an effect again. (An effect names the sequences of
+    its ``seq``, of its ``seqs`` for the batched records, or of its ``entries``' first items.)"""
+    roles = ROLES
     for effect in effects:
-        if isinstance(effect, (dc.AllocSequence, dc.AllocSequenceFor)):
+        role = roles[type(effect)]
+        if role & ALLOC:
             released.discard(effect.seq)
             live.add(effect.seq)
             continue
-        seqs: tuple[int, ...] = ()
-        seq = getattr(effect, "seq", None)
-        if seq is not None:
-            seqs = (seq,)
-        elif isinstance(effect, (dc.DecodeVerifyBatched, dc.ProposeBatched)):
-            seqs = effect.seqs
-        elif isinstance(effect, plans.Decode):
-            seqs = effect.seqs
-        elif isinstance(effect, (dc.CommitCtxBatch, dc.CommitAcceptedPrefixBatch, dc.TrimProposerStateBatch,
-                                 dc.TruncateSequences)):
-            seqs = tuple(e[0] for e in effect.entries)
-        for s in seqs:
-            if s in released:
-                raise Violation("no_effect_on_released", f"{type(effect).__name__} names sequence {s} after its release")
-        if isinstance(effect, lc.ReleaseSeq):
+        if released and role & NAMES:
+            seqs: tuple[int, ...] = ()
+            if role & SEQ:
+                seq = getattr(effect, "seq", None)
+                if seq is not None:
+                    seqs = (seq,)
+            if not seqs:
+                if role & SEQS:
+                    seqs = effect.seqs
+                elif role & ENTRIES:
+                    seqs = tuple(e[0] for e in effect.entries)
+            for s in seqs:
+                if s in released:
+                    raise Violation("no_effect_on_released",
+                                    f"{type(effect).__name__} names sequence {s} after its release")
+        if role & RELEASE:
             release_cache_flag(effect)
             released.add(effect.seq)
             live.discard(effect.seq)
@@ -348,8 +359,12 @@ def compaction_target_free(effects, device) -> None:
 def running_sequences(state: SchedulerState) -> set[int]:
     """The sequences the scheduler runs, which may hold a device sequence: active, prefilling and
     being restored."""
-    return ({s.seq_id for s in state.active} | {e.seq_id for e in state.prefilling}
-            | {s.seq_id for s in state.restoring})
+    running = {s.seq_id for s in state.active}
+    if state.prefilling:
+        running.update([e.seq_id for e in state.prefilling])
+    if state.restoring:
+        running.update([s.seq_id for s in state.restoring])
+    return running
 
 
 def no_orphan_sequence(device, running: set[int], dropped: Optional[set[int]] = None) -> None:
@@ -559,6 +574,67 @@ DECODE_LANE = (plans.Decode, dc.DecodeCall, dc.SerialVerify, dc.DecodeVerifyBatc
 (specs/scheduler.md §5.4)."""
 
 
+# --- the roles of an effect type: which checks of a batch it takes part in ----------------------------------
+
+ALLOC = 1 << 0  # allocates ``seq``
+RELEASE = 1 << 1  # a ReleaseSeq
+SEQ = 1 << 2  # names its sequence in ``seq``
+SEQS = 1 << 3  # names its sequences in ``seqs``
+ENTRIES = 1 << 4  # names its sequences in ``entries`` (first items)
+NAMES = SEQ | SEQS | ENTRIES
+COMMIT = 1 << 5  # commits an accepted prefix
+FOLD = 1 << 6  # gdn_fold_accepted
+COMPACT = 1 << 7  # moves a sequence to another slot
+SHUTDOWN = 1 << 8  # EpShutdown, Quiesce, Teardown
+DRAFT = 1 << 9  # one of ``DRAFT_RULED``
+DECODE = 1 << 10  # one of ``DECODE_LANE``
+PLAN = 1 << 11  # a plain decode plan
+BATCHED = 1 << 12  # a batched record standing for several effects (``split``: see ``expand_batched``)
+
+
+def effect_role(cls: type) -> int:
+    """The roles of effect type ``cls``, by the same class tests the checks make one effect at a time."""
+    role = 0
+    if issubclass(cls, (dc.AllocSequence, dc.AllocSequenceFor)):
+        role |= ALLOC
+    if issubclass(cls, lc.ReleaseSeq):
+        role |= RELEASE
+    if hasattr(cls, "seq") or not attrs.has(cls) or "seq" in attrs.fields_dict(cls):
+        role |= SEQ  # a ``seq`` it may hold (read from the effect itself)
+    if issubclass(cls, (dc.DecodeVerifyBatched, dc.ProposeBatched, plans.Decode)):
+        role |= SEQS
+    if issubclass(cls, (dc.CommitCtxBatch, dc.CommitAcceptedPrefixBatch, dc.TrimProposerStateBatch,
+                        dc.TruncateSequences)):
+        role |= ENTRIES
+    if issubclass(cls, (dc.CommitAcceptedPrefix, dc.CommitAcceptedPrefixBatch)):
+        role |= COMMIT
+    if issubclass(cls, dc.GdnFoldAccepted):
+        role |= FOLD
+    if issubclass(cls, (lc.CompactSlot, dc.CompactSequence)):
+        role |= COMPACT
+    if issubclass(cls, (lc.EpShutdown, lc.Quiesce, lc.Teardown)):
+        role |= SHUTDOWN
+    if issubclass(cls, DRAFT_RULED):
+        role |= DRAFT
+    if issubclass(cls, DECODE_LANE):
+        role |= DECODE
+    if issubclass(cls, plans.Decode):
+        role |= PLAN
+    if hasattr(cls, "split"):
+        role |= BATCHED
+    return role
+
+
+class _Roles(dict):
+    def __missing__(self, cls: type) -> int:
+        role = self[cls] = effect_role(cls)
+        return role
+
+
+ROLES: dict[type, int] = _Roles()
+"""Effect type -> its roles (``effect_role``), worked out once per type."""
+
+
 def admission_ran(state: SchedulerState, now_ms: float, last_decode_ms: float, selected: bool) -> None:
     """admission decision (specs/scheduler.md §5.4 step 3), checked at the tick's publish, which
     directly follows the selection and its admission check (``selected``: the tick asked the
@@ -645,6 +721,13 @@ class Monitor:
         self.first_token_owed: set[int] = set()  # cancelled before they were active: the first token may stream
         self.immune: dict[int, int] = {}  # request id -> the output length its immunity lasts to
         self.blamed = None
+        # what the per-step checks of ``on_state`` last looked at (see there)
+        self.seen_epoch: Optional[int] = None
+        self.seen_config: Any = None
+        self.seen_active: Any = None
+        self.seen_prefilling: Any = None
+        self.seen_restoring: Any = None
+        self.seen_new: Any = None
 
     def add_request(self, request) -> None:
         """A request of the run (the hypothesis machine makes them up as it goes)."""
@@ -676,30 +759,60 @@ class Monitor:
             self.blamed = take() if take is not None else None
 
     def on_effects(self, effects) -> None:
-        no_effect_on_released(effects, self.released, self.live)
-        fold_before_commit(effects)
-        compaction_target_free(effects, self.device)
-        drafting = releasing = decoding = False
+        """A batch of effects, before it is carried out. The roles of its effect types (``ROLES``)
+        say which checks have anything to look at in it: a check that none of the batch's effects
+        takes part in would pass, so it does not run."""
+        if not effects:
+            return
+        roles = 0
+        table = ROLES
         for effect in effects:
-            if self.shutdown_tail or isinstance(effect, (lc.EpShutdown, lc.Quiesce, lc.Teardown)):
-                shutdown_order(self.shutdown_tail, effect)
-            elif isinstance(effect, (dc.AllocSequence, dc.AllocSequenceFor)) and effect.session:
-                self.served.add(effect.session)
-            elif isinstance(effect, lc.ReleaseSeq):
-                releasing = True
-            elif isinstance(effect, DRAFT_RULED):
-                drafting = True
-            if isinstance(effect, DECODE_LANE):
-                decoding = True
-                if isinstance(effect, plans.Decode) and hasattr(self.device, "_rid"):
-                    decode_rows(effect, self.device, self.requests)
+            roles |= table[type(effect)]
+        if roles & BATCHED:
+            effects = expand_batched(effects)  # a batched record's rows are checked one by one
+            roles = 0
+            for effect in effects:
+                roles |= table[type(effect)]
+        if roles & (ALLOC | RELEASE) or (roles & NAMES and self.released):
+            no_effect_on_released(effects, self.released, self.live)
+        if roles & COMMIT and roles & FOLD:
+            fold_before_commit(effects)
+        if roles & COMPACT:
+            compaction_target_free(effects, self.device)
+        drafting = releasing = decoding = False
+        if self.shutdown_tail or roles & SHUTDOWN:
+            for effect in effects:  # the shutdown's order, and nothing after it
+                if self.shutdown_tail or isinstance(effect, (lc.EpShutdown, lc.Quiesce, lc.Teardown)):
+                    shutdown_order(self.shutdown_tail, effect)
+                elif isinstance(effect, (dc.AllocSequence, dc.AllocSequenceFor)) and effect.session:
+                    self.served.add(effect.session)
+                elif isinstance(effect, lc.ReleaseSeq):
+                    releasing = True
+                elif isinstance(effect, DRAFT_RULED):
+                    drafting = True
+                if isinstance(effect, DECODE_LANE):
+                    decoding = True
+                    if isinstance(effect, plans.Decode) and hasattr(self.device, "_rid"):
+                        decode_rows(effect, self.device, self.requests)
+        else:
+            if roles & ALLOC:
+                for effect in effects:
+                    if table[type(effect)] & ALLOC and effect.session:
+                        self.served.add(effect.session)
+            releasing = bool(roles & RELEASE)
+            drafting = bool(roles & DRAFT)
+            decoding = bool(roles & DECODE)
+            if roles & PLAN and hasattr(self.device, "_rid"):
+                for effect in effects:
+                    if table[type(effect)] & PLAN:
+                        decode_rows(effect, self.device, self.requests)
         if self.config is None:
             return
         if drafting and hasattr(self.device, "capacity_log"):
             self._draft_rules(effects)
         if releasing:
             self._preemption(effects)
-        elif self.kv_fault is False:
+        elif self.kv_fault is False and roles & PLAN:
             for effect in reversed(effects):
                 if isinstance(effect, plans.Decode):
                     self.last_decode_rows = effect.seqs
@@ -862,45 +975,72 @@ class Monitor:
         self.selected = self.selection = new
 
     def on_state(self, state: SchedulerState) -> None:
-        device_arguments(self.device)
-        if self.config is not None:
-            self.prev_state_active = state.active
+        """The state after a batch was carried out (and the device with it). The per-step checks
+        run on what changed: each is a function of the device's pool and slots, unchanged while
+        its ``epoch`` is, and of state fields that are the very same tuples as at the last step when
+        nothing in them changed; a check whose inputs are all the same held already."""
+        device = self.device
+        if getattr(device, "refused", None) is not None:
+            device_arguments(device)
+        config = self.config
+        active = state.active
+        if config is not None:
+            self.prev_state_active = active
             if self.evicted:
-                for seq in state.active:
+                for seq in active:
                     rid = seq.request.id
                     if rid in self.evicted:  # requeue-resumed: immune for the next tokens (specs/scheduler.md §5.19)
                         self.evicted.discard(rid)
-                        self.immune[rid] = len(seq.output) + self.config.preemption_immunity_tokens
-        blocks_balance(self.device)
-        slots_unique(state, self.device)
-        batch_bound(state)
-        running = running_sequences(state)
-        no_orphan_sequence(self.device, running, self.running - running)
-        self.running = running
-        if self.config is not None:
+                        self.immune[rid] = len(seq.output) + config.preemption_immunity_tokens
+        epoch = getattr(device, "epoch", None)
+        device_same = epoch is not None and epoch == self.seen_epoch
+        prefilling, restoring = state.prefilling, state.restoring
+        batch_same = active is self.seen_active and prefilling is self.seen_prefilling
+        if not device_same:
+            blocks_balance(device)
+        if not (device_same and batch_same):
+            slots_unique(state, device)
+        if not (batch_same and state.config is self.seen_config):
+            batch_bound(state)
+        running = self.running
+        if not (batch_same and restoring is self.seen_restoring):
+            # (the same running set otherwise: no sequence stopped running in this step)
+            running = running_sequences(state)
+            no_orphan_sequence(device, running, self.running - running)
+            self.running = running
+        self.seen_epoch, self.seen_config = epoch, state.config
+        self.seen_active, self.seen_prefilling, self.seen_restoring = active, prefilling, restoring
+        new = state.new_requests
+        if config is not None and new and new is not self.selected:
             self._selection(state)
-        for request in state.new_requests:
-            self.admitted_by.setdefault(request.id, state.tick + self.work)
-        if isinstance(state.waiting, AwaitPublishBlocks):
-            if self.config is not None:
+        if new is not self.seen_new:
+            self.seen_new = new
+            for request in new:
+                self.admitted_by.setdefault(request.id, state.tick + self.work)
+        waiting = state.waiting
+        if waiting is None:
+            pass
+        elif isinstance(waiting, AwaitPublishBlocks):
+            if config is not None:
                 admission_ran(state, self.now_ms, self.last_decode_ms, self.selected_in_tick)
                 self.selected_in_tick = False
-        elif isinstance(state.waiting, AwaitAdapterIds):
+        elif isinstance(waiting, AwaitAdapterIds):
             self.selected_in_tick = True
-            self.admitting = state.waiting.new
+            self.admitting = waiting.new
             self.committed = committed_kv(state)
-        if self.admitting and not isinstance(state.waiting, AwaitAdapterIds):
-            no_overtaking(self.admitting, state.new_requests, getattr(self.device, "adapters", None), set(self.final),
+            return
+        if self.admitting:  # the tick's admission check is done: the whole-state checks of a tick start
+            no_overtaking(self.admitting, new, getattr(device, "adapters", None), set(self.final),
                           self.committed, state)
             self.admitting = ()
             if not self.tick_fault:
-                drafts_verified(state, self.device)
+                drafts_verified(state, device)
             self.tick_fault = False
-            kv_mirror(state, self.device)
+            kv_mirror(state, device)
             slots_packed(state)
-            blocks_free_at_quiescence(state, self.device)
+            blocks_free_at_quiescence(state, device)
             no_starvation(state.tick, self.admitted_by, set(self.final))
-            no_orphan_sequence(self.device, running)
+            no_orphan_sequence(device, running)
 
     def at_end(self, state: SchedulerState) -> None:
         blocks_free_at_quiescence(state, self.device)

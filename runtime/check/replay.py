@@ -20,6 +20,7 @@ from typing import Any, Optional
 import attrs
 
 from fxsched.runtime.check.invariants import Violation
+from fxsched.runtime.files import read_text
 from fxsched.runtime.check.walk import Episode, SimRequest, WalkReport, run_episode
 
 FORMAT = "fxsched-replay-1"
@@ -123,22 +124,14 @@ def _check_episode(raw: Any, where: str) -> None:
 
 def load_replay(path) -> dict:
     """The checked contents of a replay file (see the module docstring); ReplayError otherwise."""
+    text = read_text(path, "replay file", ReplayError)
     try:
-        with open(path, "rb") as fh:
-            data = json.loads(fh.read().decode("utf-8"))
-    except FileNotFoundError:
-        raise ReplayError(f"{path}: no such replay file") from None
-    except IsADirectoryError:
-        raise ReplayError(f"{path}: is a directory, not a replay file") from None
-    except UnicodeDecodeError as err:
-        raise ReplayError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+        data = json.loads(text)
     except json.JSONDecodeError as err:
         raise ReplayError(f"{path}: not valid JSON ({err.msg} at line {err.lineno} column {err.colno}); "
                           f"the file may be truncated") from None
     except (ValueError, RecursionError) as err:  # a number too long to read, nesting too deep
         raise ReplayError(f"{path}: not a readable JSON file ({type(err).__name__}: {err})") from None
-    except OSError as err:
-        raise ReplayError(f"{path}: cannot read it ({err.strerror or err})") from None
     if not isinstance(data, dict):
         raise ReplayError(f"{path}: not an fxsched replay file (expected a JSON object, got {type(data).__name__})")
     if data.get("format") != FORMAT:

@@ -38,6 +38,7 @@ from fxsched.core.request import Request
 from fxsched.core.phases import AwaitPublishBlocks
 from fxsched.core.state import initial_state
 from fxsched.core.table import ANSWERS
+from fxsched.effects import device_calls as dc
 from fxsched.effects.client import DoneOut, ErrorOut, ResponseOut, RotationAck
 from fxsched.runtime.interpreter import BatchError, Host, Interpreter, Observer
 from fxsched.runtime.check.invariants import Monitor, Violation, expected_output
@@ -397,6 +398,10 @@ class WalkHost(Host):
         return events
 
 
+_NOTED = frozenset((dc.GenerateBeamBatch, dc.DecodeVerifyBatched, dc.TruncateSequence, dc.AdapterIdFor))
+"""The effect types ``WalkObserver._note_features`` looks into."""
+
+
 class MonitorObserver(Observer):
     """The invariants on the drive loop: the monitor sees every event before it is stepped, every
     batch before it is carried out, the device after it, and every client output."""
@@ -432,6 +437,7 @@ class WalkObserver(MonitorObserver):
         self.stepping: Optional[ev.Event] = None  # the event ``step`` is working on
         self.episode = episode
         self.waiting_name = ""  # the phase the last batch left the scheduler waiting in
+        self.effect_types: list[type] = []  # the type of every effect stepped, counted by ``count_effects``
 
     def before_step(self, event) -> None:
         self.stepping = event
@@ -441,28 +447,44 @@ class WalkObserver(MonitorObserver):
             self.coverage["fault:kv_exhausted" if event.kv_exhausted else "fault:fatal"] += 1
         elif isinstance(event, ev.Cancel):
             self.coverage["fault:cancel"] += 1
-        super().before_step(event)
+        self.monitor.on_event(event)
 
     def stepped(self, event, state, effects) -> None:
         self.stepping = None
         self.steps += 1
-        self.waiting_name = type(state.waiting).__name__ if state.waiting is not None else ""
-        super().stepped(event, state, effects)
+        waiting = state.waiting
+        self.waiting_name = type(waiting).__name__ if waiting is not None else ""
+        self.monitor.on_effects(effects)
+        if effects:
+            types = self.effect_types
+            start = len(types)
+            types.extend(map(type, effects))
+            if not _NOTED.isdisjoint(types[start:]):
+                self._note_features(effects)
+
+    def _note_features(self, effects) -> None:
+        """The features some effects show (beams, batched verifies, rollbacks, adapters)."""
         coverage = self.coverage
         for effect in effects:
-            name = type(effect).__name__
-            coverage[name] += 1
-            if name == "GenerateBeamBatch":
+            kind = type(effect)
+            if kind is dc.GenerateBeamBatch:
                 coverage["feature:beam_grouped" if len(effect.prompts) > 1 else "feature:beam_single"] += 1
-            elif name == "DecodeVerifyBatched" and self.episode is not None:
+            elif kind is dc.DecodeVerifyBatched and self.episode is not None:
                 coverage["feature:dflash_batched" if self.episode.mode == "dflash" else "feature:mtp_batched"] += 1
-            elif name == "TruncateSequence" and self.episode is not None and self.episode.watchdog:
+            elif kind is dc.TruncateSequence and self.episode is not None and self.episode.watchdog:
                 coverage["feature:watchdog_rollback"] += 1
-            elif name == "AdapterIdFor" and any(slot != -1 for slot in effect.slots):
+            elif kind is dc.AdapterIdFor and any(slot != -1 for slot in effect.slots):
                 coverage["feature:adapters"] += 1
 
+    def count_effects(self) -> None:
+        """Add the effects stepped so far to the coverage, one count per effect under its type's name."""
+        coverage = self.coverage
+        for kind, n in Counter(self.effect_types).items():
+            coverage[kind.__name__] += n
+        self.effect_types = []
+
     def performed(self, state) -> None:
-        super().performed(state)
+        self.monitor.on_state(state)
         if (state.swapped or state.preempted) and isinstance(state.waiting, AwaitPublishBlocks):
             if (len(state.active) + len(state.prefilling) + len(state.new_requests) >= state.config.max_batch_size
                     and self.monitor.device.free_count() > 0):
@@ -476,7 +498,7 @@ class WalkObserver(MonitorObserver):
         if isinstance(output, RotationAck):
             self.coverage["rotation_ack"] += 1
             return
-        super().output(output)
+        self.monitor.on_output(output)
         if isinstance(output, (DoneOut, ResponseOut)):
             self.coverage[f"finish:{output.reason}"] += 1
             guard = output.guard if isinstance(output, DoneOut) else None
@@ -584,6 +606,7 @@ def run_episode(episode: Episode, coverage: Counter, step_limit: int = 20000, ke
             violation = Violation("step_raises", f"{type(err).__name__}: {err} on {watch.stepping!r}")
         else:  # a device refusal (double free, bad slot) is a scheduler bug too
             violation = Violation("device_refused", f"{type(err).__name__}: {err}")
+    watch.count_effects()
     if device.reclaimable < min(episode.reclaimable, episode.held_blocks):
         coverage["feature:reclaim"] += 1
     events = tuple(watch.log or ())

@@ -56,6 +56,12 @@ What a real device varies (the recording device never does, so the goldens stay 
 self-speculative draft decode is wrong at the script's ``draft_wrong_every`` positions. The device
 keeps for the invariants the drafts it proposed (``proposed``, ``proposed_at``), the capacities it
 answered (``capacity_log``) and the last batched verify's sequences (``batch_seqs``).
+
+``epoch`` counts the changes to the block pool and the slots: every call that changes the used or
+held blocks, a sequence's blocks or slot, or which sequences are live adds one (growing a sequence
+within its blocks does not). The checker skips its pool and slot checks while it is unchanged
+(runtime/check/invariants.py, ``Monitor.on_state``), so a new call that changes any of these must
+count too.
 """
 
 from __future__ import annotations
@@ -122,6 +128,7 @@ class SimDevice(ScriptedDevice):
         self.capacity_log: list[int] = []  # every draft capacity answered, in order
         self.ring_slots = 0  # the SSM snapshot ring's slots (0: no ring)
         self.rings: dict[int, tuple[dict[int, int], int]] = {}  # request id -> (ring slot -> position, cursor)
+        self.epoch = 0  # changes to the pool and the slots so far (see the module docstring)
 
     # --- strict bookkeeping ---------------------------------------------------------------------------
 
@@ -160,6 +167,7 @@ class SimDevice(ScriptedDevice):
                 raise DeviceError("out of KV blocks")
             self.used_blocks += extra
             seq.blocks = need
+            self.epoch += 1
 
     def _check_room(self, seqs) -> None:
         """A decode that cannot grow every sequence by one token fails before it writes any."""
@@ -177,6 +185,7 @@ class SimDevice(ScriptedDevice):
     def _alloc(self, seq: int, session: int) -> int:
         if seq in self.live:
             raise self._bad("alloc_sequence", f"sequence {seq} is already allocated")
+        self.epoch += 1
         return super()._alloc(seq, session)
 
     def _check_slice(self, call: str, s: ScriptedSequence, prompt, start: int, length: int, last: bool) -> None:
@@ -580,9 +589,11 @@ class SimDevice(ScriptedDevice):
         s = self._seq(seq)
         if new_slot != s.slot and any(o.slot == new_slot for o in self.live.values() if o is not s):
             raise DeviceError(f"compaction target slot {new_slot} is held by another sequence")
+        self.epoch += 1
         super().compact_sequence(seq, new_slot)
 
     def free_sequence(self, seq: int) -> None:
+        self.epoch += 1
         super().free_sequence(seq)
         self.verified.pop(seq, None)
         for held in (self.verify_io, self.proposed, self.proposed_at, self.last_forward, self.checkpoint_due,
@@ -602,6 +613,7 @@ class SimDevice(ScriptedDevice):
         got = min(n, self.reclaimable)
         self.reclaimable -= got
         self.held_blocks -= got
+        self.epoch += 1
         return got
 
     def adapter_id_for(self, slot: int) -> int:
@@ -638,3 +650,4 @@ class SimDevice(ScriptedDevice):
         s.seq_len = saved["seq_len"]
         s.blocks = blocks
         self.used_blocks += blocks
+        self.epoch += 1

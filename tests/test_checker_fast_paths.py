@@ -1,0 +1,222 @@
+"""The model checker's fast paths do what the slow ones did: the interpreter's per-type dispatch
+carries out every effect class (and its subclasses) as its case says, and refuses the rest by name;
+the monitor's checks gated by effect roles still fire on every effect form they read; the
+simulated device's ``epoch`` moves on every change to the pool or the slots, and the pool checks
+``Monitor.on_state`` skips while it stands still run again once it moves. (That the checker as a
+whole catches as much as before is measured by the mutation suite, tests/run_mutants.py.)"""
+
+from __future__ import annotations
+
+import inspect
+
+import attrs
+import pytest
+
+from fxsched.core import events as ev
+from fxsched.core.config import ModelInfo, SchedulerConfig
+from fxsched.core.state import initial_state
+from fxsched.effects import client, device_calls as dc, lifecycle as lc, plans
+from fxsched.effects.base import Effect
+from fxsched.runtime import interpreter as interp
+from fxsched.runtime.check.invariants import Monitor, Violation
+from fxsched.runtime.devices.device import DeviceError
+from fxsched.runtime.devices.scripted import Script
+from fxsched.runtime.devices.simulated import SimDevice
+from fxsched.runtime.interpreter import Host, Interpreter, RunError
+
+
+class CallLog:
+    """A device that records every call (name, arguments) and answers each with ``answers[name]``
+    (None by default), or raises it when it is an exception."""
+
+    def __init__(self, **answers):
+        self.calls: list[tuple] = []
+        self.answers = answers
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls.append((name, *args))
+            answer = self.answers.get(name)
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+        return call
+
+
+def _interpreter(device) -> Interpreter:
+    return Interpreter(device, Host(), (63,))
+
+
+# --- the interpreter's dispatch ---------------------------------------------------------------------
+
+
+def _effect_classes() -> list[type]:
+    """Every effect class the effect modules define, but the abstract bases."""
+    bases = {Effect, dc.DeviceCall, lc.Lifecycle, client.ClientOutput, plans.Plan}
+    found = []
+    for module in (dc, lc, client, plans):
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ == module.__name__ and issubclass(cls, Effect) and cls not in bases:
+                found.append(cls)
+    return found
+
+
+@pytest.mark.parametrize("cls", _effect_classes(), ids=lambda c: c.__name__)
+def test_every_effect_class_has_a_case(cls):
+    handler = interp._handler_for(cls)
+    if cls in (lc.ReadLogits, lc.ReserveKv, lc.Rollback):  # the asynchronous router's
+        assert handler is interp._asynchronous_only
+    else:
+        assert handler not in (interp._no_case, interp._no_lifecycle_case), cls
+
+
+def test_a_fire_and_forget_call_answers_nothing_whatever_the_device_returns():
+    device = CallLog(acquire_adapter_slot=3, ssm_snapshot_occupancy=0, gdn_fold_accepted=True, num_free_blocks=9)
+    it = _interpreter(device)
+    assert it.perform(dc.AcquireAdapterSlot(1)) is None
+    assert it.perform(dc.SsmSnapshotOccupancy()) is None
+    assert it.perform(dc.GdnFoldAccepted((0,), (1,), 2)) is None
+    answer = it.perform_all([dc.AcquireAdapterSlot(2), dc.NumFreeBlocks()])
+    assert answer == ev.FreeBlocks(9)
+    assert device.calls == [("acquire_adapter_slot", 1), ("ssm_snapshot_occupancy",), ("gdn_fold_accepted", (0,), (1,), 2),
+                            ("acquire_adapter_slot", 2), ("num_free_blocks",)]
+
+
+def test_a_subclass_of_an_effect_class_is_carried_out_as_that_class():
+    @attrs.frozen
+    class LateFree(dc.FreeSequence):
+        pass
+
+    @attrs.frozen
+    class WideVerify(dc.SerialVerify):
+        CALL = "decode_verify_wide"
+
+    device = CallLog(decode_verify_wide=[7, 8])
+    it = _interpreter(device)
+    assert it.perform(LateFree(4)) is None
+    assert it.perform(WideVerify(4, (1, 2))) == ev.VerifyRows((7, 8))
+    assert device.calls == [("free_sequence", 4), ("decode_verify_wide", 4, (1, 2))]
+
+
+def test_an_effect_without_a_case_is_refused_by_name():
+    @attrs.frozen
+    class Stray(Effect):
+        pass
+
+    @attrs.frozen
+    class StrayLifecycle(lc.Lifecycle):
+        pass
+
+    device = CallLog()
+    with pytest.raises(RunError, match="no case for Stray"):
+        _interpreter(device).perform(Stray())
+    with pytest.raises(RunError, match="no case for StrayLifecycle"):
+        _interpreter(device).perform(StrayLifecycle())
+    assert device.calls == [("note_fx", "fx apply StrayLifecycle")]  # a lifecycle effect is announced first
+
+
+def test_a_lifecycle_effect_is_announced_then_carried_out():
+    device = CallLog()
+    it = _interpreter(device)
+    it.perform_all([lc.ReleaseSeq(5, 2, cache=True, reason=lc.ReleaseReason.FINISH_SEQUENCE), lc.Quiesce(1)])
+    assert device.calls == [("note_fx", "fx apply ReleaseSeq{cache=true, finish_sequence}"), ("cache_sequence", 5),
+                            ("free_sequence", 5), ("ep_broadcast_cmd_for_seq", 2, interp.RELEASE_CMD),
+                            ("note_fx", "fx apply Quiesce{stream=1}"), ("synchronize", 1)]
+
+
+def test_a_device_error_answers_a_query_and_ends_the_run_otherwise():
+    device = CallLog(num_free_blocks=DeviceError("pool gone", kv_exhausted=True), free_sequence=DeviceError("bad seq"))
+    it = _interpreter(device)
+    assert it.perform_all([dc.NumFreeBlocks()]) == ev.DeviceFault("pool gone", True)
+    with pytest.raises(RunError, match="device error in FreeSequence: bad seq"):
+        it.perform(dc.FreeSequence(1))
+
+
+# --- the monitor's checks, gated by the roles of a batch's effects -----------------------------------
+
+
+def _monitor(**device_args) -> tuple[Monitor, SimDevice]:
+    device = SimDevice({1: Script(4, (10, 11, 12))}, **device_args)
+    return Monitor((), device, counts_acc=False), device
+
+
+def _released(seq: int = 5) -> Monitor:
+    monitor, _ = _monitor()
+    monitor.on_effects([dc.AllocSequence(seq, 1), dc.NumFreeBlocks()])
+    monitor.on_effects([lc.ReleaseSeq(seq, 0, cache=False, reason=lc.ReleaseReason.SEND_ERROR), dc.NumFreeBlocks()])
+    return monitor
+
+
+@pytest.mark.parametrize("effect", [
+    dc.FreeSequence(5),
+    lc.MarconiCheckpoint(5),
+    dc.DecodeVerifyBatched((1, 2), (1, 1), (4, 5)),
+    plans.Decode((1,), (5,), (4,)),
+    dc.TruncateSequences(((5, 3),)),
+    lc.MarconiCheckpoints((4, 5)),  # a batched record: checked row by row
+], ids=lambda e: type(e).__name__)
+def test_an_effect_naming_a_released_sequence_is_caught_in_every_form(effect):
+    monitor = _released(5)
+    with pytest.raises(Violation, match="no_effect_on_released"):
+        monitor.on_effects([effect, dc.NumFreeBlocks()])
+
+
+def test_a_sequence_allocated_again_may_be_named_again():
+    monitor = _released(5)
+    monitor.on_effects([dc.AllocSequenceFor(5, 1, 8), dc.FreeSequence(5), dc.NumFreeBlocks()])
+
+
+def test_a_commit_before_its_fold_is_caught():
+    monitor, _ = _monitor()
+    with pytest.raises(Violation, match="fold_before_commit"):
+        monitor.on_effects([dc.CommitAcceptedPrefix(1, 2, 3), dc.GdnFoldAccepted((0,), (1,), 3), dc.NumFreeBlocks()])
+    monitor.on_effects([dc.GdnFoldAccepted((0,), (1,), 3), dc.CommitAcceptedPrefix(1, 2, 3), dc.NumFreeBlocks()])
+
+
+def test_the_shutdown_goes_in_order_and_nothing_follows_it():
+    monitor, _ = _monitor()
+    with pytest.raises(Violation, match="shutdown_order"):
+        monitor.on_effects([lc.EpShutdown(), lc.Teardown()])
+    monitor, _ = _monitor()
+    monitor.on_effects([lc.EpShutdown(), lc.Quiesce(0)])
+    monitor.on_effects([lc.Quiesce(1), lc.Teardown()])
+    with pytest.raises(Violation, match="shutdown_order"):
+        monitor.on_effects([dc.NumFreeBlocks()])
+
+
+# --- the simulated device's epoch and the pool checks that follow it ------------------------------------
+
+
+def test_every_change_to_the_pool_or_the_slots_moves_the_epoch():
+    device = SimDevice({1: Script(3, (10, 11, 12)), 2: Script(3, (20, 21))}, block_size=4, held_blocks=2,
+                       reclaimable=2, total_blocks=20)
+
+    def moves(call, *args) -> None:
+        before = device.epoch
+        call(*args)
+        assert device.epoch > before, call.__name__
+
+    moves(device.alloc_sequence, 0, 1)
+    moves(device.alloc_sequence, 1, 2)
+    moves(device.prefill, 0, [1, 2, 3], 0)  # its first block
+    moves(device.decode_batch, [10], [0], 0)  # 4 tokens: a second block
+    moves(device.free_sequence, 1)
+    moves(device.compact_sequence, 0, 1)  # into the slot the free gave back
+    moves(device.reclaim_prefix_blocks, 1)
+    device.save_sequence_state(0)
+    device.free_sequence(0)
+    device.alloc_sequence(0, 1)
+    moves(device.restore_sequence_state, 0, 2)
+    assert device.used_blocks == 2 and device.live[0].blocks == 2
+
+
+def test_the_pool_checks_run_again_once_the_device_changes():
+    config, model = SchedulerConfig(), ModelInfo()
+    monitor, device = _monitor(total_blocks=10)
+    state = initial_state(config, model)
+    monitor.on_state(state)
+    device.used_blocks += 1  # a leak the pool no longer balances
+    device.alloc_sequence(0, 1)
+    with pytest.raises(Violation, match="blocks_balance"):
+        monitor.on_state(state)
