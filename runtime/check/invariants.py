@@ -710,6 +710,9 @@ class Monitor:
         self.kv_fault = False  # the event being stepped is a KV-exhaustion fault
         self.last_decode_ms = 0.0
         self.selected_in_tick = False  # this tick's admission asked the adapter ids of a selection
+        # the state on_state sees next is the one an input event left (the waiting record parked
+        # before it, already checked), or the same state again (an extra look): no new publish
+        self.nothing_new = False
         self.admitting: tuple = ()  # the selection whose admission check is under way
         self.committed = 0  # the KV blocks committed when it began
         self.requeued_kv: dict[int, int] = {}  # request id -> KV tokens it held when preempted (requeued)
@@ -741,6 +744,7 @@ class Monitor:
         """An event about to be stepped: clocks, arrivals, cancels and faults are causes."""
         self.fault_step = False
         self.kv_fault = False
+        self.nothing_new = isinstance(event, ev.INPUT_EVENTS)
         if isinstance(event, ev.Clock):
             self.now_ms = event.now_ms
         elif isinstance(event, ev.Cancel):
@@ -980,6 +984,7 @@ class Monitor:
         its ``epoch`` is, and of state fields that are the very same tuples as at the last step when
         nothing in them changed; a check whose inputs are all the same held already."""
         device = self.device
+        repeat, self.nothing_new = self.nothing_new, True  # until the next event is stepped
         if getattr(device, "refused", None) is not None:
             device_arguments(device)
         config = self.config
@@ -1021,7 +1026,7 @@ class Monitor:
         if waiting is None:
             pass
         elif isinstance(waiting, AwaitPublishBlocks):
-            if config is not None:
+            if config is not None and not repeat:
                 admission_ran(state, self.now_ms, self.last_decode_ms, self.selected_in_tick)
                 self.selected_in_tick = False
         elif isinstance(waiting, AwaitAdapterIds):
