@@ -39,8 +39,8 @@ def decode_lane(state: SchedulerState, task: DecodeLane, out: list[Effect]) -> S
     elif (config.uses_mtp(model) and len(active) <= config.mtp_width_limit and covered
             and all(may_speculate(s) for s in active)):
         lane = SpecStep()
-    else:
-        lane = PlainDecode()
+    else:  # plain decode is the next task: run it now (the same as pushing it)
+        return plain_decode(with_fields(state, {"last_decode_ms": state.now_ms}), PlainDecode(), out)
     return with_fields(state, {"last_decode_ms": state.now_ms, "agenda": (lane,) + state.agenda})
 
 

@@ -43,8 +43,9 @@ def capacity(state: SchedulerState, waiting: AwaitCapacity, event: DraftCapacity
         return push(state, PlainDecode())
     bootstrap = tuple(s.seq_id for s in state.active if not s.drafts)
     verify = tuple(s.seq_id for s in state.active if s.drafts)
-    if bootstrap:
-        out.append(dc.SyncSecondaryCall())
+    if not bootstrap:  # the verifies are the next task: run them now (the same as pushing them)
+        return verifies(state, Verifies(verify, count), out)
+    out.append(dc.SyncSecondaryCall())
     tasks = tuple(Bootstrap(i, count) for i in bootstrap)
     return push(state, *tasks, Verifies(verify, count))
 

@@ -19,7 +19,7 @@ own seed, ``seed`` + its index x ``REQUEST_SEED_STRIDE`` (2**20: requests' draws
 seed for outputs shorter than a million tokens); a pick draws with that seed + the output length (specs/scheduler.md §5.11), so a seeded run repeats token for token. The torch
 device samples the rows (``TorchDevice.sample_rows``); with ``logprobs`` = k > 0 each generated
 token gets its logprob record (the chosen token's logprob and the k most likely ids, from
-``TorchDevice.last_sample``, matched to requests by ``_LogprobWitness``) in
+``TorchDevice.last_sample``, matched to requests by ``LogprobWitness``) in
 ``RequestResult.logprobs``, one entry per token id; the first token's is None (a first token
 never carries a record, specs/scheduler.md §5.11). The defaults are greedy and change nothing.
 
@@ -27,7 +27,7 @@ EOS. ``eos_ids`` (default: the model config's ``stop_ids``) go to the scheduler 
 interpreter; ``()`` never stops early (``--ignore-eos``). The scheduler appends the EOS to a
 request's output but never streams it, so ``GenerateHost`` adds it from the final frame's count;
 with several EOS ids it reads which one from the scheduler state and the answer of that step
-(``_EosWitness``).
+(``EosWitness``).
 
 Text (``TextOptions``, a tokenizer from ``fxsched.runtime.text``). Each request's tokens go
 through an ``IncrementalDetokenizer`` and a ``StopMatcher`` as they stream; ``on_text(request
@@ -309,7 +309,7 @@ class RequestResult:
         return out
 
 
-class _TextStream:
+class TextStream:
     """One request's detokenizer and stop matcher."""
 
     def __init__(self, options: TextOptions):
@@ -344,7 +344,7 @@ def _answer_tokens(event: Optional[ev.Event]) -> tuple[int, ...]:
     return ()
 
 
-class _EosWitness(Observer):
+class EosWitness(Observer):
     """Which EOS id ended a request, for runs with several EOS ids (the final frame only counts it).
 
     While the host handles a batch, ``before`` is the scheduler state before the step and
@@ -384,7 +384,7 @@ class _EosWitness(Observer):
         return found[0] if found else self.eos_ids[0]
 
 
-class _LogprobWitness(Observer):
+class LogprobWitness(Observer):
     """Logprob records for the tokens of a run with ``logprobs`` (``TorchDevice.last_sample``).
 
     A sampled readback is the query that ends a batch; once the batch is carried out, the state's
@@ -427,7 +427,7 @@ class _LogprobWitness(Observer):
                 "top_logprobs": [{"token_id": t, "logprob": lp} for t, lp in record.top]}
 
 
-class _Observers(Observer):
+class Observers(Observer):
     """Several observers, called in order."""
 
     def __init__(self, *observers: Optional[Observer]):
@@ -468,9 +468,9 @@ class GenerateHost(Host):
         self.on_text = on_text or (lambda rid, piece: None)
         self.on_finish = on_finish or (lambda result: None)
         self.text = text
-        self.streams = {r.id: _TextStream(text) for r in requests} if text is not None else {}
-        self.witness: Optional[_EosWitness] = _EosWitness(self.eos_ids) if len(self.eos_ids) > 1 else None
-        self.logprobs: Optional[_LogprobWitness] = None  # set by ``generate`` for a run with logprobs
+        self.streams = {r.id: TextStream(text) for r in requests} if text is not None else {}
+        self.witness: Optional[EosWitness] = EosWitness(self.eos_ids) if len(self.eos_ids) > 1 else None
+        self.logprobs: Optional[LogprobWitness] = None  # set by ``generate`` for a run with logprobs
         self.finished: set[int] = set()
 
     @property
@@ -680,9 +680,9 @@ def generate(engine: HybridEngine, prompts: Seq[Seq[int]], max_tokens: int, spec
         raise
     host = GenerateHost(requests, config.eos_ids, progress or (lambda n: None), text, on_text, on_finish)
     if sampling.logprobs:
-        host.logprobs = _LogprobWitness(device)
+        host.logprobs = LogprobWitness(device)
     interpreter = Interpreter(wrap_device(device) if wrap_device else device, host, config.eos_ids,
-                              observer=_Observers(recorder, host.witness, host.logprobs))
+                              observer=Observers(recorder, host.witness, host.logprobs))
     start = time.perf_counter()
     interrupted = False
     try:

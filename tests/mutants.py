@@ -354,8 +354,8 @@ MUTANTS: tuple[Mutant, ...] = (
        "    if config.ngram_speculative and len(active) >= 1 and covered:\n",
        "n-gram drafting is chosen with more than one active sequence"),
     _m("decode_forgets_decode_time", "decode",
-       '    return with_fields(state, {"last_decode_ms": state.now_ms, "agenda": (lane,) + state.agenda})\n',
-       '    return with_fields(state, {"agenda": (lane,) + state.agenda})\n',
+       '        return plain_decode(with_fields(state, {"last_decode_ms": state.now_ms}), PlainDecode(), out)\n',
+       '        return plain_decode(state, PlainDecode(), out)\n',
        "a decode step does not reset SLAI's time since the last decode (prefills held back for good)"),
     # --- spec_step -------------------------------------------------------------------------------
     _m("spec_step_bootstrap_also_verified", "spec_step",

@@ -66,9 +66,9 @@ from fxsched.runtime.generate import (
     GenerateHost,
     RequestResult,
     TextOptions,
-    _LogprobWitness,
-    _Observers,
-    _TextStream,
+    LogprobWitness,
+    Observers,
+    TextStream,
     scheduler_setup,
 )
 from fxsched.runtime.interpreter import Host, Interpreter, Observer
@@ -233,7 +233,7 @@ class ServeHost(GenerateHost):
             return None
         self.choices[choice.id] = choice
         self.results[choice.id] = RequestResult(choice.id, list(s.prompt))
-        self.streams[choice.id] = _TextStream(TextOptions(self.owner.tokenizer, s.stop, s.skip_special_tokens))
+        self.streams[choice.id] = TextStream(TextOptions(self.owner.tokenizer, s.stop, s.skip_special_tokens))
         return ev.Arrival(request)
 
     def _cancellable(self, rid: int) -> bool:
@@ -483,11 +483,11 @@ class ServeEngine:
         device = TorchDevice(self.engine, proposer=self.proposer, drafter=self.drafter, on_tick=self._tick)
         self._device = device
         self.metrics.reset_speculation()
-        self.host.logprobs = None if self.speculative else _LogprobWitness(device)
+        self.host.logprobs = None if self.speculative else LogprobWitness(device)
         recorder = self._recorder(life)
         interpreter = Interpreter(self.wrap_device(device) if self.wrap_device else device, self.host,
                                   self.config.eos_ids,
-                                  observer=_Observers(recorder, self.host.witness, self.host.logprobs, self._watch))
+                                  observer=Observers(recorder, self.host.witness, self.host.logprobs, self._watch))
         if self._closed:
             self._inbox.put(_CLOSE)  # a restart after a fault while draining: the new scheduler must close too
         try:
