@@ -41,8 +41,13 @@ from fxsched.effects.lifecycle import ReleaseReason, ReleaseSeq
 # --- admission-time swap-out ------------------------------------------------------------------
 
 
+def no_swap_out_room_needed(state: SchedulerState) -> bool:
+    """Admission-time swap-out has nothing to do: no spill pool, or nothing admitted this tick."""
+    return not state.config.spill_pool or not state.new_requests
+
+
 def swap_out_room(state: SchedulerState, task: SwapOutRoom, out: list[Effect]) -> SchedulerState:
-    if not state.config.spill_pool or not state.new_requests:
+    if no_swap_out_room_needed(state):
         return state
     block_size = state.model.block_size
     return push(state, *(SwapOutFor(blocks_for(r.prompt_len, block_size)) for r in state.new_requests))
@@ -79,8 +84,13 @@ def _room_for_more(state: SchedulerState) -> bool:
     return len(state.active) < state.config.max_batch_size
 
 
+def no_swap_in_due(state: SchedulerState) -> bool:
+    """Swap-in has nothing to do: nothing swapped out, or no room in the batch."""
+    return not state.swapped or not _room_for_more(state)
+
+
 def swap_in(state: SchedulerState, task: SwapIn, out: list[Effect]) -> SchedulerState:
-    if not state.swapped or not _room_for_more(state):
+    if no_swap_in_due(state):
         return state
     return ask(state, out, dc.NumFreeBlocks(), AwaitSwapInFree())
 
@@ -147,8 +157,13 @@ def resume_candidate(state: SchedulerState) -> Preempted:
     return min(state.preempted, key=lambda p: blocks_for(len(p.tokens), block_size))
 
 
+def no_resume_due(state: SchedulerState) -> bool:
+    """Requeue resume has nothing to do: nothing preempted, or no room in the batch."""
+    return not state.preempted or not _room_for_more(state)
+
+
 def requeue_resume(state: SchedulerState, task: RequeueResume, out: list[Effect]) -> SchedulerState:
-    if not state.preempted or not _room_for_more(state):
+    if no_resume_due(state):
         return state
     entry = resume_candidate(state)
     want = blocks_for(len(entry.tokens), state.model.block_size) + 1

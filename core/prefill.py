@@ -86,7 +86,14 @@ def become_active(state: SchedulerState, request: Request, seq_id: int, slot: in
 # --- lane 1 -------------------------------------------------------------------------------------
 
 
+def nothing_admitted(state: SchedulerState) -> bool:
+    """Lane 1 has nothing to do: no request was admitted this tick."""
+    return not state.new_requests
+
+
 def start_requests(state: SchedulerState, task: StartRequests, out: list[Effect]) -> SchedulerState:
+    if nothing_admitted(state):
+        return state
     new = state.new_requests
     state = replace(state, new_requests=())
     groups = beam_groups(new) if state.model.supports_beam and not state.config.chunked_prefill else []
@@ -225,8 +232,13 @@ def _decode_rows(state: SchedulerState) -> tuple[SchedulerState, tuple[int, ...]
     return replace(state, active=active), tokens, ids
 
 
+def nothing_prefilling(state: SchedulerState) -> bool:
+    """Lane 2 has nothing to do: no prompt is being prefilled."""
+    return not state.prefilling
+
+
 def continue_prefills(state: SchedulerState, task: ContinuePrefills, out: list[Effect]) -> SchedulerState:
-    if not state.prefilling:
+    if nothing_prefilling(state):
         return state
     if state.active and admission.policy_declines(state):
         return state

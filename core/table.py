@@ -96,16 +96,16 @@ TASKS: dict[type, TaskRule] = {
 IDLE: dict[type, Callable[[SchedulerState], bool]] = {
     # tasks whose rule would return the state as it is and emit nothing when the predicate holds;
     # ``advance`` drops them without running the rule (or copying the state to pop them). Each
-    # predicate implies its rule's own first test, which stays in the rule.
-    ph.Rotate: lambda s: not s.rotations,
-    ph.IdleCheck: lambda s: bool(s.new_requests or s.active or s.prefilling),
-    ph.SwapOutRoom: lambda s: not s.new_requests or not s.config.spill_pool,
-    ph.StartRequests: lambda s: not s.new_requests,
-    ph.ContinuePrefills: lambda s: not s.prefilling,
-    ph.EmptyBatchExit: lambda s: bool(s.active),
-    ph.EmptyBatchSkip: lambda s: bool(s.active),
-    ph.RequeueResume: lambda s: not s.preempted,
-    ph.SwapIn: lambda s: not s.swapped,
+    # predicate is the rule's own first test (the rule calls it too), so the two cannot drift apart.
+    ph.Rotate: tick.no_rotation_due,
+    ph.IdleCheck: tick.not_idle,
+    ph.SwapOutRoom: lifecycle.no_swap_out_room_needed,
+    ph.StartRequests: prefill.nothing_admitted,
+    ph.ContinuePrefills: prefill.nothing_prefilling,
+    ph.EmptyBatchExit: tick.batch_not_empty,
+    ph.EmptyBatchSkip: tick.batch_not_empty,
+    ph.RequeueResume: lifecycle.no_resume_due,
+    ph.SwapIn: lifecycle.no_swap_in_due,
 }
 
 ANSWERS: dict[type, Phase] = {

@@ -151,8 +151,13 @@ def published(state: SchedulerState, waiting: AwaitPublishBlocks, event: FreeBlo
     return with_fields(state, {"tick": state.tick + 1})
 
 
+def no_rotation_due(state: SchedulerState) -> bool:
+    """Rotate has nothing to do: no rotation asked for, or not quiescent yet."""
+    return not state.rotations or not quiescent(state)
+
+
 def rotate(state: SchedulerState, task: Rotate, out: list[Effect]) -> SchedulerState:
-    if not state.rotations or not quiescent(state):
+    if no_rotation_due(state):
         return state
     name = state.rotations[0]
     state = replace(state, rotations=state.rotations[1:])
@@ -164,14 +169,24 @@ def rotated(state: SchedulerState, waiting: AwaitRotation, event: LoraApplied, o
     return state
 
 
+def not_idle(state: SchedulerState) -> bool:
+    """The idle check has nothing to do: requests were admitted this tick, or some are in flight."""
+    return bool(state.new_requests) or in_flight(state)
+
+
 def idle_check(state: SchedulerState, task: IdleCheck, out: list[Effect]) -> SchedulerState:
-    if state.new_requests or in_flight(state):
+    if not_idle(state):
         return state
     state = drain_inbox(state)
     # a request drained here is still owed an answer: the loop ends only with nothing pending
     if state.closed and not state.pending and not state.swapped and not state.preempted:
         return replace(state, agenda=(Shutdown(),))
     return state
+
+
+def batch_not_empty(state: SchedulerState) -> bool:
+    """The empty-batch exit (and its skip) has nothing to do: some sequence is active."""
+    return bool(state.active)
 
 
 def empty_batch_exit(state: SchedulerState, task: EmptyBatchExit, out: list[Effect]) -> SchedulerState:
@@ -181,7 +196,7 @@ def empty_batch_exit(state: SchedulerState, task: EmptyBatchExit, out: list[Effe
     nothing else runs, since swap-in lives in the end of tick; found by the model checker,
     specs/scheduler.md §5.14.)
     """
-    if state.active:
+    if batch_not_empty(state):
         return state
     if state.config.spill_pool:
         return push(state, SwapIn(), RequeueResume(), EmptyBatchSkip())
@@ -190,7 +205,7 @@ def empty_batch_exit(state: SchedulerState, task: EmptyBatchExit, out: list[Effe
 
 def empty_batch_skip(state: SchedulerState, task: EmptyBatchSkip, out: list[Effect]) -> SchedulerState:
     """Still nothing active: skip lane 3 and the end of tick."""
-    if state.active:
+    if batch_not_empty(state):
         return state
     return replace(state, agenda=(TickStart(),))
 

@@ -286,12 +286,8 @@ MUTANTS: tuple[Mutant, ...] = (
        "        pending=state.inbox + state.pending,\n",
        "new arrivals are queued ahead of the requests already waiting"),
     _m("tick_shutdown_with_new_requests", "tick",
-       "    if state.new_requests or in_flight(state):\n"
-       "        return state\n"
-       "    state = drain_inbox(state)\n",
-       "    if in_flight(state):\n"
-       "        return state\n"
-       "    state = drain_inbox(state)\n",
+       "    return bool(state.new_requests) or in_flight(state)\n",
+       "    return in_flight(state)\n",
        "the idle check shuts a closed loop down while this tick's admitted requests have not started"),
     _m("tick_compaction_ignores_prefilling", "tick",
        "    pinned = tuple(e.slot for e in state.prefilling)\n",
