@@ -479,8 +479,8 @@ MUTANTS: tuple[Mutant, ...] = (
        "        read = AskQuery(dc.ArgmaxOnDevice(row=0, stream=0), AwaitNgramDecode(seq.seq_id))\n",
        "an n-gram step's plain decode does not advance seq_len"),
     _m("ngram_match_includes_suffix", "ngram",
-       "        for s in range(0, size - n):\n",
-       "        for s in range(0, size - n + 1):\n",
+       "    limit = (size - 1) * width  # a match ends before the last token: s + n <= size - 1\n",
+       "    limit = size * width\n",
        "the n-gram search may match the suffix with itself"),
     # --- self_spec -------------------------------------------------------------------------------
     _m("self_spec_kept_short", "self_spec",

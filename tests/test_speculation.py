@@ -175,3 +175,26 @@ def test_reported_acc_never_exceeds_the_tokens_after_the_first():
     assert reported_acc(15, 17) == 15
     assert reported_acc(3, 2) == 1
     assert reported_acc(0, 0) == 0
+
+
+def _reference_ngram(history, max_match=16):
+    """The proposal by brute force: every suffix length, every earlier start."""
+    best, proposal = 0, None
+    for n in range(2, min(max_match, len(history) - 1) + 1):
+        for s in range(len(history) - n):
+            if history[s:s + n] == history[-n:]:
+                if n > best:
+                    best, proposal = n, history[s + n]
+                break
+    return proposal if len(history) >= 3 else None
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.integers(0, 4), min_size=0, max_size=60) | st.lists(st.integers(-2**40, 2**40), max_size=12))
+def test_the_ngram_search_equals_the_brute_force_one(history):
+    assert propose_ngram(history) == _reference_ngram(history)
+
+
+def test_the_ngram_search_ignores_matches_across_token_boundaries():
+    # 256 = bytes 00 01 00 00 and 1 = 01 00 00 00: a byte-level match one byte off is no token match
+    assert propose_ngram([0, 256, 0, 9, 1, 0, 0, 1, 0]) == _reference_ngram([0, 256, 0, 9, 1, 0, 0, 1, 0])
