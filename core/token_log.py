@@ -66,19 +66,7 @@ class TokenLog(AbcSequence[int]):
 
     def append(self, token: int) -> "TokenLog":
         """A new log with ``token`` appended; this one is unchanged."""
-        buf = self._buf
-        length = self._length
-        if len(buf) != length:
-            buf = buf[:length]
-        try:
-            buf.append(token)
-        except OverflowError:
-            buf = array("q", buf)
-            buf.append(token)
-        log = object.__new__(TokenLog)
-        log._buf = buf
-        log._length = length + 1
-        return log
+        return self.extend((token,))
 
     @property
     def last(self) -> Optional[int]:

@@ -73,6 +73,17 @@ _RECORD_MODULES = ("fxsched.core.events", "fxsched.core.request", "fxsched.effec
                    "fxsched.effects.device_calls", "fxsched.effects.lifecycle", "fxsched.effects.plans")
 
 
+# the JSON scalars a field hint accepts: (test of the raw value, how an error names it); a bool is
+# never taken for a number
+_SCALARS: dict[Any, tuple[Callable[[Any], bool], str]] = {
+    type(None): (lambda raw: raw is None, "null"),
+    bool: (lambda raw: isinstance(raw, bool), "a boolean"),
+    int: (lambda raw: isinstance(raw, int) and not isinstance(raw, bool), "an integer"),
+    float: (lambda raw: isinstance(raw, (int, float)) and not isinstance(raw, bool), "a number"),
+    str: (lambda raw: isinstance(raw, str), "a string"),
+}
+
+
 class EventLogError(ValueError):
     """An event log that cannot be written or read; the message names the file and the problem."""
 
@@ -316,26 +327,12 @@ class Decoder:
                 except _Bad:
                     continue
             raise _Bad(f"expected {_words(hint)}, got {_show(raw)}")
-        if hint is type(None):
-            if raw is None:
-                return None
-            raise _Bad(f"expected null, got {_show(raw)}")
-        if hint is bool:
-            if isinstance(raw, bool):
+        scalar = _SCALARS.get(hint)
+        if scalar is not None:
+            fits, words = scalar
+            if fits(raw):
                 return raw
-            raise _Bad(f"expected a boolean, got {_show(raw)}")
-        if hint is int:
-            if isinstance(raw, int) and not isinstance(raw, bool):
-                return raw
-            raise _Bad(f"expected an integer, got {_show(raw)}")
-        if hint is float:
-            if isinstance(raw, (int, float)) and not isinstance(raw, bool):
-                return raw
-            raise _Bad(f"expected a number, got {_show(raw)}")
-        if hint is str:
-            if isinstance(raw, str):
-                return raw
-            raise _Bad(f"expected a string, got {_show(raw)}")
+            raise _Bad(f"expected {words}, got {_show(raw)}")
         if isinstance(hint, type) and issubclass(hint, enum.Enum):
             try:
                 return hint(raw)

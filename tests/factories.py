@@ -158,6 +158,20 @@ class Driver:
             self.answer()
         raise AssertionError("the run did not finish")
 
+    def streamed(self, request_id: int) -> list[int]:
+        """The tokens streamed to ``request_id`` so far, in order."""
+        from fxsched.effects.client import TokenOut, TokensOut
+
+        tokens: list[int] = []
+        for out in self.outputs():
+            if out.request_id != request_id:
+                continue
+            if isinstance(out, TokenOut):
+                tokens.append(out.token)
+            elif isinstance(out, TokensOut):
+                tokens.extend(out.tokens)
+        return tokens
+
     def outputs(self, kind: type = object) -> list:
         from fxsched.effects.client import ClientOutput
 

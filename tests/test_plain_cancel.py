@@ -16,21 +16,11 @@ from fxsched.core import events as ev
 from fxsched.effects import device_calls as dc
 from fxsched.effects import lifecycle as lc
 from fxsched.effects import plans
-from fxsched.effects.client import DoneOut, TokenOut, TokensOut
+from fxsched.effects.client import DoneOut
 
 from factories import Driver, make_config, make_request, of_type
 
 
-def streamed(driver: Driver, request_id: int) -> list[int]:
-    tokens: list[int] = []
-    for out in driver.outputs():
-        if getattr(out, "request_id", None) != request_id:
-            continue
-        if isinstance(out, TokenOut):
-            tokens.append(out.token)
-        elif isinstance(out, TokensOut):
-            tokens.extend(out.tokens)
-    return tokens
 
 
 def decode_once(d: Driver) -> tuple:
@@ -52,7 +42,7 @@ def test_a_cancel_during_plain_decode_ends_the_request_at_its_next_token():
     d.feed(ev.Cancel(1))  # the client goes away while the decode is on the device
     effects = d.feed(ev.TokensSampled((12, 22)))
     # request 1: the token of that decode is dropped; its final frame counts what it got
-    assert streamed(d, 1) == [10, 11]
+    assert d.streamed(1) == [10, 11]
     assert of_type(effects, DoneOut) == [DoneOut(1, "stop", 2, 0, 0, 0, None)]
     assert [e.seq for e in of_type(effects, lc.MarconiCheckpoint)] == [d.state.active[0].seq_id]
     release = of_type(effects, lc.ReleaseSeq)
@@ -60,7 +50,7 @@ def test_a_cancel_during_plain_decode_ends_the_request_at_its_next_token():
     # request 2 streamed its token in the same step and runs on to its budget
     assert [s.request_id for s in d.state.active] == [2]
     d.finish()
-    assert streamed(d, 2) == [20, 21, 22, 23, 24, 25]
+    assert d.streamed(2) == [20, 21, 22, 23, 24, 25]
     assert d.outputs(DoneOut)[-1] == DoneOut(2, "length", 6, 0, 0, 0, None)
 
 
@@ -68,10 +58,10 @@ def test_a_cancel_between_steps_acts_at_the_next_plain_token_and_never_streams_a
     d = Driver(requests=[make_request(1, max_tokens=20)]).run_to_query(plans.Decode)
     for _ in range(3):
         decode_once(d)
-    assert streamed(d, 1) == [10, 11, 12, 13]
+    assert d.streamed(1) == [10, 11, 12, 13]
     d.feed(ev.Cancel(1))
     d.finish()
-    assert streamed(d, 1) == [10, 11, 12, 13]
+    assert d.streamed(1) == [10, 11, 12, 13]
     assert d.outputs(DoneOut) == [DoneOut(1, "stop", 4, 0, 0, 0, None)]
     assert sum(isinstance(e, plans.Decode) for e in d.history) == 4  # 16 more without the cancel
 
@@ -83,14 +73,14 @@ def test_a_cancel_takes_the_plain_rows_of_a_mixed_step_too():
     d = Driver(config=config, requests=[make_request(1, max_tokens=20)]).run_to_query(plans.Decode)
     d.feed(ev.Arrival(make_request(2, prompt_len=12, max_tokens=3)))
     d.run_to_query(dc.MixedForward)
-    before = len(streamed(d, 1))
+    before = len(d.streamed(1))
     d.feed(ev.Cancel(1))
     d.run_to_query(dc.ArgmaxBatch)
     effects = d.answer()
     assert of_type(effects, DoneOut) == [DoneOut(1, "stop", before, 0, 0, 0, None)]
     d.finish()
-    assert streamed(d, 1) == list(range(10, 10 + before))
-    assert streamed(d, 2) == [20, 21, 22]
+    assert d.streamed(1) == list(range(10, 10 + before))
+    assert d.streamed(2) == [20, 21, 22]
 
 
 def test_a_cancel_for_a_blocking_request_is_not_taken():

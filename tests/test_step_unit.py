@@ -11,21 +11,11 @@ from fxsched.core.verdict import accepted_prefix, acc_gain, base_draft_count
 from fxsched.effects import device_calls as dc
 from fxsched.effects import lifecycle as lc
 from fxsched.effects import plans
-from fxsched.effects.client import DoneOut, ErrorOut, ResponseOut, TokenOut, TokensOut
+from fxsched.effects.client import DoneOut, ErrorOut, ResponseOut
 
 from factories import Driver, dflash_config, dflash_model, make_config, make_model, make_request, of_type
 
 
-def streamed(driver, request_id):
-    tokens = []
-    for out in driver.outputs():
-        if out.request_id != request_id:
-            continue
-        if isinstance(out, TokenOut):
-            tokens.append(out.token)
-        elif isinstance(out, TokensOut):
-            tokens.extend(out.tokens)
-    return tokens
 
 
 # --- the phase machine ---------------------------------------------------------------------------
@@ -136,7 +126,7 @@ def test_a_sampled_request_reads_its_first_token_on_the_host():
 def test_the_first_token_is_streamed_and_the_sequence_becomes_active():
     d = Driver(requests=[make_request(1)]).run_to_query(dc.ArgmaxOnDevice)
     d.feed(ev.TokenSampled(12))
-    assert streamed(d, 1) == [12]
+    assert d.streamed(1) == [12]
     (seq,) = d.state.active
     assert seq.seq_len == 5 and seq.last_token == 12 and seq.remaining == 7 and len(seq.output) == 1
 
@@ -169,7 +159,7 @@ def test_an_eos_row_is_appended_but_neither_streamed_nor_checkpointed():
     effects = d.feed(ev.TokensSampled((63, 21)))
     marconi = [e.seq for e in of_type(effects, lc.MarconiCheckpoint)]
     assert len(marconi) == 1
-    assert 63 not in streamed(d, 1)
+    assert 63 not in d.streamed(1)
     assert of_type(effects, DoneOut) == [DoneOut(1, "stop", 2, 0, 0, 0, None)]
 
 
@@ -184,7 +174,7 @@ def test_a_blocking_request_gets_one_response_with_every_token():
     d = Driver(requests=[make_request(1, max_tokens=3, streaming=False)])
     d.run_until(lambda d: bool(d.outputs(ResponseOut)))
     assert d.outputs(ResponseOut) == [ResponseOut(1, (10, 11, 12), "length", 0, 0, 0, 0)]
-    assert streamed(d, 1) == []
+    assert d.streamed(1) == []
 
 
 def test_a_failed_prefill_fails_only_its_request():
@@ -316,7 +306,7 @@ def test_batched_partial_accept_rewinds_to_the_accepted_prefix():
     assert [s.seq_len for s in d.state.active] == [pre[1] + 3, pre[2] + 1]
     ctx = of_type(effects, dc.CommitCtxBatch)[0].entries
     assert ctx == ((1, 3, pre[1], 0), (2, 1, pre[2], 1))
-    assert streamed(d, 2)[-1] == 0
+    assert d.streamed(2)[-1] == 0
 
 
 def test_gdn_fold_comes_before_any_commit_of_the_batch():
@@ -348,10 +338,10 @@ def test_a_refused_batch_falls_back_to_serial_dflash_verifies():
 
 def test_a_cancel_is_seen_by_the_next_speculative_emit_and_nothing_is_streamed():
     d = _dflash_pair_at_batched_verify()
-    before = len(streamed(d, 1))
+    before = len(d.streamed(1))
     d.feed(ev.Cancel(1))
     d.answer()
-    assert len(streamed(d, 1)) == before
+    assert len(d.streamed(1)) == before
     assert isinstance(d.query, dc.ProposeMulti)  # only the other sequence re-proposes
     d.run_until(lambda d: bool(d.outputs(DoneOut)))
     assert [o.request_id for o in d.outputs(DoneOut)] == [1]
