@@ -3,13 +3,13 @@ replace active sequences. Pure functions of the state."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 from fxsched.core.phases import AwaitForward
 from fxsched.core.records import with_fields
 from fxsched.core.request import Request
 from fxsched.core.sequence import Sequence
-from fxsched.core.state import SchedulerState
+from fxsched.core.state import NO_DRAFTS, DraftTable, SchedulerState
 from fxsched.effects.base import Effect
 
 
@@ -61,3 +61,43 @@ def put_seqs(state: SchedulerState, updated: dict[int, Sequence]) -> SchedulerSt
 
 def put_seq(state: SchedulerState, seq: Sequence) -> SchedulerState:
     return put_seqs(state, {seq.seq_id: seq})
+
+
+# --- held drafts (state.drafts) -------------------------------------------------------------------
+
+
+def held(state: SchedulerState, seq_id: int) -> tuple[int, ...]:
+    """The drafts ``seq_id`` holds (``()`` for none)."""
+    return state.drafts.get(seq_id, ())
+
+
+def set_drafts(state: SchedulerState, changes: Mapping[int, tuple[int, ...]]) -> SchedulerState:
+    """``state`` with the drafts of some sequences replaced (``()`` takes a sequence's away).
+    Entries of sequences no longer active are dropped in the same rebuild."""
+    table = state.drafts
+    if not table and len(changes) == 1:  # one sequence's proposal (or a no-op drop): nothing to merge
+        ((seq_id, drafts),) = changes.items()
+        return with_fields(state, {"drafts": DraftTable(changes)}) if drafts else state
+    if len(table) + len(changes) > len(state.active):
+        live = {s.seq_id for s in state.active}
+        kept = {i: d for i, d in table.items() if i in live and i not in changes}
+    else:
+        kept = dict(table)
+    for seq_id, drafts in changes.items():
+        if drafts:
+            kept[seq_id] = drafts
+        else:
+            kept.pop(seq_id, None)
+    return with_fields(state, {"drafts": DraftTable(kept) if kept else NO_DRAFTS})
+
+
+def drop_drafts(state: SchedulerState, seq_ids: Iterable[int]) -> SchedulerState:
+    """``state`` with the drafts of ``seq_ids`` taken away (consumed by a verify, or the sequence
+    left the batch)."""
+    table = state.drafts
+    gone = [i for i in seq_ids if i in table]
+    if not gone:
+        return state
+    if len(gone) == len(table):
+        return with_fields(state, {"drafts": NO_DRAFTS})
+    return set_drafts(state, dict.fromkeys(gone, ()))

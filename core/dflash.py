@@ -8,7 +8,10 @@ unfinished sequences are trimmed and re-proposed.
 
 from __future__ import annotations
 
-from fxsched.core.agenda import ask, by_id, find_seq, push, put_seq, put_seqs
+from itertools import repeat
+from operator import add
+
+from fxsched.core.agenda import ask, by_id, drop_drafts, find_seq, push, put_seq, put_seqs
 from fxsched.core.emit import Streamed, settle_tokens, spec_tokens
 from fxsched.core.events import BatchVerifyAllowed, Drafts, VerifyRows
 from fxsched.core.phases import (
@@ -21,13 +24,16 @@ from fxsched.core.phases import (
     DflashGate,
     SerialVerify,
 )
-from fxsched.core.records import copy_fields, replace, with_fields
+from fxsched.core.records import replace, with_fields
 from fxsched.core.sequence import Sequence
-from fxsched.core.state import SchedulerState
+from fxsched.core.state import NO_DRAFTS, SchedulerState
 from fxsched.core.verdict import accepted_prefix, verify_width
 from fxsched.core.verifying import mtp_bootstrap, propose, propose_after_batch, settled, start_k_verify
 from fxsched.effects import device_calls as dc
 from fxsched.effects.base import Effect
+
+_new = object.__new__
+_set = object.__setattr__  # fills a fresh record's ``__dict__`` (as records.copy_fields does)
 
 # --- bootstrap ----------------------------------------------------------------------------------
 
@@ -73,11 +79,10 @@ def dflash_verified(state: SchedulerState, waiting: AwaitDflashVerify, event: Ve
 
 def gate(state: SchedulerState, task: DflashGate, out: list[Effect]) -> SchedulerState:
     """Batch the verify sequences holding exactly as many drafts as the first one, if the device lets us."""
-    active = by_id(state)
-    seqs = [active[i] for i in task.seq_ids]
-    gamma = len(seqs[0].drafts)
-    batchable = tuple(s.seq_id for s in seqs if len(s.drafts) == gamma)
-    rest = tuple(s.seq_id for s in seqs if len(s.drafts) != gamma)
+    held = state.drafts
+    gamma = len(held[task.seq_ids[0]])
+    batchable = tuple(i for i in task.seq_ids if len(held[i]) == gamma)
+    rest = tuple(i for i in task.seq_ids if len(held[i]) != gamma)
     if len(batchable) < 2:
         return push(state, *(SerialVerify(i, task.draft_count) for i in task.seq_ids))
     return _ask_gate(state, AwaitDflashGate(batchable, rest, gamma + 1, len(batchable), task.draft_count), out)
@@ -113,15 +118,16 @@ def batched_verify(state: SchedulerState, task: BatchedDflashVerify, out: list[E
     if any(i not in active for i in task.seq_ids):  # a fault failed some since the gate
         return push(state, *(SerialVerify(i, task.draft_count) for i in task.seq_ids if i in active))
     seqs = [active[i] for i in task.seq_ids]
+    held = state.drafts
+    drafts = tuple([held[i] for i in task.seq_ids])
     tokens: list[int] = []
-    for s in seqs:
+    for s, mine in zip(seqs, drafts, strict=True):
         tokens.append(s.last_token)
-        tokens.extend(s.drafts)
+        tokens.extend(mine)
     out.append(dc.SyncSecondaryCall())
     query = dc.DecodeVerifyBatched(tokens=tuple(tokens), ks=(task.k,) * len(seqs), seqs=task.seq_ids, stream=0,
                                    woa=True)
-    waiting = AwaitBatchedDflash(task.seq_ids, tuple(s.drafts for s in seqs), tuple(s.seq_len for s in seqs),
-                                 task.k, task.draft_count)
+    waiting = AwaitBatchedDflash(task.seq_ids, drafts, tuple([s.seq_len for s in seqs]), task.k, task.draft_count)
     return ask(state, out, query, waiting)
 
 
@@ -133,38 +139,30 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
     accepted drafts equal their rows). The common row (nothing finishes, no watchdog) is settled
     inline, one record copy each; any other goes through the speculative sink ``settle_tokens``."""
     k, config, block_size = waiting.k, state.config, state.model.block_size
-    ids = waiting.seq_ids
+    ids, pre_lens = waiting.seq_ids, waiting.pre_lens
     active = state.active
     in_order = len(active) == len(ids) and all(s.seq_id == i for s, i in zip(active, ids, strict=True))
     rows_of = active if in_order else [by_id(state)[i] for i in ids]
     rows_all = event.rows
     settled_seqs: list[Sequence] = []
-    slots: list[int] = []
-    accepted: list[int] = []
-    commits: list[tuple[int, int, int]] = []
-    stash_rows: list[int] = []
-    truncations: list[tuple[int, int]] = []
-    contexts: list[tuple[int, int, int, int]] = []
-    pending: list[tuple[int, int]] = []
-    trims: list[tuple[int, int]] = []
+    nas: list[int] = []  # the accepted drafts of each row
+    finished_rows: list[int] = []
     streamed = Streamed()
     stream_ids, stream_tokens, stream_counts, stream_logprobs = (streamed.ids, streamed.tokens, streamed.counts,
                                                                  streamed.logprobs)
     inline = not config.loop_watchdog
     eos = config.eos_set
     seq_limit = config.max_seq_len - 1
+    new_record, set_fields = _new, _set
     base = 0
-    for i, (seq, drafts, pre) in enumerate(zip(rows_of, waiting.drafts, waiting.pre_lens, strict=True)):
-        seq_id = seq.seq_id
+    for seq, drafts, pre in zip(rows_of, waiting.drafts, pre_lens, strict=True):
         limit = len(drafts) if len(drafts) < k - 1 else k - 1
         na = 0
         while na < limit and drafts[na] == rows_all[base + na]:
             na += 1
+        nas.append(na)
         n = na + 1
         seq_len = pre + n
-        if na < k - 1:
-            truncations.append((seq_id, seq_len))
-        contexts.append((seq_id, n, pre, i))
         need = (pre + k) // block_size + 1  # kv.blocks_for: the verify grew the table to cover all k rows
         fields = seq.__dict__
         blocks = fields["blocks"] if fields["blocks"] >= need else need
@@ -172,49 +170,54 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
         remaining = fields["remaining"]
         if (inline and remaining > n and seq_len < seq_limit and not fields["finished"]
                 and not fields["cancel_requested"] and eos.isdisjoint(tokens)):
-            settled, changes = copy_fields(seq)
+            settled = new_record(Sequence)  # records.copy_fields, inlined: one dict copy, then the changes
+            changes = fields.copy()
             changes["seq_len"] = seq_len
-            changes["drafts"] = ()
             changes["blocks"] = blocks
             changes["acc"] = fields["acc"] + na
             changes["output"] = fields["output"].extend(tokens)
             changes["remaining"] = remaining - n
             changes["content_count"] = fields["content_count"] + n
             changes["last_token"] = tokens[-1]
+            set_fields(settled, "__dict__", changes)
             request = fields["request"]
             if request.streaming:
                 stream_ids.append(request.id)
                 stream_tokens.extend(tokens)
                 stream_counts.append(n)
                 stream_logprobs.append(request.top_logprobs if fields["logprob_records"] else 0)
-            finished = False
         else:
-            settled, sent = settle_tokens(seq, tokens, config, {"seq_len": seq_len, "drafts": (), "blocks": blocks,
+            settled, sent = settle_tokens(seq, tokens, config, {"seq_len": seq_len, "blocks": blocks,
                                                                 "acc": fields["acc"] + na})
             streamed.take(settled, sent)
-            finished = settled.finished
+            if settled.finished:
+                finished_rows.append(len(settled_seqs))
         settled_seqs.append(settled)
-        slots.append(fields["slot"])
-        accepted.append(n)
-        commits.append((seq_id, n, k))
-        stash_rows.append(base + na)
-        if not finished:
-            pending.append((i, seq_id))
-            trims.append((seq_id, na))
         base += k
+    # the device calls of the batch, built column-wise from the rows' verdicts
+    accepted = [na + 1 for na in nas]
+    short = k - 1
+    truncations = tuple([(i, pre + na + 1) for i, pre, na in zip(ids, pre_lens, nas, strict=True) if na < short])
     if truncations:
-        out.append(dc.TruncateSequences(tuple(truncations)))
-    out.append(dc.CommitCtxBatch(tuple(contexts)))
+        out.append(dc.TruncateSequences(truncations))
+    out.append(dc.CommitCtxBatch(tuple(zip(ids, accepted, pre_lens, range(len(ids)), strict=True))))
     streamed.flush(out)
-    out.append(dc.GdnFoldAccepted(tuple(slots), tuple(accepted), k))
-    out.append(dc.CommitAcceptedPrefixBatch(tuple(commits)))
-    out.append(dc.StashVerifyHiddenRows(tuple(stash_rows)))
-    if trims:
-        out.append(dc.TrimProposerStateBatch(tuple(trims)))
-    if in_order:
-        state = with_fields(state, {"active": tuple(settled_seqs)})
+    out.append(dc.GdnFoldAccepted(tuple([s.slot for s in rows_of]), tuple(accepted), k))
+    out.append(dc.CommitAcceptedPrefixBatch(tuple(zip(ids, accepted, repeat(k), strict=False))))
+    out.append(dc.StashVerifyHiddenRows(tuple(map(add, range(0, k * len(ids), k), nas))))
+    if finished_rows:  # only the unfinished are trimmed and re-proposed
+        done = set(finished_rows)
+        pending = [(i, seq_id) for i, seq_id in enumerate(ids) if i not in done]
+        trims = tuple([(seq_id, nas[i]) for i, seq_id in pending])
     else:
-        state = put_seqs(state, {s.seq_id: s for s in settled_seqs})
+        pending = list(enumerate(ids))
+        trims = tuple(zip(ids, nas, strict=True))
+    if trims:
+        out.append(dc.TrimProposerStateBatch(trims))
+    if in_order:  # every active sequence was verified: no one holds drafts now
+        state = with_fields(state, {"active": tuple(settled_seqs), "drafts": NO_DRAFTS})
+    else:
+        state = drop_drafts(put_seqs(state, {s.seq_id: s for s in settled_seqs}), ids)
     if len(pending) >= 2 and len(pending) == len(settled_seqs):  # everyone goes on: propose from the rows at hand
         query = dc.ProposeBatched(tokens=tuple([s.last_token for s in settled_seqs]),
                                   positions=tuple([s.seq_len for s in settled_seqs]),

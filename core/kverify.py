@@ -4,7 +4,7 @@ settling, the verdicts) are in ``core/verifying.py``."""
 
 from __future__ import annotations
 
-from fxsched.core.agenda import find_seq, has_seq, put_seq
+from fxsched.core.agenda import find_seq, has_seq, held, put_seq
 from fxsched.core.emit import spec_token
 from fxsched.core.events import TokenSampled, VerifyRows
 from fxsched.core.phases import AfterProposal, AwaitKVerify, AwaitMtpDecode, SerialVerify
@@ -29,16 +29,16 @@ def serial_verify(state: SchedulerState, task: SerialVerify, out: list[Effect]) 
     if not has_seq(state, task.seq_id):
         return state
     seq = find_seq(state, task.seq_id)
-    if seq.finished or not seq.drafts:
+    mine = held(state, task.seq_id)
+    if seq.finished or not mine:
         return state
     if state.config.dflash:
-        keep = len(seq.drafts)
+        keep = len(mine)
         if keep >= 4:
             return dflash_serial_verify(state, seq, task.draft_count, out)
-        return start_k_verify(state, seq, seq.drafts, verify_width(task.draft_count, keep), task.draft_count,
-                              True, out)
-    keep = min(len(seq.drafts), task.draft_count)
-    drafts = seq.drafts[:keep]
+        return start_k_verify(state, seq, mine, verify_width(task.draft_count, keep), task.draft_count, True, out)
+    keep = min(len(mine), task.draft_count)
+    drafts = mine[:keep]
     return start_k_verify(state, seq, drafts, verify_width(task.draft_count, keep), task.draft_count, False, out)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Optional
 
+from fxsched.core.agenda import drop_drafts
 from fxsched.core.records import replace
 from fxsched.core.sequence import Sequence
 from fxsched.core.state import Preempted, SchedulerState, Swapped
@@ -39,7 +40,8 @@ def spill(state: SchedulerState, victim: Sequence, out: list[Effect]) -> Schedul
     """Save the victim's state to the spill pool and free its blocks and slot."""
     out.append(SaveSequenceState(victim.seq_id))
     out.append(ReleaseSeq(victim.seq_id, victim.slot, cache=False, reason=ReleaseReason.SPILL_OUT_SEQUENCE))
-    return replace(state, swapped=state.swapped + (Swapped(replace(victim, drafts=())),))
+    state = drop_drafts(state, (victim.seq_id,))
+    return replace(state, swapped=state.swapped + (Swapped(victim),))
 
 
 def preempt(state: SchedulerState, victim: Sequence, out: list[Effect]) -> SchedulerState:
@@ -48,8 +50,8 @@ def preempt(state: SchedulerState, victim: Sequence, out: list[Effect]) -> Sched
     if state.config.spill_pool:
         return spill(state, victim, out)
     out.append(ReleaseSeq(victim.seq_id, victim.slot, cache=True, reason=ReleaseReason.PREEMPT_REQUEUE))
-    entry = Preempted(replace(victim, drafts=()), victim.kv_tokens())
-    return replace(state, preempted=state.preempted + (entry,))
+    entry = Preempted(victim, victim.kv_tokens())
+    return replace(drop_drafts(state, (victim.seq_id,)), preempted=state.preempted + (entry,))
 
 
 def swap_out(state: SchedulerState, victim: Sequence, out: list[Effect]) -> SchedulerState:

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from fxsched.core.agenda import ask, by_id, push, put_seqs
+from fxsched.core.agenda import ask, by_id, drop_drafts, push, put_seqs
 from fxsched.core.events import BatchVerifyAllowed, VerifyRows
 from fxsched.core.phases import AwaitMtpBatch, AwaitMtpGate, MtpBatch, MtpGate, MtpGateCheck, SerialVerify
-from fxsched.core.records import replace
 from fxsched.core.rows import grow
 from fxsched.core.sequence import Sequence
 from fxsched.core.state import SchedulerState
@@ -90,8 +89,9 @@ def gate(state: SchedulerState, task: MtpGate, out: list[Effect]) -> SchedulerSt
     """Split the verify sequences into batched chunks and serial verifies (specs/speculation.md §6.10)."""
     seq_ids, draft_count = task.seq_ids, task.draft_count
     active = by_id(state)
-    batchable = [i for i in seq_ids if len(active[i].drafts) >= draft_count]
-    serial = [i for i in seq_ids if len(active[i].drafts) < draft_count]
+    drafts = state.drafts
+    batchable = [i for i in seq_ids if len(drafts.get(i, ())) >= draft_count]
+    serial = [i for i in seq_ids if len(drafts.get(i, ())) < draft_count]
     ks = batch_depths(len(batchable), draft_count)
     ordered = batch_order([(k, active[i].slot, n) for n, (i, k) in enumerate(zip(batchable, ks, strict=True))])
     order_ids = [batchable[n] for _, _, n in ordered]
@@ -126,21 +126,22 @@ def gate_answer(state: SchedulerState, waiting: AwaitMtpGate, event: BatchVerify
 
 def _start_batch(state: SchedulerState, batch: MtpBatch, out: list[Effect]) -> SchedulerState:
     active = by_id(state)
+    held_drafts = state.drafts
     tokens: list[int] = []
     drafts, pre_lens = [], []
     grown: dict[int, Sequence] = {}
     for seq_id, k in zip(batch.seq_ids, batch.ks, strict=True):
         seq = active[seq_id]
-        mine = seq.drafts[: k - 1]
+        mine = held_drafts.get(seq_id, ())[: k - 1]
         tokens.append(seq.last_token)
         tokens.extend(mine)
         drafts.append(mine)
         pre_lens.append(seq.seq_len)
-        grown[seq_id] = replace(grow(seq, seq.seq_len + k, state.model.block_size), drafts=())
+        grown[seq_id] = grow(seq, seq.seq_len + k, state.model.block_size)
     out.append(dc.SyncSecondaryCall())
     query = dc.DecodeVerifyBatched(tokens=tokens, ks=batch.ks, seqs=batch.seq_ids, stream=0, woa=True)
     waiting = AwaitMtpBatch(batch.seq_ids, batch.ks, tuple(drafts), tuple(pre_lens), batch.draft_count)
-    return ask(put_seqs(state, grown), out, query, waiting)
+    return ask(drop_drafts(put_seqs(state, grown), batch.seq_ids), out, query, waiting)
 
 
 def batch_verified(state: SchedulerState, waiting: AwaitMtpBatch, event: VerifyRows,

@@ -14,7 +14,7 @@ from array import array
 
 from typing import Optional, Sequence as Seq
 
-from fxsched.core.agenda import ask, find_seq, forward, put_seq
+from fxsched.core.agenda import ask, drop_drafts, find_seq, forward, held, put_seq, set_drafts
 from fxsched.core.emit import spec_token, spec_tokens
 from fxsched.core.events import TokenSampled, VerifyRows
 from fxsched.core.phases import AskQuery, AwaitNgramDecode, AwaitNgramVerify, NgramStep
@@ -78,31 +78,33 @@ def _proposal(state: SchedulerState, seq: Sequence) -> tuple[int, ...]:
 
 def ngram_step(state: SchedulerState, task: NgramStep, out: list[Effect]) -> SchedulerState:
     (seq,) = state.active
-    if not seq.drafts:
+    mine = held(state, seq.seq_id)
+    if not mine:
         out.append(dc.EpBroadcastCmdForSeq(seq.slot, seq.last_token))
         state = put_seq(state, grow(seq, seq.seq_len + 1, state.model.block_size))
         read = AskQuery(dc.ArgmaxOnDevice(row=0, stream=0), AwaitNgramDecode(seq.seq_id))
         return forward(state, out, dc.DecodeCall(seq.last_token, seq.seq_id, 0), (seq.seq_id,), read)
-    draft = seq.drafts[0]
+    draft = mine[0]
     out.append(dc.SyncSecondaryCall())
     out.append(dc.EpBroadcastCmdForSeq(seq.slot, VERIFY_CMD[2]))
     out.append(dc.EpBroadcastCmd(seq.last_token))
     out.append(dc.EpBroadcastCmd(draft))
     query = dc.DecodeVerifyGraphed(seq.seq_id, (seq.last_token, draft))
     pre = seq.seq_len
-    state = put_seq(state, replace(grow(seq, pre + 2, state.model.block_size), drafts=()))
+    state = drop_drafts(put_seq(state, grow(seq, pre + 2, state.model.block_size)), (seq.seq_id,))
     return ask(state, out, query, AwaitNgramVerify(seq.seq_id, draft, pre))
 
 
 def ngram_decoded(state: SchedulerState, waiting: AwaitNgramDecode, event: TokenSampled,
                   out: list[Effect]) -> SchedulerState:
     seq = spec_token(find_seq(state, waiting.seq_id), event.token, state.config, out)
+    state = put_seq(state, seq)
     if not seq.finished:
         drafts = _proposal(state, seq)
-        seq = replace(seq, drafts=drafts)
+        state = set_drafts(state, {seq.seq_id: drafts})
         if drafts:
             out.append(dc.StartCheckpointAsync(seq.seq_id))
-    return put_seq(state, seq)
+    return state
 
 
 def ngram_verified(state: SchedulerState, waiting: AwaitNgramVerify, event: VerifyRows,
@@ -123,4 +125,5 @@ def ngram_verified(state: SchedulerState, waiting: AwaitNgramVerify, event: Veri
         seq = spec_token(seq, v0, state.config, out)
         if seq.finished:
             return put_seq(state, seq)
-    return put_seq(state, replace(seq, drafts=_proposal(state, seq)))
+    state = put_seq(state, seq)
+    return set_drafts(state, {seq.seq_id: _proposal(state, seq)})

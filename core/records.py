@@ -6,7 +6,7 @@ dict-backed frozen attrs classes copied directly:
 
 - ``replace(record, **changes)`` runs the converter and validator of each *changed* field (looked
   up once per class), so a copy keeps every conversion the constructor would make
-  (``replace(seq, drafts=[1, 2])`` stores a tuple). The result equals ``attrs.evolve``'s.
+  (``replace(seq, output=[1, 2])`` stores a ``TokenLog``). The result equals ``attrs.evolve``'s.
 - ``with_fields(record, changes)`` is the hot path's copy: it takes final values as they are.
   Its callers pass only values their converters would leave unchanged (tuples, token logs); a
   test runs every reference scenario and the random walk with a checking ``with_fields`` to keep

@@ -14,7 +14,6 @@ import attrs
 
 from fxsched.core.request import Request
 from fxsched.core.token_log import TokenLog, as_log
-from fxsched.effects.base import int_tuple
 
 
 class Guard(enum.StrEnum):
@@ -39,7 +38,6 @@ class Sequence:
     finished: bool = False
     guard: Optional[Guard] = None
     content_count: int = 0
-    drafts: tuple[int, ...] = attrs.field(default=(), converter=int_tuple)
     acc: int = 0
     logprob_records: int = 0
     rollbacks: int = 0

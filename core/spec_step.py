@@ -7,7 +7,7 @@ grows by exactly the drafts the KV kept.
 
 from __future__ import annotations
 
-from fxsched.core.agenda import ask, by_id, find_seq, has_seq, push, put_seq, put_seqs
+from fxsched.core.agenda import ask, has_seq, push, set_drafts
 from fxsched.core.events import BatchedDrafts, DraftCapacity, Drafts
 from fxsched.core.phases import (
     AfterProposal,
@@ -22,8 +22,8 @@ from fxsched.core.phases import (
     SpecStep,
     Verifies,
 )
-from fxsched.core.records import copy_fields, replace, with_fields
-from fxsched.core.state import SchedulerState
+from fxsched.core.records import with_fields
+from fxsched.core.state import DraftTable, SchedulerState
 from fxsched.core.verdict import base_draft_count
 from fxsched.core.verifying import dflash_bootstrap, mtp_bootstrap
 from fxsched.effects import device_calls as dc
@@ -41,8 +41,9 @@ def capacity(state: SchedulerState, waiting: AwaitCapacity, event: DraftCapacity
     count = min((waiting.base,) + event.capacities)
     if count < 1:  # no slot can hold a draft this step: decode plainly
         return push(state, PlainDecode())
-    bootstrap = tuple(s.seq_id for s in state.active if not s.drafts)
-    verify = tuple(s.seq_id for s in state.active if s.drafts)
+    held = state.drafts
+    bootstrap = tuple(s.seq_id for s in state.active if s.seq_id not in held)
+    verify = tuple(s.seq_id for s in state.active if s.seq_id in held)
     if not bootstrap:  # the verifies are the next task: run them now (the same as pushing them)
         return verifies(state, Verifies(verify, count), out)
     out.append(dc.SyncSecondaryCall())
@@ -69,7 +70,7 @@ def verifies(state: SchedulerState, task: Verifies, out: list[Effect]) -> Schedu
 
 
 def proposed(state: SchedulerState, waiting: AwaitProposal, event: Drafts, out: list[Effect]) -> SchedulerState:
-    state = put_seq(state, replace(find_seq(state, waiting.seq_id), drafts=event.drafts))
+    state = set_drafts(state, {waiting.seq_id: event.drafts})
     if waiting.then is AfterProposal.MARCONI:
         out.append(dc.DecodeMarconiCheckpoint(waiting.seq_id))
     elif waiting.then is AfterProposal.CHECKPOINT:
@@ -79,14 +80,8 @@ def proposed(state: SchedulerState, waiting: AwaitProposal, event: Drafts, out: 
 
 def batched_proposed(state: SchedulerState, waiting: AwaitBatchedProposal, event: BatchedDrafts,
                      out: list[Effect]) -> SchedulerState:
-    ids, active = waiting.seq_ids, state.active
-    in_order = len(active) == len(ids) and all(s.seq_id == i for s, i in zip(active, ids, strict=True))
-    rows = active if in_order else [by_id(state)[i] for i in ids]
-    proposed_rows = []
-    for row, drafts in zip(rows, event.drafts, strict=True):
-        seq, fields = copy_fields(row)
-        fields["drafts"] = drafts
-        proposed_rows.append(seq)
-    if in_order:
-        return with_fields(state, {"active": tuple(proposed_rows)})
-    return put_seqs(state, {s.seq_id: s for s in proposed_rows})
+    """The drafts of the batch: one table built from the answer, no sequence record copied."""
+    ids, drafts = waiting.seq_ids, event.drafts
+    if not state.drafts and all(drafts):  # the common case: nobody else holds drafts
+        return with_fields(state, {"drafts": DraftTable(zip(ids, drafts, strict=True))})
+    return set_drafts(state, dict(zip(ids, drafts, strict=True)))

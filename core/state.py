@@ -16,6 +16,39 @@ from fxsched.core.request import Request
 from fxsched.core.sequence import Sequence
 
 
+class DraftTable(dict[int, tuple[int, ...]]):
+    """The drafts the active sequences hold: ``seq_id -> drafts`` (never an empty tuple; a
+    sequence without drafts has no entry). One column for the whole batch, so a batched proposal
+    is one table built from the device's answer, not one record copy per sequence
+    (specs/scheduler.md §5.2). Immutable and hashable like the records around it; entries of
+    sequences that left the batch may linger until the next rebuild and mean nothing."""
+
+    __slots__ = ()
+
+    def __hash__(self) -> int:  # type: ignore[override]
+        return hash(frozenset(self.items()))
+
+    def _immutable(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("a DraftTable is immutable; build a new one")
+
+    __setitem__ = __delitem__ = update = pop = popitem = clear = setdefault = __ior__ = _immutable
+
+    def __reduce__(self) -> tuple[type, tuple[dict[int, tuple[int, ...]]]]:
+        return (DraftTable, (dict(self),))
+
+    def __copy__(self) -> "DraftTable":
+        return self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "DraftTable":
+        return self
+
+    def __repr__(self) -> str:
+        return f"DraftTable({dict.__repr__(self)})"
+
+
+NO_DRAFTS = DraftTable()
+
+
 @attrs.frozen
 class PrefillEntry:
     """A chunked prompt partly fed: ``offset`` prompt tokens are in the KV."""
@@ -61,6 +94,7 @@ class SchedulerState:
     # in flight
     prefilling: tuple[PrefillEntry, ...] = ()
     active: tuple[Sequence, ...] = ()
+    drafts: DraftTable = NO_DRAFTS
     swapped: tuple[Swapped, ...] = ()
     preempted: tuple[Preempted, ...] = ()
     restoring: tuple[Sequence, ...] = ()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence as Seq
 
-from fxsched.core.agenda import ask, find_seq, forward, put_seq, by_id
+from fxsched.core.agenda import ask, by_id, drop_drafts, find_seq, forward, held, put_seq
 from fxsched.core.emit import spec_tokens
 from fxsched.core.phases import (
     AfterProposal,
@@ -24,7 +24,6 @@ from fxsched.core.phases import (
     AwaitMtpDecode,
     AwaitProposal,
 )
-from fxsched.core.records import replace
 from fxsched.core.rows import grow
 from fxsched.core.sequence import Sequence
 from fxsched.core.state import SchedulerState
@@ -109,19 +108,19 @@ def start_k_verify(state: SchedulerState, seq: Sequence, drafts: tuple[int, ...]
     else:
         query = dc.DecodeVerifyGraphedK4(seq.seq_id, inputs)
     pre = seq.seq_len
-    seq = grow(replace(seq, drafts=()), pre + k, state.model.block_size)
-    state = put_seq(state, seq)
+    seq = grow(seq, pre + k, state.model.block_size)
+    state = drop_drafts(put_seq(state, seq), (seq.seq_id,))
     return ask(state, out, query, AwaitKVerify(seq.seq_id, drafts, k, propose_n, pre, dflash_mode))
 
 
 def dflash_serial_verify(state: SchedulerState, seq: Sequence, draft_count: int, out: list[Effect]) -> SchedulerState:
     """One sequence's block verify over ``[L] + drafts`` (specs/speculation.md §6.9)."""
-    drafts = seq.drafts
+    drafts = held(state, seq.seq_id)
     out.append(dc.SyncSecondaryCall())
     query = dc.DecodeVerifyDflash(seq.seq_id, (seq.last_token,) + drafts)
     pre = seq.seq_len
     seq = grow(seq, pre + len(drafts) + 1, state.model.block_size)
-    state = put_seq(state, replace(seq, drafts=()))
+    state = drop_drafts(put_seq(state, seq), (seq.seq_id,))
     return ask(state, out, query, AwaitDflashVerify(seq.seq_id, drafts, pre, draft_count))
 
 

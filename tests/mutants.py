@@ -234,16 +234,16 @@ MUTANTS: tuple[Mutant, ...] = (
        "    mortal = list(active)\n",
        "preemption ignores the immunity of a just-resumed sequence"),
     _m("memory_preempt_keeps_drafts", "memory",
-       "    entry = Preempted(replace(victim, drafts=()), victim.kv_tokens())\n",
-       "    entry = Preempted(victim, victim.kv_tokens())\n",
+       "    return replace(drop_drafts(state, (victim.seq_id,)), preempted=state.preempted + (entry,))\n",
+       "    return replace(state, preempted=state.preempted + (entry,))\n",
        "a preempted sequence keeps its drafts, stale once it is re-prefilled"),
     _m("memory_swap_out_moves_lower_slot", "memory",
        "    if last.slot > victim.slot:\n",
        "    if last.slot != victim.slot:\n",
        "swap-out also moves the last sequence when it sits below the victim's slot"),
     _m("memory_preempt_loses_last_token", "memory",
-       "    entry = Preempted(replace(victim, drafts=()), victim.kv_tokens())\n",
-       "    entry = Preempted(replace(victim, drafts=()), victim.kv_tokens()[:-1])\n",
+       "    entry = Preempted(victim, victim.kv_tokens())\n",
+       "    entry = Preempted(victim, victim.kv_tokens()[:-1])\n",
        "a preempted sequence is re-prefilled without the last token of its KV"),
     # --- verifying -------------------------------------------------------------------------------
     _m("verifying_k2_reject_commits_two", "verifying",
@@ -355,7 +355,7 @@ MUTANTS: tuple[Mutant, ...] = (
        "a decode step does not reset SLAI's time since the last decode (prefills held back for good)"),
     # --- spec_step -------------------------------------------------------------------------------
     _m("spec_step_bootstrap_also_verified", "spec_step",
-       "    verify = tuple(s.seq_id for s in state.active if s.drafts)\n",
+       "    verify = tuple(s.seq_id for s in state.active if s.seq_id in held)\n",
        "    verify = tuple(s.seq_id for s in state.active)\n",
        "a sequence bootstrapped this step is verified in the same step"),
     _m("spec_step_capacity_ignores_base", "spec_step",
@@ -378,8 +378,8 @@ MUTANTS: tuple[Mutant, ...] = (
        "        out.append(dc.CommitCtx(seq.seq_id, na, waiting.pre_len, 0))\n",
        "a serial DFlash verify commits the drafter context without the bonus row"),
     _m("kverify_keep_ignores_count", "kverify",
-       "    keep = min(len(seq.drafts), task.draft_count)\n",
-       "    keep = len(seq.drafts)\n",
+       "    keep = min(len(mine), task.draft_count)\n",
+       "    keep = len(mine)\n",
        "a serial MTP verify keeps more drafts than this step's draft count"),
     _m("kverify_mtp_decode_no_hidden", "kverify",
        "    out.append(dc.SaveHiddenForMtp(0))\n"
@@ -396,24 +396,22 @@ MUTANTS: tuple[Mutant, ...] = (
        "    changes = settled(seq, pre, pre + na, out)\n",
        "a DFlash block verify rewinds the KV over the bonus row's input too"),
     _m("dflash_gate_mixes_gammas", "dflash",
-       "    batchable = tuple(s.seq_id for s in seqs if len(s.drafts) == gamma)\n"
-       "    rest = tuple(s.seq_id for s in seqs if len(s.drafts) != gamma)\n",
-       "    batchable = tuple(s.seq_id for s in seqs if len(s.drafts) >= gamma)\n"
-       "    rest = tuple(s.seq_id for s in seqs if len(s.drafts) < gamma)\n",
+       "    batchable = tuple(i for i in task.seq_ids if len(held[i]) == gamma)\n"
+       "    rest = tuple(i for i in task.seq_ids if len(held[i]) != gamma)\n",
+       "    batchable = tuple(i for i in task.seq_ids if len(held[i]) >= gamma)\n"
+       "    rest = tuple(i for i in task.seq_ids if len(held[i]) < gamma)\n",
        "the DFlash gate batches sequences holding more drafts than the first one"),
     _m("dflash_gate_forgets_rest", "dflash",
        "    singles = {i for c in chunks if len(c) < 2 for i in c} | set(waiting.rest)\n",
        "    singles = {i for c in chunks if len(c) < 2 for i in c}\n",
        "sequences the DFlash gate could not batch are not verified this step"),
     _m("dflash_batched_stash_row_off", "dflash",
-       "        stash_rows.append(base + na)\n",
-       "        stash_rows.append(base + na + 1)\n",
+       "    out.append(dc.StashVerifyHiddenRows(tuple(map(add, range(0, k * len(ids), k), nas))))\n",
+       "    out.append(dc.StashVerifyHiddenRows(tuple(map(add, range(1, k * len(ids) + 1, k), nas))))\n",
        "a batched DFlash verify stashes the hidden row after the last accepted one"),
     _m("dflash_batched_reproposes_finished", "dflash",
-       "        if not finished:\n"
-       "            pending.append((i, seq_id))\n",
-       "        if True:\n"
-       "            pending.append((i, seq_id))\n",
+       "        done = set(finished_rows)\n",
+       "        done = set()\n",
        "a batched DFlash verify trims and re-proposes sequences that just finished"),
     _m("dflash_verified_commit_short", "dflash",
        "    out.append(dc.CommitAcceptedPrefix(seq.seq_id, na + 1, k))\n"
@@ -423,8 +421,8 @@ MUTANTS: tuple[Mutant, ...] = (
        "a DFlash block verify commits the accepted drafts without the bonus row"),
     # --- mtp_batch -------------------------------------------------------------------------------
     _m("mtp_batch_feeds_extra_draft", "mtp_batch",
-       "        mine = seq.drafts[: k - 1]\n",
-       "        mine = seq.drafts[:k]\n",
+       "        mine = held_drafts.get(seq_id, ())[: k - 1]\n",
+       "        mine = held_drafts.get(seq_id, ())[:k]\n",
        "a batched MTP verify feeds one draft more than its depth"),
     _m("mtp_batch_catchup_position_off", "mtp_batch",
        "            pos=tuple(active[seq_id].seq_len - len(c) for (_, seq_id), c in zip(pending, caught, strict=True)),\n",
@@ -435,10 +433,10 @@ MUTANTS: tuple[Mutant, ...] = (
        "    out.append(dc.StashVerifyHiddenRows(tuple(o + na + 1 for o, na in zip(offsets, nas, strict=True))))\n",
        "a batched MTP verify stashes the hidden row after the accepted prefix's"),
     _m("mtp_batch_gate_short_drafts", "mtp_batch",
-       "    batchable = [i for i in seq_ids if len(active[i].drafts) >= draft_count]\n"
-       "    serial = [i for i in seq_ids if len(active[i].drafts) < draft_count]\n",
-       "    batchable = [i for i in seq_ids if len(active[i].drafts) >= draft_count - 1]\n"
-       "    serial = [i for i in seq_ids if len(active[i].drafts) < draft_count - 1]\n",
+       "    batchable = [i for i in seq_ids if len(drafts.get(i, ())) >= draft_count]\n"
+       "    serial = [i for i in seq_ids if len(drafts.get(i, ())) < draft_count]\n",
+       "    batchable = [i for i in seq_ids if len(drafts.get(i, ())) >= draft_count - 1]\n"
+       "    serial = [i for i in seq_ids if len(drafts.get(i, ())) < draft_count - 1]\n",
        "the MTP gate batches a sequence holding one draft fewer than the step's count"),
     _m("mtp_batch_fold_after_commits", "mtp_batch",
        "    out.append(dc.GdnFoldAccepted(tuple(active[i].slot for i in waiting.seq_ids), tuple(na + 1 for na in nas),\n"

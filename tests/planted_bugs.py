@@ -80,10 +80,10 @@ PLANTED_BUGS: tuple[PlantedBug, ...] = (
         "fold_before_commit",
         (
             Edit("core/dflash.py",
-                 "    out.append(dc.GdnFoldAccepted(tuple(slots), tuple(accepted), k))\n"
-                 "    out.append(dc.CommitAcceptedPrefixBatch(tuple(commits)))\n",
-                 "    out.append(dc.CommitAcceptedPrefixBatch(tuple(commits)))\n"
-                 "    out.append(dc.GdnFoldAccepted(tuple(slots), tuple(accepted), k))\n"),
+                 "    out.append(dc.GdnFoldAccepted(tuple([s.slot for s in rows_of]), tuple(accepted), k))\n"
+                 "    out.append(dc.CommitAcceptedPrefixBatch(tuple(zip(ids, accepted, repeat(k), strict=False))))\n",
+                 "    out.append(dc.CommitAcceptedPrefixBatch(tuple(zip(ids, accepted, repeat(k), strict=False))))\n"
+                 "    out.append(dc.GdnFoldAccepted(tuple([s.slot for s in rows_of]), tuple(accepted), k))\n"),
         ),
     ),
     PlantedBug(
@@ -163,9 +163,8 @@ PLANTED_BUGS: tuple[PlantedBug, ...] = (
                  "        out.append(dc.TruncateSequence(seq.seq_id, seq_len))\n",
                  ""),
             Edit("core/dflash.py",
-                 "        if na < k - 1:\n"
-                 "            truncations.append((seq_id, seq_len))\n",
-                 ""),
+                 "    truncations = tuple([(i, pre + na + 1) for i, pre, na in zip(ids, pre_lens, nas, strict=True) if na < short])\n",
+                 "    truncations = ()\n"),
             Edit("core/ngram.py",
                  "        out.append(dc.TruncateSequence(seq.seq_id, waiting.pre_len + 1))\n",
                  ""),

@@ -60,7 +60,7 @@ def test_an_accepted_draft_streams_the_draft_and_the_bonus_row():
     (seq,) = d.state.active
     assert seq.output.tokens() == (7, 5, 6, 7)
     assert seq.seq_len == len(PROMPT) + 3  # 7, 5 and the accepted 6 are in the KV; 7 is pending
-    assert seq.drafts == (propose_ngram(seq.kv_tokens() + (seq.last_token,)),) == (5,)
+    assert d.state.drafts[seq.seq_id] == (propose_ngram(seq.kv_tokens() + (seq.last_token,)),) == (5,)
 
 
 # --- the real model ------------------------------------------------------------------------------

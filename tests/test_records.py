@@ -66,10 +66,10 @@ def _sequence() -> Sequence:
 
 
 def test_replace_converts_like_the_constructor():
-    seq = replace(_sequence(), drafts=[1, 2], output=[3, 4])
-    assert type(seq.drafts) is tuple and isinstance(seq.output, TokenLog)
-    assert hash(seq) == hash(attrs.evolve(_sequence(), drafts=(1, 2), output=(3, 4)))
-    assert seq == attrs.evolve(_sequence(), drafts=(1, 2), output=(3, 4))
+    seq = replace(_sequence(), output=[3, 4], remaining=2)
+    assert isinstance(seq.output, TokenLog) and seq.output == (3, 4) and seq.remaining == 2
+    assert hash(seq) == hash(attrs.evolve(_sequence(), output=(3, 4), remaining=2))
+    assert seq == attrs.evolve(_sequence(), output=(3, 4), remaining=2)
 
 
 def test_replace_validates_slotted_records():
@@ -111,8 +111,8 @@ def test_with_fields_gets_only_final_values(checking_with_fields):
 def test_the_with_fields_check_can_fail(checking_with_fields):
     import fxsched.core.emit as emit
 
-    emit.with_fields(_sequence(), {"drafts": [1, 2]})
-    assert checking_with_fields == [("Sequence", "drafts", "list")]
+    emit.with_fields(_sequence(), {"output": [1, 2]})
+    assert checking_with_fields == [("Sequence", "output", "list")]
 
 
 def test_with_fields_copies_without_touching_the_original():
