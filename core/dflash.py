@@ -8,6 +8,7 @@ unfinished sequences are trimmed and re-proposed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from itertools import repeat
 from operator import add
 
@@ -80,9 +81,14 @@ def dflash_verified(state: SchedulerState, waiting: AwaitDflashVerify, event: Ve
 def gate(state: SchedulerState, task: DflashGate, out: list[Effect]) -> SchedulerState:
     """Batch the verify sequences holding exactly as many drafts as the first one, if the device lets us."""
     held = state.drafts
-    gamma = len(held[task.seq_ids[0]])
-    batchable = tuple(i for i in task.seq_ids if len(held[i]) == gamma)
-    rest = tuple(i for i in task.seq_ids if len(held[i]) != gamma)
+    lengths = [len(held[i]) for i in task.seq_ids]
+    gamma = lengths[0]
+    rest: tuple[int, ...] = ()
+    if lengths.count(gamma) == len(lengths):  # the common case: every sequence holds gamma drafts
+        batchable = task.seq_ids
+    else:
+        batchable = tuple(i for i in task.seq_ids if len(held[i]) == gamma)
+        rest = tuple(i for i in task.seq_ids if len(held[i]) != gamma)
     if len(batchable) < 2:
         return push(state, *(SerialVerify(i, task.draft_count) for i in task.seq_ids))
     return _ask_gate(state, AwaitDflashGate(batchable, rest, gamma + 1, len(batchable), task.draft_count), out)
@@ -99,6 +105,8 @@ def gate_answer(state: SchedulerState, waiting: AwaitDflashGate, event: BatchVer
             return _ask_gate(state, replace(waiting, m=waiting.m - 1), out)
         return push(state, *(SerialVerify(i, waiting.draft_count) for i in waiting.batchable + waiting.rest))
     m, ids = waiting.m, waiting.batchable
+    if m >= len(ids) and not waiting.rest:  # one chunk of everyone: it is the next task, run it now
+        return batched_verify(state, BatchedDflashVerify(ids, waiting.k, waiting.draft_count), out)
     chunks = [ids[i:i + m] for i in range(0, len(ids), m)]
     batched = [c for c in chunks if len(c) >= 2]
     singles = {i for c in chunks if len(c) < 2 for i in c} | set(waiting.rest)
@@ -114,10 +122,14 @@ def gate_answer(state: SchedulerState, waiting: AwaitDflashGate, event: BatchVer
 def batched_verify(state: SchedulerState, task: BatchedDflashVerify, out: list[Effect]) -> SchedulerState:
     """One verify over every sequence of the chunk. While it is outstanding the sequence records
     still show the KV before it; the waiting record holds the drafts and lengths in flight."""
-    active = by_id(state)
-    if any(i not in active for i in task.seq_ids):  # a fault failed some since the gate
-        return push(state, *(SerialVerify(i, task.draft_count) for i in task.seq_ids if i in active))
-    seqs = [active[i] for i in task.seq_ids]
+    ids, active = task.seq_ids, state.active
+    if len(active) == len(ids) and all(s.seq_id == i for s, i in zip(active, ids, strict=True)):
+        seqs: Seq[Sequence] = active  # the batch is every active sequence, in order
+    else:
+        by = by_id(state)
+        if any(i not in by for i in ids):  # a fault failed some since the gate
+            return push(state, *(SerialVerify(i, task.draft_count) for i in ids if i in by))
+        seqs = [by[i] for i in ids]
     held = state.drafts
     drafts = tuple([held[i] for i in task.seq_ids])
     tokens: list[int] = []
@@ -155,8 +167,11 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
     seq_limit = config.max_seq_len - 1
     new_record, set_fields = _new, _set
     base = 0
+    short = k - 1  # a row whose drafts all match accepts k - 1 and takes the bonus row
     for seq, drafts, pre in zip(rows_of, waiting.drafts, pre_lens, strict=True):
-        limit = len(drafts) if len(drafts) < k - 1 else k - 1
+        limit = len(drafts)
+        if limit > short:
+            limit = short
         na = 0
         while na < limit and drafts[na] == rows_all[base + na]:
             na += 1
@@ -196,7 +211,6 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
         base += k
     # the device calls of the batch, built column-wise from the rows' verdicts
     accepted = [na + 1 for na in nas]
-    short = k - 1
     truncations = tuple([(i, pre + na + 1) for i, pre, na in zip(ids, pre_lens, nas, strict=True) if na < short])
     if truncations:
         out.append(dc.TruncateSequences(truncations))

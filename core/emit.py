@@ -102,7 +102,7 @@ class Streamed:
 
     def flush(self, out: list[Effect]) -> None:
         if self.ids:
-            counts = () if all(n == 1 for n in self.counts) else tuple(self.counts)
+            counts = () if self.counts.count(1) == len(self.counts) else tuple(self.counts)
             logprobs = tuple(self.logprobs) if any(self.logprobs) else ()
             out.append(StreamOut(tuple(self.ids), tuple(self.tokens), counts, logprobs))
 

@@ -76,6 +76,8 @@ def compaction_moves(survivor_slots: list[int], pinned_slots: tuple[int, ...] = 
     unchanged, and no target is ever a held slot.
     """
     n = len(survivor_slots) + len(pinned_slots)
+    if not survivor_slots or max(survivor_slots) < n:  # packed already (most ticks)
+        return []
     held = set(survivor_slots) | set(pinned_slots)
     free = [t for t in range(n) if t not in held]
     moves = []

@@ -42,8 +42,9 @@ def capacity(state: SchedulerState, waiting: AwaitCapacity, event: DraftCapacity
     if count < 1:  # no slot can hold a draft this step: decode plainly
         return push(state, PlainDecode())
     held = state.drafts
-    bootstrap = tuple(s.seq_id for s in state.active if s.seq_id not in held)
     verify = tuple(s.seq_id for s in state.active if s.seq_id in held)
+    bootstrap = () if len(verify) == len(state.active) else tuple(s.seq_id for s in state.active
+                                                                     if s.seq_id not in held)
     if not bootstrap:  # the verifies are the next task: run them now (the same as pushing them)
         return verifies(state, Verifies(verify, count), out)
     out.append(dc.SyncSecondaryCall())
@@ -60,8 +61,13 @@ def bootstrap(state: SchedulerState, task: Bootstrap, out: list[Effect]) -> Sche
 
 
 def verifies(state: SchedulerState, task: Verifies, out: list[Effect]) -> SchedulerState:
-    live = {s.seq_id for s in state.active if not s.finished}
-    ids = tuple(i for i in task.seq_ids if i in live)
+    active = state.active
+    if len(active) == len(task.seq_ids) and all(s.seq_id == i and not s.finished
+                                                for s, i in zip(active, task.seq_ids, strict=True)):
+        ids = task.seq_ids  # the common case: every active sequence, none finished
+    else:
+        live = {s.seq_id for s in active if not s.finished}
+        ids = tuple(i for i in task.seq_ids if i in live)
     if len(ids) >= 2 and state.config.dflash:
         return push(state, DflashGate(ids, task.draft_count))
     if len(ids) >= 2 and task.draft_count >= 1:

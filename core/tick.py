@@ -229,15 +229,18 @@ def expire_deadlines(state: SchedulerState) -> SchedulerState:
 def retire_finished(state: SchedulerState, out: list[Effect], then: tuple[object, ...] = ()) -> SchedulerState:
     """Finish and release every finished sequence in active order; compact the survivors; push
     the tasks ``then``."""
-    survivors = []
-    config = state.config
-    for s in state.active:
-        if not s.finished:
-            survivors.append(s)
-        else:
-            finish_and_release(s, config, out)
+    active = state.active
+    if any(s.finished for s in active):
+        survivors = []
+        config = state.config
+        for s in active:
+            if not s.finished:
+                survivors.append(s)
+            else:
+                finish_and_release(s, config, out)
+        active = tuple(survivors)
     pinned = tuple(e.slot for e in state.prefilling)
-    return with_fields(state, {"active": compact(tuple(survivors), out, pinned), "agenda": then + state.agenda})
+    return with_fields(state, {"active": compact(active, out, pinned), "agenda": then + state.agenda})
 
 
 def end_of_tick(state: SchedulerState, task: EndOfTick, out: list[Effect]) -> SchedulerState:

@@ -36,6 +36,9 @@ def _array(tokens: Iterable[int]) -> "array[int]":
         return array("q", tokens)
 
 
+_new = object.__new__
+
+
 class TokenLog(AbcSequence[int]):
     __slots__ = ("_buf", "_length")
 
@@ -59,7 +62,7 @@ class TokenLog(AbcSequence[int]):
         except OverflowError:
             buf = array("q", buf)
             buf.extend(chunk)
-        log = object.__new__(TokenLog)
+        log = _new(TokenLog)
         log._buf = buf
         log._length = len(buf)
         return log
