@@ -107,7 +107,7 @@ def policy_declines(state: SchedulerState) -> bool:
     config = state.config
     if config.policy != "slai":
         return False
-    return slai_declines(state.now_ms, state.last_decode_ms, config.slai_deadline_ms, bool(state.active))
+    return slai_declines(state.now_ms, state.last_decode_ms, config.slai_deadline_ms, bool(state.rows))
 
 
 def committed_blocks(state: SchedulerState) -> int:

@@ -56,7 +56,7 @@ def put_seqs(state: SchedulerState, updated: dict[int, Sequence]) -> SchedulerSt
     if not updated:
         return state
     get = updated.get
-    return with_fields(state, {"active": tuple([get(s.seq_id, s) for s in state.active])})
+    return with_fields(state, {"rows": tuple([get(s.seq_id, s) for s in state.active]), "settled": None})
 
 
 def put_seq(state: SchedulerState, seq: Sequence) -> SchedulerState:
@@ -78,7 +78,7 @@ def set_drafts(state: SchedulerState, changes: Mapping[int, tuple[int, ...]]) ->
     if not table and len(changes) == 1:  # one sequence's proposal (or a no-op drop): nothing to merge
         ((seq_id, drafts),) = changes.items()
         return with_fields(state, {"drafts": DraftTable(changes)}) if drafts else state
-    if len(table) + len(changes) > len(state.active):
+    if len(table) + len(changes) > len(state.rows):
         live = {s.seq_id for s in state.active}
         kept = {i: d for i, d in table.items() if i in live and i not in changes}
     else:

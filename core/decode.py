@@ -30,7 +30,7 @@ def decode_lane(state: SchedulerState, task: DecodeLane, out: list[Effect]) -> S
     config, model = state.config, state.model
     if state.prefilling:
         prefill_barrier(state, out)
-    active = state.active
+    active = state.rows  # slots and guards: exact in the records (state.settled holds only hot fields)
     covered = all(s.slot < config.speculation_slot_cap for s in active)
     if config.ngram_speculative and len(active) == 1 and covered:
         lane: object = NgramStep()
@@ -54,7 +54,7 @@ def plain_decode(state: SchedulerState, task: PlainDecode, out: list[Effect]) ->
         picks=picks,
     )
     out.append(plan)
-    return with_fields(state, {"active": active, "waiting": AwaitDecode(plan.seqs)})
+    return with_fields(state, {"rows": active, "settled": None, "waiting": AwaitDecode(plan.seqs)})
 
 
 def decoded(state: SchedulerState, waiting: AwaitDecode, event: TokensSampled | DeviceFault,

@@ -9,6 +9,7 @@ unfinished sequences are trimmed and re-proposed.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from typing import Any, Optional
 from itertools import repeat
 from operator import add
 
@@ -25,16 +26,15 @@ from fxsched.core.phases import (
     DflashGate,
     SerialVerify,
 )
-from fxsched.core.records import replace, with_fields
+from fxsched.core.records import copy_fields, replace, with_fields
 from fxsched.core.sequence import Sequence
-from fxsched.core.state import NO_DRAFTS, SchedulerState
+from fxsched.core.state import HOT_FIELDS, NO_DRAFTS, SchedulerState, Settled
+from fxsched.core.token_log import TokenLog
 from fxsched.core.verdict import accepted_prefix, verify_width
 from fxsched.core.verifying import mtp_bootstrap, propose, propose_after_batch, settled, start_k_verify
 from fxsched.effects import device_calls as dc
 from fxsched.effects.base import Effect
 
-_new = object.__new__
-_set = object.__setattr__  # fills a fresh record's ``__dict__`` (as records.copy_fields does)
 
 # --- bootstrap ----------------------------------------------------------------------------------
 
@@ -119,28 +119,42 @@ def gate_answer(state: SchedulerState, waiting: AwaitDflashGate, event: BatchVer
 # --- batched verify -------------------------------------------------------------------------------
 
 
+def _in_order(rows: Seq[Sequence], ids: tuple[int, ...]) -> bool:
+    """Whether ``ids`` are the ids of ``rows``, in order (the batch is every active sequence)."""
+    return len(rows) == len(ids) and all(s.seq_id == i for s, i in zip(rows, ids, strict=True))
+
+
+def _columns(state: SchedulerState) -> Optional[Settled]:
+    """The columns of the last batched verify, when they still apply to the records."""
+    settled = state.settled
+    return settled if settled is not None and settled.base is state.rows else None
+
+
 def batched_verify(state: SchedulerState, task: BatchedDflashVerify, out: list[Effect]) -> SchedulerState:
     """One verify over every sequence of the chunk. While it is outstanding the sequence records
     still show the KV before it; the waiting record holds the drafts and lengths in flight."""
-    ids, active = task.seq_ids, state.active
-    if len(active) == len(ids) and all(s.seq_id == i for s, i in zip(active, ids, strict=True)):
-        seqs: Seq[Sequence] = active  # the batch is every active sequence, in order
+    ids = task.seq_ids
+    if _in_order(state.rows, ids):  # the batch is every active sequence, in order
+        columns = _columns(state)
+        rows = state.rows
+        lasts = columns.last_token if columns else [s.last_token for s in rows]
+        lengths = columns.seq_len if columns else tuple([s.seq_len for s in rows])
     else:
         by = by_id(state)
         if any(i not in by for i in ids):  # a fault failed some since the gate
             return push(state, *(SerialVerify(i, task.draft_count) for i in ids if i in by))
         seqs = [by[i] for i in ids]
+        lasts = [s.last_token for s in seqs]
+        lengths = tuple([s.seq_len for s in seqs])
     held = state.drafts
-    drafts = tuple([held[i] for i in task.seq_ids])
+    drafts = tuple([held[i] for i in ids])
     tokens: list[int] = []
-    for s, mine in zip(seqs, drafts, strict=True):
-        tokens.append(s.last_token)
+    for last, mine in zip(lasts, drafts, strict=True):
+        tokens.append(last)
         tokens.extend(mine)
     out.append(dc.SyncSecondaryCall())
-    query = dc.DecodeVerifyBatched(tokens=tuple(tokens), ks=(task.k,) * len(seqs), seqs=task.seq_ids, stream=0,
-                                   woa=True)
-    waiting = AwaitBatchedDflash(task.seq_ids, drafts, tuple([s.seq_len for s in seqs]), task.k, task.draft_count)
-    return ask(state, out, query, waiting)
+    query = dc.DecodeVerifyBatched(tokens=tuple(tokens), ks=(task.k,) * len(ids), seqs=ids, stream=0, woa=True)
+    return ask(state, out, query, AwaitBatchedDflash(ids, drafts, lengths, task.k, task.draft_count))
 
 
 def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: VerifyRows,
@@ -149,15 +163,33 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
 
     A row's accepted tokens are its verify rows up to the first rejected draft and the bonus (the
     accepted drafts equal their rows). The common row (nothing finishes, no watchdog) is settled
-    inline, one record copy each; any other goes through the speculative sink ``settle_tokens``."""
+    inline into the new hot columns; any other goes through the speculative sink ``settle_tokens``.
+    When every active sequence was in the batch and every row was common, the state keeps its
+    records and gets the columns (``state.settled``, specs/scheduler.md §5.2): no record is copied.
+    Otherwise the records are rebuilt, one copy each."""
     k, config, block_size = waiting.k, state.config, state.model.block_size
     ids, pre_lens = waiting.seq_ids, waiting.pre_lens
-    active = state.active
-    in_order = len(active) == len(ids) and all(s.seq_id == i for s, i in zip(active, ids, strict=True))
-    rows_of = active if in_order else [by_id(state)[i] for i in ids]
+    in_order = _in_order(state.rows, ids)
+    columns = _columns(state) if in_order else None
+    seqs: Seq[Sequence]
+    if columns is not None:  # the records are older than the columns in the hot fields
+        seqs = state.rows
+        hot: tuple[Seq[Any], ...] = (columns.blocks, columns.acc, columns.output, columns.remaining,
+                                     columns.content_count, columns.last_token)
+    else:
+        seqs = state.rows if in_order else [by_id(state)[i] for i in ids]
+        hot = ([s.blocks for s in seqs], [s.acc for s in seqs], [s.output for s in seqs],
+               [s.remaining for s in seqs], [s.content_count for s in seqs], [s.last_token for s in seqs])
     rows_all = event.rows
-    settled_seqs: list[Sequence] = []
+    new_len: list[int] = []
+    new_blocks: list[int] = []
+    new_acc: list[int] = []
+    new_output: list[TokenLog] = []
+    new_remaining: list[int] = []
+    new_content: list[int] = []
+    new_last: list[int] = []
     nas: list[int] = []  # the accepted drafts of each row
+    slow: dict[int, Sequence] = {}  # rows settled by the sink: their records
     finished_rows: list[int] = []
     streamed = Streamed()
     stream_ids, stream_tokens, stream_counts, stream_logprobs = (streamed.ids, streamed.tokens, streamed.counts,
@@ -165,10 +197,10 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
     inline = not config.loop_watchdog
     eos = config.eos_set
     seq_limit = config.max_seq_len - 1
-    new_record, set_fields = _new, _set
-    base = 0
     short = k - 1  # a row whose drafts all match accepts k - 1 and takes the bonus row
-    for seq, drafts, pre in zip(rows_of, waiting.drafts, pre_lens, strict=True):
+    base = 0
+    for i, (seq, drafts, pre, blocks0, acc0, output0, remaining, content0, last0) in enumerate(
+            zip(seqs, waiting.drafts, pre_lens, *hot, strict=True)):
         limit = len(drafts)
         if limit > short:
             limit = short
@@ -179,22 +211,18 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
         n = na + 1
         seq_len = pre + n
         need = (pre + k) // block_size + 1  # kv.blocks_for: the verify grew the table to cover all k rows
-        fields = seq.__dict__
-        blocks = fields["blocks"] if fields["blocks"] >= need else need
+        blocks = blocks0 if blocks0 >= need else need
         tokens = rows_all[base:base + n]
-        remaining = fields["remaining"]
+        fields = seq.__dict__
         if (inline and remaining > n and seq_len < seq_limit and not fields["finished"]
                 and not fields["cancel_requested"] and eos.isdisjoint(tokens)):
-            settled = new_record(Sequence)  # records.copy_fields, inlined: one dict copy, then the changes
-            changes = fields.copy()
-            changes["seq_len"] = seq_len
-            changes["blocks"] = blocks
-            changes["acc"] = fields["acc"] + na
-            changes["output"] = fields["output"].extend(tokens)
-            changes["remaining"] = remaining - n
-            changes["content_count"] = fields["content_count"] + n
-            changes["last_token"] = tokens[-1]
-            set_fields(settled, "__dict__", changes)
+            new_len.append(seq_len)
+            new_blocks.append(blocks)
+            new_acc.append(acc0 + na)
+            new_output.append(output0.extend(tokens))
+            new_remaining.append(remaining - n)
+            new_content.append(content0 + n)
+            new_last.append(tokens[-1])
             request = fields["request"]
             if request.streaming:
                 stream_ids.append(request.id)
@@ -202,12 +230,21 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
                 stream_counts.append(n)
                 stream_logprobs.append(request.top_logprobs if fields["logprob_records"] else 0)
         else:
-            settled, sent = settle_tokens(seq, tokens, config, {"seq_len": seq_len, "blocks": blocks,
-                                                                "acc": fields["acc"] + na})
+            current = seq if columns is None else with_fields(seq, dict(zip(
+                HOT_FIELDS, (pre, blocks0, acc0, output0, remaining, content0, last0), strict=True)))
+            settled, sent = settle_tokens(current, tokens, config, {"seq_len": seq_len, "blocks": blocks,
+                                                                    "acc": acc0 + na})
             streamed.take(settled, sent)
+            slow[i] = settled
             if settled.finished:
-                finished_rows.append(len(settled_seqs))
-        settled_seqs.append(settled)
+                finished_rows.append(i)
+            new_len.append(settled.seq_len)
+            new_blocks.append(settled.blocks)
+            new_acc.append(settled.acc)
+            new_output.append(settled.output)
+            new_remaining.append(settled.remaining)
+            new_content.append(settled.content_count)
+            new_last.append(settled.last_token)
         base += k
     # the device calls of the batch, built column-wise from the rows' verdicts
     accepted = [na + 1 for na in nas]
@@ -216,7 +253,7 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
         out.append(dc.TruncateSequences(truncations))
     out.append(dc.CommitCtxBatch(tuple(zip(ids, accepted, pre_lens, range(len(ids)), strict=True))))
     streamed.flush(out)
-    out.append(dc.GdnFoldAccepted(tuple([s.slot for s in rows_of]), tuple(accepted), k))
+    out.append(dc.GdnFoldAccepted(tuple([s.slot for s in seqs]), tuple(accepted), k))
     out.append(dc.CommitAcceptedPrefixBatch(tuple(zip(ids, accepted, repeat(k), strict=False))))
     out.append(dc.StashVerifyHiddenRows(tuple(map(add, range(0, k * len(ids), k), nas))))
     if finished_rows:  # only the unfinished are trimmed and re-proposed
@@ -228,13 +265,27 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
         trims = tuple(zip(ids, nas, strict=True))
     if trims:
         out.append(dc.TrimProposerStateBatch(trims))
-    if in_order:  # every active sequence was verified: no one holds drafts now
-        state = with_fields(state, {"active": tuple(settled_seqs), "drafts": NO_DRAFTS})
+    lengths, lasts = tuple(new_len), tuple(new_last)
+    if in_order and not slow:  # every active sequence goes on, each the common way: columns only
+        after = Settled(state.rows, lengths, tuple(new_blocks), tuple(new_acc), tuple(new_output),
+                        tuple(new_remaining), tuple(new_content), lasts)
+        state = with_fields(state, {"settled": after, "drafts": NO_DRAFTS})
     else:
-        state = drop_drafts(put_seqs(state, {s.seq_id: s for s in settled_seqs}), ids)
-    if len(pending) >= 2 and len(pending) == len(settled_seqs):  # everyone goes on: propose from the rows at hand
-        query = dc.ProposeBatched(tokens=tuple([s.last_token for s in settled_seqs]),
-                                  positions=tuple([s.seq_len for s in settled_seqs]),
-                                  stash=tuple(range(len(settled_seqs))), n=waiting.draft_count, seqs=ids)
+        records = []
+        for i, (seq, *values) in enumerate(zip(seqs, lengths, new_blocks, new_acc, new_output, new_remaining,
+                                                new_content, lasts, strict=True)):
+            if i in slow:
+                records.append(slow[i])
+            else:
+                record, changes = copy_fields(seq)
+                changes.update(zip(HOT_FIELDS, values, strict=True))
+                records.append(record)
+        if in_order:  # every active sequence was verified: no one holds drafts now
+            state = with_fields(state, {"rows": tuple(records), "settled": None, "drafts": NO_DRAFTS})
+        else:
+            state = drop_drafts(put_seqs(state, {s.seq_id: s for s in records}), ids)
+    if len(pending) >= 2 and len(pending) == len(ids):  # everyone goes on: propose from the rows at hand
+        query = dc.ProposeBatched(tokens=lasts, positions=lengths, stash=tuple(range(len(ids))),
+                                  n=waiting.draft_count, seqs=ids)
         return ask(state, out, query, AwaitBatchedProposal(ids))
     return propose_after_batch(state, pending, waiting.draft_count, out)

@@ -169,7 +169,7 @@ def lane_adapter(state: SchedulerState, waiting: AwaitLaneAdapter, event: Adapte
 
 def start_chunk0(state: SchedulerState, req: Request, seq_id: int, slot: int, out: list[Effect]) -> SchedulerState:
     """Chunk 0 on the prefill stream: the whole batch budget when nothing else is in flight."""
-    budget = first_chunk_budget(state.config, bool(state.active or state.prefilling))
+    budget = first_chunk_budget(state.config, bool(state.rows or state.prefilling))
     chunk, last = first_chunk(req.prompt_len, budget)
     ep_prefill_preamble(slot, chunk, 0, req.prompt, out)
     query = dc.PrefillChunk(seq_id, req.prompt, 0, chunk, last, state.prefill_stream)
@@ -211,7 +211,7 @@ def entry_chunk(entry: PrefillEntry, max_prefill_tokens: int) -> tuple[int, bool
 
 def single_active_with_speculation(state: SchedulerState) -> bool:
     config = state.config
-    return len(state.active) == 1 and config.base_draft_count(state.model) > 0
+    return len(state.rows) == 1 and config.base_draft_count(state.model) > 0
 
 
 def _slice(entry: PrefillEntry, chunk: int, last: bool) -> dc.PrefillSlice:
@@ -240,14 +240,14 @@ def nothing_prefilling(state: SchedulerState) -> bool:
 def continue_prefills(state: SchedulerState, task: ContinuePrefills, out: list[Effect]) -> SchedulerState:
     if nothing_prefilling(state):
         return state
-    if state.active and admission.policy_declines(state):
+    if state.rows and admission.policy_declines(state):
         return state
     config = state.config
     limit = config.max_prefill_tokens
-    mixed = bool(state.active) and not single_active_with_speculation(state)
+    mixed = bool(state.rows) and not single_active_with_speculation(state)
     if mixed:
         state = replace(state, last_decode_ms=state.now_ms)
-    if len(state.prefilling) >= 2 and (mixed or not state.active):
+    if len(state.prefilling) >= 2 and (mixed or not state.rows):
         if mixed:
             out.append(dc.PollInnerq())
         chunks = [entry_chunk(e, limit) for e in state.prefilling]

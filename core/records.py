@@ -64,6 +64,9 @@ def copy_fields(record: T) -> tuple[T, dict[str, Any]]:
 def replace(record: T, **changes: Any) -> T:
     """A copy of ``record`` with ``changes`` converted, validated and applied."""
     cls = type(record)
+    renamed = getattr(cls, "_renamed", None)  # a record whose init names differ from its fields
+    if renamed is not None:
+        changes = renamed(changes)
     checks = _CHECKS.get(cls, _UNSEEN)
     if checks is _UNSEEN:
         checks = field_checks(cls)

@@ -31,7 +31,7 @@ from fxsched.effects.base import Effect
 
 
 def spec_step(state: SchedulerState, task: SpecStep, out: list[Effect]) -> SchedulerState:
-    active = state.active
+    active = state.rows  # the slots: exact in the records
     base = base_draft_count(state.config, state.model, len(active))
     query = dc.SlotDraftCapacity(tuple(s.slot for s in active))
     return ask(state, out, query, AwaitCapacity(base))
@@ -42,9 +42,9 @@ def capacity(state: SchedulerState, waiting: AwaitCapacity, event: DraftCapacity
     if count < 1:  # no slot can hold a draft this step: decode plainly
         return push(state, PlainDecode())
     held = state.drafts
-    verify = tuple(s.seq_id for s in state.active if s.seq_id in held)
-    bootstrap = () if len(verify) == len(state.active) else tuple(s.seq_id for s in state.active
-                                                                     if s.seq_id not in held)
+    verify = tuple(s.seq_id for s in state.rows if s.seq_id in held)
+    bootstrap = () if len(verify) == len(state.rows) else tuple(s.seq_id for s in state.rows
+                                                                   if s.seq_id not in held)
     if not bootstrap:  # the verifies are the next task: run them now (the same as pushing them)
         return verifies(state, Verifies(verify, count), out)
     out.append(dc.SyncSecondaryCall())
@@ -61,7 +61,7 @@ def bootstrap(state: SchedulerState, task: Bootstrap, out: list[Effect]) -> Sche
 
 
 def verifies(state: SchedulerState, task: Verifies, out: list[Effect]) -> SchedulerState:
-    active = state.active
+    active = state.rows  # ids and finished flags: exact in the records
     if len(active) == len(task.seq_ids) and all(s.seq_id == i and not s.finished
                                                 for s, i in zip(active, task.seq_ids, strict=True)):
         ids = task.seq_ids  # the common case: every active sequence, none finished

@@ -13,7 +13,9 @@ import attrs
 
 from fxsched.core.config import ModelInfo, SchedulerConfig
 from fxsched.core.request import Request
+from fxsched.core.records import copy_fields
 from fxsched.core.sequence import Sequence
+from fxsched.core.token_log import TokenLog
 
 
 class DraftTable(dict[int, tuple[int, ...]]):
@@ -76,6 +78,43 @@ class Swapped:
     sequence: Sequence
 
 
+# the fields of a sequence a batched verify changes on every row that goes on (the columns of ``Settled``)
+HOT_FIELDS = ("seq_len", "blocks", "acc", "output", "remaining", "content_count", "last_token")
+
+
+@attrs.frozen(slots=False)
+class Settled:
+    """The hot fields of every active sequence after a batched verify, as columns over the records
+    ``base`` (specs/scheduler.md §5.2): row ``i`` of each column is the field of ``base[i]``. The
+    records keep their other fields exact; only these seven are newer in the columns. A verify that
+    every sequence of the batch goes on from thus writes seven tuples instead of a record per
+    sequence; whoever reads ``state.active`` gets the records rebuilt once (``records()``)."""
+
+    base: tuple[Sequence, ...]
+    seq_len: tuple[int, ...]
+    blocks: tuple[int, ...]
+    acc: tuple[int, ...]
+    output: tuple[TokenLog, ...]
+    remaining: tuple[int, ...]
+    content_count: tuple[int, ...]
+    last_token: tuple[int, ...]
+
+    def records(self) -> tuple[Sequence, ...]:
+        """The sequences with the columns applied (built on the first call, then kept: it is the
+        same value every time, like the columns it comes from)."""
+        built = self.__dict__.get("_records")
+        if built is None:
+            rebuilt = []
+            for seq, *hot in zip(self.base, self.seq_len, self.blocks, self.acc, self.output, self.remaining,
+                                 self.content_count, self.last_token, strict=True):
+                new, fields = copy_fields(seq)
+                fields.update(zip(HOT_FIELDS, hot, strict=True))
+                rebuilt.append(new)
+            built = tuple(rebuilt)
+            object.__setattr__(self, "_records", built)  # a cache of a pure function of the fields
+        return built
+
+
 @attrs.frozen(slots=False)
 class SchedulerState:
     config: SchedulerConfig
@@ -93,7 +132,8 @@ class SchedulerState:
     new_requests: tuple[Request, ...] = ()
     # in flight
     prefilling: tuple[PrefillEntry, ...] = ()
-    active: tuple[Sequence, ...] = ()
+    rows: tuple[Sequence, ...] = attrs.field(default=(), alias="active")  # read ``active``
+    settled: Optional[Settled] = None
     drafts: DraftTable = NO_DRAFTS
     swapped: tuple[Swapped, ...] = ()
     preempted: tuple[Preempted, ...] = ()
@@ -110,6 +150,24 @@ class SchedulerState:
     last_decode_ms: float = 0.0
     stopped: bool = False
 
+    @property
+    def active(self) -> tuple[Sequence, ...]:
+        """The active sequences, in order (**the order matters**, specs/scheduler.md §5.2): the
+        records ``rows``, with the columns of ``settled`` applied when a batched verify left them
+        there. Only the batched DFlash rules read ``rows`` and ``settled`` themselves."""
+        settled, rows = self.settled, self.rows
+        if settled is None or settled.base is not rows:
+            return rows
+        return settled.records()
+
+    @staticmethod
+    def _renamed(changes: dict[str, Any]) -> dict[str, Any]:
+        """``records.replace``'s hook: ``active=`` sets the records and drops any columns."""
+        if "active" in changes:
+            changes["rows"] = changes.pop("active")
+            changes["settled"] = None
+        return changes
+
     def describe(self) -> str:
         """A one-line account of where the engine is (for errors and logs)."""
         waiting = type(self.waiting).__name__ if self.waiting is not None else "running"
@@ -124,12 +182,12 @@ def queue_idle(state: SchedulerState) -> bool:
 
 def in_flight(state: SchedulerState) -> bool:
     """Some sequence is active or prefilling."""
-    return bool(state.active or state.prefilling)
+    return bool(state.rows or state.prefilling)
 
 
 def quiescent(state: SchedulerState) -> bool:
     """Nothing active, prefilling, newly admitted, swapped or preempted."""
-    return not (state.active or state.prefilling or state.new_requests or state.swapped or state.preempted)
+    return not (state.rows or state.prefilling or state.new_requests or state.swapped or state.preempted)
 
 
 def initial_state(config: SchedulerConfig, model: ModelInfo) -> SchedulerState:

@@ -34,7 +34,7 @@ from fxsched.core.phases import (
 )
 from fxsched.core.records import replace, with_fields
 from fxsched.core.request import Request
-from fxsched.core.retire import compact, finish_and_release
+from fxsched.core.retire import compact, compaction_moves, finish_and_release
 from fxsched.core.sequence import Guard
 from fxsched.core.state import SchedulerState, in_flight, queue_idle, quiescent
 from fxsched.effects import device_calls as dc
@@ -85,7 +85,7 @@ def tick_start(state: SchedulerState, task: TickStart, out: list[Effect]) -> Sch
         return ask(push(state, TickStart()), out, dc.WaitForInput(), AwaitInput())
     new: tuple[Request, ...] = ()
     if state.pending and not admission.policy_declines(state):
-        cap = state.config.max_batch_size - len(state.active) - len(state.prefilling)
+        cap = state.config.max_batch_size - len(state.rows) - len(state.prefilling)
         new = admission.select_requests(state.config, state.pending, cap)
     tasks: tuple[object, ...] = _TICK_TASKS
     if new:
@@ -107,8 +107,8 @@ def input_ready(state: SchedulerState, waiting: AwaitInput, event: InputReady, o
 
 
 def _cohort_slot(state: SchedulerState) -> int:
-    if state.active:
-        return state.active[0].request.adapter_slot
+    if state.rows:
+        return state.rows[0].request.adapter_slot
     if state.prefilling:
         return state.prefilling[0].request.adapter_slot
     return state.new_requests[0].adapter_slot
@@ -123,7 +123,7 @@ def adapter_ids(state: SchedulerState, waiting: AwaitAdapterIds, event: AdapterI
                 out: list[Effect]) -> SchedulerState:
     cohort_id, ids = event.ids[0], event.ids[1:]
     new, ids = admission.refuse_impossible(state, waiting.new, ids, out)
-    if new and not (state.active or state.prefilling):
+    if new and not (state.rows or state.prefilling):
         cohort_id = ids[0]  # the cohort is the first new request that can be served
     same, other = admission.cohort_split(cohort_id, new, ids)
     admitted, deferred = admission.reserve_kv(state.model, state.config, admission.committed_blocks(state), same)
@@ -186,7 +186,7 @@ def idle_check(state: SchedulerState, task: IdleCheck, out: list[Effect]) -> Sch
 
 def batch_not_empty(state: SchedulerState) -> bool:
     """The empty-batch exit (and its skip) has nothing to do: some sequence is active."""
-    return bool(state.active)
+    return bool(state.rows)
 
 
 def empty_batch_exit(state: SchedulerState, task: EmptyBatchExit, out: list[Effect]) -> SchedulerState:
@@ -216,21 +216,22 @@ def empty_batch_skip(state: SchedulerState, task: EmptyBatchSkip, out: list[Effe
 def expire_deadlines(state: SchedulerState) -> SchedulerState:
     """Every active sequence whose deadline has passed gets guard ``request_timeout`` and finishes."""
     now = state.now_ms
-    changed = {}
-    for s in state.active:
+    expired = set()
+    for s in state.rows:  # requests and the finished flags: exact in the records (state.settled)
         deadline = s.request.deadline_ms
         if deadline is not None and not s.finished and deadline <= now:
-            changed[s.seq_id] = replace(s, guard=Guard.REQUEST_TIMEOUT, finished=True)
-    if not changed:
+            expired.add(s.seq_id)
+    if not expired:
         return state
-    return replace(state, active=tuple(changed.get(s.seq_id, s) for s in state.active))
+    return replace(state, active=tuple(replace(s, guard=Guard.REQUEST_TIMEOUT, finished=True)
+                                       if s.seq_id in expired else s for s in state.active))
 
 
 def retire_finished(state: SchedulerState, out: list[Effect], then: tuple[object, ...] = ()) -> SchedulerState:
     """Finish and release every finished sequence in active order; compact the survivors; push
     the tasks ``then``."""
-    active = state.active
-    if any(s.finished for s in active):
+    if any(s.finished for s in state.rows):  # (the finished flags are exact in the records)
+        active = state.active
         survivors = []
         config = state.config
         for s in active:
@@ -239,8 +240,13 @@ def retire_finished(state: SchedulerState, out: list[Effect], then: tuple[object
             else:
                 finish_and_release(s, config, out)
         active = tuple(survivors)
+    else:
+        active = state.rows
     pinned = tuple(e.slot for e in state.prefilling)
-    return with_fields(state, {"active": compact(active, out, pinned), "agenda": then + state.agenda})
+    if active is state.rows and not compaction_moves([s.slot for s in active], pinned):
+        return with_fields(state, {"agenda": then + state.agenda})  # nothing retires or moves
+    return with_fields(state, {"rows": compact(state.active if active is state.rows else active, out, pinned),
+                               "settled": None, "agenda": then + state.agenda})
 
 
 def end_of_tick(state: SchedulerState, task: EndOfTick, out: list[Effect]) -> SchedulerState:

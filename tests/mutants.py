@@ -274,8 +274,8 @@ MUTANTS: tuple[Mutant, ...] = (
        "a DFlash block verify records one row less in the KV than it feeds"),
     # --- tick ------------------------------------------------------------------------------------
     _m("tick_cap_ignores_prefilling", "tick",
-       "        cap = state.config.max_batch_size - len(state.active) - len(state.prefilling)\n",
-       "        cap = state.config.max_batch_size - len(state.active)\n",
+       "        cap = state.config.max_batch_size - len(state.rows) - len(state.prefilling)\n",
+       "        cap = state.config.max_batch_size - len(state.rows)\n",
        "admission forgets the prompts still prefilling when it counts free seats"),
     _m("tick_deferred_to_back", "tick",
        "    return replace(state, new_requests=admitted, pending=back + state.pending)\n",
@@ -355,8 +355,8 @@ MUTANTS: tuple[Mutant, ...] = (
        "a decode step does not reset SLAI's time since the last decode (prefills held back for good)"),
     # --- spec_step -------------------------------------------------------------------------------
     _m("spec_step_bootstrap_also_verified", "spec_step",
-       "    verify = tuple(s.seq_id for s in state.active if s.seq_id in held)\n",
-       "    verify = tuple(s.seq_id for s in state.active)\n",
+       "    verify = tuple(s.seq_id for s in state.rows if s.seq_id in held)\n",
+       "    verify = tuple(s.seq_id for s in state.rows)\n",
        "a sequence bootstrapped this step is verified in the same step"),
     _m("spec_step_capacity_ignores_base", "spec_step",
        "    count = min((waiting.base,) + event.capacities)\n",
@@ -396,10 +396,10 @@ MUTANTS: tuple[Mutant, ...] = (
        "    changes = settled(seq, pre, pre + na, out)\n",
        "a DFlash block verify rewinds the KV over the bonus row's input too"),
     _m("dflash_gate_mixes_gammas", "dflash",
-       "    batchable = tuple(i for i in task.seq_ids if len(held[i]) == gamma)\n"
-       "    rest = tuple(i for i in task.seq_ids if len(held[i]) != gamma)\n",
-       "    batchable = tuple(i for i in task.seq_ids if len(held[i]) >= gamma)\n"
-       "    rest = tuple(i for i in task.seq_ids if len(held[i]) < gamma)\n",
+       "        batchable = tuple(i for i in task.seq_ids if len(held[i]) == gamma)\n"
+       "        rest = tuple(i for i in task.seq_ids if len(held[i]) != gamma)\n",
+       "        batchable = tuple(i for i in task.seq_ids if len(held[i]) >= gamma)\n"
+       "        rest = tuple(i for i in task.seq_ids if len(held[i]) < gamma)\n",
        "the DFlash gate batches sequences holding more drafts than the first one"),
     _m("dflash_gate_forgets_rest", "dflash",
        "    singles = {i for c in chunks if len(c) < 2 for i in c} | set(waiting.rest)\n",
@@ -505,8 +505,8 @@ MUTANTS: tuple[Mutant, ...] = (
        "a partial self-spec accept rolls the SSM state back to one step too early"),
     # --- lifecycle -------------------------------------------------------------------------------
     _m("lifecycle_swap_in_past_batch", "lifecycle",
-       "    return len(state.active) < state.config.max_batch_size\n",
-       "    return len(state.active) <= state.config.max_batch_size\n",
+       "    return len(state.rows) < state.config.max_batch_size\n",
+       "    return len(state.rows) <= state.config.max_batch_size\n",
        "swap-in and requeue resume fill the batch one past max_batch_size"),
     _m("lifecycle_requeue_exact_fit_refused", "lifecycle",
        "    if want > state.model.total_blocks:\n",

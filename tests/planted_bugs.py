@@ -36,19 +36,19 @@ PLANTED_BUGS: tuple[PlantedBug, ...] = (
         "no_orphan_sequence",
         (
             Edit("core/tick.py",
-                 "from fxsched.core.retire import compact, finish_and_release\n",
-                 "from fxsched.core.retire import compact, finish_and_release, finish_frame\n"),
+                 "from fxsched.core.retire import compact, compaction_moves, finish_and_release\n",
+                 "from fxsched.core.retire import compact, compaction_moves, finish_and_release, finish_frame\n"),
             Edit("core/tick.py",
-                 "        if not s.finished:\n"
-                 "            survivors.append(s)\n"
-                 "        else:\n"
-                 "            finish_and_release(s, config, out)\n",
-                 "        if not s.finished:\n"
-                 "            survivors.append(s)\n"
-                 "        elif s.cancel_requested:\n"
-                 "            out.append(finish_frame(s, config))\n"
-                 "        else:\n"
-                 "            finish_and_release(s, config, out)\n"),
+                 "            if not s.finished:\n"
+                 "                survivors.append(s)\n"
+                 "            else:\n"
+                 "                finish_and_release(s, config, out)\n",
+                 "            if not s.finished:\n"
+                 "                survivors.append(s)\n"
+                 "            elif s.cancel_requested:\n"
+                 "                out.append(finish_frame(s, config))\n"
+                 "            else:\n"
+                 "                finish_and_release(s, config, out)\n"),
         ),
         # seed 7 first shows the leak as a compaction into the leaked slot (compaction_target_free)
         seed=5,
@@ -80,10 +80,10 @@ PLANTED_BUGS: tuple[PlantedBug, ...] = (
         "fold_before_commit",
         (
             Edit("core/dflash.py",
-                 "    out.append(dc.GdnFoldAccepted(tuple([s.slot for s in rows_of]), tuple(accepted), k))\n"
+                 "    out.append(dc.GdnFoldAccepted(tuple([s.slot for s in seqs]), tuple(accepted), k))\n"
                  "    out.append(dc.CommitAcceptedPrefixBatch(tuple(zip(ids, accepted, repeat(k), strict=False))))\n",
                  "    out.append(dc.CommitAcceptedPrefixBatch(tuple(zip(ids, accepted, repeat(k), strict=False))))\n"
-                 "    out.append(dc.GdnFoldAccepted(tuple([s.slot for s in rows_of]), tuple(accepted), k))\n"),
+                 "    out.append(dc.GdnFoldAccepted(tuple([s.slot for s in seqs]), tuple(accepted), k))\n"),
         ),
     ),
     PlantedBug(
@@ -103,11 +103,11 @@ PLANTED_BUGS: tuple[PlantedBug, ...] = (
         "no_effect_on_released",
         (
             Edit("core/tick.py",
-                 "        else:\n"
-                 "            finish_and_release(s, config, out)\n",
-                 "        else:\n"
-                 "            finish_and_release(s, config, out)\n"
-                 "            out.append(lc.ReleaseSeq(s.seq_id, s.slot, cache=True, "
+                 "            else:\n"
+                 "                finish_and_release(s, config, out)\n",
+                 "            else:\n"
+                 "                finish_and_release(s, config, out)\n"
+                 "                out.append(lc.ReleaseSeq(s.seq_id, s.slot, cache=True, "
                  "reason=lc.ReleaseReason.FINISH_SEQUENCE))\n"),
         ),
     ),
@@ -120,11 +120,11 @@ PLANTED_BUGS: tuple[PlantedBug, ...] = (
                  '    return {"seq_len": seq_len, "acc": seq.acc + acc_gain(pre_len, seq_len)}\n',
                  '    return {"seq_len": seq_len, "acc": seq.acc + acc_gain(pre_len, seq_len) + 1}\n'),
             Edit("core/dflash.py",
-                 '            changes["acc"] = fields["acc"] + na\n',
-                 '            changes["acc"] = fields["acc"] + na + 1\n'),
+                 '            new_acc.append(acc0 + na)\n',
+                 '            new_acc.append(acc0 + na + 1)\n'),
             Edit("core/dflash.py",
-                 '"acc": fields["acc"] + na})\n',
-                 '"acc": fields["acc"] + na + 1})\n'),
+                 '"acc": acc0 + na})\n',
+                 '"acc": acc0 + na + 1})\n'),
         ),
     ),
     PlantedBug(

@@ -9,6 +9,8 @@ flags, EOS, budgets, the context ceiling, streaming or not, logprob records.
 
 from __future__ import annotations
 
+import attrs
+
 from hypothesis import given, settings, strategies as st
 
 from fxsched.core import decode, dflash
@@ -50,7 +52,7 @@ def rows(draw, n_max: int = 6):
 def _state(seqs, max_seq_len, drafts=None, **config):
     cfg = SchedulerConfig(eos_ids=(EOS,), max_seq_len=max_seq_len, **config)
     state = initial_state(cfg, ModelInfo(block_size=BLOCK, has_proposer=True, dflash_gamma=6))
-    return state.__class__(**{**state.__dict__, "active": tuple(seqs), "drafts": drafts or NO_DRAFTS})
+    return attrs.evolve(state, active=tuple(seqs), drafts=drafts or NO_DRAFTS)
 
 
 def _frames(effects):

@@ -85,6 +85,9 @@ def checking_with_fields(monkeypatch):
     bad = []
 
     def checked(record, changes):
+        if attrs.has(type(record)):
+            names = {a.name for a in attrs.fields(type(record))}
+            bad.extend((type(record).__name__, name, "not a field") for name in changes if name not in names)
         checks = records.field_checks(type(record)) or ()
         for name, converter, _, _ in checks:
             if name in changes and converter is not None:

@@ -1,0 +1,112 @@
+"""The hot columns of a batched DFlash verify (specs/scheduler.md §5.2): when every active sequence
+goes on from a batched verify the common way, the state keeps its sequence records and holds the
+seven hot fields as columns (``state.settled``); ``state.active`` gives the records with the
+columns applied. The drafts of the batch are one table (``state.drafts``)."""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+
+from fxsched.core import events as ev
+from fxsched.core.records import replace
+from fxsched.core.state import NO_DRAFTS, DraftTable
+from fxsched.effects import device_calls as dc
+
+from factories import Driver, dflash_config, dflash_model, make_request
+
+PROMPT_LEN = 5
+
+
+def _batched_run(n: int = 3) -> Driver:
+    """A DFlash run of ``n`` streaming requests, waiting for the proposal after a batched verify
+    that every sequence went on from (not the first such verify: the records are older then)."""
+    # ids from 7: the script's tokens count up from 10 * id, so none is EOS (63)
+    requests = [make_request(i, prompt_len=PROMPT_LEN, max_tokens=200, streaming=True) for i in range(7, 7 + n)]
+    d = Driver(config=dflash_config(), model=dflash_model(), requests=requests)
+    for _ in range(2):
+        d.answer()
+        d.run_to_query(dc.ProposeBatched)
+    return d
+
+
+def _check_against_the_client(d: Driver) -> None:
+    """Every sequence's output is what its client got (nothing finished, no EOS), and its KV
+    length follows from it (``seq_len = prompt + output - 1``)."""
+    for seq in d.state.active:
+        assert list(seq.output) == d.streamed(seq.request_id)
+        assert seq.seq_len == PROMPT_LEN + len(seq.output) - 1
+        assert seq.last_token == seq.output[-1]
+        assert seq.remaining == 200 - len(seq.output)
+
+
+def test_a_steady_batched_tick_keeps_the_records_and_moves_only_columns():
+    d = _batched_run()
+    records, columns = d.state.rows, d.state.settled
+    assert columns is not None and columns.base is records
+    before = {s.seq_id: len(s.output) for s in d.state.active}
+    d.answer()
+    d.run_to_query(dc.ProposeBatched)  # one more tick: capacity, gate, verify
+    assert d.state.rows is records  # no record was rebuilt
+    assert d.state.settled is not columns and d.state.settled.base is records
+    assert all(len(s.output) > before[s.seq_id] for s in d.state.active)
+    _check_against_the_client(d)
+
+
+def test_the_records_of_state_active_carry_the_columns():
+    d = _batched_run()
+    columns = d.state.settled
+    active = d.state.active
+    assert active is d.state.active  # built once
+    assert [s.seq_len for s in active] == list(columns.seq_len)
+    assert [s.output for s in active] == list(columns.output)
+    assert [s.seq_len for s in d.state.rows] != list(columns.seq_len)  # the records alone are older
+    _check_against_the_client(d)
+
+
+def test_a_cancel_while_columns_are_held_keeps_the_newer_fields():
+    d = _batched_run()
+    lengths = [s.seq_len for s in d.state.active]
+    d.feed(ev.Cancel(8))
+    assert d.state.settled is None
+    assert [s.seq_len for s in d.state.active] == lengths
+    assert [s.cancel_requested for s in d.state.active] == [False, True, False]
+    _check_against_the_client(d)
+
+
+def test_setting_active_drops_the_columns():
+    d = _batched_run()
+    state = d.state
+    rebuilt = state.active
+    assert replace(state, active=rebuilt).settled is None
+    evolved = attrs.evolve(state, active=rebuilt[:1])  # (evolve knows the init name ``active`` too)
+    assert evolved.active == rebuilt[:1]  # the columns no longer apply to these records
+
+
+def test_the_run_goes_on_to_the_end_as_the_client_sees_it():
+    d = _batched_run()
+    for _ in range(12):
+        d.answer()
+        d.run_to_query(dc.ProposeBatched)
+        _check_against_the_client(d)
+
+
+def test_the_proposal_is_one_table_and_the_verify_takes_it_away():
+    d = _batched_run()
+    assert d.state.drafts == {}
+    d.answer()  # the batched proposal
+    held = d.state.drafts
+    assert type(held) is DraftTable and sorted(held) == [s.seq_id for s in d.state.active]
+    assert all(len(v) == 5 for v in held.values())
+    d.run_to_query(dc.ProposeBatched)
+    assert d.state.drafts is NO_DRAFTS
+
+
+def test_a_draft_table_is_an_immutable_hashable_value():
+    table = DraftTable({1: (2, 3)})
+    assert hash(table) == hash(DraftTable({1: (2, 3)})) and table == {1: (2, 3)}
+    for change in (lambda: table.__setitem__(1, (4,)), lambda: table.pop(1), lambda: table.update({2: (5,)}),
+                   table.clear):
+        with pytest.raises(TypeError):
+            change()
+    assert table == {1: (2, 3)}
