@@ -3,6 +3,7 @@ replace active sequences. Pure functions of the state."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Sequence_
 from typing import Any, Iterable, Mapping, Optional
 
 from fxsched.core.phases import AwaitForward
@@ -44,6 +45,11 @@ def find_seq(state: SchedulerState, seq_id: int) -> Sequence:
 def has_seq(state: SchedulerState, seq_id: int) -> bool:
     """Whether ``seq_id`` is still active (a fault may have failed it since a task was planned)."""
     return any(s.seq_id == seq_id for s in state.active)
+
+
+def in_order(rows: Sequence_[Sequence], ids: tuple[int, ...]) -> bool:
+    """Whether ``ids`` are the ids of ``rows``, in order (a batch of every active sequence)."""
+    return len(rows) == len(ids) and all(s.seq_id == i for s, i in zip(rows, ids, strict=True))
 
 
 def by_id(state: SchedulerState) -> dict[int, Sequence]:

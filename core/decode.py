@@ -7,15 +7,20 @@ its ``blocks`` cover ``seq_len``; a failed batch changes no sequence it did not 
 
 from __future__ import annotations
 
-from fxsched.core.agenda import by_id, push
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from fxsched.core.agenda import by_id, in_order, push
 from fxsched.core.emit import plain_token
 from fxsched.core.events import DeviceFault, TokensSampled
 from fxsched.core.faults import fail_sequences
 from fxsched.core.memory import preempt, preemption_victim
 from fxsched.core.phases import AwaitDecode, DecodeLane, NgramStep, PlainDecode, SelfSpecStep, SpecStep
 from fxsched.core.records import copy_fields, replace, with_fields
-from fxsched.core.rows import by_slot, greedy_row, grow, host_pick, may_speculate, prefill_barrier
-from fxsched.core.state import SchedulerState
+from fxsched.core.rows import (by_slot, greedy_request, greedy_row, grow, host_pick, may_speculate,
+                              prefill_barrier, slot_ordered)
+from fxsched.core.state import HOT_FIELDS, SchedulerState, Settled, hot_columns
+from fxsched.core.token_log import TokenLog
 from fxsched.core.sequence import Sequence
 from fxsched.core.watchdog import snapshots_possible
 from fxsched.effects import plans
@@ -45,6 +50,15 @@ def decode_lane(state: SchedulerState, task: DecodeLane, out: list[Effect]) -> S
 
 
 def plain_decode(state: SchedulerState, task: PlainDecode, out: list[Effect]) -> SchedulerState:
+    columns = hot_columns(state)
+    rows = state.rows
+    if columns is not None and slot_ordered(rows) and all(
+            greedy_request(s.request, len(o)) for s, o in zip(rows, columns.output, strict=True)):
+        # the rows are in slot order already and the columns hold their newest hot fields
+        plan = plans.Decode(tokens=columns.last_token, seqs=tuple([s.seq_id for s in rows]),
+                            seq_lens=columns.seq_len, picks=())
+        out.append(plan)
+        return with_fields(state, {"waiting": AwaitDecode(plan.seqs)})
     active = by_slot(state.active)
     picks = () if all(greedy_row(s) for s in active) else tuple(host_pick(s) for s in active)
     plan = plans.Decode(
@@ -85,60 +99,88 @@ def _decoded_batch(state: SchedulerState, seq_ids: tuple[int, ...], event: Token
                    out: list[Effect]) -> SchedulerState:
     """``plain_token`` for every row at once, when no watchdog or SSM snapshot can fire: the rows'
     checkpoints and streamed tokens go out as one ``MarconiCheckpoints`` and one ``StreamOut``
-    (the same frames and device calls, row by row, as the per-row sink), and each sequence is
-    copied once. The state's active order is the rows' order unless a fault moved a sequence."""
+    (the same frames and device calls, row by row, as the per-row sink). When the batch is every
+    active sequence and no row finishes or records a logprob, the records stay and the hot fields
+    go to columns (``state.settled``, specs/scheduler.md §5.2); otherwise each sequence is copied
+    once. The state's active order is the rows' order unless a fault moved a sequence."""
     config = state.config
     block_size = state.model.block_size
     eos = config.eos_set
     seq_limit = config.max_seq_len - 1
-    active = state.active
-    if len(active) == len(seq_ids) and all(s.seq_id == i for s, i in zip(active, seq_ids, strict=True)):
-        rows: tuple[Sequence, ...] | list[Sequence] = active
+    ordered = in_order(state.rows, seq_ids)
+    columns = hot_columns(state) if ordered else None
+    rows: Seq[Sequence]
+    if columns is not None:  # the records are older than the columns in the hot fields
+        rows = state.rows
+        hot: tuple[Seq[Any], ...] = (columns.seq_len, columns.blocks, columns.acc, columns.output,
+                                     columns.remaining, columns.content_count, columns.last_token)
     else:
-        lookup = by_id(state)
-        rows = [lookup[i] for i in seq_ids]
+        rows = state.rows if ordered else [by_id(state)[i] for i in seq_ids]
+        hot = tuple([[s.__dict__[name] for s in rows] for name in HOT_FIELDS])
     logprobs = event.logprobs or (0,) * len(seq_ids)
     checkpoints: list[int] = []
     stream_ids: list[int] = []
     stream_tokens: list[int] = []
     stream_logprobs: list[int] = []
-    new_rows: list[Sequence] = []
-    for seq, token, lp in zip(rows, event.tokens, logprobs, strict=True):
+    new_len: list[int] = []
+    new_blocks: list[int] = []
+    new_output: list[TokenLog] = []
+    new_remaining: list[int] = []
+    new_content: list[int] = []
+    new_last: list[int] = []
+    cold: dict[int, dict[str, Any]] = {}  # rows whose other fields change too (finished, logprob records)
+    for i, (seq, token, lp, seq_len0, blocks0, _, output0, remaining0, content0, last0) in enumerate(
+            zip(rows, event.tokens, logprobs, *hot, strict=True)):
         fields = seq.__dict__
-        grown, changes = copy_fields(seq)
-        new_rows.append(grown)
-        seq_len = fields["seq_len"] + 1
-        changes["seq_len"] = seq_len
+        seq_len = seq_len0 + 1
         blocks = seq_len // block_size + 1  # kv.blocks_for: room for the next token included
-        if blocks > fields["blocks"]:
-            changes["blocks"] = blocks
+        new_len.append(seq_len)
+        new_blocks.append(blocks if blocks > blocks0 else blocks0)
         if fields["cancel_requested"]:
-            changes["finished"] = True
+            cold[i] = {"finished": True}
+            new_output.append(output0)
+            new_remaining.append(remaining0)
+            new_content.append(content0)
+            new_last.append(last0)
             continue
-        remaining = fields["remaining"] - 1
-        records = fields["logprob_records"] + (1 if lp else 0)
-        changes["remaining"] = remaining
-        changes["content_count"] = fields["content_count"] + 1
-        changes["logprob_records"] = records
-        changes["output"] = fields["output"].append(token)
+        remaining = remaining0 - 1
+        new_remaining.append(remaining)
+        new_content.append(content0 + 1)
+        new_output.append(output0.append(token))
+        if lp:
+            cold[i] = {"logprob_records": fields["logprob_records"] + 1}
         if token in eos:
-            changes["finished"] = True
+            cold.setdefault(i, {})["finished"] = True
+            new_last.append(last0)
             continue
-        changes["last_token"] = token
+        new_last.append(token)
         checkpoints.append(fields["seq_id"])
         request = fields["request"]
         if request.streaming:
             stream_ids.append(request.id)
             stream_tokens.append(token)
-            stream_logprobs.append(request.top_logprobs if records else 0)
+            stream_logprobs.append(request.top_logprobs if fields["logprob_records"] or lp else 0)
         if remaining <= 0 or seq_len >= seq_limit:
-            changes["finished"] = True
+            cold.setdefault(i, {})["finished"] = True
     if checkpoints:
         out.append(MarconiCheckpoints(tuple(checkpoints)))
     if stream_ids:
         out.append(StreamOut(tuple(stream_ids), tuple(stream_tokens),
                              logprobs=tuple(stream_logprobs) if any(stream_logprobs) else ()))
-    if rows is active:
-        return replace(state, active=tuple(new_rows))
-    updated = {s.seq_id: s for s in new_rows}
-    return replace(state, active=tuple([updated.get(s.seq_id, s) for s in active]))
+    acc = hot[2]
+    if ordered and not cold:  # every active sequence goes on, each the common way: columns only
+        after = Settled(state.rows, tuple(new_len), tuple(new_blocks), tuple(acc), tuple(new_output),
+                        tuple(new_remaining), tuple(new_content), tuple(new_last))
+        return with_fields(state, {"settled": after})
+    records = []
+    for i, (seq, *values) in enumerate(zip(rows, new_len, new_blocks, acc, new_output, new_remaining, new_content,
+                                            new_last, strict=True)):
+        record, changes = copy_fields(seq)
+        changes.update(zip(HOT_FIELDS, values, strict=True))
+        if i in cold:
+            changes.update(cold[i])
+        records.append(record)
+    if ordered:
+        return replace(state, active=tuple(records))
+    updated = {s.seq_id: s for s in records}
+    return replace(state, active=tuple([updated.get(s.seq_id, s) for s in state.active]))

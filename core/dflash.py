@@ -9,11 +9,11 @@ unfinished sequences are trimmed and re-proposed.
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from typing import Any, Optional
+from typing import Any
 from itertools import repeat
 from operator import add
 
-from fxsched.core.agenda import ask, by_id, drop_drafts, find_seq, push, put_seq, put_seqs
+from fxsched.core.agenda import ask, by_id, drop_drafts, find_seq, in_order, push, put_seq, put_seqs
 from fxsched.core.emit import Streamed, settle_tokens, spec_tokens
 from fxsched.core.events import BatchVerifyAllowed, Drafts, VerifyRows
 from fxsched.core.phases import (
@@ -28,7 +28,7 @@ from fxsched.core.phases import (
 )
 from fxsched.core.records import copy_fields, replace, with_fields
 from fxsched.core.sequence import Sequence
-from fxsched.core.state import HOT_FIELDS, NO_DRAFTS, SchedulerState, Settled
+from fxsched.core.state import HOT_FIELDS, NO_DRAFTS, SchedulerState, Settled, hot_columns
 from fxsched.core.token_log import TokenLog
 from fxsched.core.verdict import accepted_prefix, verify_width
 from fxsched.core.verifying import mtp_bootstrap, propose, propose_after_batch, settled, start_k_verify
@@ -119,23 +119,12 @@ def gate_answer(state: SchedulerState, waiting: AwaitDflashGate, event: BatchVer
 # --- batched verify -------------------------------------------------------------------------------
 
 
-def _in_order(rows: Seq[Sequence], ids: tuple[int, ...]) -> bool:
-    """Whether ``ids`` are the ids of ``rows``, in order (the batch is every active sequence)."""
-    return len(rows) == len(ids) and all(s.seq_id == i for s, i in zip(rows, ids, strict=True))
-
-
-def _columns(state: SchedulerState) -> Optional[Settled]:
-    """The columns of the last batched verify, when they still apply to the records."""
-    settled = state.settled
-    return settled if settled is not None and settled.base is state.rows else None
-
-
 def batched_verify(state: SchedulerState, task: BatchedDflashVerify, out: list[Effect]) -> SchedulerState:
     """One verify over every sequence of the chunk. While it is outstanding the sequence records
     still show the KV before it; the waiting record holds the drafts and lengths in flight."""
     ids = task.seq_ids
-    if _in_order(state.rows, ids):  # the batch is every active sequence, in order
-        columns = _columns(state)
+    if in_order(state.rows, ids):  # the batch is every active sequence, in order
+        columns = hot_columns(state)
         rows = state.rows
         lasts = columns.last_token if columns else [s.last_token for s in rows]
         lengths = columns.seq_len if columns else tuple([s.seq_len for s in rows])
@@ -169,15 +158,15 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
     Otherwise the records are rebuilt, one copy each."""
     k, config, block_size = waiting.k, state.config, state.model.block_size
     ids, pre_lens = waiting.seq_ids, waiting.pre_lens
-    in_order = _in_order(state.rows, ids)
-    columns = _columns(state) if in_order else None
+    ordered = in_order(state.rows, ids)
+    columns = hot_columns(state) if ordered else None
     seqs: Seq[Sequence]
     if columns is not None:  # the records are older than the columns in the hot fields
         seqs = state.rows
         hot: tuple[Seq[Any], ...] = (columns.blocks, columns.acc, columns.output, columns.remaining,
                                      columns.content_count, columns.last_token)
     else:
-        seqs = state.rows if in_order else [by_id(state)[i] for i in ids]
+        seqs = state.rows if ordered else [by_id(state)[i] for i in ids]
         hot = ([s.blocks for s in seqs], [s.acc for s in seqs], [s.output for s in seqs],
                [s.remaining for s in seqs], [s.content_count for s in seqs], [s.last_token for s in seqs])
     rows_all = event.rows
@@ -256,17 +245,17 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
     out.append(dc.GdnFoldAccepted(tuple([s.slot for s in seqs]), tuple(accepted), k))
     out.append(dc.CommitAcceptedPrefixBatch(tuple(zip(ids, accepted, repeat(k), strict=False))))
     out.append(dc.StashVerifyHiddenRows(tuple(map(add, range(0, k * len(ids), k), nas))))
+    pending: list[tuple[int, int]] = []  # (row, seq_id) of the unfinished, when some finished
     if finished_rows:  # only the unfinished are trimmed and re-proposed
         done = set(finished_rows)
         pending = [(i, seq_id) for i, seq_id in enumerate(ids) if i not in done]
         trims = tuple([(seq_id, nas[i]) for i, seq_id in pending])
     else:
-        pending = list(enumerate(ids))
         trims = tuple(zip(ids, nas, strict=True))
     if trims:
         out.append(dc.TrimProposerStateBatch(trims))
     lengths, lasts = tuple(new_len), tuple(new_last)
-    if in_order and not slow:  # every active sequence goes on, each the common way: columns only
+    if ordered and not slow:  # every active sequence goes on, each the common way: columns only
         after = Settled(state.rows, lengths, tuple(new_blocks), tuple(new_acc), tuple(new_output),
                         tuple(new_remaining), tuple(new_content), lasts)
         state = with_fields(state, {"settled": after, "drafts": NO_DRAFTS})
@@ -280,12 +269,14 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
                 record, changes = copy_fields(seq)
                 changes.update(zip(HOT_FIELDS, values, strict=True))
                 records.append(record)
-        if in_order:  # every active sequence was verified: no one holds drafts now
+        if ordered:  # every active sequence was verified: no one holds drafts now
             state = with_fields(state, {"rows": tuple(records), "settled": None, "drafts": NO_DRAFTS})
         else:
             state = drop_drafts(put_seqs(state, {s.seq_id: s for s in records}), ids)
-    if len(pending) >= 2 and len(pending) == len(ids):  # everyone goes on: propose from the rows at hand
+    if not finished_rows and len(ids) >= 2:  # everyone goes on: propose from the rows at hand
         query = dc.ProposeBatched(tokens=lasts, positions=lengths, stash=tuple(range(len(ids))),
                                   n=waiting.draft_count, seqs=ids)
         return ask(state, out, query, AwaitBatchedProposal(ids))
+    if not finished_rows:
+        pending = list(enumerate(ids))
     return propose_after_batch(state, pending, waiting.draft_count, out)

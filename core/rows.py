@@ -22,10 +22,19 @@ def by_slot(active: tuple[Sequence, ...]) -> tuple[Sequence, ...]:
     return tuple(sorted(active, key=lambda s: s.slot)) if len(active) > 1 else active
 
 
+def slot_ordered(active: tuple[Sequence, ...]) -> bool:
+    """Whether ``by_slot`` would leave ``active`` in its order."""
+    return all(a.slot < b.slot for a, b in zip(active, active[1:], strict=False))
+
+
+def greedy_request(req: Request, produced: int) -> bool:
+    """A row whose pick is the device argmax, with ``produced`` output tokens (specs/scheduler.md §5.16)."""
+    return req.temperature == 0 and req.top_logprobs == 0 and req.min_tokens <= produced
+
+
 def greedy_row(seq: Sequence) -> bool:
     """A row whose pick is the device argmax (specs/scheduler.md §5.16)."""
-    req = seq.request
-    return req.temperature == 0 and req.top_logprobs == 0 and req.min_tokens <= len(seq.output)
+    return greedy_request(seq.request, len(seq.output))
 
 
 def host_pick(seq: Sequence) -> dc.HostPick:

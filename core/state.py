@@ -175,6 +175,12 @@ class SchedulerState:
         return f"tick {self.tick}, {waiting}, next task {head}"
 
 
+def hot_columns(state: SchedulerState) -> Optional[Settled]:
+    """The columns of the last batched step, when they still apply to the records ``rows``."""
+    settled = state.settled
+    return settled if settled is not None and settled.base is state.rows else None
+
+
 def queue_idle(state: SchedulerState) -> bool:
     """Nothing pending, no rotation asked for, the inbox still open."""
     return not state.pending and not state.rotations and not state.closed

@@ -125,7 +125,7 @@ MUTANTS: tuple[Mutant, ...] = (
        "    return dc.HostPick(req.temperature, req.seed, len(seq.output) < req.min_tokens,\n",
        "every sampled decode row reuses the request's seed instead of seed + output length"),
     _m("rows_greedy_before_min_tokens", "rows",
-       "    return req.temperature == 0 and req.top_logprobs == 0 and req.min_tokens <= len(seq.output)\n",
+       "    return req.temperature == 0 and req.top_logprobs == 0 and req.min_tokens <= produced\n",
        "    return req.temperature == 0 and req.top_logprobs == 0\n",
        "a greedy row below min_tokens takes the device argmax (EOS not masked)"),
     # --- watchdog --------------------------------------------------------------------------------

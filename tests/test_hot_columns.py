@@ -12,6 +12,7 @@ from fxsched.core import events as ev
 from fxsched.core.records import replace
 from fxsched.core.state import NO_DRAFTS, DraftTable
 from fxsched.effects import device_calls as dc
+from fxsched.effects import plans
 
 from factories import Driver, dflash_config, dflash_model, make_request
 
@@ -110,3 +111,37 @@ def test_a_draft_table_is_an_immutable_hashable_value():
         with pytest.raises(TypeError):
             change()
     assert table == {1: (2, 3)}
+
+
+def _plain_run(n: int = 3) -> Driver:
+    """A plain-decode run of ``n`` streaming requests, waiting for a decode a few ticks in."""
+    requests = [make_request(i, prompt_len=PROMPT_LEN, max_tokens=200, streaming=True) for i in range(7, 7 + n)]
+    d = Driver(requests=requests)
+    for _ in range(3):
+        d.answer()
+        d.run_to_query(plans.Decode)
+    return d
+
+
+def test_a_steady_plain_decode_keeps_the_records_and_moves_only_columns():
+    d = _plain_run()
+    records = d.state.rows
+    assert d.state.settled is not None and d.state.settled.base is records
+    for _ in range(5):
+        d.answer()
+        d.run_to_query(plans.Decode)
+        assert d.state.rows is records
+        # (the decode is asked before its answer: the KV holds every token but the pending last one)
+        _check_against_the_client(d)
+
+
+def test_a_plain_row_that_finishes_gets_its_record_rebuilt():
+    requests = [make_request(i, prompt_len=PROMPT_LEN, max_tokens=m, streaming=True)
+                for i, m in ((7, 200), (8, 6), (9, 200))]
+    d = Driver(requests=requests)
+    d.run_until(lambda d: any(type(o).__name__ == "DoneOut" for o in d.outputs()))
+    assert [s.request_id for s in d.state.active] == [7, 9]
+    d.run_to_query(plans.Decode)
+    for seq in d.state.active:
+        assert list(seq.output) == d.streamed(seq.request_id)
+        assert seq.seq_len == PROMPT_LEN + len(seq.output) - 1
