@@ -85,7 +85,7 @@ def set_drafts(state: SchedulerState, changes: Mapping[int, tuple[int, ...]]) ->
         ((seq_id, drafts),) = changes.items()
         return with_fields(state, {"drafts": DraftTable(changes)}) if drafts else state
     if len(table) + len(changes) > len(state.rows):
-        live = {s.seq_id for s in state.active}
+        live = {s.seq_id for s in state.rows}
         kept = {i: d for i, d in table.items() if i in live and i not in changes}
     else:
         kept = dict(table)
@@ -95,6 +95,17 @@ def set_drafts(state: SchedulerState, changes: Mapping[int, tuple[int, ...]]) ->
         else:
             kept.pop(seq_id, None)
     return with_fields(state, {"drafts": DraftTable(kept) if kept else NO_DRAFTS})
+
+
+def put_consumed(state: SchedulerState, seq: Sequence) -> SchedulerState:
+    """``put_seq`` and the drafts of ``seq`` taken away, in one copy (a verify consumed them)."""
+    seq_id, table = seq.seq_id, state.drafts
+    changes: dict[str, Any] = {"rows": tuple([seq if s.seq_id == seq_id else s for s in state.active]),
+                               "settled": None}
+    if seq_id in table:
+        changes["drafts"] = (DraftTable({i: d for i, d in table.items() if i != seq_id}) if len(table) > 1
+                             else NO_DRAFTS)
+    return with_fields(state, changes)
 
 
 def drop_drafts(state: SchedulerState, seq_ids: Iterable[int]) -> SchedulerState:
