@@ -3,6 +3,11 @@
 ``agenda`` is the work still to do in this tick (tasks, front first); ``waiting`` is the answer the
 engine waits for, with what it needs to go on (or ``None`` while it runs). Printing a state shows
 exactly which phase of which tick the engine is in.
+
+The active sequences are ``active``: the records ``rows`` with, after a batched step that every
+sequence went on from, the step's hot fields as columns (``settled``) over them, and the drafts
+they hold as one table (``drafts``). A steady tick so copies no sequence record
+(specs/scheduler.md §5.2).
 """
 
 from __future__ import annotations
@@ -78,17 +83,18 @@ class Swapped:
     sequence: Sequence
 
 
-# the fields of a sequence a batched verify changes on every row that goes on (the columns of ``Settled``)
+# the fields a batched verify or plain decode changes on every row that goes on (the columns of ``Settled``)
 HOT_FIELDS = ("seq_len", "blocks", "acc", "output", "remaining", "content_count", "last_token")
 
 
 @attrs.frozen(slots=False)
 class Settled:
-    """The hot fields of every active sequence after a batched verify, as columns over the records
-    ``base`` (specs/scheduler.md §5.2): row ``i`` of each column is the field of ``base[i]``. The
-    records keep their other fields exact; only these seven are newer in the columns. A verify that
-    every sequence of the batch goes on from thus writes seven tuples instead of a record per
-    sequence; whoever reads ``state.active`` gets the records rebuilt once (``records()``)."""
+    """The hot fields of every active sequence after a batched DFlash verify or a plain decode, as
+    columns over the records ``base`` (specs/scheduler.md §5.2): row ``i`` of each column is the
+    field of ``base[i]``. The records keep their other fields exact; only these seven are newer in
+    the columns. A step that every sequence goes on from the common way thus writes seven tuples
+    instead of a record per sequence; whoever reads ``state.active`` gets the records rebuilt once
+    (``records()``)."""
 
     base: tuple[Sequence, ...]
     seq_len: tuple[int, ...]
@@ -153,8 +159,9 @@ class SchedulerState:
     @property
     def active(self) -> tuple[Sequence, ...]:
         """The active sequences, in order (**the order matters**, specs/scheduler.md §5.2): the
-        records ``rows``, with the columns of ``settled`` applied when a batched verify left them
-        there. Only the batched DFlash rules read ``rows`` and ``settled`` themselves."""
+        records ``rows``, with the columns of ``settled`` applied when a batched step left them
+        there. The rules of a steady tick read ``rows`` for what the columns never hold (ids, slots,
+        requests, flags) and ``hot_columns`` for the rest; everything else reads ``active``."""
         settled, rows = self.settled, self.rows
         if settled is None or settled.base is not rows:
             return rows
