@@ -36,7 +36,7 @@ from fxsched.core.agenda import PhaseError, push, put_seqs
 from fxsched.core.events import Arrival, Boot, Cancel, Clock, DeviceFault, Event, InboxClosed, RotationRequested
 from fxsched.core.faults import Halt, RuleTakesFault, apply_fault
 from fxsched.core.phases import StartUp
-from fxsched.core.records import replace
+from fxsched.core.records import replace, with_fields
 from fxsched.core.state import SchedulerState
 from fxsched.core.table import ANSWERS, IDLE, TASKS
 from fxsched.effects.base import Effect
@@ -62,22 +62,26 @@ def _take_input(state: SchedulerState, event: Event) -> SchedulerState:
     raise PhaseError(f"unknown input event {event!r}")
 
 
-_new = object.__new__
-_set = object.__setattr__
+# Ownership. Every state a rule returns is a copy made during this step (``with_fields``,
+# ``replace``) or the state the rule was given. So once ``step`` holds a state that is not the
+# caller's, no one else can see it until ``step`` returns it: the engine's own two writes (the
+# answered record cleared, a task popped off the agenda) are made in place on such a state
+# instead of copying all of it. Rules never write in place; they may keep and return an older
+# state, which is why only ``step`` and ``advance``, holding no other reference, do.
 
 
-def _unpark(state: SchedulerState) -> SchedulerState:
-    """``state`` with no waiting record (``records.with_fields``, inlined: the loop's hottest copy)."""
-    new = _new(SchedulerState)
-    fields = state.__dict__.copy()
-    fields["waiting"] = None
-    _set(new, "__dict__", fields)
-    return new
+def _unpark(state: SchedulerState, caller: SchedulerState) -> SchedulerState:
+    """``state`` with no waiting record: in place unless it is the caller's state."""
+    if state is caller:
+        return with_fields(state, {"waiting": None})
+    state.__dict__["waiting"] = None
+    return state
 
 
 def advance(state: SchedulerState, out: list[Effect]) -> SchedulerState:
     """Run tasks until one waits for an answer or the loop has stopped. A task whose ``IDLE``
-    predicate holds is dropped unrun: its rule would change nothing (specs/scheduler.md §5.2)."""
+    predicate holds is dropped unrun: its rule would change nothing (specs/scheduler.md §5.2).
+    ``state`` must be this step's own (see Ownership above): the tasks are popped in place."""
     idle = IDLE
     while state.waiting is None and not state.stopped:
         agenda = state.agenda
@@ -89,11 +93,8 @@ def advance(state: SchedulerState, out: list[Effect]) -> SchedulerState:
             i += 1
         else:
             raise PhaseError(f"the agenda ran dry without a query ({state.describe()})")
-        popped = _new(SchedulerState)  # records.with_fields, inlined
-        fields = state.__dict__.copy()
-        fields["agenda"] = agenda[i + 1:]
-        _set(popped, "__dict__", fields)
-        state = TASKS[type(task)](popped, task, out)
+        state.__dict__["agenda"] = agenda[i + 1:]
+        state = TASKS[type(task)](state, task, out)
     return state
 
 
@@ -135,7 +136,7 @@ def step(state: SchedulerState, event: Event) -> tuple[SchedulerState, tuple[Eff
         )
     # the rule sees the answered waiting record still parked: it ends with a query (which parks the
     # next one) or it does not, and then the record is cleared here. One state copy fewer per answer.
-    state = phase.rule(state, waiting, event, out)
+    after = phase.rule(state, waiting, event, out)
     if not out or not out[-1].QUERY:
-        state = _unpark(state)
-    return advance(state, out), tuple(out)
+        after = _unpark(after, state)
+    return advance(after, out), tuple(out)
