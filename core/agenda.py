@@ -7,10 +7,10 @@ from collections.abc import Sequence as Sequence_
 from typing import Any, Iterable, Mapping, Optional
 
 from fxsched.core.phases import AwaitForward
-from fxsched.core.records import with_fields
+from fxsched.core.records import copy_fields, with_fields
 from fxsched.core.request import Request
 from fxsched.core.sequence import Sequence
-from fxsched.core.state import NO_DRAFTS, DraftTable, SchedulerState
+from fxsched.core.state import HOT_FIELDS, NO_DRAFTS, DraftTable, SchedulerState, Settled, hot_columns
 from fxsched.effects.base import Effect
 
 
@@ -67,6 +67,46 @@ def put_seqs(state: SchedulerState, updated: dict[int, Sequence]) -> SchedulerSt
 
 def put_seq(state: SchedulerState, seq: Sequence) -> SchedulerState:
     return put_seqs(state, {seq.seq_id: seq})
+
+
+# --- a batch's hot columns (state.settled) -----------------------------------------------------
+
+
+def batch_rows(state: SchedulerState, ids: tuple[int, ...]) -> tuple[bool, Sequence_[Sequence], tuple[Sequence_[Any], ...]]:
+    """The records of the batch ``ids`` and their hot fields (one column per name of ``HOT_FIELDS``),
+    newest first from the columns of the last batched step; ``ordered`` says whether the batch is
+    every active sequence in order (only then do the columns and the records ``rows`` serve)."""
+    ordered = in_order(state.rows, ids)
+    columns = hot_columns(state) if ordered else None
+    if columns is not None:
+        return True, state.rows, (columns.seq_len, columns.blocks, columns.acc, columns.output, columns.remaining,
+                                  columns.content_count, columns.last_token)
+    rows = state.rows if ordered else [by_id(state)[i] for i in ids]
+    return ordered, rows, tuple([[s.__dict__[name] for s in rows] for name in HOT_FIELDS])
+
+
+def keep_batch(state: SchedulerState, ordered: bool, rows: Sequence_[Sequence], hot: Sequence_[Sequence_[Any]],
+               rebuilt: Mapping[int, Sequence], more: Optional[dict[str, Any]] = None) -> SchedulerState:
+    """The state after a batched step over ``rows`` (from ``batch_rows``): the new hot columns
+    ``hot``, except rows ``rebuilt`` (by index) whose records a sink already made. When the batch
+    is every active sequence and no row was rebuilt, the records stay and the columns are kept as
+    ``state.settled`` (specs/scheduler.md §5.2); otherwise each record is copied once. ``more``:
+    other fields of the state to set in the same copy."""
+    extra = more or {}
+    if ordered and not rebuilt:
+        return with_fields(state, {"settled": Settled(state.rows, *[tuple(c) for c in hot]), **extra})
+    records = []
+    for i, (seq, *values) in enumerate(zip(rows, *hot, strict=True)):
+        if i in rebuilt:
+            records.append(rebuilt[i])
+        else:
+            record, changes = copy_fields(seq)
+            changes.update(zip(HOT_FIELDS, values, strict=True))
+            records.append(record)
+    if ordered:
+        return with_fields(state, {"rows": tuple(records), "settled": None, **extra})
+    state = put_seqs(state, {s.seq_id: s for s in records})
+    return with_fields(state, extra) if extra else state
 
 
 # --- held drafts (state.drafts) -------------------------------------------------------------------

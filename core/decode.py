@@ -7,21 +7,19 @@ its ``blocks`` cover ``seq_len``; a failed batch changes no sequence it did not 
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
 from typing import Any
 
-from fxsched.core.agenda import by_id, in_order, push
+from fxsched.core.agenda import batch_rows, by_id, keep_batch, push
 from fxsched.core.emit import plain_token
 from fxsched.core.events import DeviceFault, TokensSampled
 from fxsched.core.faults import fail_sequences
 from fxsched.core.memory import preempt, preemption_victim
 from fxsched.core.phases import AwaitDecode, DecodeLane, NgramStep, PlainDecode, SelfSpecStep, SpecStep
-from fxsched.core.records import copy_fields, replace, with_fields
+from fxsched.core.records import replace, with_fields
 from fxsched.core.rows import (by_slot, greedy_request, greedy_row, grow, host_pick, may_speculate,
                               prefill_barrier, slot_ordered)
-from fxsched.core.state import HOT_FIELDS, SchedulerState, Settled, hot_columns
+from fxsched.core.state import HOT_FIELDS, SchedulerState, hot_columns
 from fxsched.core.token_log import TokenLog
-from fxsched.core.sequence import Sequence
 from fxsched.core.watchdog import snapshots_possible
 from fxsched.effects import plans
 from fxsched.effects.base import Effect
@@ -107,16 +105,7 @@ def _decoded_batch(state: SchedulerState, seq_ids: tuple[int, ...], event: Token
     block_size = state.model.block_size
     eos = config.eos_set
     seq_limit = config.max_seq_len - 1
-    ordered = in_order(state.rows, seq_ids)
-    columns = hot_columns(state) if ordered else None
-    rows: Seq[Sequence]
-    if columns is not None:  # the records are older than the columns in the hot fields
-        rows = state.rows
-        hot: tuple[Seq[Any], ...] = (columns.seq_len, columns.blocks, columns.acc, columns.output,
-                                     columns.remaining, columns.content_count, columns.last_token)
-    else:
-        rows = state.rows if ordered else [by_id(state)[i] for i in seq_ids]
-        hot = tuple([[s.__dict__[name] for s in rows] for name in HOT_FIELDS])
+    ordered, rows, hot = batch_rows(state, seq_ids)
     logprobs = event.logprobs or (0,) * len(seq_ids)
     checkpoints: list[int] = []
     stream_ids: list[int] = []
@@ -167,20 +156,7 @@ def _decoded_batch(state: SchedulerState, seq_ids: tuple[int, ...], event: Token
     if stream_ids:
         out.append(StreamOut(tuple(stream_ids), tuple(stream_tokens),
                              logprobs=tuple(stream_logprobs) if any(stream_logprobs) else ()))
-    acc = hot[2]
-    if ordered and not cold:  # every active sequence goes on, each the common way: columns only
-        after = Settled(state.rows, tuple(new_len), tuple(new_blocks), tuple(acc), tuple(new_output),
-                        tuple(new_remaining), tuple(new_content), tuple(new_last))
-        return with_fields(state, {"settled": after})
-    records = []
-    for i, (seq, *values) in enumerate(zip(rows, new_len, new_blocks, acc, new_output, new_remaining, new_content,
-                                            new_last, strict=True)):
-        record, changes = copy_fields(seq)
-        changes.update(zip(HOT_FIELDS, values, strict=True))
-        if i in cold:
-            changes.update(cold[i])
-        records.append(record)
-    if ordered:
-        return replace(state, active=tuple(records))
-    updated = {s.seq_id: s for s in records}
-    return replace(state, active=tuple([updated.get(s.seq_id, s) for s in state.active]))
+    columns = (new_len, new_blocks, hot[2], new_output, new_remaining, new_content, new_last)
+    rebuilt = {i: with_fields(rows[i], {**{name: column[i] for name, column in zip(HOT_FIELDS, columns, strict=True)},
+                                        **changes}) for i, changes in cold.items()}
+    return keep_batch(state, ordered, rows, columns, rebuilt)

@@ -8,12 +8,10 @@ unfinished sequences are trimmed and re-proposed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence as Seq
-from typing import Any
 from itertools import repeat
 from operator import add
 
-from fxsched.core.agenda import ask, by_id, drop_drafts, find_seq, in_order, push, put_seq, put_seqs
+from fxsched.core.agenda import (ask, batch_rows, by_id, drop_drafts, find_seq, in_order, keep_batch, push, put_seq)
 from fxsched.core.emit import Streamed, settle_tokens, spec_tokens
 from fxsched.core.events import BatchVerifyAllowed, Drafts, VerifyRows
 from fxsched.core.phases import (
@@ -26,9 +24,9 @@ from fxsched.core.phases import (
     DflashGate,
     SerialVerify,
 )
-from fxsched.core.records import copy_fields, replace, with_fields
+from fxsched.core.records import replace, with_fields
 from fxsched.core.sequence import Sequence
-from fxsched.core.state import HOT_FIELDS, NO_DRAFTS, SchedulerState, Settled, hot_columns
+from fxsched.core.state import HOT_FIELDS, NO_DRAFTS, SchedulerState, hot_columns
 from fxsched.core.token_log import TokenLog
 from fxsched.core.verdict import accepted_prefix, verify_width
 from fxsched.core.verifying import mtp_bootstrap, propose, propose_after_batch, settled, start_k_verify
@@ -158,17 +156,8 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
     Otherwise the records are rebuilt, one copy each."""
     k, config, block_size = waiting.k, state.config, state.model.block_size
     ids, pre_lens = waiting.seq_ids, waiting.pre_lens
-    ordered = in_order(state.rows, ids)
-    columns = hot_columns(state) if ordered else None
-    seqs: Seq[Sequence]
-    if columns is not None:  # the records are older than the columns in the hot fields
-        seqs = state.rows
-        hot: tuple[Seq[Any], ...] = (columns.blocks, columns.acc, columns.output, columns.remaining,
-                                     columns.content_count, columns.last_token)
-    else:
-        seqs = state.rows if ordered else [by_id(state)[i] for i in ids]
-        hot = ([s.blocks for s in seqs], [s.acc for s in seqs], [s.output for s in seqs],
-               [s.remaining for s in seqs], [s.content_count for s in seqs], [s.last_token for s in seqs])
+    ordered, seqs, hot = batch_rows(state, ids)
+    from_columns = ordered and hot_columns(state) is not None  # the records are older in the hot fields
     rows_all = event.rows
     new_len: list[int] = []
     new_blocks: list[int] = []
@@ -188,7 +177,7 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
     seq_limit = config.max_seq_len - 1
     short = k - 1  # a row whose drafts all match accepts k - 1 and takes the bonus row
     base = 0
-    for i, (seq, drafts, pre, blocks0, acc0, output0, remaining, content0, last0) in enumerate(
+    for i, (seq, drafts, pre, _, blocks0, acc0, output0, remaining, content0, last0) in enumerate(
             zip(seqs, waiting.drafts, pre_lens, *hot, strict=True)):
         limit = len(drafts)
         if limit > short:
@@ -219,7 +208,7 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
                 stream_counts.append(n)
                 stream_logprobs.append(request.top_logprobs if fields["logprob_records"] else 0)
         else:
-            current = seq if columns is None else with_fields(seq, dict(zip(
+            current = seq if not from_columns else with_fields(seq, dict(zip(
                 HOT_FIELDS, (pre, blocks0, acc0, output0, remaining, content0, last0), strict=True)))
             settled, sent = settle_tokens(current, tokens, config, {"seq_len": seq_len, "blocks": blocks,
                                                                     "acc": acc0 + na})
@@ -255,24 +244,11 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
     if trims:
         out.append(dc.TrimProposerStateBatch(trims))
     lengths, lasts = tuple(new_len), tuple(new_last)
-    if ordered and not slow:  # every active sequence goes on, each the common way: columns only
-        after = Settled(state.rows, lengths, tuple(new_blocks), tuple(new_acc), tuple(new_output),
-                        tuple(new_remaining), tuple(new_content), lasts)
-        state = with_fields(state, {"settled": after, "drafts": NO_DRAFTS})
-    else:
-        records = []
-        for i, (seq, *values) in enumerate(zip(seqs, lengths, new_blocks, new_acc, new_output, new_remaining,
-                                                new_content, lasts, strict=True)):
-            if i in slow:
-                records.append(slow[i])
-            else:
-                record, changes = copy_fields(seq)
-                changes.update(zip(HOT_FIELDS, values, strict=True))
-                records.append(record)
-        if ordered:  # every active sequence was verified: no one holds drafts now
-            state = with_fields(state, {"rows": tuple(records), "settled": None, "drafts": NO_DRAFTS})
-        else:
-            state = drop_drafts(put_seqs(state, {s.seq_id: s for s in records}), ids)
+    columns = (lengths, new_blocks, new_acc, new_output, new_remaining, new_content, lasts)
+    # when every active sequence was verified, no one holds drafts now
+    state = keep_batch(state, ordered, seqs, columns, slow, {"drafts": NO_DRAFTS} if ordered else None)
+    if not ordered:
+        state = drop_drafts(state, ids)
     if not finished_rows and len(ids) >= 2:  # everyone goes on: propose from the rows at hand
         query = dc.ProposeBatched(tokens=lasts, positions=lengths, stash=tuple(range(len(ids))),
                                   n=waiting.draft_count, seqs=ids)
