@@ -197,7 +197,7 @@ class Interpreter:
 
     def _host_picks(self, row: int, picks) -> ev.TokensSampled:
         """Tokens of ``len(picks)`` rows from ``row`` by their picks: the device's own batched
-        sampler when its class defines ``sample_rows`` (the torch device; a wrapper that only
+        sampler when its class defines ``sample_rows`` (the torch and simulated devices; a wrapper that only
         forwards attributes does not count, so it keeps its own ``copy_logits_to_host``), else
         a host copy of the rows picked by ``sampling.host_pick`` (specs/scheduler.md §5.11)."""
         logprobs = tuple(pick.top_logprobs for pick in picks)

@@ -1,9 +1,12 @@
 """The model checker's fast paths do what the slow ones did: the interpreter's per-type dispatch
 carries out every effect class (and its subclasses) as its case says, and refuses the rest by name;
-the monitor's checks gated by effect roles still fire on every effect form they read; the
-simulated device's ``epoch`` moves on every change to the pool or the slots, and the pool checks
-``Monitor.on_state`` skips while it stands still run again once it moves. (That the checker as a
-whole catches as much as before is measured by the mutation suite, tests/run_mutants.py.)"""
+the monitor's checks gated by effect roles still fire on every effect form they read, a batch
+signature's roles are the union of its effects' and an event type's kind follows the class tests;
+the simulated device's ``epoch`` moves on every change to the pool or the slots, and the pool checks
+``Monitor.on_state`` skips while it stands still run again once it moves; a new tuple of active
+sequences is checked for its slots, its sequences and its size whenever one of them differs; the
+simulated device's sampled rows are what a host copy of them picks. (That the checker as a whole
+catches as much as before is measured by the mutation suite, tests/run_mutants.py.)"""
 
 from __future__ import annotations
 
@@ -13,14 +16,18 @@ import attrs
 import pytest
 
 from fxsched.core import events as ev
-from fxsched.core.config import ModelInfo, SchedulerConfig
-from fxsched.core.state import initial_state
+from fxsched.core.config import SCRIPTED_EOS, ModelInfo, SchedulerConfig
+from fxsched.core.request import Request
+from fxsched.core.sequence import Sequence
+from fxsched.core.state import SchedulerState, initial_state
 from fxsched.effects import client, device_calls as dc, lifecycle as lc, plans
 from fxsched.effects.base import Effect
 from fxsched.runtime import interpreter as interp
+from fxsched.runtime.check import invariants
 from fxsched.runtime.check.invariants import Monitor, Violation
 from fxsched.runtime.devices.device import DeviceError
-from fxsched.runtime.devices.scripted import Script
+from fxsched.runtime.devices.sampling import decode_bf16_row, host_pick
+from fxsched.runtime.devices.scripted import Script, ScriptedDevice
 from fxsched.runtime.devices.simulated import SimDevice
 from fxsched.runtime.interpreter import Host, Interpreter, RunError
 
@@ -220,3 +227,129 @@ def test_the_pool_checks_run_again_once_the_device_changes():
     device.alloc_sequence(0, 1)
     with pytest.raises(Violation, match="blocks_balance"):
         monitor.on_state(state)
+
+
+# --- what the monitor works out once per type or per batch signature -------------------------------------
+
+
+def test_a_batch_signature_has_the_union_of_its_effects_roles():
+    classes = _effect_classes()
+    for start in range(0, len(classes), 3):
+        kinds = tuple(classes[start:start + 5])
+        union = 0
+        for cls in kinds:
+            union |= invariants.effect_role(cls)
+        assert invariants.BATCH_ROLES[kinds] == union == invariants.batch_roles(kinds), kinds
+    assert invariants.effect_role(client.TokenOut) & invariants.OUT
+    assert invariants.effect_role(client.TokensOut) & invariants.OUT
+    assert not invariants.effect_role(client.DoneOut) & invariants.OUT
+
+
+def _event_classes() -> list[type]:
+    return [cls for _, cls in inspect.getmembers(ev, inspect.isclass)
+            if cls.__module__ == ev.__name__ and issubclass(cls, ev.Event)]
+
+
+@pytest.mark.parametrize("cls", _event_classes(), ids=lambda c: c.__name__)
+def test_an_event_kind_follows_the_class_tests(cls):
+    kind = invariants.EVENT_KINDS[cls]
+    assert bool(kind & invariants.INPUT) == issubclass(cls, ev.INPUT_EVENTS)
+    assert bool(kind & invariants.CLOCK) == issubclass(cls, ev.Clock)
+    assert bool(kind & invariants.CANCEL) == issubclass(cls, ev.Cancel)
+    assert bool(kind & invariants.ARRIVAL) == issubclass(cls, ev.Arrival)
+    assert bool(kind & invariants.FAULT) == issubclass(cls, ev.DeviceFault)
+
+
+def test_a_subclass_of_an_event_is_watched_as_its_class():
+    @attrs.frozen
+    class LateClock(ev.Clock):
+        pass
+
+    monitor, _ = _monitor()
+    monitor.on_event(LateClock(250.0))
+    assert monitor.now_ms == 250.0 and monitor.nothing_new
+
+
+# --- the state checks of a new tuple of active sequences ---------------------------------------------------
+
+
+def _sequence(seq_id: int, slot: int) -> Sequence:
+    request = Request(id=seq_id, prompt=(seq_id, 3, 3), max_tokens=4)
+    return Sequence(seq_id=seq_id, request=request, slot=slot, seq_len=3, blocks=0, output=(), remaining=4,
+                    last_token=3)
+
+
+def _running_two(max_batch_size: int = 8) -> tuple[Monitor, SimDevice, SchedulerState]:
+    """A monitor that has seen sequences 1 and 2 active in slots 0 and 1, on a device holding both."""
+    monitor, device = _monitor()
+    device.alloc_sequence(1, 1)
+    device.alloc_sequence(2, 2)
+    state = attrs.evolve(initial_state(SchedulerConfig(max_batch_size=max_batch_size), ModelInfo()),
+                         active=(_sequence(1, 0), _sequence(2, 1)))
+    monitor.on_state(state)
+    return monitor, device, state
+
+
+def test_the_same_sequences_one_token_on_pass():
+    monitor, _, state = _running_two()
+    grown = tuple(attrs.evolve(s, seq_len=s.seq_len + 1) for s in state.active)
+    monitor.on_state(attrs.evolve(state, active=grown))  # new tuples, the same slots and sequences
+
+
+def test_the_same_sequences_in_one_slot_are_caught():
+    monitor, _, state = _running_two()
+    first, second = state.active
+    with pytest.raises(Violation, match="slots_unique"):
+        monitor.on_state(attrs.evolve(state, active=(first, attrs.evolve(second, slot=0))))
+
+
+def test_a_sequence_dropped_without_its_release_is_caught():
+    monitor, _, state = _running_two()
+    with pytest.raises(Violation, match="no_orphan_sequence"):
+        monitor.on_state(attrs.evolve(state, active=state.active[:1]))
+
+
+def test_a_sequence_replaced_by_another_in_its_slot_is_caught_when_the_old_one_is_held():
+    monitor, device, state = _running_two()
+    device.alloc_sequence(3, 3)
+    monitor.on_state(state)  # the device changed: three held, two running (the tick checks catch the third)
+    replaced = (state.active[0], _sequence(3, 1))  # the same slots, another sequence: 2 stopped running
+    with pytest.raises(Violation, match="no_orphan_sequence"):
+        monitor.on_state(attrs.evolve(state, active=replaced))
+
+
+def test_a_batch_grown_past_its_bound_is_caught():
+    monitor, device, state = _running_two(max_batch_size=2)
+    device.alloc_sequence(3, 3)
+    with pytest.raises(Violation, match="batch_bound"):
+        monitor.on_state(attrs.evolve(state, active=state.active + (_sequence(3, 2),)))
+
+
+# --- the simulated device's sampled rows -------------------------------------------------------------------
+
+
+def test_the_simulated_device_samples_a_row_as_its_host_copy_is_picked():
+    device = SimDevice({1: Script(4, (10, 11, 12))})
+    vocab = device.vocab_size()
+    device.rows = [5, SCRIPTED_EOS, 0, vocab - 1, vocab + 3]  # the last answer is off the vocabulary: a row of 0s
+    picks = [dc.HostPick(temperature=t, seed=seed, mask_eos=mask, top_p=top_p, top_k=top_k, min_p=min_p)
+             for t in (0.0, 0.7, 1.5) for seed in (0, 42, 43) for mask in (False, True)
+             for top_p, top_k, min_p in ((1.0, 0, 0.0), (0.9, 5, 0.0), (0.5, 0, 0.1))]
+    for eos_ids in ((SCRIPTED_EOS,), (SCRIPTED_EOS, 5)):
+        for row in range(len(device.rows)):
+            slab = ScriptedDevice.copy_logits_to_host(device, row, 0, vocab * 2)  # what the interpreter copies
+            want = [host_pick(decode_bf16_row(slab, vocab, 0), pick, eos_ids) for pick in picks]
+            for _ in range(2):  # worked out, then remembered
+                assert [device.sample_rows(row, 1, (pick,), eos_ids).tokens[0] for pick in picks] == want
+    assert device.sample_rows(1, 3, picks[:3], (SCRIPTED_EOS,)).tokens == [
+        device.sample_rows(row, 1, (pick,), (SCRIPTED_EOS,)).tokens[0] for row, pick in zip((1, 2, 3), picks[:3], strict=True)]
+    with pytest.raises(DeviceError, match="row 5 was not produced"):
+        device.sample_rows(4, 2, picks[:2], (SCRIPTED_EOS,))
+
+
+def test_the_interpreter_asks_the_simulated_device_for_sampled_rows():
+    device = SimDevice({1: Script(4, (10, 11, 12))})
+    device.rows = [7, 9]
+    pick = dc.HostPick(temperature=0.0, seed=1, mask_eos=False, top_logprobs=2)
+    answer = Interpreter(device, Host(), (SCRIPTED_EOS,)).perform(dc.CopyLogitsToHost(0, 2, (pick, pick)))
+    assert answer == ev.TokensSampled((7, 9), (2, 2))

@@ -6,14 +6,17 @@ first one broken. Cheap checks run on every step; whole-state checks run at tick
 
 The per-step checks run only where they have something to look at, which keeps the checker's own
 cost per step small: a batch's checks run when the batch holds an effect of a type they read (the
-type's ``ROLES``, worked out once per type; a check with nothing to read would pass), and
+type's ``ROLES``, worked out once per type, and their union per batch signature, ``BATCH_ROLES``; a
+check with nothing to read would pass), an event's handling follows its type's ``EVENT_KINDS``, and
 ``Monitor.on_state`` re-runs a check of the device's pool and slots or of the state's in-flight
 tuples only when its inputs changed since it last held (the simulated device's ``epoch``; the very
-same tuples in the state, which frozen records keep when nothing in them changed).
+same tuples in the state, which frozen records keep when nothing in them changed; for a new tuple of
+active sequences, the same sequences in the same slots, which is what most steps make of it).
 """
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Any, Optional
 
 import attrs
@@ -57,6 +60,9 @@ def expected_output(tokens: tuple[int, ...], max_tokens: int, eos: int = EOS, mi
         if tok == eos:
             break
     return tuple(out)
+
+
+_SEQ_ID, _SLOT, _BLOCKS = attrgetter("seq_id"), attrgetter("slot"), attrgetter("blocks")
 
 
 def _fits(want: int, token: int) -> bool:
@@ -212,7 +218,7 @@ def blocks_balance(device) -> None:
         raise Violation("blocks_balance", f"free {free}, used {used}")
     if free + used + device.held_blocks != device.total_blocks:
         raise Violation("blocks_balance", f"free {free} + used {used} + held {device.held_blocks} != {device.total_blocks}")
-    tables = sum(s.blocks for s in device.live.values())
+    tables = sum(map(_BLOCKS, device.live.values()))
     if tables != used:
         raise Violation("blocks_balance", f"block tables hold {tables} blocks but {used} are used")
 
@@ -229,10 +235,10 @@ def blocks_free_at_quiescence(state: SchedulerState, device) -> None:
 
 def slots_unique(state: SchedulerState, device) -> None:
     """slots: no two live sequences share a slot (scheduler view and device view)."""
-    slots = [s.slot for s in state.active] + [e.slot for e in state.prefilling]
+    slots = [*map(_SLOT, state.active), *map(_SLOT, state.prefilling)]
     if len(slots) != len(set(slots)):
         raise Violation("slots_unique", f"the scheduler has two sequences in one slot: {sorted(slots)}")
-    dslots = [s.slot for s in device.live.values()]
+    dslots = list(map(_SLOT, device.live.values()))
     if len(dslots) != len(set(dslots)):
         raise Violation("slots_unique", f"the device has two sequences in one slot: {sorted(dslots)}")
 
@@ -244,6 +250,8 @@ def no_effect_on_released(effects, released: set, live: set) -> None:
     roles = ROLES
     for effect in effects:
         role = roles[type(effect)]
+        if not role & (ALLOC | RELEASE | NAMES):
+            continue
         if role & ALLOC:
             released.discard(effect.seq)
             live.add(effect.seq)
@@ -359,11 +367,11 @@ def compaction_target_free(effects, device) -> None:
 def running_sequences(state: SchedulerState) -> set[int]:
     """The sequences the scheduler runs, which may hold a device sequence: active, prefilling and
     being restored."""
-    running = {s.seq_id for s in state.active}
+    running = set(map(_SEQ_ID, state.active))
     if state.prefilling:
-        running.update([e.seq_id for e in state.prefilling])
+        running.update(map(_SEQ_ID, state.prefilling))
     if state.restoring:
-        running.update([s.seq_id for s in state.restoring])
+        running.update(map(_SEQ_ID, state.restoring))
     return running
 
 
@@ -590,6 +598,7 @@ DRAFT = 1 << 9  # one of ``DRAFT_RULED``
 DECODE = 1 << 10  # one of ``DECODE_LANE``
 PLAN = 1 << 11  # a plain decode plan
 BATCHED = 1 << 12  # a batched record standing for several effects (``split``: see ``expand_batched``)
+OUT = 1 << 13  # streams tokens to a client (``TokenOut``, ``TokensOut``)
 
 
 def effect_role(cls: type) -> int:
@@ -622,6 +631,8 @@ def effect_role(cls: type) -> int:
         role |= PLAN
     if hasattr(cls, "split"):
         role |= BATCHED
+    if issubclass(cls, (TokenOut, TokensOut)):
+        role |= OUT
     return role
 
 
@@ -633,6 +644,55 @@ class _Roles(dict):
 
 ROLES: dict[type, int] = _Roles()
 """Effect type -> its roles (``effect_role``), worked out once per type."""
+
+
+def batch_roles(kinds) -> int:
+    """The roles of a batch of effects of types ``kinds``: the union of theirs."""
+    union = 0
+    for cls in kinds:
+        union |= ROLES[cls]
+    return union
+
+
+class _BatchRoles(dict):
+    def __missing__(self, kinds: tuple) -> int:
+        if len(self) >= 65536:  # (a bound on what a long run keeps: the walk meets a few hundred)
+            self.clear()
+        roles = self[kinds] = batch_roles(kinds)
+        return roles
+
+
+BATCH_ROLES: dict[tuple, int] = _BatchRoles()
+"""A batch's effect types, in order (its signature) -> ``batch_roles``, worked out once per
+signature: the walk's batches repeat a few hundred signatures."""
+
+
+# --- the kinds of an event: what ``Monitor.on_event`` does with it ----------------------------------------
+
+INPUT = 1 << 0  # one of ``ev.INPUT_EVENTS``
+CLOCK = 1 << 1
+CANCEL = 1 << 2
+ARRIVAL = 1 << 3
+FAULT = 1 << 4  # a ``DeviceFault``
+
+
+def event_kind(cls: type) -> int:
+    """The kind of event type ``cls``, by the class tests ``Monitor.on_event`` makes."""
+    kind = INPUT if issubclass(cls, ev.INPUT_EVENTS) else 0
+    for bit, base in ((CLOCK, ev.Clock), (CANCEL, ev.Cancel), (ARRIVAL, ev.Arrival), (FAULT, ev.DeviceFault)):
+        if issubclass(cls, base):
+            kind |= bit
+    return kind
+
+
+class _EventKinds(dict):
+    def __missing__(self, cls: type) -> int:
+        kind = self[cls] = event_kind(cls)
+        return kind
+
+
+EVENT_KINDS: dict[type, int] = _EventKinds()
+"""Event type -> its kind (``event_kind``), worked out once per type."""
 
 
 def admission_ran(state: SchedulerState, now_ms: float, last_decode_ms: float, selected: bool) -> None:
@@ -718,7 +778,6 @@ class Monitor:
         self.requeued_kv: dict[int, int] = {}  # request id -> KV tokens it held when preempted (requeued)
         self.last_decode_rows: tuple[int, ...] = ()
         self.prev_active: dict[int, tuple] = {}  # seq -> (output length, slot, request id, seq) after the last step
-        self.prev_state_active: tuple = ()  # the active sequences after the last step
         self.evicted: set[int] = set()  # requests preempted (requeued), not yet resumed
         self.moved: set[int] = set()  # requests ever spilled or requeued
         self.first_token_owed: set[int] = set()  # cancelled before they were active: the first token may stream
@@ -727,10 +786,17 @@ class Monitor:
         # what the per-step checks of ``on_state`` last looked at (see there)
         self.seen_epoch: Optional[int] = None
         self.seen_config: Any = None
-        self.seen_active: Any = None
+        self.seen_active: Any = None  # the active sequences after the last step
         self.seen_prefilling: Any = None
         self.seen_restoring: Any = None
         self.seen_new: Any = None
+        self.seen_slots: list[int] = []  # the slots of ``seen_active``, in order
+        self.seen_ids: list[int] = []  # and its sequences
+        # what the device offers the checks (the simulated device all of it), looked up once
+        self.refusable = hasattr(device, "refused")
+        self.counts_epochs = hasattr(device, "epoch")
+        self.rids = hasattr(device, "_rid")
+        self.logs_capacities = hasattr(device, "capacity_log")
 
     def add_request(self, request) -> None:
         """A request of the run (the hypothesis machine makes them up as it goes)."""
@@ -742,86 +808,85 @@ class Monitor:
 
     def on_event(self, event) -> None:
         """An event about to be stepped: clocks, arrivals, cancels and faults are causes."""
-        self.fault_step = False
-        self.kv_fault = False
-        self.nothing_new = isinstance(event, ev.INPUT_EVENTS)
-        if isinstance(event, ev.Clock):
+        kind = EVENT_KINDS[type(event)]
+        self.fault_step = self.kv_fault = self.nothing_new = False
+        if not kind:
+            return  # an answer
+        if kind & INPUT:
+            self.nothing_new = True
+        if kind & CLOCK:
             self.now_ms = event.now_ms
-        elif isinstance(event, ev.Cancel):
+        elif kind & CANCEL:
             rid = event.request_id
             if rid not in self.cancelled and rid in self.streamed and not self.streamed[rid]:
                 self.first_token_owed.add(rid)
             self.cancelled.add(rid)
-        elif isinstance(event, ev.Arrival):
+        elif kind & ARRIVAL:
             self.arrived.add(event.request.id)
             self.queue.append(event.request)
-        elif isinstance(event, ev.DeviceFault):
+        elif kind & FAULT:
             self.fault_step = True
             self.tick_fault = True
             self.kv_fault = event.kv_exhausted
             take = getattr(self.device, "take_blame", None)
             self.blamed = take() if take is not None else None
 
-    def on_effects(self, effects) -> None:
-        """A batch of effects, before it is carried out. The roles of its effect types (``ROLES``)
-        say which checks have anything to look at in it: a check that none of the batch's effects
-        takes part in would pass, so it does not run."""
+    def on_effects(self, effects, kinds: Optional[tuple] = None) -> None:
+        """A batch of effects, before it is carried out (``kinds``: their types in order, when the
+        caller has them). The roles of its effect types (``BATCH_ROLES``) say which checks have
+        anything to look at in it: a check that none of the batch's effects takes part in would
+        pass, so it does not run (a batch of no role at all is done with at once)."""
         if not effects:
             return
-        roles = 0
-        table = ROLES
-        for effect in effects:
-            roles |= table[type(effect)]
+        roles = BATCH_ROLES[tuple(map(type, effects)) if kinds is None else kinds]
+        if not roles and not self.shutdown_tail:
+            return
         if roles & BATCHED:
             effects = expand_batched(effects)  # a batched record's rows are checked one by one
-            roles = 0
-            for effect in effects:
-                roles |= table[type(effect)]
+            roles = batch_roles(map(type, effects))
         if roles & (ALLOC | RELEASE) or (roles & NAMES and self.released):
             no_effect_on_released(effects, self.released, self.live)
         if roles & COMMIT and roles & FOLD:
             fold_before_commit(effects)
         if roles & COMPACT:
             compaction_target_free(effects, self.device)
-        drafting = releasing = decoding = False
         if self.shutdown_tail or roles & SHUTDOWN:
+            acts = 0  # the roles of the effects before the shutdown, for the rules below
             for effect in effects:  # the shutdown's order, and nothing after it
                 if self.shutdown_tail or isinstance(effect, (lc.EpShutdown, lc.Quiesce, lc.Teardown)):
                     shutdown_order(self.shutdown_tail, effect)
                 elif isinstance(effect, (dc.AllocSequence, dc.AllocSequenceFor)) and effect.session:
                     self.served.add(effect.session)
                 elif isinstance(effect, lc.ReleaseSeq):
-                    releasing = True
+                    acts |= RELEASE
                 elif isinstance(effect, DRAFT_RULED):
-                    drafting = True
+                    acts |= DRAFT
                 if isinstance(effect, DECODE_LANE):
-                    decoding = True
-                    if isinstance(effect, plans.Decode) and hasattr(self.device, "_rid"):
+                    acts |= DECODE
+                    if isinstance(effect, plans.Decode) and self.rids:
                         decode_rows(effect, self.device, self.requests)
         else:
-            if roles & ALLOC:
+            acts = roles
+            if roles & (ALLOC | PLAN):
+                table = ROLES
                 for effect in effects:
-                    if table[type(effect)] & ALLOC and effect.session:
+                    role = table[type(effect)]
+                    if role & ALLOC and effect.session:
                         self.served.add(effect.session)
-            releasing = bool(roles & RELEASE)
-            drafting = bool(roles & DRAFT)
-            decoding = bool(roles & DECODE)
-            if roles & PLAN and hasattr(self.device, "_rid"):
-                for effect in effects:
-                    if table[type(effect)] & PLAN:
+                    elif role & PLAN and self.rids:
                         decode_rows(effect, self.device, self.requests)
         if self.config is None:
             return
-        if drafting and hasattr(self.device, "capacity_log"):
+        if acts & DRAFT and self.logs_capacities:
             self._draft_rules(effects)
-        if releasing:
+        if acts & RELEASE:
             self._preemption(effects)
         elif self.kv_fault is False and roles & PLAN:
             for effect in reversed(effects):
                 if isinstance(effect, plans.Decode):
                     self.last_decode_rows = effect.seqs
                     break
-        if decoding:
+        if acts & DECODE:
             self.last_decode_ms = self.now_ms
 
     def _preemption(self, effects) -> None:
@@ -832,7 +897,7 @@ class Monitor:
         output grows by ``preemption_immunity_tokens`` (§5.19 step 5; a swap-in keeps what it had)."""
         rows: tuple[int, ...] = self.last_decode_rows
         self.prev_active = {seq.seq_id: (len(seq.output), seq.slot, seq.request.id, seq.seq_id)
-                            for seq in self.prev_state_active}
+                            for seq in self.seen_active or ()}
         for effect in effects:
             if isinstance(effect, plans.Decode):
                 rows = effect.seqs
@@ -868,7 +933,10 @@ class Monitor:
         config = self.config
         device = self.device
         out: dict[int, int] = {}
+        roles = ROLES
         for effect in effects:
+            if not roles[type(effect)] & (DRAFT | OUT):
+                continue
             if isinstance(effect, dc.SlotDraftCapacity):
                 self.capacity_query = (len(device.capacity_log), len(effect.slots))
             elif isinstance(effect, (TokenOut, TokensOut)):
@@ -982,43 +1050,49 @@ class Monitor:
         """The state after a batch was carried out (and the device with it). The per-step checks
         run on what changed: each is a function of the device's pool and slots, unchanged while
         its ``epoch`` is, and of state fields that are the very same tuples as at the last step when
-        nothing in them changed; a check whose inputs are all the same held already."""
+        nothing in them changed (or, for ``active``, hold the same sequences in the same slots: the
+        slot check reads only the slots, the running set only the sequences, the batch bound only
+        the count); a check whose inputs are all the same held already."""
         device = self.device
-        repeat, self.nothing_new = self.nothing_new, True  # until the next event is stepped
-        if getattr(device, "refused", None) is not None:
+        repeat = self.nothing_new
+        self.nothing_new = True  # until the next event is stepped
+        if self.refusable and device.refused is not None:
             device_arguments(device)
-        config = self.config
         active = state.active
-        if config is not None:
-            self.prev_state_active = active
-            if self.evicted:
-                for seq in active:
-                    rid = seq.request.id
-                    if rid in self.evicted:  # requeue-resumed: immune for the next tokens (specs/scheduler.md §5.19)
-                        self.evicted.discard(rid)
-                        self.immune[rid] = len(seq.output) + config.preemption_immunity_tokens
-        epoch = getattr(device, "epoch", None)
-        device_same = epoch is not None and epoch == self.seen_epoch
+        if self.evicted and self.config is not None:
+            self._resumed(active, self.config)
         prefilling, restoring = state.prefilling, state.restoring
-        batch_same = active is self.seen_active and prefilling is self.seen_prefilling
-        if not device_same:
+        epoch = device.epoch if self.counts_epochs else None
+        device_new = epoch is None or epoch != self.seen_epoch
+        if device_new:
             blocks_balance(device)
-        if not (device_same and batch_same):
-            slots_unique(state, device)
-        if not (batch_same and state.config is self.seen_config):
-            batch_bound(state)
+            self.seen_epoch = epoch
         running = self.running
-        if not (batch_same and restoring is self.seen_restoring):
-            # (the same running set otherwise: no sequence stopped running in this step)
-            running = running_sequences(state)
-            no_orphan_sequence(device, running, self.running - running)
-            self.running = running
-        self.seen_epoch, self.seen_config = epoch, state.config
-        self.seen_active, self.seen_prefilling, self.seen_restoring = active, prefilling, restoring
+        if active is not self.seen_active or prefilling is not self.seen_prefilling:
+            # a new tuple of active sequences is mostly the same sequences in the same slots, one
+            # token on: the slot and running-set checks run when the slots or the sequences differ
+            slots, ids = list(map(_SLOT, active)), list(map(_SEQ_ID, active))
+            prefills_new = prefilling is not self.seen_prefilling
+            if device_new or prefills_new or slots != self.seen_slots:
+                slots_unique(state, device)
+            if prefills_new or len(ids) != len(self.seen_ids):
+                batch_bound(state)
+            if prefills_new or ids != self.seen_ids or restoring is not self.seen_restoring:
+                running = self._running(state)
+            self.seen_active, self.seen_prefilling, self.seen_slots, self.seen_ids = active, prefilling, slots, ids
+        else:
+            if device_new:
+                slots_unique(state, device)
+            if restoring is not self.seen_restoring:
+                running = self._running(state)
+        if state.config is not self.seen_config:
+            batch_bound(state)
+            self.seen_config = state.config
+        self.seen_restoring = restoring
         new = state.new_requests
-        if config is not None and new and new is not self.selected:
-            self._selection(state)
         if new is not self.seen_new:
+            if new and new is not self.selected and self.config is not None:
+                self._selection(state)
             self.seen_new = new
             for request in new:
                 self.admitted_by.setdefault(request.id, state.tick + self.work)
@@ -1026,7 +1100,7 @@ class Monitor:
         if waiting is None:
             pass
         elif isinstance(waiting, AwaitPublishBlocks):
-            if config is not None and not repeat:
+            if not repeat and self.config is not None:
                 admission_ran(state, self.now_ms, self.last_decode_ms, self.selected_in_tick)
                 self.selected_in_tick = False
         elif isinstance(waiting, AwaitAdapterIds):
@@ -1035,17 +1109,37 @@ class Monitor:
             self.committed = committed_kv(state)
             return
         if self.admitting:  # the tick's admission check is done: the whole-state checks of a tick start
-            no_overtaking(self.admitting, new, getattr(device, "adapters", None), set(self.final),
-                          self.committed, state)
-            self.admitting = ()
-            if not self.tick_fault:
-                drafts_verified(state, device)
-            self.tick_fault = False
-            kv_mirror(state, device)
-            slots_packed(state)
-            blocks_free_at_quiescence(state, device)
-            no_starvation(state.tick, self.admitted_by, set(self.final))
-            no_orphan_sequence(device, running)
+            self._tick_checks(state, running)
+
+    def _running(self, state: SchedulerState) -> set[int]:
+        """The running set of a step that changed it; no sequence it dropped may hold a device sequence."""
+        running = running_sequences(state)
+        no_orphan_sequence(self.device, running, self.running - running)
+        self.running = running
+        return running
+
+    def _resumed(self, active, config) -> None:
+        """Requeue-resumed sequences: immune for the next tokens (specs/scheduler.md §5.19)."""
+        for seq in active:
+            rid = seq.request.id
+            if rid in self.evicted:
+                self.evicted.discard(rid)
+                self.immune[rid] = len(seq.output) + config.preemption_immunity_tokens
+
+    def _tick_checks(self, state: SchedulerState, running: set[int]) -> None:
+        """The whole-state checks, once a tick (after its admission check)."""
+        device = self.device
+        no_overtaking(self.admitting, state.new_requests, getattr(device, "adapters", None), set(self.final),
+                      self.committed, state)
+        self.admitting = ()
+        if not self.tick_fault:
+            drafts_verified(state, device)
+        self.tick_fault = False
+        kv_mirror(state, device)
+        slots_packed(state)
+        blocks_free_at_quiescence(state, device)
+        no_starvation(state.tick, self.admitted_by, set(self.final))
+        no_orphan_sequence(device, running)
 
     def at_end(self, state: SchedulerState) -> None:
         blocks_free_at_quiescence(state, self.device)

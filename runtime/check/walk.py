@@ -41,7 +41,7 @@ from fxsched.core.table import ANSWERS
 from fxsched.effects import device_calls as dc
 from fxsched.effects.client import DoneOut, ErrorOut, ResponseOut, RotationAck
 from fxsched.runtime.interpreter import BatchError, Host, Interpreter, Observer
-from fxsched.runtime.check.invariants import Monitor, Violation, expected_output
+from fxsched.runtime.check.invariants import CANCEL, EVENT_KINDS, FAULT, Monitor, Violation, expected_output
 from fxsched.runtime.devices.scripted import Script
 from fxsched.runtime.devices.simulated import SimDevice
 
@@ -436,30 +436,30 @@ class WalkObserver(MonitorObserver):
         self.steps = 0
         self.stepping: Optional[ev.Event] = None  # the event ``step`` is working on
         self.episode = episode
-        self.waiting_name = ""  # the phase the last batch left the scheduler waiting in
+        self.waiting: Any = None  # the phase the last batch left the scheduler waiting in
         self.effect_types: list[type] = []  # the type of every effect stepped, counted by ``count_effects``
 
     def before_step(self, event) -> None:
         self.stepping = event
         if self.log is not None:
             self.log.append(repr(event))
-        if isinstance(event, ev.DeviceFault):
-            self.coverage["fault:kv_exhausted" if event.kv_exhausted else "fault:fatal"] += 1
-        elif isinstance(event, ev.Cancel):
-            self.coverage["fault:cancel"] += 1
+        kind = EVENT_KINDS[type(event)]
+        if kind & (FAULT | CANCEL):
+            if kind & FAULT:
+                self.coverage["fault:kv_exhausted" if event.kv_exhausted else "fault:fatal"] += 1
+            else:
+                self.coverage["fault:cancel"] += 1
         self.monitor.on_event(event)
 
     def stepped(self, event, state, effects) -> None:
         self.stepping = None
         self.steps += 1
-        waiting = state.waiting
-        self.waiting_name = type(waiting).__name__ if waiting is not None else ""
-        self.monitor.on_effects(effects)
+        self.waiting = state.waiting
         if effects:
-            types = self.effect_types
-            start = len(types)
-            types.extend(map(type, effects))
-            if not _NOTED.isdisjoint(types[start:]):
+            kinds = tuple(map(type, effects))
+            self.monitor.on_effects(effects, kinds)
+            self.effect_types.extend(kinds)
+            if not _NOTED.isdisjoint(kinds):
                 self._note_features(effects)
 
     def _note_features(self, effects) -> None:
@@ -535,7 +535,9 @@ class FaultingInterpreter(Interpreter):
         self.seen = 0
 
     def perform_all(self, effects) -> Optional[ev.Event]:
-        if self.phase and self.watch.waiting_name == self.phase and effects and effects[-1].QUERY:
+        waiting = self.watch.waiting
+        if (self.phase and waiting is not None and type(waiting).__name__ == self.phase and effects
+                and effects[-1].QUERY):
             self.seen += 1
             if self.seen == self.at + 1:
                 super().perform_all(effects[:-1])

@@ -1,8 +1,9 @@
 """Host-side picks from copied logits rows (specs/scheduler.md §5.11). Seeds come from the effect.
 
-This is the fallback for devices that do not sample themselves (the recording and simulated
-devices, whose reference traces depend on it): plain Python, no torch. A device that offers
-``sample_rows`` (the torch device, ``fxsched.runtime.devices.torch_sampling``) picks instead.
+This is the fallback for devices that do not sample themselves (the recording device, whose
+reference traces depend on it): plain Python, no torch. A device that offers ``sample_rows`` (the
+torch device, ``fxsched.runtime.devices.torch_sampling``; the simulated device, by ``host_pick``
+over its own rows) picks instead.
 
 Invariants: with the filters at their defaults (``top_p = 1``, ``top_k = 0``, ``min_p = 0``) a
 pick is exactly the rule of §5.11 (greedy: the highest id among the maxima; temperature > 0:

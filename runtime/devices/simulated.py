@@ -50,6 +50,12 @@ whole blocks with a remembered one reports those tokens as cached (``cached[requ
 ``reclaimable`` blocks are part of ``held_blocks``: a reclaim moves them to the free pool.
 Adapters: ``adapters`` maps an adapter slot to its id (slot -1, the base model, is id 0).
 
+Sampled rows: the device offers ``sample_rows``, so the interpreter asks it for a sampled row's
+token instead of copying the row to the host; it answers what the host copy would give, by the same
+``sampling.host_pick`` over the same row (30.0 at the scripted answer, 0.0 elsewhere), memoised per
+(answer, pick): the walk's seeds and answers repeat, and a pick is its costliest call. (The
+recording device keeps the host copy: its reference traces list ``copy_logits_to_host``.)
+
 What a real device varies (the recording device never does, so the goldens stay as they are):
 ``short_proposals`` (a seed) cuts now and then a proposal's drafts short, to none sometimes;
 ``capacities`` are the answers of ``mtp_slot_draft_capacity`` in turn (0 included); a
@@ -67,14 +73,25 @@ count too.
 from __future__ import annotations
 
 import random
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from fxsched.runtime.devices.device import DeviceError
+from fxsched.runtime.devices.sampling import host_pick
 from fxsched.runtime.devices.scripted import Script, ScriptedDevice, ScriptedSequence
 
 
 class ArgumentError(DeviceError):
     """A call whose arguments do not match the device's state: a scheduler bug, never a fault."""
+
+
+class Picked(NamedTuple):
+    """What ``SimDevice.sample_rows`` answers: one token per row."""
+
+    tokens: list[int]
+
+
+_PICKED: dict[tuple, int] = {}
+"""(scripted answer, vocabulary size, HostPick, EOS ids) -> the token ``host_pick`` picks from that row."""
 
 
 class SimDevice(ScriptedDevice):
@@ -615,6 +632,28 @@ class SimDevice(ScriptedDevice):
         self.held_blocks -= got
         self.epoch += 1
         return got
+
+    def sample_rows(self, row: int, n: int, picks, eos_ids) -> Picked:
+        """Rows ``row`` .. ``row + n - 1`` picked by their ``HostPick``s exactly as the interpreter
+        picks a host copy of them (``sampling.host_pick`` over the floats of the BF16 rows
+        ``copy_logits_to_host`` gives: 30.0 at the scripted answer, 0.0 elsewhere), without the
+        copy. A pick is a function of the answer, the pick and the EOS ids alone, so each one is
+        worked out once (``_PICKED``: the walk's seeds and answers repeat across episodes)."""
+        vocab = self.vocab
+        tokens = []
+        for r, pick in zip(range(row, row + n), picks, strict=True):
+            answer = self._row(r)
+            key = (answer, vocab, pick, eos_ids)
+            token = _PICKED.get(key)
+            if token is None:
+                logits = [0.0] * vocab
+                if 0 <= answer < vocab:
+                    logits[answer] = 30.0
+                if len(_PICKED) >= 65536:
+                    _PICKED.clear()
+                token = _PICKED[key] = host_pick(logits, pick, eos_ids)
+            tokens.append(token)
+        return Picked(tokens)
 
     def adapter_id_for(self, slot: int) -> int:
         return self.adapters.get(slot, -1)
