@@ -7,6 +7,8 @@ KV, the budget and the content count by exactly the dropped tokens.
 
 from __future__ import annotations
 
+from operator import ne
+
 from typing import Optional
 
 from fxsched.core.config import ModelInfo, SchedulerConfig
@@ -51,10 +53,10 @@ def fuzzy_repetition(out: tuple[int, ...]) -> Optional[int]:
             continue
         base = n - 3 * p
         tolerance = max(p // 12, 1)
-        mis_a = sum(1 for i in range(p) if out[base + i] != out[base + p + i])
+        mis_a = sum(map(ne, out[base:base + p], out[base + p:base + 2 * p]))
         if mis_a > tolerance:
             continue
-        mis_b = sum(1 for i in range(p) if out[base + p + i] != out[base + 2 * p + i])
+        mis_b = sum(map(ne, out[base + p:base + 2 * p], out[base + 2 * p:base + 3 * p]))
         if mis_b <= tolerance:
             return p
     return None
