@@ -18,10 +18,16 @@ class PhaseError(Exception):
     """An event that does not fit the phase the engine is in. The state is left unchanged."""
 
 
-def ask(state: SchedulerState, out: list[Effect], query: Effect, waiting: Any) -> SchedulerState:
-    """End the batch with ``query`` and park ``waiting`` until its answer comes."""
+def ask(state: SchedulerState, out: list[Effect], query: Effect, waiting: Any,
+        put: Optional[Sequence] = None) -> SchedulerState:
+    """End the batch with ``query`` and park ``waiting`` until its answer comes; with ``put``, that
+    sequence replaces its active record in the same copy (``put_seq``)."""
     out.append(query)
-    return with_fields(state, {"waiting": waiting})
+    if put is None:
+        return with_fields(state, {"waiting": waiting})
+    seq_id = put.seq_id
+    return with_fields(state, {"waiting": waiting, "settled": None,
+                               "rows": tuple([put if s.seq_id == seq_id else s for s in state.active])})
 
 
 def push(state: SchedulerState, *tasks: Any) -> SchedulerState:

@@ -7,6 +7,7 @@ its ``blocks`` cover ``seq_len``; a failed batch changes no sequence it did not 
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from typing import Any
 
 from fxsched.core.agenda import batch_rows, by_id, keep_batch, push
@@ -156,7 +157,7 @@ def _decoded_batch(state: SchedulerState, seq_ids: tuple[int, ...], event: Token
     if stream_ids:
         out.append(StreamOut(tuple(stream_ids), tuple(stream_tokens),
                              logprobs=tuple(stream_logprobs) if any(stream_logprobs) else ()))
-    columns = (new_len, new_blocks, hot[2], new_output, new_remaining, new_content, new_last)
+    columns: tuple[Seq[Any], ...] = (new_len, new_blocks, hot[2], new_output, new_remaining, new_content, new_last)
     rebuilt = {i: with_fields(rows[i], {**{name: column[i] for name, column in zip(HOT_FIELDS, columns, strict=True)},
                                         **changes}) for i, changes in cold.items()}
     return keep_batch(state, ordered, rows, columns, rebuilt)

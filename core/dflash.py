@@ -64,13 +64,12 @@ def dflash_verified(state: SchedulerState, waiting: AwaitDflashVerify, event: Ve
     seq = find_seq(state, waiting.seq_id)
     k = len(waiting.drafts) + 1
     seq, na = _settle(seq, waiting.drafts, event.rows, waiting.pre_len, 0, out, state)
-    state = put_seq(state, seq)
     if seq.finished:
-        return state
+        return put_seq(state, seq)
     out.append(dc.CommitAcceptedPrefix(seq.seq_id, na + 1, k))
     out.append(dc.SaveHiddenForMtp(na))
     out.append(dc.TrimProposerState(seq.seq_id, na))
-    return propose(state, seq.seq_id, waiting.draft_count, out)
+    return propose(state, seq.seq_id, waiting.draft_count, out, put=seq)
 
 
 # --- the batching gate ----------------------------------------------------------------------------

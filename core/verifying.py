@@ -10,7 +10,7 @@ emitted tokens are the accepted drafts plus one model token.
 
 from __future__ import annotations
 
-from typing import Any, Sequence as Seq
+from typing import Any, Optional, Sequence as Seq
 
 from fxsched.core.agenda import ask, by_id, find_seq, forward, held, put_consumed, put_seq
 from fxsched.core.emit import spec_tokens
@@ -36,11 +36,12 @@ from fxsched.effects.ep_words import VERIFY_CMD
 
 
 def propose(state: SchedulerState, seq_id: int, n: int, out: list[Effect],
-            then: AfterProposal = AfterProposal.NOTHING) -> SchedulerState:
-    """Ask the proposer for ``n`` drafts after the sequence's last token."""
-    seq = find_seq(state, seq_id)
+            then: AfterProposal = AfterProposal.NOTHING, put: Optional[Sequence] = None) -> SchedulerState:
+    """Ask the proposer for ``n`` drafts after the sequence's last token (``put``: the sequence's
+    new record, not yet in the state: it goes in with the ask)."""
+    seq = put if put is not None else find_seq(state, seq_id)
     query = dc.ProposeMulti(token=seq.last_token, pos=seq.seq_len, n=n, seq=seq_id)
-    return ask(state, out, query, AwaitProposal(seq_id, then))
+    return ask(state, out, query, AwaitProposal(seq_id, then), put)
 
 
 def propose_batched(state: SchedulerState, seq_ids: tuple[int, ...], stash: tuple[int, ...], n: int,

@@ -260,9 +260,9 @@ MUTANTS: tuple[Mutant, ...] = (
        "a full accept emits the row of the last draft as the bonus token instead of the next row"),
     _m("verifying_propose_position_off", "verifying",
        "    query = dc.ProposeMulti(token=seq.last_token, pos=seq.seq_len, n=n, seq=seq_id)\n"
-       "    return ask(state, out, query, AwaitProposal(seq_id, then))\n",
+       "    return ask(state, out, query, AwaitProposal(seq_id, then), put)\n",
        "    query = dc.ProposeMulti(token=seq.last_token, pos=seq.seq_len - 1, n=n, seq=seq_id)\n"
-       "    return ask(state, out, query, AwaitProposal(seq_id, then))\n",
+       "    return ask(state, out, query, AwaitProposal(seq_id, then), put)\n",
        "a proposal is asked at the position of the last KV token, not after it"),
     _m("verifying_single_stash_row_zero", "verifying",
        "        out.append(dc.SaveHiddenForMtpFromStash(index))\n",
