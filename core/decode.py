@@ -28,6 +28,10 @@ from fxsched.effects.client import StreamOut
 from fxsched.effects.lifecycle import MarconiCheckpoints
 
 
+# the lanes' tasks, built once (frozen records without fields: one instance is as good as another)
+_NGRAM_STEP, _SELF_SPEC_STEP, _SPEC_STEP, _PLAIN_DECODE = NgramStep(), SelfSpecStep(), SpecStep(), PlainDecode()
+
+
 def decode_lane(state: SchedulerState, task: DecodeLane, out: list[Effect]) -> SchedulerState:
     if state.mixed_step_ran:
         return state
@@ -35,16 +39,17 @@ def decode_lane(state: SchedulerState, task: DecodeLane, out: list[Effect]) -> S
     if state.prefilling:
         prefill_barrier(state, out)
     active = state.rows  # slots and guards: exact in the records (state.settled holds only hot fields)
-    covered = all(s.slot < config.speculation_slot_cap for s in active)
+    cap = config.speculation_slot_cap
+    covered = all(s.slot < cap for s in active)
     if config.ngram_speculative and len(active) == 1 and covered:
-        lane: object = NgramStep()
+        lane: object = _NGRAM_STEP
     elif config.self_speculative and model.has_self_speculative and len(active) == 1 and covered:
-        lane = SelfSpecStep()
+        lane = _SELF_SPEC_STEP
     elif (config.uses_mtp(model) and len(active) <= config.mtp_width_limit and covered
-            and all(may_speculate(s) for s in active)):
-        lane = SpecStep()
+            and all(map(may_speculate, active))):
+        lane = _SPEC_STEP
     else:  # plain decode is the next task: run it now (the same as pushing it)
-        return plain_decode(with_fields(state, {"last_decode_ms": state.now_ms}), PlainDecode(), out)
+        return plain_decode(with_fields(state, {"last_decode_ms": state.now_ms}), _PLAIN_DECODE, out)
     return with_fields(state, {"last_decode_ms": state.now_ms, "agenda": (lane,) + state.agenda})
 
 

@@ -32,6 +32,8 @@ The rules themselves are written up in specs/scheduler.md and specs/speculation.
 
 from __future__ import annotations
 
+from typing import Any
+
 from fxsched.core.agenda import PhaseError, push, put_seqs
 from fxsched.core.events import Arrival, Boot, Cancel, Clock, DeviceFault, Event, InboxClosed, RotationRequested
 from fxsched.core.faults import Halt, RuleTakesFault, apply_fault
@@ -108,6 +110,11 @@ def step(state: SchedulerState, event: Event) -> tuple[SchedulerState, tuple[Eff
     a random number, does I/O or mutates its arguments. An event that does not fit the current
     phase raises ``PhaseError`` naming the phase and the event.
     """
+    waiting = state.waiting
+    if waiting is not None:
+        phase = ANSWERS[type(waiting)]
+        if isinstance(event, phase.accepts):  # the answer the engine waits for (most events)
+            return _answered(state, phase.rule, waiting, event)
     if isinstance(event, _INPUTS):
         if state.stopped:
             raise PhaseError(f"the loop has stopped; {type(event).__name__} cannot be taken")
@@ -121,22 +128,28 @@ def step(state: SchedulerState, event: Event) -> tuple[SchedulerState, tuple[Eff
     waiting = state.waiting
     if waiting is None:
         raise PhaseError(f"{type(event).__name__} arrived but no query is outstanding ({state.describe()})")
-    phase = ANSWERS[type(waiting)]
-    if not isinstance(event, phase.accepts):
-        if isinstance(event, DeviceFault) and not isinstance(phase.fault, RuleTakesFault):
-            if isinstance(phase.fault, Halt):
-                raise PhaseError(f"phase {type(waiting).__name__}: device fault {event.message!r}; the loop cannot "
-                                 f"go on: {phase.fault.reason} ({state.describe()})")
-            failed = apply_fault(phase.fault, replace(state, waiting=None), waiting, event.message, out)
-            if failed is not None:
-                return advance(failed, out), tuple(out)
-        names = ", ".join(t.__name__ for t in phase.accepts)
-        raise PhaseError(
-            f"phase {type(waiting).__name__} waits for {names}, got {type(event).__name__} ({state.describe()})"
-        )
-    # the rule sees the answered waiting record still parked: it ends with a query (which parks the
-    # next one) or it does not, and then the record is cleared here. One state copy fewer per answer.
-    after = phase.rule(state, waiting, event, out)
+    phase = ANSWERS[type(waiting)]  # (an answer the phase accepts was taken above: this one is not)
+    if isinstance(event, DeviceFault) and not isinstance(phase.fault, RuleTakesFault):
+        if isinstance(phase.fault, Halt):
+            raise PhaseError(f"phase {type(waiting).__name__}: device fault {event.message!r}; the loop cannot "
+                             f"go on: {phase.fault.reason} ({state.describe()})")
+        failed = apply_fault(phase.fault, replace(state, waiting=None), waiting, event.message, out)
+        if failed is not None:
+            return advance(failed, out), tuple(out)
+    names = ", ".join(t.__name__ for t in phase.accepts)
+    raise PhaseError(
+        f"phase {type(waiting).__name__} waits for {names}, got {type(event).__name__} ({state.describe()})"
+    )
+
+
+def _answered(state: SchedulerState, rule: Any, waiting: Any,
+              event: Event) -> tuple[SchedulerState, tuple[Effect, ...]]:
+    """``rule`` takes the answer ``event`` to ``waiting``, then the agenda runs.
+
+    The rule sees the answered waiting record still parked: it ends with a query (which parks the
+    next one) or it does not, and then the record is cleared here. One state copy fewer per answer."""
+    out: list[Effect] = []
+    after = rule(state, waiting, event, out)
     if not out or not out[-1].QUERY:
         after = _unpark(after, state)
     return advance(after, out), tuple(out)
