@@ -8,7 +8,6 @@ unfinished sequences are trimmed and re-proposed.
 
 from __future__ import annotations
 
-from itertools import repeat
 from operator import add
 
 from fxsched.core.agenda import (ask, batch_rows, by_id, drop_drafts, find_seq, in_order, keep_batch, push, put_seq)
@@ -224,24 +223,25 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
             new_last.append(settled.last_token)
         base += k
     # the device calls of the batch, built column-wise from the rows' verdicts
-    accepted = [na + 1 for na in nas]
-    truncations = tuple([(i, pre + na + 1) for i, pre, na in zip(ids, pre_lens, nas, strict=True) if na < short])
-    if truncations:
-        out.append(dc.TruncateSequences(truncations))
-    out.append(dc.CommitCtxBatch(tuple(zip(ids, accepted, pre_lens, range(len(ids)), strict=True))))
+    accepted = tuple([na + 1 for na in nas])
+    if nas.count(short) != len(nas):  # the rows that rejected a draft are cut back
+        cut = [i for i, na in enumerate(nas) if na < short]
+        out.append(dc.TruncateSequences(tuple([ids[i] for i in cut]), tuple([pre_lens[i] + accepted[i] for i in cut])))
+    count = len(ids)
+    out.append(dc.CommitCtxBatch(ids, accepted, pre_lens, tuple(range(count))))
     streamed.flush(out)
-    out.append(dc.GdnFoldAccepted(tuple([s.slot for s in seqs]), tuple(accepted), k))
-    out.append(dc.CommitAcceptedPrefixBatch(tuple(zip(ids, accepted, repeat(k), strict=False))))
-    out.append(dc.StashVerifyHiddenRows(tuple(map(add, range(0, k * len(ids), k), nas))))
+    out.append(dc.GdnFoldAccepted(tuple([s.slot for s in seqs]), accepted, k))
+    out.append(dc.CommitAcceptedPrefixBatch(ids, accepted, (k,) * count))
+    out.append(dc.StashVerifyHiddenRows(tuple(map(add, range(0, k * count, k), nas))))
     pending: list[tuple[int, int]] = []  # (row, seq_id) of the unfinished, when some finished
     if finished_rows:  # only the unfinished are trimmed and re-proposed
         done = set(finished_rows)
         pending = [(i, seq_id) for i, seq_id in enumerate(ids) if i not in done]
-        trims = tuple([(seq_id, nas[i]) for i, seq_id in pending])
+        if pending:
+            out.append(dc.TrimProposerStateBatch(tuple([seq_id for _, seq_id in pending]),
+                                                 tuple([nas[i] for i, _ in pending])))
     else:
-        trims = tuple(zip(ids, nas, strict=True))
-    if trims:
-        out.append(dc.TrimProposerStateBatch(trims))
+        out.append(dc.TrimProposerStateBatch(ids, tuple(nas)))
     lengths, lasts = tuple(new_len), tuple(new_last)
     columns = (lengths, new_blocks, new_acc, new_output, new_remaining, new_content, lasts)
     # when every active sequence was verified, no one holds drafts now

@@ -617,49 +617,62 @@ class SaveHiddenForCatchupCall(DeviceCall):
 # --- batched forms: one record for the same call on many sequences, in order ------------------
 
 
-def entries4(value: Iterable[tuple[int, int, int, int]]) -> tuple[tuple[int, int, int, int], ...]:
-    """Converter: 4-field entries of a batched record, as a tuple (entries are kept as given)."""
-    return tuple(value)
-
-
-def entries3(value: Iterable[tuple[int, int, int]]) -> tuple[tuple[int, int, int], ...]:
-    """Converter: 3-field entries of a batched record, as a tuple (entries are kept as given)."""
-    return tuple(value)
-
-
-def entries2(value: Iterable[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
-    """Converter: 2-field entries of a batched record, as a tuple (entries are kept as given)."""
-    return tuple(value)
+# Each holds its calls' arguments as columns, one tuple per argument (the i-th call takes the i-th
+# item of each), so that a batch of N calls is a few tuples rather than N entry tuples; ``entries``
+# gives the calls' arguments row by row, for whoever carries them out.
 
 
 @attrs.frozen
 class CommitCtxBatch(DeviceCall):
-    """``commit_ctx`` for each ``(seq, n, base, row)`` entry, in order."""
+    """``commit_ctx(seq, n, base, row)`` for each row of the columns, in order."""
 
     CALL: ClassVar[str] = "commit_ctx"
-    entries: tuple[tuple[int, int, int, int], ...] = attrs.field(converter=entries4)
+    seqs: tuple[int, ...] = attrs.field(converter=int_tuple)
+    ns: tuple[int, ...] = attrs.field(converter=int_tuple)
+    bases: tuple[int, ...] = attrs.field(converter=int_tuple)
+    rows: tuple[int, ...] = attrs.field(converter=int_tuple)
+
+    @property
+    def entries(self) -> tuple[tuple[int, int, int, int], ...]:
+        return tuple(zip(self.seqs, self.ns, self.bases, self.rows, strict=True))
 
 
 @attrs.frozen
 class CommitAcceptedPrefixBatch(DeviceCall):
-    """``commit_accepted_prefix`` for each ``(seq, na, k)`` entry, in order."""
+    """``commit_accepted_prefix(seq, na, k)`` for each row of the columns, in order."""
 
     CALL: ClassVar[str] = "commit_accepted_prefix"
-    entries: tuple[tuple[int, int, int], ...] = attrs.field(converter=entries3)
+    seqs: tuple[int, ...] = attrs.field(converter=int_tuple)
+    nas: tuple[int, ...] = attrs.field(converter=int_tuple)
+    ks: tuple[int, ...] = attrs.field(converter=int_tuple)
+
+    @property
+    def entries(self) -> tuple[tuple[int, int, int], ...]:
+        return tuple(zip(self.seqs, self.nas, self.ks, strict=True))
 
 
 @attrs.frozen
 class TrimProposerStateBatch(DeviceCall):
-    """``trim_proposer_state`` for each ``(seq, na)`` entry, in order, on ``stream``."""
+    """``trim_proposer_state(seq, na)`` for each row of the columns, in order, on ``stream``."""
 
     CALL: ClassVar[str] = "trim_proposer_state"
-    entries: tuple[tuple[int, int], ...] = attrs.field(converter=entries2)
+    seqs: tuple[int, ...] = attrs.field(converter=int_tuple)
+    nas: tuple[int, ...] = attrs.field(converter=int_tuple)
     stream: int = 0
+
+    @property
+    def entries(self) -> tuple[tuple[int, int], ...]:
+        return tuple(zip(self.seqs, self.nas, strict=True))
 
 
 @attrs.frozen
 class TruncateSequences(DeviceCall):
-    """``TruncateSequence`` for each ``(seq, seq_len)`` entry; renders no line."""
+    """``TruncateSequence(seq, seq_len)`` for each row of the columns; renders no line."""
 
     CALL: ClassVar[str] = "truncate_sequence"
-    entries: tuple[tuple[int, int], ...] = attrs.field(converter=entries2)
+    seqs: tuple[int, ...] = attrs.field(converter=int_tuple)
+    seq_lens: tuple[int, ...] = attrs.field(converter=int_tuple)
+
+    @property
+    def entries(self) -> tuple[tuple[int, int], ...]:
+        return tuple(zip(self.seqs, self.seq_lens, strict=True))

@@ -80,10 +80,10 @@ PLANTED_BUGS: tuple[PlantedBug, ...] = (
         "fold_before_commit",
         (
             Edit("core/dflash.py",
-                 "    out.append(dc.GdnFoldAccepted(tuple([s.slot for s in seqs]), tuple(accepted), k))\n"
-                 "    out.append(dc.CommitAcceptedPrefixBatch(tuple(zip(ids, accepted, repeat(k), strict=False))))\n",
-                 "    out.append(dc.CommitAcceptedPrefixBatch(tuple(zip(ids, accepted, repeat(k), strict=False))))\n"
-                 "    out.append(dc.GdnFoldAccepted(tuple([s.slot for s in seqs]), tuple(accepted), k))\n"),
+                 "    out.append(dc.GdnFoldAccepted(tuple([s.slot for s in seqs]), accepted, k))\n"
+                 "    out.append(dc.CommitAcceptedPrefixBatch(ids, accepted, (k,) * count))\n",
+                 "    out.append(dc.CommitAcceptedPrefixBatch(ids, accepted, (k,) * count))\n"
+                 "    out.append(dc.GdnFoldAccepted(tuple([s.slot for s in seqs]), accepted, k))\n"),
         ),
     ),
     PlantedBug(
@@ -163,8 +163,8 @@ PLANTED_BUGS: tuple[PlantedBug, ...] = (
                  "        out.append(dc.TruncateSequence(seq.seq_id, seq_len))\n",
                  ""),
             Edit("core/dflash.py",
-                 "    truncations = tuple([(i, pre + na + 1) for i, pre, na in zip(ids, pre_lens, nas, strict=True) if na < short])\n",
-                 "    truncations = ()\n"),
+                 "    if nas.count(short) != len(nas):  # the rows that rejected a draft are cut back\n",
+                 "    if False:  # the rows that rejected a draft are cut back\n"),
             Edit("core/ngram.py",
                  "        out.append(dc.TruncateSequence(seq.seq_id, waiting.pre_len + 1))\n",
                  ""),

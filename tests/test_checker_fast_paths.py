@@ -160,7 +160,7 @@ def _released(seq: int = 5) -> Monitor:
     lc.MarconiCheckpoint(5),
     dc.DecodeVerifyBatched((1, 2), (1, 1), (4, 5)),
     plans.Decode((1,), (5,), (4,)),
-    dc.TruncateSequences(((5, 3),)),
+    dc.TruncateSequences((5,), (3,)),
     lc.MarconiCheckpoints((4, 5)),  # a batched record: checked row by row
 ], ids=lambda e: type(e).__name__)
 def test_an_effect_naming_a_released_sequence_is_caught_in_every_form(effect):
