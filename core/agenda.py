@@ -149,9 +149,15 @@ def put_consumed(state: SchedulerState, seq: Sequence) -> SchedulerState:
     changes: dict[str, Any] = {"rows": tuple([seq if s.seq_id == seq_id else s for s in state.active]),
                                "settled": None}
     if seq_id in table:
-        changes["drafts"] = (DraftTable({i: d for i, d in table.items() if i != seq_id}) if len(table) > 1
-                             else NO_DRAFTS)
+        changes["drafts"] = _without(table, (seq_id,))
     return with_fields(state, changes)
+
+
+def _without(table: DraftTable, gone: Iterable[int]) -> DraftTable:
+    """``table`` less the entries of ``gone``."""
+    dropped = set(gone)
+    kept = {i: d for i, d in table.items() if i not in dropped}
+    return DraftTable(kept) if kept else NO_DRAFTS
 
 
 def drop_drafts(state: SchedulerState, seq_ids: Iterable[int]) -> SchedulerState:
@@ -159,8 +165,4 @@ def drop_drafts(state: SchedulerState, seq_ids: Iterable[int]) -> SchedulerState
     left the batch)."""
     table = state.drafts
     gone = [i for i in seq_ids if i in table]
-    if not gone:
-        return state
-    if len(gone) == len(table):
-        return with_fields(state, {"drafts": NO_DRAFTS})
-    return set_drafts(state, dict.fromkeys(gone, ()))
+    return with_fields(state, {"drafts": _without(table, gone)}) if gone else state

@@ -155,7 +155,6 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
     k, config, block_size = waiting.k, state.config, state.model.block_size
     ids, pre_lens = waiting.seq_ids, waiting.pre_lens
     ordered, seqs, hot = batch_rows(state, ids)
-    from_columns = ordered and hot_columns(state) is not None  # the records are older in the hot fields
     rows_all = event.rows
     new_len: list[int] = []
     new_blocks: list[int] = []
@@ -206,8 +205,9 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
                 stream_counts.append(n)
                 stream_logprobs.append(request.top_logprobs if fields["logprob_records"] else 0)
         else:
-            current = seq if not from_columns else with_fields(seq, dict(zip(
-                HOT_FIELDS, (pre, blocks0, acc0, output0, remaining, content0, last0), strict=True)))
+            # the record with the row's newest hot fields (the records may be older than the columns)
+            current = with_fields(seq, dict(zip(HOT_FIELDS, (pre, blocks0, acc0, output0, remaining, content0, last0),
+                                                strict=True)))
             settled, sent = settle_tokens(current, tokens, config, {"seq_len": seq_len, "blocks": blocks,
                                                                     "acc": acc0 + na})
             streamed.take(settled, sent)

@@ -230,23 +230,21 @@ def expire_deadlines(state: SchedulerState) -> SchedulerState:
 def retire_finished(state: SchedulerState, out: list[Effect], then: tuple[object, ...] = ()) -> SchedulerState:
     """Finish and release every finished sequence in active order; compact the survivors; push
     the tasks ``then``."""
-    if any(s.finished for s in state.rows):  # (the finished flags are exact in the records)
-        active = state.active
+    pinned = tuple(e.slot for e in state.prefilling)
+    if any(s.finished for s in state.rows):  # (flags and slots are exact in the records)
         survivors = []
         config = state.config
-        for s in active:
+        for s in state.active:
             if not s.finished:
                 survivors.append(s)
             else:
                 finish_and_release(s, config, out)
         active = tuple(survivors)
-    else:
-        active = state.rows
-    pinned = tuple(e.slot for e in state.prefilling)
-    if active is state.rows and not compaction_moves([s.slot for s in active], pinned):
-        return with_fields(state, {"agenda": then + state.agenda})  # nothing retires or moves
-    return with_fields(state, {"rows": compact(state.active if active is state.rows else active, out, pinned),
-                               "settled": None, "agenda": then + state.agenda})
+    elif compaction_moves([s.slot for s in state.rows], pinned):
+        active = state.active
+    else:  # nothing retires or moves: the records (and any hot columns over them) stay
+        return with_fields(state, {"agenda": then + state.agenda})
+    return with_fields(state, {"rows": compact(active, out, pinned), "settled": None, "agenda": then + state.agenda})
 
 
 def end_of_tick(state: SchedulerState, task: EndOfTick, out: list[Effect]) -> SchedulerState:

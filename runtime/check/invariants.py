@@ -636,13 +636,22 @@ def effect_role(cls: type) -> int:
     return role
 
 
-class _Roles(dict):
-    def __missing__(self, cls: type) -> int:
-        role = self[cls] = effect_role(cls)
-        return role
+class _Memo(dict):
+    """A dict that fills itself: a missing key's value is ``work(key)``, kept (at most ``bound``
+    keys: past that it starts afresh)."""
+
+    def __init__(self, work: Any, bound: int = 65536) -> None:
+        super().__init__()
+        self.work, self.bound = work, bound
+
+    def __missing__(self, key: Any) -> int:
+        if len(self) >= self.bound:
+            self.clear()
+        value = self[key] = self.work(key)
+        return value
 
 
-ROLES: dict[type, int] = _Roles()
+ROLES: dict[type, int] = _Memo(effect_role)
 """Effect type -> its roles (``effect_role``), worked out once per type."""
 
 
@@ -654,15 +663,7 @@ def batch_roles(kinds) -> int:
     return union
 
 
-class _BatchRoles(dict):
-    def __missing__(self, kinds: tuple) -> int:
-        if len(self) >= 65536:  # (a bound on what a long run keeps: the walk meets a few hundred)
-            self.clear()
-        roles = self[kinds] = batch_roles(kinds)
-        return roles
-
-
-BATCH_ROLES: dict[tuple, int] = _BatchRoles()
+BATCH_ROLES: dict[tuple, int] = _Memo(batch_roles)
 """A batch's effect types, in order (its signature) -> ``batch_roles``, worked out once per
 signature: the walk's batches repeat a few hundred signatures."""
 
@@ -685,13 +686,7 @@ def event_kind(cls: type) -> int:
     return kind
 
 
-class _EventKinds(dict):
-    def __missing__(self, cls: type) -> int:
-        kind = self[cls] = event_kind(cls)
-        return kind
-
-
-EVENT_KINDS: dict[type, int] = _EventKinds()
+EVENT_KINDS: dict[type, int] = _Memo(event_kind)
 """Event type -> its kind (``event_kind``), worked out once per type."""
 
 
