@@ -12,7 +12,7 @@ from typing import Optional
 import attrs
 
 from fxsched.core.request import Request
-from fxsched.effects.base import int_tuple, int_tuples
+from fxsched.effects.base import int_tuple, int_tuples, quick_inits
 
 
 @attrs.frozen
@@ -170,3 +170,6 @@ class DeviceFault(Answer):
 
     message: str
     kv_exhausted: bool = False
+
+
+quick_inits(globals())  # every record class above: a quicker __init__ (effects/base.py)

@@ -18,7 +18,7 @@ from typing import Any, Optional
 import attrs
 
 from fxsched.core.request import Request
-from fxsched.effects.base import Effect
+from fxsched.effects.base import Effect, quick_inits
 
 # === the loop (core/tick.py) ====================================================================
 
@@ -633,3 +633,6 @@ class AwaitResumeSlot:
     """Waits for ``SlotAllocated`` of the preempted sequence ``seq_id``."""
 
     seq_id: int
+
+
+quick_inits(globals())  # every record class above: a quicker __init__ (effects/base.py)

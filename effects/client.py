@@ -8,7 +8,7 @@ from typing import Optional
 
 import attrs
 
-from .base import Effect, int_tuple
+from .base import Effect, int_tuple, quick_inits
 
 
 class FinishReason(enum.StrEnum):
@@ -157,3 +157,6 @@ class RotationAck(Effect):
 
 
 TERMINAL_OUTPUTS = (DoneOut, ResponseOut, ErrorOut)
+
+
+quick_inits(globals())  # every record class above: a quicker __init__ (effects/base.py)

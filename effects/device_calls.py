@@ -13,7 +13,7 @@ from typing import ClassVar
 
 import attrs
 
-from .base import Effect, int_pairs, int_tuple, int_tuples
+from .base import Effect, int_pairs, int_tuple, int_tuples, quick_inits
 
 
 @attrs.frozen
@@ -676,3 +676,6 @@ class TruncateSequences(DeviceCall):
     @property
     def entries(self) -> tuple[tuple[int, int], ...]:
         return tuple(zip(self.seqs, self.seq_lens, strict=True))
+
+
+quick_inits(globals())  # every record class above: a quicker __init__ (effects/base.py)

@@ -10,7 +10,7 @@ from typing import ClassVar
 
 import attrs
 
-from .base import Effect
+from .base import Effect, quick_inits
 
 
 class FxKind(enum.StrEnum):
@@ -195,3 +195,6 @@ class Teardown(Lifecycle):
     """The last effect of a run."""
 
     KIND: ClassVar[FxKind] = FxKind.TEARDOWN
+
+
+quick_inits(globals())  # every record class above: a quicker __init__ (effects/base.py)

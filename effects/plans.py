@@ -11,7 +11,7 @@ from typing import ClassVar
 
 import attrs
 
-from .base import Effect, int_tuple
+from .base import Effect, int_tuple, quick_inits
 from .device_calls import HostPick, host_picks
 
 
@@ -46,3 +46,6 @@ class Decode(Plan):
     @property
     def label(self) -> str:
         return f"Decode{{n={len(self.seqs)}, ctx={self.ctx}, readback={self.readback}}}"
+
+
+quick_inits(globals())  # every record class above: a quicker __init__ (effects/base.py)

@@ -19,6 +19,7 @@ the device method returns; an effect type no case covers is a ``RunError`` namin
 from __future__ import annotations
 
 from collections import deque
+from operator import attrgetter
 from typing import Any, Callable, Iterable, Optional, Sequence as Seq, Union
 
 import structlog
@@ -35,6 +36,8 @@ from fxsched.runtime.devices.device import Device, DeviceError
 from fxsched.runtime.devices.sampling import decode_bf16_row, host_pick
 
 log = structlog.get_logger("fxsched.interpreter")
+
+_IS_QUERY = attrgetter("QUERY")
 
 
 class Host:
@@ -134,9 +137,9 @@ class Interpreter:
     def run(self, state: SchedulerState, first: Iterable[ev.Event]) -> SchedulerState:
         """Feed ``first`` then every event that follows until the loop stops (or no event is left)."""
         queue = deque(first)
+        turn, take = self._turn, queue.popleft
         while queue:
-            state, follow = self.feed(state, queue.popleft())
-            queue.extend(follow)
+            state = turn(state, take(), queue)
             if state.stopped:
                 break
         return state
@@ -144,15 +147,23 @@ class Interpreter:
     def feed(self, state: SchedulerState, event: ev.Event) -> tuple[SchedulerState, list[ev.Event]]:
         """One step of the loop: step on ``event``, check the batch, carry it out. Returns the new
         state and the events that follow, in delivery order (inputs first, the answer last)."""
+        follow: list[ev.Event] = []
+        return self._turn(state, event, follow), follow
+
+    def _turn(self, state: SchedulerState, event: ev.Event, follow: Any) -> SchedulerState:
+        """``feed``'s step, appending the events that follow to ``follow`` (a list or the run's queue)."""
         observer = self.observer
         observer.before_step(event)
         state, effects = step(state, event)
         self.steps += 1
-        check_batch(event, effects, state.stopped)
+        if effects and (not effects[-1].QUERY or sum(map(_IS_QUERY, effects)) != 1):
+            check_batch(event, effects, state.stopped)  # not the usual batch: its only query last
         observer.stepped(event, state, effects)
         answer = self.perform_all(effects)
         observer.performed(state)
-        follow, self._waited = self._waited, []
+        if self._waited:
+            follow.extend(self._waited)
+            self._waited = []
         inputs = self.host.take_inputs()
         if inputs:
             follow.extend(inputs)
@@ -162,13 +173,13 @@ class Interpreter:
                 follow.extend(ev.Cancel(r) for r in cancels)
         if answer is not None:
             follow.append(answer)
-        return state, follow
+        return state
 
     # --- carrying out effects: one handler per effect type -----------------------------------------
 
     def perform(self, effect) -> Optional[ev.Event]:
         """Carry out one effect; its answer (``None`` for a fire-and-forget effect)."""
-        handler = _HANDLERS.get(type(effect)) or _handler_for(type(effect))
+        handler = _HANDLERS[type(effect)]
         try:
             return handler(self, effect)
         except DeviceError as err:
@@ -179,7 +190,7 @@ class Interpreter:
         answer = None
         handlers = _HANDLERS
         for effect in effects:
-            handler = handlers.get(type(effect)) or _handler_for(type(effect))
+            handler = handlers[type(effect)]
             try:
                 result = handler(self, effect)
             except DeviceError as err:
@@ -455,7 +466,15 @@ _CASES: tuple[tuple[Union[type, tuple[type, ...]], Handler], ...] = (
 )
 """Every effect class the interpreter carries out, in the order they are tried, with its handler."""
 
-_HANDLERS: dict[type, Handler] = {}
+class _Handlers(dict[type, Handler]):
+    """The handler of each effect type met so far: a type met for the first time is looked up in
+    ``_CASES`` (``_handler_for``) and remembered."""
+
+    def __missing__(self, cls: type) -> Handler:
+        return _handler_for(cls)
+
+
+_HANDLERS = _Handlers()
 """The handler of each effect type met so far (filled by ``_handler_for``)."""
 
 

@@ -50,6 +50,11 @@ def expected_output(tokens: tuple[int, ...], max_tokens: int, eos: int = EOS, mi
     """What greedy decoding of a script gives: its tokens up to EOS (included) or the budget. While
     fewer than ``min_tokens`` tokens are out, EOS is masked (specs/scheduler.md §5.11): a script EOS
     there is a ``WILD`` position and the script goes on."""
+    if not min_tokens:  # the script's first ``max_tokens`` tokens (the last one repeated), cut after EOS
+        head = tokens[:max_tokens]
+        if len(head) < max_tokens:
+            head += tokens[-1:] * (max_tokens - len(head))
+        return head[:head.index(eos) + 1] if eos in head else head
     out = []
     for g in range(max_tokens):
         tok = tokens[g] if g < len(tokens) else tokens[-1]
@@ -235,7 +240,7 @@ def blocks_free_at_quiescence(state: SchedulerState, device) -> None:
 
 def slots_unique(state: SchedulerState, device) -> None:
     """slots: no two live sequences share a slot (scheduler view and device view)."""
-    slots = [*map(_SLOT, state.active), *map(_SLOT, state.prefilling)]
+    slots = [*map(_SLOT, state.rows), *map(_SLOT, state.prefilling)]  # (slots are never in the hot columns)
     if len(slots) != len(set(slots)):
         raise Violation("slots_unique", f"the scheduler has two sequences in one slot: {sorted(slots)}")
     dslots = list(map(_SLOT, device.live.values()))
@@ -367,7 +372,7 @@ def compaction_target_free(effects, device) -> None:
 def running_sequences(state: SchedulerState) -> set[int]:
     """The sequences the scheduler runs, which may hold a device sequence: active, prefilling and
     being restored."""
-    running = set(map(_SEQ_ID, state.active))
+    running = set(map(_SEQ_ID, state.rows))  # (ids are never in the hot columns)
     if state.prefilling:
         running.update(map(_SEQ_ID, state.prefilling))
     if state.restoring:
@@ -410,9 +415,9 @@ def device_arguments(device) -> None:
 
 def batch_bound(state: SchedulerState) -> None:
     """batch size: active + prefilling never exceed ``max_batch_size`` (specs/scheduler.md §5.4)."""
-    n = len(state.active) + len(state.prefilling)
+    n = len(state.rows) + len(state.prefilling)
     if n > state.config.max_batch_size:
-        raise Violation("batch_bound", f"{len(state.active)} active + {len(state.prefilling)} prefilling > "
+        raise Violation("batch_bound", f"{len(state.rows)} active + {len(state.prefilling)} prefilling > "
                                        f"max_batch_size {state.config.max_batch_size}")
 
 
@@ -781,7 +786,8 @@ class Monitor:
         # what the per-step checks of ``on_state`` last looked at (see there)
         self.seen_epoch: Optional[int] = None
         self.seen_config: Any = None
-        self.seen_active: Any = None  # the active sequences after the last step
+        self.seen_active: Any = None  # the active records (``rows``) after the last step
+        self.seen_state: Optional[SchedulerState] = None  # the last state seen
         self.seen_prefilling: Any = None
         self.seen_restoring: Any = None
         self.seen_new: Any = None
@@ -801,9 +807,11 @@ class Monitor:
         self.streamed[request.id] = []
         self.work += request.prompt_len + request.max_tokens * self.replays + 4
 
-    def on_event(self, event) -> None:
-        """An event about to be stepped: clocks, arrivals, cancels and faults are causes."""
-        kind = EVENT_KINDS[type(event)]
+    def on_event(self, event, kind: Optional[int] = None) -> None:
+        """An event about to be stepped: clocks, arrivals, cancels and faults are causes (``kind``:
+        its ``EVENT_KINDS`` entry, when the caller has it)."""
+        if kind is None:
+            kind = EVENT_KINDS[type(event)]
         self.fault_step = self.kv_fault = self.nothing_new = False
         if not kind:
             return  # an answer
@@ -892,7 +900,7 @@ class Monitor:
         output grows by ``preemption_immunity_tokens`` (§5.19 step 5; a swap-in keeps what it had)."""
         rows: tuple[int, ...] = self.last_decode_rows
         self.prev_active = {seq.seq_id: (len(seq.output), seq.slot, seq.request.id, seq.seq_id)
-                            for seq in self.seen_active or ()}
+                            for seq in (self.seen_state.active if self.seen_state is not None else ())}
         for effect in effects:
             if isinstance(effect, plans.Decode):
                 rows = effect.seqs
@@ -1053,20 +1061,20 @@ class Monitor:
         self.nothing_new = True  # until the next event is stepped
         if self.refusable and device.refused is not None:
             device_arguments(device)
-        active = state.active
         if self.evicted and self.config is not None:
-            self._resumed(active, self.config)
-        prefilling, restoring = state.prefilling, state.restoring
+            self._resumed(state.active, self.config)
+        self.seen_state = state
+        rows, prefilling, restoring = state.rows, state.prefilling, state.restoring  # (see ``running_sequences``)
         epoch = device.epoch if self.counts_epochs else None
         device_new = epoch is None or epoch != self.seen_epoch
         if device_new:
             blocks_balance(device)
             self.seen_epoch = epoch
         running = self.running
-        if active is not self.seen_active or prefilling is not self.seen_prefilling:
+        if rows is not self.seen_active or prefilling is not self.seen_prefilling:
             # a new tuple of active sequences is mostly the same sequences in the same slots, one
             # token on: the slot and running-set checks run when the slots or the sequences differ
-            slots, ids = list(map(_SLOT, active)), list(map(_SEQ_ID, active))
+            slots, ids = list(map(_SLOT, rows)), list(map(_SEQ_ID, rows))
             prefills_new = prefilling is not self.seen_prefilling
             if device_new or prefills_new or slots != self.seen_slots:
                 slots_unique(state, device)
@@ -1074,12 +1082,13 @@ class Monitor:
                 batch_bound(state)
             if prefills_new or ids != self.seen_ids or restoring is not self.seen_restoring:
                 running = self._running(state)
-            self.seen_active, self.seen_prefilling, self.seen_slots, self.seen_ids = active, prefilling, slots, ids
-        else:
-            if device_new:
-                slots_unique(state, device)
+            self.seen_active, self.seen_prefilling, self.seen_slots, self.seen_ids = rows, prefilling, slots, ids
+        elif device_new:
+            slots_unique(state, device)
             if restoring is not self.seen_restoring:
                 running = self._running(state)
+        elif restoring is not self.seen_restoring:
+            running = self._running(state)
         if state.config is not self.seen_config:
             batch_bound(state)
             self.seen_config = state.config

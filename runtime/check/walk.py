@@ -53,6 +53,10 @@ FAULT_PHASES = tuple(sorted(t.__name__ for t, phase in ANSWERS.items() if not is
 """The waiting phases a ``DeviceFault`` may answer without halting the loop (specs/faults.md §8.3)."""
 
 
+_PROMPT_BODY = tuple(2 + (i % 7) for i in range(1, 8))
+"""A request's prompt after its id: token i is 2 + (i mod 7), i = 1, 2, ..."""
+
+
 @attrs.frozen
 class SimRequest:
     id: int
@@ -75,7 +79,8 @@ class SimRequest:
     host_cancel_tick: Optional[int] = None  # the client cancels at this tick (whatever the request is doing)
 
     def request(self) -> Request:
-        prompt = (self.id,) + tuple(2 + (i % 7) for i in range(1, self.prompt_len))
+        n = self.prompt_len - 1
+        prompt = (self.id,) + (_PROMPT_BODY * (n // len(_PROMPT_BODY) + 1))[:n]
         return Request(id=self.id, prompt=prompt, max_tokens=self.max_tokens, streaming=self.streaming,
                        deadline_ms=self.deadline_ms, num_beams=self.num_beams, min_tokens=self.min_tokens,
                        temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
@@ -449,7 +454,7 @@ class WalkObserver(MonitorObserver):
                 self.coverage["fault:kv_exhausted" if event.kv_exhausted else "fault:fatal"] += 1
             else:
                 self.coverage["fault:cancel"] += 1
-        self.monitor.on_event(event)
+        self.monitor.on_event(event, kind)
 
     def stepped(self, event, state, effects) -> None:
         self.stepping = None
