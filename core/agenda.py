@@ -18,16 +18,51 @@ class PhaseError(Exception):
     """An event that does not fit the phase the engine is in. The state is left unchanged."""
 
 
+class Batch(list[Effect]):
+    """The effects one step emits, in order, and the state that step was called with (``caller``).
+
+    Ownership (see core/machine.py): every other state a rule meets during the step is a copy made
+    in that step, which nobody else can see yet. ``ask`` and ``update`` write such a state in place
+    instead of copying all of it: each is a rule's last write, whose result goes straight back to
+    the engine (tests/test_house.py keeps every call so). A plain list (a test calling a rule
+    directly) owns nothing: every write copies."""
+
+    __slots__ = ("caller",)
+
+    def __init__(self, caller: SchedulerState) -> None:
+        super().__init__()
+        self.caller = caller
+
+
+def _owned(state: SchedulerState, out: list[Effect]) -> bool:
+    """Whether ``state`` is a copy this step made (so it may be written in place)."""
+    return state is not getattr(out, "caller", state)
+
+
+def update(state: SchedulerState, out: list[Effect], changes: dict[str, Any]) -> SchedulerState:
+    """A rule's last write: ``state`` with ``changes`` (final values, as ``with_fields`` takes
+    them), in place when ``state`` is this step's own copy (``Batch``). Only ever the value a
+    rule returns."""
+    if _owned(state, out):
+        state.__dict__.update(changes)
+        return state
+    return with_fields(state, changes)
+
+
 def ask(state: SchedulerState, out: list[Effect], query: Effect, waiting: Any,
-        put: Optional[Sequence] = None) -> SchedulerState:
+        put: Optional[Sequence] = None, consumed: bool = False) -> SchedulerState:
     """End the batch with ``query`` and park ``waiting`` until its answer comes; with ``put``, that
-    sequence replaces its active record in the same copy (``put_seq``)."""
+    sequence replaces its active record in the same copy (``put_seq``), and with ``consumed`` the
+    drafts it held are taken away too (the verify it starts consumes them)."""
     out.append(query)
     if put is None:
-        return with_fields(state, {"waiting": waiting})
+        return update(state, out, {"waiting": waiting})
     seq_id = put.seq_id
-    return with_fields(state, {"waiting": waiting, "settled": None,
-                               "rows": tuple([put if s.seq_id == seq_id else s for s in state.active])})
+    changes: dict[str, Any] = {"waiting": waiting, "settled": None,
+                               "rows": tuple([put if s.seq_id == seq_id else s for s in state.active])}
+    if consumed and seq_id in state.drafts:
+        changes["drafts"] = _without(state.drafts, (seq_id,))
+    return update(state, out, changes)
 
 
 def push(state: SchedulerState, *tasks: Any) -> SchedulerState:
@@ -141,16 +176,6 @@ def set_drafts(state: SchedulerState, changes: Mapping[int, tuple[int, ...]]) ->
         else:
             kept.pop(seq_id, None)
     return with_fields(state, {"drafts": DraftTable(kept) if kept else NO_DRAFTS})
-
-
-def put_consumed(state: SchedulerState, seq: Sequence) -> SchedulerState:
-    """``put_seq`` and the drafts of ``seq`` taken away, in one copy (a verify consumed them)."""
-    seq_id, table = seq.seq_id, state.drafts
-    changes: dict[str, Any] = {"rows": tuple([seq if s.seq_id == seq_id else s for s in state.active]),
-                               "settled": None}
-    if seq_id in table:
-        changes["drafts"] = _without(table, (seq_id,))
-    return with_fields(state, changes)
 
 
 def _without(table: DraftTable, gone: Iterable[int]) -> DraftTable:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from typing import Any
 
-from fxsched.core.agenda import batch_rows, by_id, keep_batch, push
+from fxsched.core.agenda import batch_rows, by_id, keep_batch, push, update
 from fxsched.core.emit import plain_token
 from fxsched.core.events import DeviceFault, TokensSampled
 from fxsched.core.faults import fail_sequences
@@ -49,8 +49,8 @@ def decode_lane(state: SchedulerState, task: DecodeLane, out: list[Effect]) -> S
             and all(map(may_speculate, active))):
         lane = _SPEC_STEP
     else:  # plain decode is the next task: run it now (the same as pushing it)
-        return plain_decode(with_fields(state, {"last_decode_ms": state.now_ms}), _PLAIN_DECODE, out)
-    return with_fields(state, {"last_decode_ms": state.now_ms, "agenda": (lane,) + state.agenda})
+        return plain_decode(update(state, out, {"last_decode_ms": state.now_ms}), _PLAIN_DECODE, out)
+    return update(state, out, {"last_decode_ms": state.now_ms, "agenda": (lane,) + state.agenda})
 
 
 def plain_decode(state: SchedulerState, task: PlainDecode, out: list[Effect]) -> SchedulerState:
@@ -62,7 +62,7 @@ def plain_decode(state: SchedulerState, task: PlainDecode, out: list[Effect]) ->
         plan = plans.Decode(tokens=columns.last_token, seqs=tuple([s.seq_id for s in rows]),
                             seq_lens=columns.seq_len, picks=())
         out.append(plan)
-        return with_fields(state, {"waiting": AwaitDecode(plan.seqs)})
+        return update(state, out, {"waiting": AwaitDecode(plan.seqs)})
     active = by_slot(state.active)
     picks = () if all(greedy_row(s) for s in active) else tuple(host_pick(s) for s in active)
     plan = plans.Decode(
@@ -72,7 +72,7 @@ def plain_decode(state: SchedulerState, task: PlainDecode, out: list[Effect]) ->
         picks=picks,
     )
     out.append(plan)
-    return with_fields(state, {"rows": active, "settled": None, "waiting": AwaitDecode(plan.seqs)})
+    return update(state, out, {"rows": active, "settled": None, "waiting": AwaitDecode(plan.seqs)})
 
 
 def decoded(state: SchedulerState, waiting: AwaitDecode, event: TokensSampled | DeviceFault,

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fxsched.core.agenda import PhaseError, push, put_seqs
+from fxsched.core.agenda import Batch, PhaseError, push, put_seqs
 from fxsched.core.events import Arrival, Boot, Cancel, Clock, DeviceFault, Event, InboxClosed, RotationRequested
 from fxsched.core.faults import Halt, RuleTakesFault, apply_fault
 from fxsched.core.phases import StartUp
@@ -68,8 +68,9 @@ def _take_input(state: SchedulerState, event: Event) -> SchedulerState:
 # ``replace``) or the state the rule was given. So once ``step`` holds a state that is not the
 # caller's, no one else can see it until ``step`` returns it: the engine's own two writes (the
 # answered record cleared, a task popped off the agenda) are made in place on such a state
-# instead of copying all of it. Rules never write in place; they may keep and return an older
-# state, which is why only ``step`` and ``advance``, holding no other reference, do.
+# instead of copying all of it. Rules may keep and return an older state, so they copy, but for
+# their last write: ``ask`` and ``update`` write in place a state that is not the caller's (the
+# step's ``Batch`` of effects knows the caller), and their result is what the rule returns.
 
 
 def _unpark(state: SchedulerState, caller: SchedulerState) -> SchedulerState:
@@ -119,7 +120,7 @@ def step(state: SchedulerState, event: Event) -> tuple[SchedulerState, tuple[Eff
         if state.stopped:
             raise PhaseError(f"the loop has stopped; {type(event).__name__} cannot be taken")
         return _take_input(state, event), ()
-    out: list[Effect] = []
+    out = Batch(state)
     if isinstance(event, Boot):
         if state.tick != 0 or state.agenda or state.waiting is not None or state.stopped:
             raise PhaseError(f"Boot only starts a fresh scheduler ({state.describe()})")
@@ -148,7 +149,7 @@ def _answered(state: SchedulerState, rule: Any, waiting: Any,
 
     The rule sees the answered waiting record still parked: it ends with a query (which parks the
     next one) or it does not, and then the record is cleared here. One state copy fewer per answer."""
-    out: list[Effect] = []
+    out = Batch(state)
     after = rule(state, waiting, event, out)
     if not out or not out[-1].QUERY:
         after = _unpark(after, state)

@@ -14,7 +14,7 @@ from array import array
 
 from typing import Optional, Sequence as Seq
 
-from fxsched.core.agenda import ask, find_seq, forward, held, put_consumed, put_seq, set_drafts
+from fxsched.core.agenda import ask, find_seq, forward, held, put_seq, set_drafts
 from fxsched.core.emit import spec_token, spec_tokens
 from fxsched.core.events import TokenSampled, VerifyRows
 from fxsched.core.phases import AskQuery, AwaitNgramDecode, AwaitNgramVerify, NgramStep
@@ -91,8 +91,8 @@ def ngram_step(state: SchedulerState, task: NgramStep, out: list[Effect]) -> Sch
     out.append(dc.EpBroadcastCmd(draft))
     query = dc.DecodeVerifyGraphed(seq.seq_id, (seq.last_token, draft))
     pre = seq.seq_len
-    state = put_consumed(state, grow(seq, pre + 2, state.model.block_size))
-    return ask(state, out, query, AwaitNgramVerify(seq.seq_id, draft, pre))
+    seq = grow(seq, pre + 2, state.model.block_size)
+    return ask(state, out, query, AwaitNgramVerify(seq.seq_id, draft, pre), put=seq, consumed=True)
 
 
 def ngram_decoded(state: SchedulerState, waiting: AwaitNgramDecode, event: TokenSampled,

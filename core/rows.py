@@ -4,7 +4,7 @@ words and stream barrier that go with feeding the device (specs/scheduler.md §5
 from __future__ import annotations
 
 from fxsched.core.kv import blocks_for
-from fxsched.core.records import replace
+from fxsched.core.records import with_fields
 from fxsched.core.request import Request
 from fxsched.core.sequence import Sequence
 from fxsched.core.state import SchedulerState
@@ -47,7 +47,7 @@ def host_pick(seq: Sequence) -> dc.HostPick:
 def grow(seq: Sequence, seq_len: int, block_size: int) -> Sequence:
     """New KV length; the block table grows to cover it and never shrinks."""
     blocks = max(seq.blocks, blocks_for(seq_len, block_size))
-    return replace(seq, seq_len=seq_len, blocks=blocks)
+    return with_fields(seq, {"seq_len": seq_len, "blocks": blocks})  # (ints: nothing to convert)
 
 
 def first_token_query(request: Request, row: int) -> dc.DeviceCall:

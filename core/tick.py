@@ -5,7 +5,7 @@ and shutdown (specs/scheduler.md §5.3–5.8, §5.19, §5.21). The lanes live in
 from __future__ import annotations
 
 from fxsched.core import admission
-from fxsched.core.agenda import ask, push
+from fxsched.core.agenda import ask, push, update
 from fxsched.core.events import AdapterIds, EventCreated, FreeBlocks, InputReady, LoraApplied, StreamCreated
 from fxsched.core.faults import SHUTDOWN_ABORT, fail_request
 from fxsched.core.phases import (
@@ -90,8 +90,8 @@ def tick_start(state: SchedulerState, task: TickStart, out: list[Effect]) -> Sch
     tasks: tuple[object, ...] = _TICK_TASKS
     if new:
         tasks = (Admit(),) + tasks
-    return with_fields(state, {"new_requests": new, "pending": admission.without(state.pending, new) if new else state.pending,
-                               "mixed_step_ran": False, "agenda": tasks + state.agenda})
+    return update(state, out, {"new_requests": new, "mixed_step_ran": False, "agenda": tasks + state.agenda,
+                               "pending": admission.without(state.pending, new) if new else state.pending})
 
 
 # the agenda of a tick (after ``Admit`` when there are new requests); tasks are stateless records
@@ -243,8 +243,8 @@ def retire_finished(state: SchedulerState, out: list[Effect], then: tuple[object
     elif compaction_moves([s.slot for s in state.rows], pinned):
         active = state.active
     else:  # nothing retires or moves: the records (and any hot columns over them) stay
-        return with_fields(state, {"agenda": then + state.agenda})
-    return with_fields(state, {"rows": compact(active, out, pinned), "settled": None, "agenda": then + state.agenda})
+        return update(state, out, {"agenda": then + state.agenda})
+    return update(state, out, {"rows": compact(active, out, pinned), "settled": None, "agenda": then + state.agenda})
 
 
 def end_of_tick(state: SchedulerState, task: EndOfTick, out: list[Effect]) -> SchedulerState:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence as Seq
 
-from fxsched.core.agenda import ask, by_id, find_seq, forward, held, put_consumed, put_seq
+from fxsched.core.agenda import ask, by_id, find_seq, forward, held, put_seq
 from fxsched.core.emit import spec_tokens
 from fxsched.core.phases import (
     AfterProposal,
@@ -110,8 +110,8 @@ def start_k_verify(state: SchedulerState, seq: Sequence, drafts: tuple[int, ...]
         query = dc.DecodeVerifyGraphedK4(seq.seq_id, inputs)
     pre = seq.seq_len
     seq = grow(seq, pre + k, state.model.block_size)
-    state = put_consumed(state, seq)
-    return ask(state, out, query, AwaitKVerify(seq.seq_id, drafts, k, propose_n, pre, dflash_mode))
+    return ask(state, out, query, AwaitKVerify(seq.seq_id, drafts, k, propose_n, pre, dflash_mode), put=seq,
+               consumed=True)
 
 
 def dflash_serial_verify(state: SchedulerState, seq: Sequence, draft_count: int, out: list[Effect]) -> SchedulerState:
@@ -121,8 +121,7 @@ def dflash_serial_verify(state: SchedulerState, seq: Sequence, draft_count: int,
     query = dc.DecodeVerifyDflash(seq.seq_id, (seq.last_token,) + drafts)
     pre = seq.seq_len
     seq = grow(seq, pre + len(drafts) + 1, state.model.block_size)
-    state = put_consumed(state, seq)
-    return ask(state, out, query, AwaitDflashVerify(seq.seq_id, drafts, pre, draft_count))
+    return ask(state, out, query, AwaitDflashVerify(seq.seq_id, drafts, pre, draft_count), put=seq, consumed=True)
 
 
 # --- verdicts -------------------------------------------------------------------------------------

@@ -350,7 +350,7 @@ MUTANTS: tuple[Mutant, ...] = (
        "    if config.ngram_speculative and len(active) >= 1 and covered:\n",
        "n-gram drafting is chosen with more than one active sequence"),
     _m("decode_forgets_decode_time", "decode",
-       '        return plain_decode(with_fields(state, {"last_decode_ms": state.now_ms}), _PLAIN_DECODE, out)\n',
+       '        return plain_decode(update(state, out, {"last_decode_ms": state.now_ms}), _PLAIN_DECODE, out)\n',
        '        return plain_decode(state, _PLAIN_DECODE, out)\n',
        "a decode step does not reset SLAI's time since the last decode (prefills held back for good)"),
     # --- spec_step -------------------------------------------------------------------------------

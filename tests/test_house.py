@@ -146,3 +146,73 @@ def test_the_engine_header_names_every_core_module_in_its_layer():
         section = header[line_start:line_end]
         missing = [m for m in modules if f"``{m}``" not in section]
         assert missing == [], f"layer {number} of core/machine.py's header omits {missing}"
+
+
+# --- in-place last writes (core/agenda.py, Batch) ---------------------------------------------------
+
+LAST_WRITES = {"update", "ask", "forward"}
+"""The writes that may go in place on a state the step owns: each must be the value its rule returns."""
+
+
+def last_write_misuses(sources: dict[str, str]) -> list[str]:
+    """Calls of a last write (or of a function that returns one) whose result is not returned at
+    once: it must be the returned value itself, or the first argument of the returned call when no
+    other argument names the state it wrote."""
+    functions = [(name, node) for name, source in sources.items() for node in ast.walk(ast.parse(source))
+                 if isinstance(node, ast.FunctionDef)]
+    writers = set(LAST_WRITES)
+    grown = True
+    while grown:  # a function that returns a last write is one too
+        grown = False
+        for _, node in functions:
+            if node.name not in writers and any(
+                    isinstance(r, ast.Return) and _called(r.value, writers) for r in ast.walk(node)):
+                writers.add(node.name)
+                grown = True
+    found = []
+    for module, node in functions:
+        allowed = set()
+        for r in ast.walk(node):
+            if not isinstance(r, ast.Return):
+                continue
+            for value in (r.value.body, r.value.orelse) if isinstance(r.value, ast.IfExp) else (r.value,):
+                if isinstance(value, ast.Call):
+                    allowed.add(id(value))
+                    if value.args and isinstance(value.args[0], ast.Call):
+                        inner = value.args[0]
+                        wrote = ast.unparse(inner.args[0]) if inner.args else None
+                        others = value.args[1:] + [k.value for k in value.keywords]
+                        if not any(ast.unparse(n) == wrote for o in others for n in ast.walk(o)):
+                            allowed.add(id(inner))
+        for call in ast.walk(node):
+            if _called(call, writers) and id(call) not in allowed and not _defers(call):
+                found.append(f"{module}:{call.lineno} {ast.unparse(call)[:80]}")
+    return found
+
+
+def _called(node, names: set[str]) -> bool:
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in names
+
+
+def _defers(call: ast.Call) -> bool:
+    """A batched MTP verdict (``deferred=True``) returns before any last write."""
+    return any(k.arg == "deferred" and isinstance(k.value, ast.Constant) and k.value.value is True
+               for k in call.keywords)
+
+
+def test_last_writes_are_returned_at_once():
+    sources = {path.name: path.read_text() for path in CORE.glob("*.py")}
+    assert last_write_misuses(sources) == []
+
+
+def test_the_last_write_check_finds_a_misuse():
+    held = "def rule(state, out):\n    after = update(state, out, {})\n    return state\n"
+    passed_twice = "def rule(state, out):\n    return go(update(state, out, {}), state)\n"
+    through_helper = ("def helper(state, out):\n    return ask(state, out, q, w)\n"
+                      "def rule(state, out):\n    new = helper(state, out)\n    return new\n")
+    fine = ("def rule(state, out):\n    if c:\n        return go(update(state, out, {}), out)\n"
+            "    return ask(state, out, q, w) if c else state\n")
+    assert len(last_write_misuses({"a.py": held})) == 1
+    assert len(last_write_misuses({"a.py": passed_twice})) == 1
+    assert len(last_write_misuses({"a.py": through_helper})) == 1
+    assert last_write_misuses({"a.py": fine}) == []
