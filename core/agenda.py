@@ -10,7 +10,8 @@ from fxsched.core.phases import AwaitForward
 from fxsched.core.records import copy_fields, with_fields
 from fxsched.core.request import Request
 from fxsched.core.sequence import Sequence
-from fxsched.core.state import HOT_FIELDS, NO_DRAFTS, DraftTable, SchedulerState, Settled, hot_columns
+from fxsched.core.state import (HOT_COLUMNS, NO_DRAFTS, DraftTable, SchedulerState, Settled, hot_columns, hot_fields,
+                                hot_row)
 from fxsched.effects.base import Effect
 
 
@@ -114,16 +115,15 @@ def put_seq(state: SchedulerState, seq: Sequence) -> SchedulerState:
 
 
 def batch_rows(state: SchedulerState, ids: tuple[int, ...]) -> tuple[bool, Sequence_[Sequence], tuple[Sequence_[Any], ...]]:
-    """The records of the batch ``ids`` and their hot fields (one column per name of ``HOT_FIELDS``),
+    """The records of the batch ``ids`` and their hot fields (one column per name of ``HOT_COLUMNS``),
     newest first from the columns of the last batched step; ``ordered`` says whether the batch is
     every active sequence in order (only then do the columns and the records ``rows`` serve)."""
     ordered = in_order(state.rows, ids)
     columns = hot_columns(state) if ordered else None
     if columns is not None:
-        return True, state.rows, (columns.seq_len, columns.blocks, columns.acc, columns.output, columns.remaining,
-                                  columns.content_count, columns.last_token)
+        return True, state.rows, columns.columns()
     rows = state.rows if ordered else [by_id(state)[i] for i in ids]
-    return ordered, rows, tuple([[s.__dict__[name] for s in rows] for name in HOT_FIELDS])
+    return ordered, rows, tuple(zip(*map(hot_row, rows), strict=True)) if rows else ((),) * len(HOT_COLUMNS)
 
 
 def keep_batch(state: SchedulerState, ordered: bool, rows: Sequence_[Sequence], hot: Sequence_[Sequence_[Any]],
@@ -142,7 +142,7 @@ def keep_batch(state: SchedulerState, ordered: bool, rows: Sequence_[Sequence], 
             records.append(rebuilt[i])
         else:
             record, changes = copy_fields(seq)
-            changes.update(zip(HOT_FIELDS, values, strict=True))
+            changes.update(hot_fields(*values))
             records.append(record)
     if ordered:
         return with_fields(state, {"rows": tuple(records), "settled": None, **extra})

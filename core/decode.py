@@ -19,8 +19,8 @@ from fxsched.core.phases import AwaitDecode, DecodeLane, NgramStep, PlainDecode,
 from fxsched.core.records import replace, with_fields
 from fxsched.core.rows import (by_slot, greedy_request, greedy_row, grow, host_pick, may_speculate,
                               prefill_barrier, slot_ordered)
-from fxsched.core.state import HOT_FIELDS, SchedulerState, hot_columns
-from fxsched.core.token_log import TokenLog
+from fxsched.core.state import SchedulerState, hot_columns, hot_fields
+from fxsched.core.token_log import extended
 from fxsched.core.watchdog import snapshots_possible
 from fxsched.effects import plans
 from fxsched.effects.base import Effect
@@ -57,7 +57,7 @@ def plain_decode(state: SchedulerState, task: PlainDecode, out: list[Effect]) ->
     columns = hot_columns(state)
     rows = state.rows
     if columns is not None and slot_ordered(rows) and all(
-            greedy_request(s.request, len(o)) for s, o in zip(rows, columns.output, strict=True)):
+            greedy_request(s.request, n) for s, n in zip(rows, columns.out_len, strict=True)):
         # the rows are in slot order already and the columns hold their newest hot fields
         plan = plans.Decode(tokens=columns.last_token, seqs=tuple([s.seq_id for s in rows]),
                             seq_lens=columns.seq_len, picks=())
@@ -119,12 +119,13 @@ def _decoded_batch(state: SchedulerState, seq_ids: tuple[int, ...], event: Token
     stream_logprobs: list[int] = []
     new_len: list[int] = []
     new_blocks: list[int] = []
-    new_output: list[TokenLog] = []
+    new_buf: list[Any] = []  # each row's output: its token array ...
+    new_olen: list[int] = []  # ... and its length
     new_remaining: list[int] = []
     new_content: list[int] = []
     new_last: list[int] = []
     cold: dict[int, dict[str, Any]] = {}  # rows whose other fields change too (finished, logprob records)
-    for i, (seq, token, lp, seq_len0, blocks0, _, output0, remaining0, content0, last0) in enumerate(
+    for i, (seq, token, lp, seq_len0, blocks0, _, buf0, len0, remaining0, content0, last0) in enumerate(
             zip(rows, event.tokens, logprobs, *hot, strict=True)):
         fields = seq.__dict__
         seq_len = seq_len0 + 1
@@ -133,7 +134,8 @@ def _decoded_batch(state: SchedulerState, seq_ids: tuple[int, ...], event: Token
         new_blocks.append(blocks if blocks > blocks0 else blocks0)
         if fields["cancel_requested"]:
             cold[i] = {"finished": True}
-            new_output.append(output0)
+            new_buf.append(buf0)
+            new_olen.append(len0)
             new_remaining.append(remaining0)
             new_content.append(content0)
             new_last.append(last0)
@@ -141,7 +143,8 @@ def _decoded_batch(state: SchedulerState, seq_ids: tuple[int, ...], event: Token
         remaining = remaining0 - 1
         new_remaining.append(remaining)
         new_content.append(content0 + 1)
-        new_output.append(output0.append(token))
+        new_buf.append(extended(buf0, len0, (token,)))
+        new_olen.append(len0 + 1)
         if lp:
             cold[i] = {"logprob_records": fields["logprob_records"] + 1}
         if token in eos:
@@ -162,7 +165,8 @@ def _decoded_batch(state: SchedulerState, seq_ids: tuple[int, ...], event: Token
     if stream_ids:
         out.append(StreamOut(tuple(stream_ids), tuple(stream_tokens),
                              logprobs=tuple(stream_logprobs) if any(stream_logprobs) else ()))
-    columns: tuple[Seq[Any], ...] = (new_len, new_blocks, hot[2], new_output, new_remaining, new_content, new_last)
-    rebuilt = {i: with_fields(rows[i], {**{name: column[i] for name, column in zip(HOT_FIELDS, columns, strict=True)},
-                                        **changes}) for i, changes in cold.items()}
+    columns: tuple[Seq[Any], ...] = (new_len, new_blocks, hot[2], new_buf, new_olen, new_remaining, new_content,
+                                     new_last)
+    rebuilt = {i: with_fields(rows[i], {**hot_fields(*[column[i] for column in columns]), **changes})
+               for i, changes in cold.items()}
     return keep_batch(state, ordered, rows, columns, rebuilt)

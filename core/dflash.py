@@ -9,6 +9,7 @@ unfinished sequences are trimmed and re-proposed.
 from __future__ import annotations
 
 from operator import add
+from typing import Any
 
 from fxsched.core.agenda import (ask, batch_rows, by_id, drop_drafts, find_seq, in_order, keep_batch, push, put_seq)
 from fxsched.core.emit import Streamed, settle_tokens, spec_tokens
@@ -25,8 +26,8 @@ from fxsched.core.phases import (
 )
 from fxsched.core.records import replace, with_fields
 from fxsched.core.sequence import Sequence
-from fxsched.core.state import HOT_FIELDS, NO_DRAFTS, SchedulerState, hot_columns
-from fxsched.core.token_log import TokenLog
+from fxsched.core.state import NO_DRAFTS, SchedulerState, hot_columns, hot_fields
+from fxsched.core.token_log import extended
 from fxsched.core.verdict import accepted_prefix, verify_width
 from fxsched.core.verifying import mtp_bootstrap, propose, propose_after_batch, settled, start_k_verify
 from fxsched.effects import device_calls as dc
@@ -159,7 +160,8 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
     new_len: list[int] = []
     new_blocks: list[int] = []
     new_acc: list[int] = []
-    new_output: list[TokenLog] = []
+    new_buf: list[Any] = []  # each row's output: its token array ...
+    new_olen: list[int] = []  # ... and its length
     new_remaining: list[int] = []
     new_content: list[int] = []
     new_last: list[int] = []
@@ -174,7 +176,7 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
     seq_limit = config.max_seq_len - 1
     short = k - 1  # a row whose drafts all match accepts k - 1 and takes the bonus row
     base = 0
-    for i, (seq, drafts, pre, _, blocks0, acc0, output0, remaining, content0, last0) in enumerate(
+    for i, (seq, drafts, pre, _, blocks0, acc0, buf0, len0, remaining, content0, last0) in enumerate(
             zip(seqs, waiting.drafts, pre_lens, *hot, strict=True)):
         limit = len(drafts)
         if limit > short:
@@ -194,7 +196,8 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
             new_len.append(seq_len)
             new_blocks.append(blocks)
             new_acc.append(acc0 + na)
-            new_output.append(output0.extend(tokens))
+            new_buf.append(extended(buf0, len0, tokens))
+            new_olen.append(len0 + n)
             new_remaining.append(remaining - n)
             new_content.append(content0 + n)
             new_last.append(tokens[-1])
@@ -206,8 +209,7 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
                 stream_logprobs.append(request.top_logprobs if fields["logprob_records"] else 0)
         else:
             # the record with the row's newest hot fields (the records may be older than the columns)
-            current = with_fields(seq, dict(zip(HOT_FIELDS, (pre, blocks0, acc0, output0, remaining, content0, last0),
-                                                strict=True)))
+            current = with_fields(seq, hot_fields(pre, blocks0, acc0, buf0, len0, remaining, content0, last0))
             settled, sent = settle_tokens(current, tokens, config, {"seq_len": seq_len, "blocks": blocks,
                                                                     "acc": acc0 + na})
             streamed.take(settled, sent)
@@ -217,7 +219,9 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
             new_len.append(settled.seq_len)
             new_blocks.append(settled.blocks)
             new_acc.append(settled.acc)
-            new_output.append(settled.output)
+            buf, length = settled.output.parts()
+            new_buf.append(buf)
+            new_olen.append(length)
             new_remaining.append(settled.remaining)
             new_content.append(settled.content_count)
             new_last.append(settled.last_token)
@@ -243,7 +247,7 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
     else:
         out.append(dc.TrimProposerStateBatch(ids, tuple(nas)))
     lengths, lasts = tuple(new_len), tuple(new_last)
-    columns = (lengths, new_blocks, new_acc, new_output, new_remaining, new_content, lasts)
+    columns = (lengths, new_blocks, new_acc, new_buf, new_olen, new_remaining, new_content, lasts)
     # when every active sequence was verified, no one holds drafts now
     state = keep_batch(state, ordered, seqs, columns, slow, {"drafts": NO_DRAFTS} if ordered else None)
     if not ordered:

@@ -12,6 +12,7 @@ they hold as one table (``drafts``). A steady tick so copies no sequence record
 
 from __future__ import annotations
 
+from array import array
 from typing import Any, Optional
 
 import attrs
@@ -20,7 +21,7 @@ from fxsched.core.config import ModelInfo, SchedulerConfig
 from fxsched.core.request import Request
 from fxsched.core.records import copy_fields
 from fxsched.core.sequence import Sequence
-from fxsched.core.token_log import TokenLog
+from fxsched.core.token_log import TokenLog, view
 
 
 class DraftTable(dict[int, tuple[int, ...]]):
@@ -83,8 +84,24 @@ class Swapped:
     sequence: Sequence
 
 
-# the fields a batched verify or plain decode changes on every row that goes on (the columns of ``Settled``)
+# the fields a batched verify or plain decode changes on every row that goes on
 HOT_FIELDS = ("seq_len", "blocks", "acc", "output", "remaining", "content_count", "last_token")
+# ... and the columns of ``Settled`` that hold them: ``output`` is two, its array and its length
+HOT_COLUMNS = ("seq_len", "blocks", "acc", "out_buf", "out_len", "remaining", "content_count", "last_token")
+
+
+def hot_fields(seq_len: int, blocks: int, acc: int, out_buf: "array[int]", out_len: int, remaining: int,
+               content_count: int, last_token: int) -> dict[str, Any]:
+    """A row of the hot columns (``HOT_COLUMNS``, in order) as the record fields they stand for."""
+    return {"seq_len": seq_len, "blocks": blocks, "acc": acc, "output": view(out_buf, out_len),
+            "remaining": remaining, "content_count": content_count, "last_token": last_token}
+
+
+def hot_row(seq: Sequence) -> tuple[Any, ...]:
+    """A record's hot fields as a row of the hot columns (``HOT_COLUMNS``, in order)."""
+    fields = seq.__dict__
+    return (fields["seq_len"], fields["blocks"], fields["acc"], *fields["output"].parts(), fields["remaining"],
+            fields["content_count"], fields["last_token"])
 
 
 @attrs.frozen(slots=False)
@@ -92,18 +109,30 @@ class Settled:
     """The hot fields of every active sequence after a batched DFlash verify or a plain decode, as
     columns over the records ``base`` (specs/scheduler.md §5.2): row ``i`` of each column is the
     field of ``base[i]``. The records keep their other fields exact; only these seven are newer in
-    the columns. A step that every sequence goes on from the common way thus writes seven tuples
+    the columns. A step that every sequence goes on from the common way thus writes a few tuples
     instead of a record per sequence; whoever reads ``state.active`` gets the records rebuilt once
-    (``records()``)."""
+    (``records()``). A row's output is its token array and its length (a ``TokenLog`` view of it,
+    ``output``), so a steady row adds tokens to its array and makes no new object."""
 
     base: tuple[Sequence, ...]
     seq_len: tuple[int, ...]
     blocks: tuple[int, ...]
     acc: tuple[int, ...]
-    output: tuple[TokenLog, ...]
+    out_buf: tuple["array[int]", ...]
+    out_len: tuple[int, ...]
     remaining: tuple[int, ...]
     content_count: tuple[int, ...]
     last_token: tuple[int, ...]
+
+    @property
+    def output(self) -> tuple[TokenLog, ...]:
+        """Each row's output, as a log."""
+        return tuple(map(view, self.out_buf, self.out_len))
+
+    def columns(self) -> tuple[tuple[Any, ...], ...]:
+        """The hot columns, in the order of ``HOT_COLUMNS``."""
+        return (self.seq_len, self.blocks, self.acc, self.out_buf, self.out_len, self.remaining,
+                self.content_count, self.last_token)
 
     def records(self) -> tuple[Sequence, ...]:
         """The sequences with the columns applied (built on the first call, then kept: it is the
@@ -111,10 +140,9 @@ class Settled:
         built = self.__dict__.get("_records")
         if built is None:
             rebuilt = []
-            for seq, *hot in zip(self.base, self.seq_len, self.blocks, self.acc, self.output, self.remaining,
-                                 self.content_count, self.last_token, strict=True):
+            for seq, *hot in zip(self.base, *self.columns(), strict=True):
                 new, fields = copy_fields(seq)
-                fields.update(zip(HOT_FIELDS, hot, strict=True))
+                fields.update(hot_fields(*hot))
                 rebuilt.append(new)
             built = tuple(rebuilt)
             object.__setattr__(self, "_records", built)  # a cache of a pure function of the fields

@@ -54,14 +54,7 @@ class TokenLog(AbcSequence[int]):
         chunk = tokens if type(tokens) is tuple else tuple(tokens)
         if not chunk:
             return self
-        buf = self._buf
-        if len(buf) != self._length:  # a later version already grew the array: fork a copy
-            buf = buf[: self._length]
-        try:
-            buf.extend(chunk)
-        except OverflowError:
-            buf = array("q", buf)
-            buf.extend(chunk)
+        buf = extended(self._buf, self._length, chunk)
         log = _new(TokenLog)
         log._buf = buf
         log._length = len(buf)
@@ -70,6 +63,10 @@ class TokenLog(AbcSequence[int]):
     def append(self, token: int) -> "TokenLog":
         """A new log with ``token`` appended; this one is unchanged."""
         return self.extend((token,))
+
+    def parts(self) -> tuple["array[int]", int]:
+        """The array this view reads and how many of its tokens it holds (``view``'s arguments)."""
+        return self._buf, self._length
 
     @property
     def last(self) -> Optional[int]:
@@ -192,6 +189,29 @@ class TokenLog(AbcSequence[int]):
 
     def __copy__(self) -> "TokenLog":
         return self
+
+
+def extended(buf: "array[int]", length: int, chunk: tuple[int, ...]) -> "array[int]":
+    """The array of the view (``buf``, ``length``) with ``chunk`` appended: ``buf`` itself, grown in
+    place, when the view reaches its end; else (a later version grew it already) a fresh copy of
+    the view's tokens, grown. The batched steps keep outputs as such (array, length) columns
+    (``state.Settled``), so a steady row makes no new object."""
+    if len(buf) != length:
+        buf = buf[:length]
+    try:
+        buf.extend(chunk)
+    except OverflowError:  # a token past int32 (the tokens before it went in already): int64 from here on
+        buf = array("q", buf[:length])
+        buf.extend(chunk)
+    return buf
+
+
+def view(buf: "array[int]", length: int) -> TokenLog:
+    """The log of the first ``length`` tokens of ``buf`` (which is never changed below ``length``)."""
+    log = _new(TokenLog)
+    log._buf = buf
+    log._length = length
+    return log
 
 
 def as_log(value: Iterable[int]) -> TokenLog:

@@ -145,3 +145,26 @@ def test_a_plain_row_that_finishes_gets_its_record_rebuilt():
     for seq in d.state.active:
         assert list(seq.output) == d.streamed(seq.request_id)
         assert seq.seq_len == PROMPT_LEN + len(seq.output) - 1
+
+
+def test_two_answers_to_one_batched_verify_each_see_only_their_own_tokens():
+    """The rows' output arrays grow in place for the newest version only: a second step from the
+    same state (as the model checker takes) copies instead, and the first state stays as it was."""
+    from fxsched.core.machine import step
+
+    d = _batched_run()
+    d.answer()  # the batched proposal
+    d.run_to_query(dc.DecodeVerifyBatched)
+    state, waiting = d.state, d.state.waiting
+    before = [s.output.tokens() for s in state.active]
+    k = waiting.k
+    reject = tuple(1 for _ in waiting.seq_ids for _ in range(k))  # every first draft rejected: one token each
+    accept = tuple(t for drafts in waiting.drafts for t in (*drafts[:k - 1], 2))  # all k - 1 drafts, then 2
+    first, _ = step(state, ev.VerifyRows(reject))
+    second, _ = step(state, ev.VerifyRows(accept))
+    third, _ = step(state, ev.VerifyRows(reject))
+    assert [s.output.tokens() for s in state.active] == before
+    assert [s.output.tokens() for s in first.active] == [b + (1,) for b in before]
+    assert [s.output.tokens() for s in second.active] == [b + tuple(drafts[:k - 1]) + (2,)
+                                                         for b, drafts in zip(before, waiting.drafts, strict=True)]
+    assert [s.output.tokens() for s in third.active] == [s.output.tokens() for s in first.active]

@@ -55,6 +55,13 @@ def test_a_token_log_behaves_like_the_tuple_of_its_tokens(parts, i, j, token, ot
     assert log.append(token) == plain + (token,) and log == plain  # the old version is unchanged
 
 
+def test_a_token_past_int32_after_small_ones_goes_in_once():
+    log = TokenLog((1,))
+    longer = log.extend((2, 2**40, 3))
+    assert longer.tokens() == (1, 2, 2**40, 3) and log.tokens() == (1,)
+    assert longer.extend((4,)) == (1, 2, 2**40, 3, 4)
+
+
 def test_the_reported_leaks_are_gone():
     assert 5 in TokenLog((5,))
     assert TokenLog((1, 2)) + (3,) == (1, 2, 3)
