@@ -185,7 +185,7 @@ def last_write_misuses(sources: dict[str, str]) -> list[str]:
                         if not any(ast.unparse(n) == wrote for o in others for n in ast.walk(o)):
                             allowed.add(id(inner))
         for call in ast.walk(node):
-            if _called(call, writers) and id(call) not in allowed and not _defers(call):
+            if isinstance(call, ast.Call) and _called(call, writers) and id(call) not in allowed and not _defers(call):
                 found.append(f"{module}:{call.lineno} {ast.unparse(call)[:80]}")
     return found
 
