@@ -53,8 +53,11 @@ class Host:
         self.inputs: list[ev.Event] = []
 
     def take_inputs(self) -> list[ev.Event]:
-        """The input events posted since the last call, in order."""
-        taken, self.inputs = self.inputs, []
+        """The input events posted since the last call, in order (the caller reads it, never adds
+        to it: with none posted it is the host's own empty list)."""
+        taken = self.inputs
+        if taken:
+            self.inputs = []
         return taken
 
     def send(self, output) -> None:

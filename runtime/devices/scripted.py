@@ -226,7 +226,9 @@ class ScriptedDevice:
 
     def take_cancels(self) -> list[int]:
         """Request ids whose scripted client cancelled since the last call."""
-        fired, self.cancels_fired = self.cancels_fired, []
+        fired = self.cancels_fired
+        if fired:  # (none fired: the device's own empty list, which the caller only reads)
+            self.cancels_fired = []
         return fired
 
     def _count_accepted(self, seq: ScriptedSequence, inputs, outputs) -> None:
