@@ -57,6 +57,13 @@ def filter_weights(weights: list[float], pick: HostPick) -> list[float]:
 def host_pick(logits: list[float], pick: HostPick, eos_ids: tuple[int, ...]) -> int:
     """Pick one token: EOS masked while ``mask_eos``; greedy takes the highest id among the maxima;
     temperature > 0 walks the filtered softmax weights with ``u`` drawn from ``Random(pick.seed)``."""
+    weights = pick_weights(logits, pick, eos_ids)
+    return weights if isinstance(weights, int) else draw(weights, pick.seed)
+
+
+def pick_weights(logits: list[float], pick: HostPick, eos_ids: tuple[int, ...]) -> int | list[float]:
+    """What ``host_pick`` makes of a row before its draw: the token of a greedy pick, else the
+    filtered weights (neither depends on the pick's seed)."""
     values = list(logits)
     if pick.mask_eos:
         for e in eos_ids:
@@ -66,9 +73,13 @@ def host_pick(logits: list[float], pick: HostPick, eos_ids: tuple[int, ...]) -> 
     if pick.temperature <= 0:
         return max(i for i, v in enumerate(values) if v == top)
     weights = [math.exp((v - top) / pick.temperature) if v != -math.inf else 0.0 for v in values]
-    weights = filter_weights(weights, pick)
+    return filter_weights(weights, pick)
+
+
+def draw(weights: list[float], seed: int) -> int:
+    """``host_pick``'s draw over filtered weights: ``u`` from ``Random(seed)``, walked in id order."""
     total = sum(weights)
-    u = random.Random(pick.seed).random()
+    u = random.Random(seed).random()
     target = u * total
     running = 0.0
     for token, w in enumerate(weights):

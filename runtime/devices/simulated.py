@@ -76,7 +76,7 @@ import random
 from typing import NamedTuple, Optional
 
 from fxsched.runtime.devices.device import DeviceError
-from fxsched.runtime.devices.sampling import host_pick
+from fxsched.runtime.devices.sampling import draw, pick_weights
 from fxsched.runtime.devices.scripted import Script, ScriptedDevice, ScriptedSequence
 
 
@@ -92,6 +92,9 @@ class Picked(NamedTuple):
 
 _PICKED: dict[tuple, int] = {}
 """(scripted answer, vocabulary size, HostPick, EOS ids) -> the token ``host_pick`` picks from that row."""
+_WEIGHED: dict[tuple, int | list[float]] = {}
+"""(scripted answer, vocabulary size, the pick's temperature, filters and EOS mask, EOS ids) -> what
+``sampling.pick_weights`` makes of that row: picks that differ in their seed alone share it."""
 
 
 class SimDevice(ScriptedDevice):
@@ -638,7 +641,8 @@ class SimDevice(ScriptedDevice):
         picks a host copy of them (``sampling.host_pick`` over the floats of the BF16 rows
         ``copy_logits_to_host`` gives: 30.0 at the scripted answer, 0.0 elsewhere), without the
         copy. A pick is a function of the answer, the pick and the EOS ids alone, so each one is
-        worked out once (``_PICKED``: the walk's seeds and answers repeat across episodes)."""
+        worked out once (``_PICKED``: the walk's seeds and answers repeat across episodes), and
+        the row's weights once for all the seeds (``_WEIGHED``): only the draw is the seed's."""
         vocab = self.vocab
         tokens = []
         for r, pick in zip(range(row, row + n), picks, strict=True):
@@ -646,12 +650,18 @@ class SimDevice(ScriptedDevice):
             key = (answer, vocab, pick, eos_ids)
             token = _PICKED.get(key)
             if token is None:
-                logits = [0.0] * vocab
-                if 0 <= answer < vocab:
-                    logits[answer] = 30.0
+                shape = (answer, vocab, pick.temperature, pick.top_p, pick.top_k, pick.min_p, pick.mask_eos, eos_ids)
+                weights = _WEIGHED.get(shape)
+                if weights is None:
+                    logits = [0.0] * vocab
+                    if 0 <= answer < vocab:
+                        logits[answer] = 30.0
+                    if len(_WEIGHED) >= 4096:
+                        _WEIGHED.clear()
+                    weights = _WEIGHED[shape] = pick_weights(logits, pick, eos_ids)
                 if len(_PICKED) >= 65536:
                     _PICKED.clear()
-                token = _PICKED[key] = host_pick(logits, pick, eos_ids)
+                token = _PICKED[key] = weights if isinstance(weights, int) else draw(weights, pick.seed)
             tokens.append(token)
         return Picked(tokens)
 
