@@ -126,7 +126,6 @@ def step(state: SchedulerState, event: Event) -> tuple[SchedulerState, tuple[Eff
             raise PhaseError(f"Boot only starts a fresh scheduler ({state.describe()})")
         state = advance(push(state, StartUp()), out)
         return state, tuple(out)
-    waiting = state.waiting
     if waiting is None:
         raise PhaseError(f"{type(event).__name__} arrived but no query is outstanding ({state.describe()})")
     phase = ANSWERS[type(waiting)]  # (an answer the phase accepts was taken above: this one is not)

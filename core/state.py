@@ -84,9 +84,9 @@ class Swapped:
     sequence: Sequence
 
 
-# the fields a batched verify or plain decode changes on every row that goes on
-HOT_FIELDS = ("seq_len", "blocks", "acc", "output", "remaining", "content_count", "last_token")
-# ... and the columns of ``Settled`` that hold them: ``output`` is two, its array and its length
+# the columns of ``Settled``: the fields a batched verify or plain decode changes on every row that
+# goes on (``seq_len``, ``blocks``, ``acc``, ``output``, ``remaining``, ``content_count``,
+# ``last_token``), ``output`` as two, its array and its length
 HOT_COLUMNS = ("seq_len", "blocks", "acc", "out_buf", "out_len", "remaining", "content_count", "last_token")
 
 

@@ -55,10 +55,7 @@ class TokenLog(AbcSequence[int]):
         if not chunk:
             return self
         buf = extended(self._buf, self._length, chunk)
-        log = _new(TokenLog)
-        log._buf = buf
-        log._length = len(buf)
-        return log
+        return view(buf, len(buf))
 
     def append(self, token: int) -> "TokenLog":
         """A new log with ``token`` appended; this one is unchanged."""

@@ -97,18 +97,16 @@ class BatchError(RunError):
     """A batch of effects from ``step`` that does not end in exactly one query (or the teardown)."""
 
 
+def usual_batch(effects: Seq) -> bool:
+    """An input event's empty batch, or one whose last effect is its only query (at C speed)."""
+    return not effects or (effects[-1].QUERY and sum(map(_IS_QUERY, effects)) == 1)
+
+
 def check_batch(event: ev.Event, effects: Seq, stopped: bool) -> None:
     """Raise ``BatchError`` unless ``effects`` is empty (an input event's batch), ends in its only
     query, or ends the run with the teardown and holds no query."""
-    if not effects:
+    if usual_batch(effects):
         return
-    last_index = len(effects) - 1
-    if effects[last_index].QUERY:  # the usual batch: its query last and no other
-        for i in range(last_index):
-            if effects[i].QUERY:
-                break
-        else:
-            return
     queries = [i for i, effect in enumerate(effects) if effect.QUERY]
     last = effects[-1]
     if queries == [len(effects) - 1]:
@@ -159,8 +157,8 @@ class Interpreter:
         observer.before_step(event)
         state, effects = step(state, event)
         self.steps += 1
-        if effects and (not effects[-1].QUERY or sum(map(_IS_QUERY, effects)) != 1):
-            check_batch(event, effects, state.stopped)  # not the usual batch: its only query last
+        if not usual_batch(effects):
+            check_batch(event, effects, state.stopped)
         observer.stepped(event, state, effects)
         answer = self.perform_all(effects)
         observer.performed(state)

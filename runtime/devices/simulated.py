@@ -53,7 +53,8 @@ Adapters: ``adapters`` maps an adapter slot to its id (slot -1, the base model, 
 Sampled rows: the device offers ``sample_rows``, so the interpreter asks it for a sampled row's
 token instead of copying the row to the host; it answers what the host copy would give, by the same
 ``sampling.host_pick`` over the same row (30.0 at the scripted answer, 0.0 elsewhere), memoised per
-(answer, pick): the walk's seeds and answers repeat, and a pick is its costliest call. (The
+(answer, pick), with the row's weights memoised apart from the seed: the walk's seeds and answers
+repeat, and a pick is its costliest call. (The
 recording device keeps the host copy: its reference traces list ``copy_logits_to_host``.)
 
 What a real device varies (the recording device never does, so the goldens stay as they are):
