@@ -131,6 +131,11 @@ def test_check_steps_must_be_positive(capsys, value):
     refused(capsys, ["check", "--steps", value], "--steps", value)
 
 
+@pytest.mark.parametrize("value", ["0", "-2", "x", "1.5", "1000"])
+def test_check_jobs_is_a_process_count(capsys, value):
+    refused(capsys, ["check", "--steps", "10", "--jobs", value], "--jobs", value)
+
+
 @pytest.mark.parametrize("ids", ["1_0", "٣", "1 2 ３"])
 def test_generate_prompt_ids_are_ascii_digits(capsys, toy, ids):
     refused(capsys, ["generate", "--prompt-ids", ids, "--max-tokens", "2", "--weights", toy], "--prompt-ids",
@@ -245,7 +250,7 @@ def test_a_replay_file_that_cannot_be_written_still_prints_the_violation(capsys,
     folder.mkdir()
     violation = {"invariant": "lossless", "message": "made up", "step": 3, "episode_index": 0}
 
-    def fake_walk(seed, steps=None, seconds=None, progress=None):
+    def fake_walk(seed, steps=None, seconds=None, progress=None, jobs=1):
         folder.rmdir()
         return WalkReport(seed, 3, 1, 0.01, {}, violation)
 

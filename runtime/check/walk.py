@@ -23,8 +23,17 @@ tests/test_checker_coverage.py fails on a zero).
 
 from __future__ import annotations
 
+import itertools
+import multiprocessing
+import multiprocessing.connection
+import os
 import random
 import time
+
+try:
+    import resource
+except ImportError:  # not on Windows, where the walk runs in one process
+    resource = None  # type: ignore[assignment]
 from collections import Counter
 from typing import Any, Optional
 
@@ -665,39 +674,166 @@ class WalkReport:
     seconds: float
     coverage: dict
     violation: Optional[dict]
+    jobs: int = 1  # the processes that ran episodes (1: this one)
+    cpu_seconds: float = 0.0  # their CPU time, episodes run past the end included
 
     @property
     def steps_per_second(self) -> float:
         return self.steps / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def steps_per_cpu_second(self) -> float:
+        return self.steps / self.cpu_seconds if self.cpu_seconds > 0 else 0.0
 
 
 def episode_seed(seed: int, index: int) -> int:
     return (seed * 1_000_003 + index) & 0xFFFFFFFF
 
 
-def walk(seed: int, steps: Optional[int] = None, seconds: Optional[float] = None, progress=None) -> WalkReport:
-    """Run episodes until ``steps`` steps or ``seconds`` seconds; stop at the first violation."""
+@attrs.frozen
+class Outcome:
+    """What one episode of a walk came to: its steps, its coverage counts and its violation (the
+    invariant, the message and the step), if any."""
+
+    index: int
+    steps: int
+    coverage: Counter
+    violation: Optional[tuple[str, str, int]]
+
+
+def run_indexed(seed: int, index: int) -> Outcome:
+    """Draw and run episode ``index`` of the walk of ``seed``."""
     coverage: Counter = Counter()
-    total, index = 0, 0
-    start = time.perf_counter()
-    while True:
-        if steps is not None and total >= steps:
-            break
-        if seconds is not None and time.perf_counter() - start >= seconds:
-            break
-        eseed = episode_seed(seed, index)
-        episode = random_episode(random.Random(eseed))
-        result = run_episode(episode, coverage)
-        total += result.steps
-        if progress is not None:
-            progress(result.steps)
-        if result.violation is not None:
-            replayed = run_episode(episode, Counter(), keep_log=True)
-            violation = {
-                "invariant": result.violation.invariant, "message": result.violation.message,
-                "step": result.violation_step, "episode_index": index, "episode_seed": eseed,
-                "episode": episode.to_json(), "events": list(replayed.events),
-            }
-            return WalkReport(seed, total, index + 1, time.perf_counter() - start, dict(coverage), violation)
-        index += 1
-    return WalkReport(seed, total, index, time.perf_counter() - start, dict(coverage), None)
+    result = run_episode(random_episode(random.Random(episode_seed(seed, index))), coverage)
+    found = result.violation
+    violation = None if found is None else (found.invariant, found.message, result.violation_step or 0)
+    return Outcome(index, result.steps, coverage, violation)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+
+
+def walk(seed: int, steps: Optional[int] = None, seconds: Optional[float] = None, progress=None,
+         jobs: int = 1) -> WalkReport:
+    """Run episodes until ``steps`` steps or ``seconds`` seconds; stop at the first violation.
+
+    ``jobs`` > 1 runs episodes in that many forked processes (where the platform forks), each
+    taking the next episode index as it frees up. Their outcomes are taken in episode order, so
+    the report (steps, episodes, coverage, the violation) is the one a single process gives for
+    the same ``steps``; outcomes past the end are dropped (specs/checker.md §11.5)."""
+    coverage: Counter = Counter()
+    total, episodes = 0, 0
+    start, cpu_start = time.perf_counter(), _cpu_seconds()
+    parallel = jobs > 1 and "fork" in multiprocessing.get_all_start_methods()
+    source = _forked_outcomes(seed, jobs) if parallel else (run_indexed(seed, i) for i in itertools.count())
+    violation = None
+    try:
+        for outcome in source:
+            coverage.update(outcome.coverage)
+            total += outcome.steps
+            episodes += 1
+            if progress is not None:
+                progress(outcome.steps)
+            if outcome.violation is not None:
+                violation = _violation_report(seed, outcome)
+                break
+            if steps is not None and total >= steps:
+                break
+            if seconds is not None and time.perf_counter() - start >= seconds:
+                break
+    finally:
+        close = getattr(source, "close", None)
+        if close is not None:
+            close()  # a forked source stops and reaps its workers
+    return WalkReport(seed, total, episodes, time.perf_counter() - start, dict(coverage), violation,
+                      jobs if parallel else 1, _cpu_seconds() - cpu_start)
+
+
+def _violation_report(seed: int, outcome: Outcome) -> dict:
+    """The violation of ``outcome`` with its episode and the event log of a re-run (for the replay file)."""
+    assert outcome.violation is not None
+    eseed = episode_seed(seed, outcome.index)
+    episode = random_episode(random.Random(eseed))
+    replayed = run_episode(episode, Counter(), keep_log=True)
+    invariant, message, step = outcome.violation
+    return {"invariant": invariant, "message": message, "step": step, "episode_index": outcome.index,
+            "episode_seed": eseed, "episode": episode.to_json(), "events": list(replayed.events)}
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and of its reaped children."""
+    if resource is None:
+        return time.process_time()
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def _worker(seed: int, next_index: Any, stop: Any, conn: Any) -> None:
+    """A forked walker: runs the next free episode index until told to stop or until one breaks an
+    invariant (the episodes after it do not count), sending each outcome down ``conn``."""
+    index = None
+    try:
+        while not stop.is_set():
+            with next_index.get_lock():
+                index = next_index.value
+                next_index.value = index + 1
+            outcome = run_indexed(seed, index)
+            conn.send(outcome)
+            if outcome.violation is not None:
+                break
+    except BaseException as err:  # the parent raises it, naming the episode
+        conn.send(f"episode {index}: {type(err).__name__}: {err}")
+    finally:
+        conn.close()
+
+
+def _forked_outcomes(seed: int, jobs: int):
+    """The outcomes of ``jobs`` forked walkers, in episode order; closing the generator stops them."""
+    ctx = multiprocessing.get_context("fork")
+    next_index, stop = ctx.Value("q", 0), ctx.Event()
+    workers: list[Any] = []
+    readers: list[Any] = []
+    try:
+        for _ in range(jobs):
+            end, writer = ctx.Pipe(duplex=False)
+            worker = ctx.Process(target=_worker, args=(seed, next_index, stop, writer), daemon=True)
+            worker.start()
+            writer.close()  # the worker's end: its closing is the reader's end of file
+            workers.append(worker)
+            readers.append(end)
+        waiting: dict[int, Outcome] = {}
+        wanted = 0
+        while True:
+            while wanted in waiting:
+                yield waiting.pop(wanted)
+                wanted += 1
+            if not readers:
+                raise RuntimeError(f"seed {seed}: the checker's workers stopped before episode {wanted} came back")
+            for ready in multiprocessing.connection.wait(readers):
+                reader: Any = ready
+                try:
+                    got = reader.recv()
+                except EOFError:  # a worker that stopped: after a violation, or killed
+                    worker = workers[readers.index(reader)]
+                    worker.join()
+                    if worker.exitcode != 0:
+                        raise RuntimeError(f"seed {seed}: a checker worker died (exit code {worker.exitcode}) "
+                                           f"before episode {wanted} came back") from None
+                    workers.remove(worker)
+                    readers.remove(reader)
+                    reader.close()
+                    continue
+                if isinstance(got, str):
+                    raise RuntimeError(f"seed {seed}: a checker worker failed: {got}")
+                waiting[got.index] = got
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.terminate()
+        for worker in workers:
+            worker.join()
+        for reader in readers:
+            reader.close()

@@ -191,7 +191,7 @@ def cmd_check(args) -> int:
     from tqdm import tqdm
 
     from fxsched.runtime.check.replay import write_replay
-    from fxsched.runtime.check.walk import walk
+    from fxsched.runtime.check.walk import usable_cpus, walk
 
     if (args.steps is None) == (args.time is None):
         print("fxsched check: give exactly one of --steps N or --time SECONDS", file=sys.stderr)
@@ -205,14 +205,16 @@ def cmd_check(args) -> int:
     show = args.progress if args.progress is not None else (args.time or 0) > 3 or (args.steps or 0) > 50_000
     bar = tqdm(total=total, unit="step", desc="check", disable=not show, leave=False)
     try:
-        report = walk(args.seed, steps=args.steps, seconds=args.time, progress=bar.update)
+        report = walk(args.seed, steps=args.steps, seconds=args.time, progress=bar.update,
+                      jobs=args.jobs if args.jobs is not None else usable_cpus())
     except ValueError as err:
         bar.close()
         print(f"fxsched check: {err}", file=sys.stderr)
         return EXIT_USAGE
     bar.close()
-    print(f"seed {report.seed}: {report.steps} steps in {report.episodes} episodes, {report.seconds:.2f} s, "
-          f"{report.steps_per_second:,.0f} steps/s")
+    on = f"{report.jobs} processes" if report.jobs > 1 else "1 process"
+    print(f"seed {report.seed}: {report.steps} steps in {report.episodes} episodes, {report.seconds:.2f} s on {on}, "
+          f"{report.steps_per_second:,.0f} steps/s ({report.steps_per_cpu_second:,.0f} per CPU second)")
     _print_coverage(report.coverage)
     if report.violation is None:
         print("no invariant broken")
@@ -308,13 +310,27 @@ def cmd_bench(args) -> int:
         print_table(rows)
         return 0
     if args.what == "check":
+        import json
         import statistics
 
-        from fxsched.runtime.check.walk import walk
+        from fxsched.runtime.check.walk import usable_cpus, walk
 
-        rates = [walk(seed, steps=args.ticks * 100).steps_per_second for seed in range(args.repeats)]
-        print(f"random walk: median {statistics.median(rates):,.0f} steps/s over {args.repeats} seeds "
-              f"(min {min(rates):,.0f}, max {max(rates):,.0f})")
+        jobs = usable_cpus()
+        rates: dict[int, list[float]] = {1: [], jobs: []}
+        for seed in range(args.repeats):  # one process and all of them, side by side, seed by seed
+            for n in rates:
+                rates[n].append(walk(seed, steps=args.ticks * 100, jobs=n).steps_per_second)
+        medians = {n: statistics.median(r) for n, r in rates.items()}
+        if args.json:
+            print(json.dumps({"steps": args.ticks * 100, "seeds": args.repeats, "jobs": jobs,
+                              "steps_per_s_1": medians[1], f"steps_per_s_{jobs}": medians[jobs],
+                              "ratio": medians[jobs] / medians[1]}))
+            return 0
+        for n, r in rates.items():
+            print(f"random walk, {n} process{'es' if n > 1 else ''}: median {medians[n]:,.0f} steps/s over "
+                  f"{args.repeats} seeds of {args.ticks * 100} steps (min {min(r):,.0f}, max {max(r):,.0f})")
+        if jobs > 1:
+            print(f"{jobs} processes / 1: {medians[jobs] / medians[1]:.2f}")
         return 0
     print(f"fxsched bench: unknown benchmark '{args.what}' (known: step, kernels, check, generate, gdn-prefill)",
           file=sys.stderr)
@@ -373,6 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--steps", type=int_arg(1, 10**12), help="stop after this many steps")
     check.add_argument("--time", type=seconds_arg, help="stop after this many seconds")
     check.add_argument("--replay-file", help="where to write the replay file of a violation")
+    check.add_argument("--jobs", type=int_arg(1, 256), default=None,
+                       help="processes running episodes (default: the usable CPUs; the report is the same for any)")
     check.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
                        help="show a progress bar (default: on runs longer than a few seconds)")
     check.set_defaults(func=cmd_check)

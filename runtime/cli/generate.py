@@ -146,7 +146,7 @@ def add_bench_generate(bench: argparse.ArgumentParser) -> None:
                             "(generate)")
     bench.add_argument("--prompts", default="held-out,repetitive",
                        help="prompt sets, comma-separated: held-out, repetitive (generate)")
-    bench.add_argument("--json", action="store_true", help="one JSON object per row, nothing else (generate)")
+    bench.add_argument("--json", action="store_true", help="one JSON object per row, nothing else (step, check, generate)")
     bench.add_argument("--ep-ranks", dest="bench_ep_ranks", default="1", metavar="N,N",
                        help="expert-parallel rank counts, comma-separated (e.g. 1,2,4): every row runs on each; "
                             "a MoE --model is split across the ranks (generate)")

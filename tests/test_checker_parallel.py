@@ -1,0 +1,92 @@
+"""The random walk on several processes (``walk(..., jobs=N)``, ``fxsched check --jobs N``): the
+report is the one a single process gives, the violation included, and a worker that fails or dies
+ends the walk with an error that says so instead of a hang."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+import pytest
+
+from fxsched.runtime.check import invariants, walk as walk_module
+from fxsched.runtime.check.invariants import Violation
+from fxsched.runtime.check.walk import walk
+from fxsched.runtime.cli.app import main
+
+pytestmark = pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(),
+                                reason="the walk runs episodes in forked processes only where the platform forks")
+
+
+def test_two_processes_report_what_one_does():
+    one = walk(7, steps=4000, jobs=1)
+    two = walk(7, steps=4000, jobs=2)
+    assert (one.jobs, two.jobs) == (1, 2)
+    assert one.violation is None and two.violation is None
+    assert (two.steps, two.episodes) == (one.steps, one.episodes)
+    assert two.coverage == one.coverage
+    assert two.cpu_seconds > 0
+
+
+def test_a_time_budget_takes_whole_episodes_in_order():
+    report = walk(3, seconds=0.3, jobs=2)
+    again = walk(3, steps=report.steps, jobs=1)  # the same episodes, counted up to the same step total
+    assert report.violation is None and report.episodes >= 1
+    assert (again.steps, again.episodes, again.coverage) == (report.steps, report.episodes, report.coverage)
+
+
+def _fails_on_long_episodes(monkeypatch):
+    """Make ``slots_unique`` fail at tick 30 of an episode: the first episode that long is not the
+    first episode, so the other process has run ahead by then."""
+    real = invariants.slots_unique
+
+    def fails_late(state, device):
+        real(state, device)
+        if device.tick >= 30:
+            raise Violation("slots_unique", f"made to fail at tick {device.tick}")
+
+    monkeypatch.setattr(invariants, "slots_unique", fails_late)
+
+
+def test_the_violation_found_is_the_first_in_episode_order(monkeypatch):
+    _fails_on_long_episodes(monkeypatch)
+    one = walk(7, steps=20_000, jobs=1)
+    two = walk(7, steps=20_000, jobs=2)
+    assert one.violation is not None and one.violation["episode_index"] > 1
+    assert two.violation == one.violation  # invariant, message, step, episode, its event log
+    assert (two.steps, two.episodes, two.coverage) == (one.steps, one.episodes, one.coverage)
+
+
+def test_the_command_reports_processes_and_the_same_coverage(capsys):
+    assert main(["check", "--seed", "2", "--steps", "3000", "--jobs", "1", "--no-progress"]) == 0
+    one = capsys.readouterr().out.splitlines()
+    assert main(["check", "--seed", "2", "--steps", "3000", "--jobs", "2", "--no-progress"]) == 0
+    two = capsys.readouterr().out.splitlines()
+    assert " on 1 process, " in one[0] and " on 2 processes, " in two[0] and "per CPU second" in two[0]
+    assert one[1:] == two[1:]
+
+
+def test_a_worker_that_raises_names_the_episode(monkeypatch):
+    real = walk_module.run_indexed
+
+    def raises_at_3(seed, index):
+        if index == 3:
+            raise KeyError("made up")
+        return real(seed, index)
+
+    monkeypatch.setattr(walk_module, "run_indexed", raises_at_3)
+    with pytest.raises(RuntimeError, match=r"a checker worker failed: episode 3: KeyError: 'made up'"):
+        walk(7, steps=20_000, jobs=2)
+
+
+def test_a_worker_that_dies_ends_the_walk(monkeypatch):
+    real = walk_module.run_indexed
+
+    def dies_at_3(seed, index):
+        if index == 3:
+            os._exit(7)
+        return real(seed, index)
+
+    monkeypatch.setattr(walk_module, "run_indexed", dies_at_3)
+    with pytest.raises(RuntimeError, match=r"a checker worker died \(exit code 7\) before episode"):
+        walk(7, steps=20_000, jobs=2)
