@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -90,3 +94,24 @@ def test_a_worker_that_dies_ends_the_walk(monkeypatch):
     monkeypatch.setattr(walk_module, "run_indexed", dies_at_3)
     with pytest.raises(RuntimeError, match=r"a checker worker died \(exit code 7\) before episode"):
         walk(7, steps=20_000, jobs=2)
+
+
+def test_ctrl_c_stops_the_workers_with_one_line():
+    """SIGINT to the whole process group (as a terminal sends it): the parent says so in one line
+    and exits 130, the workers print nothing and are gone."""
+    proc = subprocess.Popen([sys.executable, "-m", "fxsched.runtime.cli", "check", "--seed", "7", "--time", "60",
+                             "--jobs", "2", "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    try:
+        time.sleep(3)  # past the start: the workers are running episodes
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert err.splitlines() == ["fxsched check: interrupted"], err
+    time.sleep(0.2)
+    with pytest.raises(ProcessLookupError):  # nobody is left in the group: the workers were reaped
+        os.killpg(proc.pid, 0)

@@ -23,17 +23,14 @@ tests/test_checker_coverage.py fails on a zero).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import multiprocessing
 import multiprocessing.connection
 import os
 import random
+import signal
 import time
-
-try:
-    import resource
-except ImportError:  # not on Windows, where the walk runs in one process
-    resource = None  # type: ignore[assignment]
 from collections import Counter
 from typing import Any, Optional
 
@@ -53,6 +50,11 @@ from fxsched.runtime.interpreter import BatchError, Host, Interpreter, Observer
 from fxsched.runtime.check.invariants import CANCEL, EVENT_KINDS, FAULT, Monitor, Violation, expected_output
 from fxsched.runtime.devices.scripted import Script
 from fxsched.runtime.devices.simulated import SimDevice
+
+try:
+    import resource
+except ImportError:  # not on Windows, where the walk runs in one process
+    resource = None  # type: ignore[assignment]
 
 MODES = ("plain", "mtp1", "mtp2", "mtp3", "dflash", "ngram", "self_spec")
 TICK_MS = 10.0
@@ -774,6 +776,7 @@ def _cpu_seconds() -> float:
 def _worker(seed: int, next_index: Any, stop: Any, conn: Any) -> None:
     """A forked walker: runs the next free episode index until told to stop or until one breaks an
     invariant (the episodes after it do not count), sending each outcome down ``conn``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's: it stops the workers
     index = None
     try:
         while not stop.is_set():
@@ -784,8 +787,9 @@ def _worker(seed: int, next_index: Any, stop: Any, conn: Any) -> None:
             conn.send(outcome)
             if outcome.violation is not None:
                 break
-    except BaseException as err:  # the parent raises it, naming the episode
-        conn.send(f"episode {index}: {type(err).__name__}: {err}")
+    except Exception as err:  # the parent raises it, naming the episode
+        with contextlib.suppress(OSError):  # a parent that has gone has no use for it
+            conn.send(f"episode {index}: {type(err).__name__}: {err}")
     finally:
         conn.close()
 
