@@ -96,6 +96,17 @@ def test_a_worker_that_dies_ends_the_walk(monkeypatch):
         walk(7, steps=20_000, jobs=2)
 
 
+def test_the_command_says_a_worker_failure_in_one_line(monkeypatch, capsys):
+    def raises(seed, index):
+        raise KeyError("made up")
+
+    monkeypatch.setattr(walk_module, "run_indexed", raises)
+    assert main(["check", "--seed", "7", "--steps", "100", "--jobs", "2", "--no-progress"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == ["fxsched check: seed 7: a checker worker failed: episode 0: "
+                                              "KeyError: 'made up'"]
+
+
 def test_ctrl_c_stops_the_workers_with_one_line():
     """SIGINT to the whole process group (as a terminal sends it): the parent says so in one line
     and exits 130, the workers print nothing and are gone."""

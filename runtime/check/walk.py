@@ -787,9 +787,9 @@ def _worker(seed: int, next_index: Any, stop: Any, conn: Any) -> None:
             conn.send(outcome)
             if outcome.violation is not None:
                 break
-    except Exception as err:  # the parent raises it, naming the episode
+    except Exception as err:  # the parent raises it in its turn, naming the episode
         with contextlib.suppress(OSError):  # a parent that has gone has no use for it
-            conn.send(f"episode {index}: {type(err).__name__}: {err}")
+            conn.send((index, f"episode {index}: {type(err).__name__}: {err}"))
     finally:
         conn.close()
 
@@ -808,11 +808,14 @@ def _forked_outcomes(seed: int, jobs: int):
             writer.close()  # the worker's end: its closing is the reader's end of file
             workers.append(worker)
             readers.append(end)
-        waiting: dict[int, Outcome] = {}
+        waiting: dict[int, Any] = {}  # episode index -> its outcome, or the error a worker met in it
         wanted = 0
         while True:
             while wanted in waiting:
-                yield waiting.pop(wanted)
+                got = waiting.pop(wanted)
+                if isinstance(got, tuple):
+                    raise RuntimeError(f"seed {seed}: a checker worker failed: {got[1]}")
+                yield got
                 wanted += 1
             if not readers:
                 raise RuntimeError(f"seed {seed}: the checker's workers stopped before episode {wanted} came back")
@@ -830,9 +833,7 @@ def _forked_outcomes(seed: int, jobs: int):
                     readers.remove(reader)
                     reader.close()
                     continue
-                if isinstance(got, str):
-                    raise RuntimeError(f"seed {seed}: a checker worker failed: {got}")
-                waiting[got.index] = got
+                waiting[got[0] if isinstance(got, tuple) else got.index] = got
     finally:
         stop.set()
         for worker in workers:

@@ -211,6 +211,10 @@ def cmd_check(args) -> int:
         bar.close()
         print(f"fxsched check: {err}", file=sys.stderr)
         return EXIT_USAGE
+    except RuntimeError as err:  # a worker process failed or died (specs/checker.md §11.5)
+        bar.close()
+        print(f"fxsched check: {err}", file=sys.stderr)
+        return 1
     bar.close()
     on = f"{report.jobs} processes" if report.jobs > 1 else "1 process"
     print(f"seed {report.seed}: {report.steps} steps in {report.episodes} episodes, {report.seconds:.2f} s on {on}, "
