@@ -11,7 +11,7 @@ from fxsched.core.records import copy_fields, with_fields
 from fxsched.core.request import Request
 from fxsched.core.sequence import Sequence
 from fxsched.core.state import (HOT_COLUMNS, NO_DRAFTS, DraftTable, SchedulerState, Settled, hot_columns, hot_fields,
-                                hot_row)
+                                hot_row, kept_facts)
 from fxsched.effects.base import Effect
 
 
@@ -118,7 +118,8 @@ def batch_rows(state: SchedulerState, ids: tuple[int, ...]) -> tuple[bool, Seque
     """The records of the batch ``ids`` and their hot fields (one column per name of ``HOT_COLUMNS``),
     newest first from the columns of the last batched step; ``ordered`` says whether the batch is
     every active sequence in order (only then do the columns and the records ``rows`` serve)."""
-    ordered = in_order(state.rows, ids)
+    facts = kept_facts(state)
+    ordered = facts.ids == ids if facts is not None else in_order(state.rows, ids)
     columns = hot_columns(state) if ordered else None
     if columns is not None:
         return True, state.rows, columns.columns()
@@ -135,7 +136,11 @@ def keep_batch(state: SchedulerState, ordered: bool, rows: Sequence_[Sequence], 
     other fields of the state to set in the same copy."""
     extra = more or {}
     if ordered and not rebuilt:
-        return with_fields(state, {"settled": Settled(state.rows, *[tuple(c) for c in hot]), **extra})
+        settled = Settled(state.rows, *[tuple(c) for c in hot])
+        facts = kept_facts(state)
+        if facts is not None:  # the same records: their facts carry over to the new columns
+            object.__setattr__(settled, "_facts", facts)
+        return with_fields(state, {"settled": settled, **extra})
     records = []
     for i, (seq, *values) in enumerate(zip(rows, *hot, strict=True)):
         if i in rebuilt:

@@ -18,8 +18,8 @@ from fxsched.core.memory import preempt, preemption_victim
 from fxsched.core.phases import AwaitDecode, DecodeLane, NgramStep, PlainDecode, SelfSpecStep, SpecStep
 from fxsched.core.records import replace, with_fields
 from fxsched.core.rows import (by_slot, greedy_request, greedy_row, grow, host_pick, may_speculate,
-                              prefill_barrier, slot_ordered)
-from fxsched.core.state import SchedulerState, hot_columns, hot_fields
+                              prefill_barrier, slots_increasing)
+from fxsched.core.state import SchedulerState, hot_columns, hot_fields, kept_facts
 from fxsched.core.token_log import extended
 from fxsched.core.watchdog import snapshots_possible
 from fxsched.effects import plans
@@ -40,13 +40,14 @@ def decode_lane(state: SchedulerState, task: DecodeLane, out: list[Effect]) -> S
         prefill_barrier(state, out)
     active = state.rows  # slots and guards: exact in the records (state.settled holds only hot fields)
     cap = config.speculation_slot_cap
-    covered = all(s.slot < cap for s in active)
+    facts = kept_facts(state)
+    covered = max(facts.slots, default=-1) < cap if facts is not None else all(s.slot < cap for s in active)
     if config.ngram_speculative and len(active) == 1 and covered:
         lane: object = _NGRAM_STEP
     elif config.self_speculative and model.has_self_speculative and len(active) == 1 and covered:
         lane = _SELF_SPEC_STEP
     elif (config.uses_mtp(model) and len(active) <= config.mtp_width_limit and covered
-            and all(map(may_speculate, active))):
+            and (facts.all_unguarded if facts is not None else all(map(may_speculate, active)))):
         lane = _SPEC_STEP
     else:  # plain decode is the next task: run it now (the same as pushing it)
         return plain_decode(update(state, out, {"last_decode_ms": state.now_ms}), _PLAIN_DECODE, out)
@@ -56,11 +57,10 @@ def decode_lane(state: SchedulerState, task: DecodeLane, out: list[Effect]) -> S
 def plain_decode(state: SchedulerState, task: PlainDecode, out: list[Effect]) -> SchedulerState:
     columns = hot_columns(state)
     rows = state.rows
-    if columns is not None and slot_ordered(rows) and all(
+    if columns is not None and slots_increasing(columns.facts().slots) and all(
             greedy_request(s.request, n) for s, n in zip(rows, columns.out_len, strict=True)):
         # the rows are in slot order already and the columns hold their newest hot fields
-        plan = plans.Decode(tokens=columns.last_token, seqs=tuple([s.seq_id for s in rows]),
-                            seq_lens=columns.seq_len, picks=())
+        plan = plans.Decode(tokens=columns.last_token, seqs=columns.facts().ids, seq_lens=columns.seq_len, picks=())
         out.append(plan)
         return update(state, out, {"waiting": AwaitDecode(plan.seqs)})
     active = by_slot(state.active)

@@ -26,7 +26,7 @@ from fxsched.core.phases import (
 )
 from fxsched.core.records import replace, with_fields
 from fxsched.core.sequence import Sequence
-from fxsched.core.state import NO_DRAFTS, SchedulerState, hot_columns, hot_fields
+from fxsched.core.state import NO_DRAFTS, SchedulerState, hot_columns, hot_fields, kept_facts
 from fxsched.core.token_log import extended
 from fxsched.core.verdict import accepted_prefix, verify_width
 from fxsched.core.verifying import mtp_bootstrap, propose, propose_after_batch, settled, start_k_verify
@@ -120,7 +120,8 @@ def batched_verify(state: SchedulerState, task: BatchedDflashVerify, out: list[E
     """One verify over every sequence of the chunk. While it is outstanding the sequence records
     still show the KV before it; the waiting record holds the drafts and lengths in flight."""
     ids = task.seq_ids
-    if in_order(state.rows, ids):  # the batch is every active sequence, in order
+    facts = kept_facts(state)
+    if facts.ids == ids if facts is not None else in_order(state.rows, ids):  # every active sequence, in order
         columns = hot_columns(state)
         rows = state.rows
         lasts = columns.last_token if columns else [s.last_token for s in rows]
@@ -234,7 +235,8 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
     count = len(ids)
     out.append(dc.CommitCtxBatch(ids, accepted, pre_lens, tuple(range(count))))
     streamed.flush(out)
-    out.append(dc.GdnFoldAccepted(tuple([s.slot for s in seqs]), accepted, k))
+    facts = kept_facts(state) if ordered else None
+    out.append(dc.GdnFoldAccepted(facts.slots if facts is not None else tuple([s.slot for s in seqs]), accepted, k))
     out.append(dc.CommitAcceptedPrefixBatch(ids, accepted, (k,) * count))
     out.append(dc.StashVerifyHiddenRows(tuple(map(add, range(0, k * count, k), nas))))
     pending: list[tuple[int, int]] = []  # (row, seq_id) of the unfinished, when some finished

@@ -3,6 +3,8 @@ words and stream barrier that go with feeding the device (specs/scheduler.md §5
 
 from __future__ import annotations
 
+from operator import lt
+
 from fxsched.core.kv import blocks_for
 from fxsched.core.records import with_fields
 from fxsched.core.request import Request
@@ -22,9 +24,9 @@ def by_slot(active: tuple[Sequence, ...]) -> tuple[Sequence, ...]:
     return tuple(sorted(active, key=lambda s: s.slot)) if len(active) > 1 else active
 
 
-def slot_ordered(active: tuple[Sequence, ...]) -> bool:
-    """Whether ``by_slot`` would leave ``active`` in its order."""
-    return all(a.slot < b.slot for a, b in zip(active, active[1:], strict=False))
+def slots_increasing(slots: tuple[int, ...]) -> bool:
+    """Whether ``by_slot`` would leave the sequences of these slots in their order."""
+    return all(map(lt, slots, slots[1:]))
 
 
 def greedy_request(req: Request, produced: int) -> bool:

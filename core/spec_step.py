@@ -23,7 +23,7 @@ from fxsched.core.phases import (
     Verifies,
 )
 from fxsched.core.records import with_fields
-from fxsched.core.state import DraftTable, SchedulerState
+from fxsched.core.state import DraftTable, SchedulerState, kept_facts
 from fxsched.core.verdict import base_draft_count
 from fxsched.core.verifying import dflash_bootstrap, mtp_bootstrap
 from fxsched.effects import device_calls as dc
@@ -33,7 +33,8 @@ from fxsched.effects.base import Effect
 def spec_step(state: SchedulerState, task: SpecStep, out: list[Effect]) -> SchedulerState:
     active = state.rows  # the slots: exact in the records
     base = base_draft_count(state.config, state.model, len(active))
-    query = dc.SlotDraftCapacity(tuple(s.slot for s in active))
+    facts = kept_facts(state)
+    query = dc.SlotDraftCapacity(facts.slots if facts is not None else tuple(s.slot for s in active))
     return ask(state, out, query, AwaitCapacity(base))
 
 
@@ -42,9 +43,14 @@ def capacity(state: SchedulerState, waiting: AwaitCapacity, event: DraftCapacity
     if count < 1:  # no slot can hold a draft this step: decode plainly
         return push(state, PlainDecode())
     held = state.drafts
-    verify = tuple(s.seq_id for s in state.rows if s.seq_id in held)
-    bootstrap = () if len(verify) == len(state.rows) else tuple(s.seq_id for s in state.rows
-                                                                   if s.seq_id not in held)
+    facts = kept_facts(state)
+    ids = facts.ids if facts is not None else tuple([s.seq_id for s in state.rows])
+    bootstrap: tuple[int, ...] = ()
+    if all(map(held.__contains__, ids)):  # the common case: everyone holds drafts
+        verify = ids
+    else:
+        verify = tuple(i for i in ids if i in held)
+        bootstrap = tuple(i for i in ids if i not in held)
     if not bootstrap:  # the verifies are the next task: run them now (the same as pushing them)
         return verifies(state, Verifies(verify, count), out)
     out.append(dc.SyncSecondaryCall())
@@ -62,8 +68,10 @@ def bootstrap(state: SchedulerState, task: Bootstrap, out: list[Effect]) -> Sche
 
 def verifies(state: SchedulerState, task: Verifies, out: list[Effect]) -> SchedulerState:
     active = state.rows  # ids and finished flags: exact in the records
-    if len(active) == len(task.seq_ids) and all(s.seq_id == i and not s.finished
-                                                for s, i in zip(active, task.seq_ids, strict=True)):
+    facts = kept_facts(state)
+    if (facts.ids == task.seq_ids and not facts.any_finished if facts is not None else
+            len(active) == len(task.seq_ids) and all(s.seq_id == i and not s.finished
+                                                     for s, i in zip(active, task.seq_ids, strict=True))):
         ids = task.seq_ids  # the common case: every active sequence, none finished
     else:
         live = {s.seq_id for s in active if not s.finished}

@@ -134,6 +134,16 @@ class Settled:
         return (self.seq_len, self.blocks, self.acc, self.out_buf, self.out_len, self.remaining,
                 self.content_count, self.last_token)
 
+    def facts(self) -> "RowFacts":
+        """What a tick reads of the records ``base`` besides the hot fields (worked out on the first
+        call, then kept: like ``records``, a pure function of ``base``, and carried to the next
+        columns over the same records by ``agenda.keep_batch``)."""
+        facts = self.__dict__.get("_facts")
+        if facts is None:
+            facts = row_facts(self.base)
+            object.__setattr__(self, "_facts", facts)
+        return facts
+
     def records(self) -> tuple[Sequence, ...]:
         """The sequences with the columns applied (built on the first call, then kept: it is the
         same value every time, like the columns it comes from)."""
@@ -147,6 +157,46 @@ class Settled:
             built = tuple(rebuilt)
             object.__setattr__(self, "_records", built)  # a cache of a pure function of the fields
         return built
+
+
+@attrs.frozen
+class RowFacts:
+    """The fields of the active records a steady tick reads besides the hot ones, for the whole
+    batch: ids and slots in order, whether any record is finished, whether none has a guard set,
+    and the earliest deadline of an unfinished one (None: none has a deadline)."""
+
+    ids: tuple[int, ...]
+    slots: tuple[int, ...]
+    any_finished: bool
+    all_unguarded: bool
+    next_deadline: Optional[float]
+
+
+def row_facts(rows: tuple[Sequence, ...]) -> RowFacts:
+    """The ``RowFacts`` of ``rows``, in one pass over the records."""
+    ids, slots = [], []
+    finished = guarded = False
+    deadline: Optional[float] = None
+    for seq in rows:
+        fields = seq.__dict__
+        ids.append(fields["seq_id"])
+        slots.append(fields["slot"])
+        if fields["finished"]:
+            finished = True
+        else:
+            due = fields["request"].deadline_ms
+            if due is not None and (deadline is None or due < deadline):
+                deadline = due
+        if fields["guard"] is not None:
+            guarded = True
+    return RowFacts(tuple(ids), tuple(slots), finished, not guarded, deadline)
+
+
+def kept_facts(state: "SchedulerState") -> Optional[RowFacts]:
+    """The ``RowFacts`` of the active records kept with the hot columns, while those apply (None
+    otherwise: a state whose records a rule just made reads them from the records)."""
+    settled = state.settled
+    return settled.facts() if settled is not None and settled.base is state.rows else None
 
 
 @attrs.frozen(slots=False)

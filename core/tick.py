@@ -36,7 +36,7 @@ from fxsched.core.records import replace, with_fields
 from fxsched.core.request import Request
 from fxsched.core.retire import compact, compaction_moves, finish_and_release
 from fxsched.core.sequence import Guard
-from fxsched.core.state import SchedulerState, in_flight, queue_idle, quiescent
+from fxsched.core.state import SchedulerState, in_flight, kept_facts, queue_idle, quiescent
 from fxsched.effects import device_calls as dc
 from fxsched.effects import lifecycle as lc
 from fxsched.effects.base import Effect
@@ -216,6 +216,9 @@ def empty_batch_skip(state: SchedulerState, task: EmptyBatchSkip, out: list[Effe
 def expire_deadlines(state: SchedulerState) -> SchedulerState:
     """Every active sequence whose deadline has passed gets guard ``request_timeout`` and finishes."""
     now = state.now_ms
+    facts = kept_facts(state)
+    if facts is not None and (facts.next_deadline is None or facts.next_deadline > now):
+        return state  # no unfinished row is past its deadline
     expired = set()
     for s in state.rows:  # requests and the finished flags: exact in the records (state.settled)
         deadline = s.request.deadline_ms
@@ -231,7 +234,8 @@ def retire_finished(state: SchedulerState, out: list[Effect], then: tuple[object
     """Finish and release every finished sequence in active order; compact the survivors; push
     the tasks ``then``."""
     pinned = tuple(e.slot for e in state.prefilling)
-    if any(s.finished for s in state.rows):  # (flags and slots are exact in the records)
+    facts = kept_facts(state)
+    if facts.any_finished if facts is not None else any(s.finished for s in state.rows):  # (exact in the records)
         survivors = []
         config = state.config
         for s in state.active:
@@ -240,7 +244,7 @@ def retire_finished(state: SchedulerState, out: list[Effect], then: tuple[object
             else:
                 finish_and_release(s, config, out)
         active = tuple(survivors)
-    elif compaction_moves([s.slot for s in state.rows], pinned):
+    elif compaction_moves(list(facts.slots) if facts is not None else [s.slot for s in state.rows], pinned):
         active = state.active
     else:  # nothing retires or moves: the records (and any hot columns over them) stay
         return update(state, out, {"agenda": then + state.agenda})

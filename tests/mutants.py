@@ -355,8 +355,8 @@ MUTANTS: tuple[Mutant, ...] = (
        "a decode step does not reset SLAI's time since the last decode (prefills held back for good)"),
     # --- spec_step -------------------------------------------------------------------------------
     _m("spec_step_bootstrap_also_verified", "spec_step",
-       "    verify = tuple(s.seq_id for s in state.rows if s.seq_id in held)\n",
-       "    verify = tuple(s.seq_id for s in state.rows)\n",
+       "        verify = tuple(i for i in ids if i in held)\n",
+       "        verify = ids\n",
        "a sequence bootstrapped this step is verified in the same step"),
     _m("spec_step_capacity_ignores_base", "spec_step",
        "    count = min((waiting.base,) + event.capacities)\n",

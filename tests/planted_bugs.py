@@ -80,10 +80,12 @@ PLANTED_BUGS: tuple[PlantedBug, ...] = (
         "fold_before_commit",
         (
             Edit("core/dflash.py",
-                 "    out.append(dc.GdnFoldAccepted(tuple([s.slot for s in seqs]), accepted, k))\n"
+                 "    out.append(dc.GdnFoldAccepted(facts.slots if facts is not None else tuple([s.slot for s in seqs]), "
+                 "accepted, k))\n"
                  "    out.append(dc.CommitAcceptedPrefixBatch(ids, accepted, (k,) * count))\n",
                  "    out.append(dc.CommitAcceptedPrefixBatch(ids, accepted, (k,) * count))\n"
-                 "    out.append(dc.GdnFoldAccepted(tuple([s.slot for s in seqs]), accepted, k))\n"),
+                 "    out.append(dc.GdnFoldAccepted(facts.slots if facts is not None else tuple([s.slot for s in seqs]), "
+                 "accepted, k))\n"),
         ),
     ),
     PlantedBug(
