@@ -10,9 +10,10 @@ import pytest
 
 from fxsched.core import events as ev
 from fxsched.core.records import replace
-from fxsched.core.state import NO_DRAFTS, DraftTable
+from fxsched.core.state import NO_DRAFTS, DraftTable, kept_facts
 from fxsched.effects import device_calls as dc
 from fxsched.effects import plans
+from fxsched.effects.client import DoneOut
 
 from factories import Driver, dflash_config, dflash_model, make_request
 
@@ -168,3 +169,40 @@ def test_two_answers_to_one_batched_verify_each_see_only_their_own_tokens():
     assert [s.output.tokens() for s in second.active] == [b + tuple(drafts[:k - 1]) + (2,)
                                                          for b, drafts in zip(before, waiting.drafts, strict=True)]
     assert [s.output.tokens() for s in third.active] == [s.output.tokens() for s in first.active]
+
+
+# --- what a tick reads of all the rows (RowFacts) ---------------------------------------------------
+
+
+def test_the_facts_kept_with_the_columns_are_those_of_the_records_tick_after_tick():
+    d = _batched_run()
+    kept = 0
+    for _ in range(60):
+        facts = kept_facts(d.state)
+        if facts is not None:  # carried from column to column: still the records' own
+            kept += 1
+            rows = d.state.rows
+            assert facts.ids == tuple(s.seq_id for s in rows)
+            assert facts.slots == tuple(s.slot for s in rows)
+            assert facts.any_finished == any(s.finished for s in rows)
+            assert facts.all_unguarded == all(s.guard is None for s in rows)
+        d.answer()
+    assert kept >= 20
+
+
+def test_a_deadline_passes_while_the_columns_and_their_facts_are_kept():
+    requests = [make_request(i, prompt_len=PROMPT_LEN, max_tokens=200, streaming=True,
+                             deadline_ms=500.0 if i == 8 else None) for i in range(7, 10)]
+    d = Driver(config=dflash_config(), model=dflash_model(), requests=requests)
+    for _ in range(2):
+        d.answer()
+        d.run_to_query(dc.ProposeBatched)
+    facts = kept_facts(d.state)
+    assert facts is not None and facts.next_deadline == 500.0
+    d.feed(ev.Clock(400.0))  # not yet: the tick goes on from the columns
+    d.answer()
+    d.run_to_query(dc.ProposeBatched)
+    assert not d.outputs(DoneOut)
+    d.feed(ev.Clock(600.0))
+    d.run_until(lambda d: bool(d.outputs(DoneOut)))
+    assert [(o.request_id, str(o.reason)) for o in d.outputs(DoneOut)] == [(8, "timeout")]
