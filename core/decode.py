@@ -57,10 +57,10 @@ def decode_lane(state: SchedulerState, task: DecodeLane, out: list[Effect]) -> S
 def plain_decode(state: SchedulerState, task: PlainDecode, out: list[Effect]) -> SchedulerState:
     columns = hot_columns(state)
     rows = state.rows
-    if columns is not None and slots_increasing(columns.facts().slots) and all(
+    if columns is not None and slots_increasing((facts := columns.facts()).slots) and all(
             greedy_request(s.request, n) for s, n in zip(rows, columns.out_len, strict=True)):
         # the rows are in slot order already and the columns hold their newest hot fields
-        plan = plans.Decode(tokens=columns.last_token, seqs=columns.facts().ids, seq_lens=columns.seq_len, picks=())
+        plan = plans.Decode(tokens=columns.last_token, seqs=facts.ids, seq_lens=columns.seq_len, picks=())
         out.append(plan)
         return update(state, out, {"waiting": AwaitDecode(plan.seqs)})
     active = by_slot(state.active)

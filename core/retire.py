@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from typing import Optional
 
 from fxsched.core.config import SchedulerConfig
@@ -67,7 +68,7 @@ def finish_and_release(seq: Sequence, config: SchedulerConfig, out: list[Effect]
     out.append(ReleaseSeq(seq.seq_id, seq.slot, cache=True, reason=ReleaseReason.FINISH_SEQUENCE))
 
 
-def compaction_moves(survivor_slots: list[int], pinned_slots: tuple[int, ...] = ()) -> list[tuple[int, int]]:
+def compaction_moves(survivor_slots: Seq[int], pinned_slots: tuple[int, ...] = ()) -> list[tuple[int, int]]:
     """Moves ``(index, target)`` that pack survivors into slots ``[0, n)``.
 
     n counts the survivors and the sequences that hold a slot without moving (prompts still

@@ -244,7 +244,7 @@ def retire_finished(state: SchedulerState, out: list[Effect], then: tuple[object
             else:
                 finish_and_release(s, config, out)
         active = tuple(survivors)
-    elif compaction_moves(list(facts.slots) if facts is not None else [s.slot for s in state.rows], pinned):
+    elif compaction_moves(facts.slots if facts is not None else [s.slot for s in state.rows], pinned):
         active = state.active
     else:  # nothing retires or moves: the records (and any hot columns over them) stay
         return update(state, out, {"agenda": then + state.agenda})

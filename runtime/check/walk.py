@@ -747,9 +747,7 @@ def walk(seed: int, steps: Optional[int] = None, seconds: Optional[float] = None
             if seconds is not None and time.perf_counter() - start >= seconds:
                 break
     finally:
-        close = getattr(source, "close", None)
-        if close is not None:
-            close()  # a forked source stops and reaps its workers
+        source.close()  # a forked source stops and reaps its workers
     return WalkReport(seed, total, episodes, time.perf_counter() - start, dict(coverage), violation,
                       jobs if parallel else 1, _cpu_seconds() - cpu_start)
 
