@@ -30,21 +30,15 @@ class Batch(list[Effect]):
 
     __slots__ = ("caller",)
 
-    def __init__(self, caller: SchedulerState) -> None:
-        super().__init__()
+    def __init__(self, caller: SchedulerState) -> None:  # (a new list is empty: no ``list.__init__``)
         self.caller = caller
-
-
-def _owned(state: SchedulerState, out: list[Effect]) -> bool:
-    """Whether ``state`` is a copy this step made (so it may be written in place)."""
-    return state is not getattr(out, "caller", state)
 
 
 def update(state: SchedulerState, out: list[Effect], changes: dict[str, Any]) -> SchedulerState:
     """A rule's last write: ``state`` with ``changes`` (final values, as ``with_fields`` takes
     them), in place when ``state`` is this step's own copy (``Batch``). Only ever the value a
     rule returns."""
-    if _owned(state, out):
+    if state is not getattr(out, "caller", state):  # a copy this step made (a plain list owns nothing)
         state.__dict__.update(changes)
         return state
     return with_fields(state, changes)

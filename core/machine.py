@@ -47,20 +47,22 @@ __all__ = ["PhaseError", "advance", "step"]
 
 
 def _take_input(state: SchedulerState, event: Event) -> SchedulerState:
+    """An input event recorded in the state (none of the fields it sets converts or validates, so
+    the copies take final values: ``with_fields``)."""
+    if isinstance(event, Clock):
+        return with_fields(state, {"now_ms": event.now_ms})
     if isinstance(event, Arrival):
-        return replace(state, inbox=state.inbox + (event.request,))
+        return with_fields(state, {"inbox": state.inbox + (event.request,)})
     if isinstance(event, Cancel):
         active = [s for s in state.active if s.request_id == event.request_id]
         if active:
             return put_seqs(state, {s.seq_id: replace(s, cancel_requested=True) for s in active if s.has_cancel_flag})
         # not running yet: remembered until the request becomes active (then it moves to the flag)
-        return replace(state, cancels=state.cancels | {event.request_id})
-    if isinstance(event, Clock):
-        return replace(state, now_ms=event.now_ms)
+        return with_fields(state, {"cancels": state.cancels | {event.request_id}})
     if isinstance(event, InboxClosed):
-        return replace(state, inbox_closed=True)
+        return with_fields(state, {"inbox_closed": True})
     if isinstance(event, RotationRequested):
-        return replace(state, inbox_rotations=state.inbox_rotations + (event.name,))
+        return with_fields(state, {"inbox_rotations": state.inbox_rotations + (event.name,)})
     raise PhaseError(f"unknown input event {event!r}")
 
 
