@@ -12,8 +12,10 @@ the teardown; an input event's batch is empty. Anything else is a ``BatchError``
 
 Each effect is carried out by the handler of its type (``_CASES``, tried in order, the first class
 the type is a subclass of wins; the choice is remembered per type, so dispatch costs one dictionary
-look-up). A handler returns the answer event of a query and ``None`` for anything else, whatever
-the device method returns; an effect type no case covers is a ``RunError`` naming it.
+look-up). A query's handler returns its answer event; what any other handler returns (a
+fire-and-forget effect's handler is its device call, result and all) is dropped, so a batch's
+answer is what its last effect, the query, returned. An effect type no case covers is a
+``RunError`` naming it.
 """
 
 from __future__ import annotations
@@ -134,6 +136,8 @@ class Interpreter:
         self.steps = 0
         self._waited: list[ev.Event] = []  # what a blocking wait of the current batch returned
         self._take_cancels = getattr(device, "take_cancels", None)  # scripted devices' client cancels
+        # a host that keeps ``Host.take_inputs`` has posted nothing while its list is empty
+        self._plain_inputs = type(host).take_inputs is Host.take_inputs
 
     def run(self, state: SchedulerState, first: Iterable[ev.Event]) -> SchedulerState:
         """Feed ``first`` then every event that follows until the loop stops (or no event is left)."""
@@ -157,7 +161,7 @@ class Interpreter:
         observer.before_step(event)
         state, effects = step(state, event)
         self.steps += 1
-        if not usual_batch(effects):
+        if effects and not (effects[-1].QUERY and sum(map(_IS_QUERY, effects)) == 1):  # (``usual_batch``)
             check_batch(event, effects, state.stopped)
         observer.stepped(event, state, effects)
         answer = self.perform_all(effects)
@@ -165,9 +169,11 @@ class Interpreter:
         if self._waited:
             follow.extend(self._waited)
             self._waited = []
-        inputs = self.host.take_inputs()
-        if inputs:
-            follow.extend(inputs)
+        host = self.host
+        if not self._plain_inputs or host.inputs:
+            inputs = host.take_inputs()
+            if inputs:
+                follow.extend(inputs)
         if self._take_cancels is not None:
             cancels = self._take_cancels()
             if cancels:
@@ -182,23 +188,22 @@ class Interpreter:
         """Carry out one effect; its answer (``None`` for a fire-and-forget effect)."""
         handler = _HANDLERS[type(effect)]
         try:
-            return handler(self, effect)
+            result = handler(self, effect)
         except DeviceError as err:
             return self._device_error(effect, err)
+        return result if effect.QUERY else None
 
     def perform_all(self, effects) -> Optional[ev.Event]:
-        """Carry out a batch in order; the answer of its query (the last non-``None`` answer)."""
-        answer = None
+        """Carry out a batch in order; the answer of its query, its last effect (``None`` for a
+        batch that holds none)."""
+        result = None
         handlers = _HANDLERS
         for effect in effects:
-            handler = handlers[type(effect)]
             try:
-                result = handler(self, effect)
+                result = handlers[type(effect)](self, effect)
             except DeviceError as err:
                 result = self._device_error(effect, err)
-            if result is not None:
-                answer = result
-        return answer
+        return result if effects and effects[-1].QUERY else None
 
     def _device_error(self, effect, err: DeviceError) -> ev.Event:
         """A device error in ``effect``: the answer of a query, the end of the run otherwise."""
@@ -237,21 +242,15 @@ class Interpreter:
 
 # --- the handlers: one per effect type, found by ``_handler_for`` ------------------------------------
 #
-# A handler carries out one effect on ``it.device`` (or the host) and returns the answer event, or
-# ``None`` for a fire-and-forget effect. ``_CASES`` lists the effect classes in the order they are
+# A handler carries out one effect on ``it.device`` (or the host) and returns the answer event of a
+# query; a fire-and-forget effect's handler is its device call, whose result ``perform`` and
+# ``perform_all`` drop (one frame per effect fewer than a wrapper that drops it). ``_CASES`` lists the effect classes in the order they are
 # tried: the first case whose class the effect's type is (a subclass of) handles it, and
 # ``_HANDLERS`` remembers that choice per type, so dispatch is one dictionary look-up per effect.
 
-Handler = Callable[[Interpreter, Any], Optional[ev.Event]]
+Handler = Callable[[Interpreter, Any], Any]  # a query's answer event; anything from the rest (dropped)
 
 
-def _fire(act: Callable[[Any, Any], object]) -> Handler:
-    """A device call with no answer: ``act(device, effect)``."""
-
-    def handler(it: Interpreter, e) -> None:
-        act(it.device, e)
-
-    return handler
 
 
 def _announced(act: Callable[[Any, Any], object]) -> Handler:
@@ -389,35 +388,35 @@ _CASES: tuple[tuple[Union[type, tuple[type, ...]], Handler], ...] = (
     ((lc.ReadLogits, lc.ReserveKv, lc.Rollback), _asynchronous_only),
     (lc.Lifecycle, _no_lifecycle_case),
     # direct device calls
-    (dc.BindGpuToThread, _fire(lambda d, e: d.bind_gpu_to_thread())),
+    (dc.BindGpuToThread, lambda it, e: it.device.bind_gpu_to_thread()),
     (dc.CreateStream, lambda it, e: ev.StreamCreated(it.device.create_stream())),
     (dc.CreateEvent, lambda it, e: ev.EventCreated(it.device.create_event())),
     (dc.NumFreeBlocks, lambda it, e: ev.FreeBlocks(it.device.num_free_blocks())),
-    (dc.SsmSnapshotOccupancy, _fire(lambda d, e: d.ssm_snapshot_occupancy())),
+    (dc.SsmSnapshotOccupancy, lambda it, e: it.device.ssm_snapshot_occupancy()),
     (dc.WaitForInput, _wait_for_input),
     (dc.AllocSequence, lambda it, e: ev.SlotAllocated(it.device.alloc_sequence(e.seq, e.session))),
     (dc.AllocSequenceFor, lambda it, e: ev.SlotAllocated(it.device.alloc_sequence_for(e.seq, e.session, e.budget))),
-    (dc.FreeSequence, _fire(lambda d, e: d.free_sequence(e.seq))),
-    (dc.CacheSequence, _fire(lambda d, e: d.cache_sequence(e.seq))),
-    (dc.CompactSequence, _fire(lambda d, e: d.compact_sequence(e.seq, e.new_slot))),
-    (dc.DetachSlotForReuse, _fire(lambda d, e: d.detach_slot_for_reuse(e.seq))),
-    (dc.SaveSequenceStateCall, _fire(lambda d, e: d.save_sequence_state(e.seq))),
+    (dc.FreeSequence, lambda it, e: it.device.free_sequence(e.seq)),
+    (dc.CacheSequence, lambda it, e: it.device.cache_sequence(e.seq)),
+    (dc.CompactSequence, lambda it, e: it.device.compact_sequence(e.seq, e.new_slot)),
+    (dc.DetachSlotForReuse, lambda it, e: it.device.detach_slot_for_reuse(e.seq)),
+    (dc.SaveSequenceStateCall, lambda it, e: it.device.save_sequence_state(e.seq)),
     (dc.RestoreSequenceState, _restore_sequence_state),
     (dc.ReclaimPrefixBlocks, lambda it, e: ev.BlocksReclaimed(it.device.reclaim_prefix_blocks(e.n))),
-    (dc.TruncateSequence, _fire(lambda d, e: d.truncate_sequence(e.seq, e.seq_len))),
+    (dc.TruncateSequence, lambda it, e: it.device.truncate_sequence(e.seq, e.seq_len)),
     (dc.AdapterIdFor, lambda it, e: ev.AdapterIds(tuple(it.device.adapter_id_for(s) for s in e.slots))),
-    (dc.AcquireAdapterSlot, _fire(lambda d, e: d.acquire_adapter_slot(e.slot))),
+    (dc.AcquireAdapterSlot, lambda it, e: it.device.acquire_adapter_slot(e.slot)),
     (dc.SetActiveLora, _set_active_lora),
-    (dc.EpBroadcastCmdForSeq, _fire(lambda d, e: d.ep_broadcast_cmd_for_seq(e.seq_slot, e.cmd))),
-    (dc.EpBroadcastCmd, _fire(lambda d, e: d.ep_broadcast_cmd(e.cmd))),
-    (dc.EpBroadcastTokens, _fire(lambda d, e: d.ep_broadcast_tokens(e.tokens))),
-    (dc.EpSyncVisionEmbeds, _fire(lambda d, e: d.ep_sync_vision_embeds(e.n))),
-    (dc.PollInnerq, _fire(lambda d, e: d.poll_innerq())),
-    (dc.RecordEvent, _fire(lambda d, e: d.record_event(e.event, e.stream))),
-    (dc.StreamWaitEvent, _fire(lambda d, e: d.stream_wait_event(e.stream, e.event))),
-    (dc.Synchronize, _fire(lambda d, e: d.synchronize(e.stream))),
-    (dc.SyncSecondaryCall, _fire(lambda d, e: d.sync_secondary())),
-    (dc.TeardownCall, _fire(lambda d, e: d.teardown())),
+    (dc.EpBroadcastCmdForSeq, lambda it, e: it.device.ep_broadcast_cmd_for_seq(e.seq_slot, e.cmd)),
+    (dc.EpBroadcastCmd, lambda it, e: it.device.ep_broadcast_cmd(e.cmd)),
+    (dc.EpBroadcastTokens, lambda it, e: it.device.ep_broadcast_tokens(e.tokens)),
+    (dc.EpSyncVisionEmbeds, lambda it, e: it.device.ep_sync_vision_embeds(e.n)),
+    (dc.PollInnerq, lambda it, e: it.device.poll_innerq()),
+    (dc.RecordEvent, lambda it, e: it.device.record_event(e.event, e.stream)),
+    (dc.StreamWaitEvent, lambda it, e: it.device.stream_wait_event(e.stream, e.event)),
+    (dc.Synchronize, lambda it, e: it.device.synchronize(e.stream)),
+    (dc.SyncSecondaryCall, lambda it, e: it.device.sync_secondary()),
+    (dc.TeardownCall, lambda it, e: it.device.teardown()),
     (dc.Prefill, lambda it, e: ev.ForwardDone(it.device.prefill(e.seq, e.tokens, e.stream) or 0)),
     (dc.PrefillChunk, lambda it, e: ev.ForwardDone(
         it.device.prefill_chunk(e.seq, e.prompt, e.start, e.length, e.last, e.stream) or 0)),
@@ -425,7 +424,7 @@ _CASES: tuple[tuple[Union[type, tuple[type, ...]], Handler], ...] = (
     (dc.MixedForwardBatch, _forward(lambda d, e: d.mixed_forward_batch(e.decode_tokens, e.decode_seqs, e.prefills,
                                                                        e.stream))),
     (dc.PrefillBatchChunk, _forward(lambda d, e: d.prefill_batch_chunk(e.prefills, e.stream))),
-    (dc.NormalizeSsmStates, _fire(lambda d, e: d.normalize_ssm_states(e.seq, e.stream))),
+    (dc.NormalizeSsmStates, lambda it, e: it.device.normalize_ssm_states(e.seq, e.stream)),
     (dc.DecodeCall, _forward(lambda d, e: d.decode(e.token, e.seq, e.stream))),
     (dc.DecodeDraft, _forward(lambda d, e: d.decode_draft(e.token, e.seq, e.stream))),
     (dc.SerialVerify, lambda it, e: ev.VerifyRows(getattr(it.device, e.CALL)(e.seq, e.tokens))),
@@ -435,7 +434,7 @@ _CASES: tuple[tuple[Union[type, tuple[type, ...]], Handler], ...] = (
         it.device.run_mtp_propose_multi(e.token, e.pos, e.n, e.seq, e.stream, e.mask))),
     (dc.ProposeBatched, lambda it, e: ev.BatchedDrafts(
         it.device.run_mtp_propose_batched(e.tokens, e.positions, e.stash, e.n, e.seqs, e.stream))),
-    (dc.CatchupBatched, _fire(lambda d, e: d.run_mtp_catchup_batched(e.tokens, e.slots, e.pos))),
+    (dc.CatchupBatched, lambda it, e: it.device.run_mtp_catchup_batched(e.tokens, e.slots, e.pos)),
     (dc.GenerateBeamBatch, lambda it, e: ev.BeamHypotheses(it.device.generate_beam_batch(e.prompts, e.num_beams))),
     (dc.SlotDraftCapacity, lambda it, e: ev.DraftCapacity(
         tuple(it.device.mtp_slot_draft_capacity(s) for s in e.slots))),
@@ -443,27 +442,27 @@ _CASES: tuple[tuple[Union[type, tuple[type, ...]], Handler], ...] = (
     (dc.ArgmaxOnDevice, lambda it, e: ev.TokenSampled(it.device.argmax_on_device(e.row, e.stream))),
     (dc.ArgmaxBatch, lambda it, e: ev.TokensSampled(it.device.argmax_batch(e.row, e.n, e.stream))),
     (dc.CopyLogitsToHost, lambda it, e: it._host_picks(e.row, e.picks)),
-    (dc.GdnFoldAccepted, _fire(lambda d, e: d.gdn_fold_accepted(e.slots, e.accepted, e.k))),
-    (dc.CommitAcceptedPrefix, _fire(lambda d, e: d.commit_accepted_prefix(e.seq, e.na, e.k))),
-    (dc.CommitCtx, _fire(lambda d, e: d.commit_ctx(e.seq, e.n, e.base, e.row))),
+    (dc.GdnFoldAccepted, lambda it, e: it.device.gdn_fold_accepted(e.slots, e.accepted, e.k)),
+    (dc.CommitAcceptedPrefix, lambda it, e: it.device.commit_accepted_prefix(e.seq, e.na, e.k)),
+    (dc.CommitCtx, lambda it, e: it.device.commit_ctx(e.seq, e.n, e.base, e.row)),
     (dc.CommitCtxBatch, _commit_ctx_batch),
     (dc.CommitAcceptedPrefixBatch, _commit_accepted_prefix_batch),
     (dc.TrimProposerStateBatch, _trim_proposer_state_batch),
     (dc.TruncateSequences, _truncate_sequences),
-    (dc.TrimProposerState, _fire(lambda d, e: d.trim_proposer_state(e.seq, e.na, e.stream))),
-    (dc.SaveHiddenForMtp, _fire(lambda d, e: d.save_hidden_for_mtp(e.row, e.stream))),
-    (dc.SaveHiddenForMtpFromStash, _fire(lambda d, e: d.save_hidden_for_mtp_from_stash(e.index, e.stream))),
-    (dc.StashVerifyHiddenRows, _fire(lambda d, e: d.stash_verify_hidden_rows(e.rows, e.stream))),
-    (dc.StashVerifyCatchupRows, _fire(lambda d, e: d.stash_verify_catchup_rows(e.pairs))),
-    (dc.DflashEagleAcceptAppend, _fire(lambda d, e: d.dflash_eagle_accept_append(e.seq))),
-    (dc.StartCheckpointAsync, _fire(lambda d, e: d.start_checkpoint_async(e.seq))),
-    (dc.StartRollbackAndCheckpointAsync, _fire(lambda d, e: d.start_rollback_and_checkpoint_async(e.seq, e.na))),
-    (dc.CheckpointSsmStates, _fire(lambda d, e: d.checkpoint_ssm_states(e.seq))),
-    (dc.RollbackSsmStates, _fire(lambda d, e: d.rollback_ssm_states(e.seq, e.n))),
-    (dc.DecodeMarconiCheckpoint, _fire(lambda d, e: d.decode_marconi_checkpoint(e.seq))),
-    (dc.SaveDecodeSsmSnapshot, _fire(lambda d, e: d.save_decode_ssm_snapshot(e.seq, e.ring))),
-    (dc.RestoreDecodeSsmSnapshot, _fire(lambda d, e: d.restore_decode_ssm_snapshot(e.seq, e.ring))),
-    (dc.SaveHiddenForCatchupCall, _fire(lambda d, e: d.save_hidden_for_catchup(e.row, e.pos))),
+    (dc.TrimProposerState, lambda it, e: it.device.trim_proposer_state(e.seq, e.na, e.stream)),
+    (dc.SaveHiddenForMtp, lambda it, e: it.device.save_hidden_for_mtp(e.row, e.stream)),
+    (dc.SaveHiddenForMtpFromStash, lambda it, e: it.device.save_hidden_for_mtp_from_stash(e.index, e.stream)),
+    (dc.StashVerifyHiddenRows, lambda it, e: it.device.stash_verify_hidden_rows(e.rows, e.stream)),
+    (dc.StashVerifyCatchupRows, lambda it, e: it.device.stash_verify_catchup_rows(e.pairs)),
+    (dc.DflashEagleAcceptAppend, lambda it, e: it.device.dflash_eagle_accept_append(e.seq)),
+    (dc.StartCheckpointAsync, lambda it, e: it.device.start_checkpoint_async(e.seq)),
+    (dc.StartRollbackAndCheckpointAsync, lambda it, e: it.device.start_rollback_and_checkpoint_async(e.seq, e.na)),
+    (dc.CheckpointSsmStates, lambda it, e: it.device.checkpoint_ssm_states(e.seq)),
+    (dc.RollbackSsmStates, lambda it, e: it.device.rollback_ssm_states(e.seq, e.n)),
+    (dc.DecodeMarconiCheckpoint, lambda it, e: it.device.decode_marconi_checkpoint(e.seq)),
+    (dc.SaveDecodeSsmSnapshot, lambda it, e: it.device.save_decode_ssm_snapshot(e.seq, e.ring)),
+    (dc.RestoreDecodeSsmSnapshot, lambda it, e: it.device.restore_decode_ssm_snapshot(e.seq, e.ring)),
+    (dc.SaveHiddenForCatchupCall, lambda it, e: it.device.save_hidden_for_catchup(e.row, e.pos)),
 )
 """Every effect class the interpreter carries out, in the order they are tried, with its handler."""
 

@@ -86,8 +86,10 @@ def test_a_fire_and_forget_call_answers_nothing_whatever_the_device_returns():
     assert it.perform(dc.GdnFoldAccepted((0,), (1,), 2)) is None
     answer = it.perform_all([dc.AcquireAdapterSlot(2), dc.NumFreeBlocks()])
     assert answer == ev.FreeBlocks(9)
+    assert it.perform_all([dc.SsmSnapshotOccupancy(), dc.AcquireAdapterSlot(4)]) is None  # a batch with no query
     assert device.calls == [("acquire_adapter_slot", 1), ("ssm_snapshot_occupancy",), ("gdn_fold_accepted", (0,), (1,), 2),
-                            ("acquire_adapter_slot", 2), ("num_free_blocks",)]
+                            ("acquire_adapter_slot", 2), ("num_free_blocks",), ("ssm_snapshot_occupancy",),
+                            ("acquire_adapter_slot", 4)]
 
 
 def test_a_subclass_of_an_effect_class_is_carried_out_as_that_class():

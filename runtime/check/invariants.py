@@ -248,15 +248,16 @@ def slots_unique(state: SchedulerState, device) -> None:
         raise Violation("slots_unique", f"the device has two sequences in one slot: {sorted(dslots)}")
 
 
-def no_effect_on_released(effects, released: set, live: set) -> None:
+def no_effect_on_released(effects, released: set, live: set, kinds: Optional[tuple] = None) -> None:
     """released sequences: no effect names a sequence after its release (until it is allocated
     again); a released slot is never used by an effect again. (An effect names the sequences of
-    its ``seq``, of its ``seqs`` for the batched records, or of its ``entries``' first items.)"""
+    its ``seq``, of its ``seqs`` for the batched records, or of its ``entries``' first items;
+    ``kinds``: the effects' types in order, when the caller has them. Only the effects that
+    allocate, release or name a sequence are looked at: ``NAMING``.)"""
     roles = ROLES
-    for effect in effects:
+    for at in NAMING[tuple(map(type, effects)) if kinds is None else kinds]:
+        effect = effects[at]
         role = roles[type(effect)]
-        if not role & (ALLOC | RELEASE | NAMES):
-            continue
         if role & ALLOC:
             released.discard(effect.seq)
             live.add(effect.seq)
@@ -673,6 +674,16 @@ BATCH_ROLES: dict[tuple, int] = _Memo(batch_roles)
 signature: the walk's batches repeat a few hundred signatures."""
 
 
+def naming(kinds) -> tuple[int, ...]:
+    """Where in a batch of effects of types ``kinds`` an effect allocates, releases or names a
+    sequence (what ``no_effect_on_released`` reads)."""
+    return tuple(at for at, cls in enumerate(kinds) if ROLES[cls] & (ALLOC | RELEASE | NAMES))
+
+
+NAMING: dict[tuple, tuple[int, ...]] = _Memo(naming)
+"""A batch's signature -> ``naming``, worked out once per signature."""
+
+
 # --- the kinds of an event: what ``Monitor.on_event`` does with it ----------------------------------------
 
 INPUT = 1 << 0  # one of ``ev.INPUT_EVENTS``
@@ -841,14 +852,17 @@ class Monitor:
         pass, so it does not run (a batch of no role at all is done with at once)."""
         if not effects:
             return
-        roles = BATCH_ROLES[tuple(map(type, effects)) if kinds is None else kinds]
+        if kinds is None:
+            kinds = tuple(map(type, effects))
+        roles = BATCH_ROLES[kinds]
         if not roles and not self.shutdown_tail:
             return
         if roles & BATCHED:
             effects = expand_batched(effects)  # a batched record's rows are checked one by one
-            roles = batch_roles(map(type, effects))
+            kinds = tuple(map(type, effects))
+            roles = batch_roles(kinds)
         if roles & (ALLOC | RELEASE) or (roles & NAMES and self.released):
-            no_effect_on_released(effects, self.released, self.live)
+            no_effect_on_released(effects, self.released, self.live, kinds)
         if roles & COMMIT and roles & FOLD:
             fold_before_commit(effects)
         if roles & COMPACT:
@@ -1100,16 +1114,14 @@ class Monitor:
             self.seen_new = new
             for request in new:
                 self.admitted_by.setdefault(request.id, state.tick + self.work)
-        waiting = state.waiting
-        if waiting is None:
-            pass
-        elif isinstance(waiting, AwaitPublishBlocks):
+        phase = type(state.waiting)  # (no phase record is subclassed)
+        if phase is AwaitPublishBlocks:
             if not repeat and self.config is not None:
                 admission_ran(state, self.now_ms, self.last_decode_ms, self.selected_in_tick)
                 self.selected_in_tick = False
-        elif isinstance(waiting, AwaitAdapterIds):
+        elif phase is AwaitAdapterIds:
             self.selected_in_tick = True
-            self.admitting = waiting.new
+            self.admitting = state.waiting.new
             self.committed = committed_kv(state)
             return
         if self.admitting:  # the tick's admission check is done: the whole-state checks of a tick start

@@ -170,14 +170,22 @@ def _lists_as_tuples(data: dict[str, Any]) -> dict[str, Any]:
     return {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
 
 
+def _randints(rng: random.Random, low: int, high: int, n: int) -> list[int]:
+    """``n`` draws of ``rng.randint(low, high)``, the very numbers it gives, without its two Python
+    frames per draw (``randint(a, b)`` is ``a + _randbelow(b - a + 1)``; a script token is most of
+    the draws of an episode)."""
+    below, width = rng._randbelow, high - low + 1  # type: ignore[attr-defined]
+    return [low + below(width) for _ in range(n)]
+
+
 def _looping_script(rng: random.Random) -> list[int]:
     """A long script for the watchdogs: a lead-in holding the boundary token, then a block repeated
     (each copy perhaps with one token changed, which only the fuzzy check forgives)."""
-    lead = [rng.randint(2, 40) for _ in range(rng.randint(5, 70))]
+    lead = _randints(rng, 2, 40, rng.randint(5, 70))
     lead[rng.randrange(len(lead))] = BOUNDARY
     early = len(lead) < 30  # with a short block, a loop complete before the first content-loop check (48)
     noisy = rng.random() < 0.5 and not early
-    block = [rng.randint(2, 40) for _ in range(rng.randint(24, 36) if noisy else rng.randint(2, 6 if early else 20))]
+    block = _randints(rng, 2, 40, rng.randint(24, 36) if noisy else rng.randint(2, 6 if early else 20))
     tokens = list(lead)
     while len(tokens) < 260:
         copy = list(block)
@@ -200,7 +208,7 @@ def random_episode(rng: random.Random) -> Episode:
     last_arrival = 0
     for i in range(n):
         length = rng.randint(1, 14)
-        tokens = [rng.randint(2, 40) for _ in range(length)]
+        tokens = _randints(rng, 2, 40, length)
         if rng.random() < 0.3:  # repeated content, so n-gram proposals happen
             tokens = (tokens[:3] * 6)[:length]
         if rng.random() < 0.75:
@@ -460,6 +468,10 @@ class WalkObserver(MonitorObserver):
         if self.log is not None:
             self.log.append(repr(event))
         kind = EVENT_KINDS[type(event)]
+        if not kind:  # an answer, most events: what ``Monitor.on_event`` does with one, without the call
+            monitor = self.monitor
+            monitor.fault_step = monitor.kv_fault = monitor.nothing_new = False
+            return
         if kind & (FAULT | CANCEL):
             if kind & FAULT:
                 self.coverage["fault:kv_exhausted" if event.kv_exhausted else "fault:fatal"] += 1

@@ -24,8 +24,10 @@ class Script:
 
     def tok(self, g: int) -> int:
         """Script token at generated index ``g`` (floored at 0; past the end, the last token)."""
-        g = max(g, 0)
-        return self.tokens[g] if g < len(self.tokens) else self.tokens[-1]
+        tokens = self.tokens
+        if g < 0:
+            g = 0
+        return tokens[g] if g < len(tokens) else tokens[-1]
 
 
 def script_key(session: int, tokens) -> int:
@@ -175,7 +177,7 @@ class ScriptedDevice:
         return blocks_for(seq_len, self.block_size)
 
     def _script(self, seq: ScriptedSequence) -> Script:
-        key = script_key(seq.session, seq.tokens)
+        key = seq.session or (seq.tokens[0] if seq.tokens else 0)  # (``script_key``, written out: a hot path)
         script = self.scripts.get(key)
         if script is None:
             raise DeviceError(f"no script for request {key}")

@@ -154,10 +154,10 @@ class SimDevice(ScriptedDevice):
     # --- strict bookkeeping ---------------------------------------------------------------------------
 
     def _seq(self, seq_id: int) -> ScriptedSequence:
-        seq = self.live.get(seq_id)
-        if seq is None:
-            raise self._bad("device", f"sequence {seq_id} is not allocated")
-        return seq
+        try:
+            return self.live[seq_id]
+        except KeyError:
+            raise self._bad("device", f"sequence {seq_id} is not allocated") from None
 
     def _bad(self, call: str, message: str) -> ArgumentError:
         """The refusal of a call; kept in ``refused`` too, since the interpreter turns an error in a
