@@ -161,7 +161,7 @@ class Interpreter:
         observer.before_step(event)
         state, effects = step(state, event)
         self.steps += 1
-        if effects and not (effects[-1].QUERY and sum(map(_IS_QUERY, effects)) == 1):  # (``usual_batch``)
+        if not usual_batch(effects):
             check_batch(event, effects, state.stopped)
         observer.stepped(event, state, effects)
         answer = self.perform_all(effects)
@@ -244,13 +244,12 @@ class Interpreter:
 #
 # A handler carries out one effect on ``it.device`` (or the host) and returns the answer event of a
 # query; a fire-and-forget effect's handler is its device call, whose result ``perform`` and
-# ``perform_all`` drop (one frame per effect fewer than a wrapper that drops it). ``_CASES`` lists the effect classes in the order they are
-# tried: the first case whose class the effect's type is (a subclass of) handles it, and
-# ``_HANDLERS`` remembers that choice per type, so dispatch is one dictionary look-up per effect.
+# ``perform_all`` drop (one frame per effect fewer than a wrapper that drops it). ``_CASES`` lists
+# the effect classes in the order they are tried: the first case whose class the effect's type is
+# (a subclass of) handles it, and ``_HANDLERS`` remembers that choice per type, so dispatch is one
+# dictionary look-up per effect.
 
 Handler = Callable[[Interpreter, Any], Any]  # a query's answer event; anything from the rest (dropped)
-
-
 
 
 def _announced(act: Callable[[Any, Any], object]) -> Handler:

@@ -177,7 +177,7 @@ class ScriptedDevice:
         return blocks_for(seq_len, self.block_size)
 
     def _script(self, seq: ScriptedSequence) -> Script:
-        key = seq.session or (seq.tokens[0] if seq.tokens else 0)  # (``script_key``, written out: a hot path)
+        key = script_key(seq.session, seq.tokens)
         script = self.scripts.get(key)
         if script is None:
             raise DeviceError(f"no script for request {key}")
