@@ -12,7 +12,7 @@ from operator import add
 from typing import Any
 
 from fxsched.core.agenda import (ask, batch_rows, by_id, drop_drafts, find_seq, in_order, keep_batch, push, put_seq)
-from fxsched.core.emit import Streamed, settle_tokens, spec_tokens
+from fxsched.core.emit import Streamed, settle_tokens, spec_tokens, stream_out
 from fxsched.core.events import BatchVerifyAllowed, Drafts, VerifyRows
 from fxsched.core.phases import (
     AwaitBatchedDflash,
@@ -25,6 +25,7 @@ from fxsched.core.phases import (
     SerialVerify,
 )
 from fxsched.core.records import replace, with_fields
+from fxsched.core.rows import row_numbers
 from fxsched.core.sequence import Sequence
 from fxsched.core.state import NO_DRAFTS, SchedulerState, hot_columns, hot_fields, kept_facts
 from fxsched.core.token_log import extended
@@ -157,6 +158,10 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
     k, config, block_size = waiting.k, state.config, state.model.block_size
     ids, pre_lens = waiting.seq_ids, waiting.pre_lens
     ordered, seqs, hot = batch_rows(state, ids)
+    facts = kept_facts(state) if ordered else None
+    # no row finished or cancelled: a row's record and request are read only if it leaves the common way
+    quiet = facts is not None and not facts.any_finished and not facts.any_cancel
+    streaming = facts.streaming if facts is not None and quiet else None
     rows_all = event.rows
     new_len: list[int] = []
     new_blocks: list[int] = []
@@ -168,17 +173,17 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
     new_last: list[int] = []
     nas: list[int] = []  # the accepted drafts of each row
     slow: dict[int, Sequence] = {}  # rows settled by the sink: their records
+    sent: dict[int, bool] = {}  # ... and whether each streamed
     finished_rows: list[int] = []
     streamed = Streamed()
-    stream_ids, stream_tokens, stream_counts, stream_logprobs = (streamed.ids, streamed.tokens, streamed.counts,
-                                                                 streamed.logprobs)
+    stream_tokens, stream_counts = streamed.tokens, streamed.counts
     inline = not config.loop_watchdog
     eos = config.eos_set
     seq_limit = config.max_seq_len - 1
     short = k - 1  # a row whose drafts all match accepts k - 1 and takes the bonus row
     base = 0
-    for i, (seq, drafts, pre, _, blocks0, acc0, buf0, len0, remaining, content0, last0) in enumerate(
-            zip(seqs, waiting.drafts, pre_lens, *hot, strict=True)):
+    for i, (drafts, pre, _, blocks0, acc0, buf0, len0, remaining, content0, last0) in enumerate(
+            zip(waiting.drafts, pre_lens, *hot, strict=True)):
         limit = len(drafts)
         if limit > short:
             limit = short
@@ -191,9 +196,14 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
         need = (pre + k) // block_size + 1  # kv.blocks_for: the verify grew the table to cover all k rows
         blocks = blocks0 if blocks0 >= need else need
         tokens = rows_all[base:base + n]
-        fields = seq.__dict__
-        if (inline and remaining > n and seq_len < seq_limit and not fields["finished"]
-                and not fields["cancel_requested"] and eos.isdisjoint(tokens)):
+        common = inline and remaining > n and seq_len < seq_limit and eos.isdisjoint(tokens)
+        if streaming is not None:
+            streams = streaming[i]
+        elif common:
+            fields = seqs[i].__dict__
+            common = not fields["finished"] and not fields["cancel_requested"]
+            streams = fields["request"].streaming
+        if common:
             new_len.append(seq_len)
             new_blocks.append(blocks)
             new_acc.append(acc0 + na)
@@ -202,18 +212,18 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
             new_remaining.append(remaining - n)
             new_content.append(content0 + n)
             new_last.append(tokens[-1])
-            request = fields["request"]
-            if request.streaming:
-                stream_ids.append(request.id)
+            if streams:
                 stream_tokens.extend(tokens)
                 stream_counts.append(n)
-                stream_logprobs.append(request.top_logprobs if fields["logprob_records"] else 0)
         else:
             # the record with the row's newest hot fields (the records may be older than the columns)
-            current = with_fields(seq, hot_fields(pre, blocks0, acc0, buf0, len0, remaining, content0, last0))
-            settled, sent = settle_tokens(current, tokens, config, {"seq_len": seq_len, "blocks": blocks,
-                                                                    "acc": acc0 + na})
-            streamed.take(settled, sent)
+            current = with_fields(seqs[i], hot_fields(pre, blocks0, acc0, buf0, len0, remaining, content0, last0))
+            settled, out_tokens = settle_tokens(current, tokens, config, {"seq_len": seq_len, "blocks": blocks,
+                                                                          "acc": acc0 + na})
+            if out_tokens:
+                stream_tokens.extend(out_tokens)
+                stream_counts.append(len(out_tokens))
+            sent[i] = bool(out_tokens)
             slow[i] = settled
             if settled.finished:
                 finished_rows.append(i)
@@ -233,9 +243,15 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
         cut = [i for i, na in enumerate(nas) if na < short]
         out.append(dc.TruncateSequences(tuple([ids[i] for i in cut]), tuple([pre_lens[i] + accepted[i] for i in cut])))
     count = len(ids)
-    out.append(dc.CommitCtxBatch(ids, accepted, pre_lens, tuple(range(count))))
-    streamed.flush(out)
-    facts = kept_facts(state) if ordered else None
+    out.append(dc.CommitCtxBatch(ids, accepted, pre_lens, row_numbers(count)))
+    if stream_counts:  # the ids and record sizes of the rows that streamed, in order
+        if facts is not None and streaming is not None and not slow:
+            out.append(stream_out(facts.stream_ids, stream_tokens, stream_counts, facts.stream_logprobs))
+        else:
+            for i, seq in enumerate(seqs):
+                if sent[i] if i in sent else seq.request.streaming:
+                    streamed.note(slow.get(i, seq))
+            streamed.flush(out)
     out.append(dc.GdnFoldAccepted(facts.slots if facts is not None else tuple([s.slot for s in seqs]), accepted, k))
     out.append(dc.CommitAcceptedPrefixBatch(ids, accepted, (k,) * count))
     out.append(dc.StashVerifyHiddenRows(tuple(map(add, range(0, k * count, k), nas))))
@@ -255,7 +271,7 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
     if not ordered:
         state = drop_drafts(state, ids)
     if not finished_rows and len(ids) >= 2:  # everyone goes on: propose from the rows at hand
-        query = dc.ProposeBatched(tokens=lasts, positions=lengths, stash=tuple(range(len(ids))),
+        query = dc.ProposeBatched(tokens=lasts, positions=lengths, stash=row_numbers(len(ids)),
                                   n=waiting.draft_count, seqs=ids)
         return ask(state, out, query, AwaitBatchedProposal(ids))
     if not finished_rows:

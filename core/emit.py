@@ -8,6 +8,7 @@ sequence never streams again, EOS is appended but never streamed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence as Seq
 from typing import Any
 
 from fxsched.core.records import replace, with_fields
@@ -95,16 +96,26 @@ class Streamed:
 
     def take(self, seq: Sequence, streamed: tuple[int, ...]) -> None:
         if streamed:
-            self.ids.append(seq.request.id)
             self.tokens.extend(streamed)
             self.counts.append(len(streamed))
-            self.logprobs.append(seq.request.top_logprobs if seq.logprob_records else 0)
+            self.note(seq)
+
+    def note(self, seq: Sequence) -> None:
+        """The request id and record size of a row whose tokens and count are in already."""
+        self.ids.append(seq.request.id)
+        self.logprobs.append(seq.request.top_logprobs if seq.logprob_records else 0)
 
     def flush(self, out: list[Effect]) -> None:
         if self.ids:
-            counts = () if self.counts.count(1) == len(self.counts) else tuple(self.counts)
-            logprobs = tuple(self.logprobs) if any(self.logprobs) else ()
-            out.append(StreamOut(tuple(self.ids), tuple(self.tokens), counts, logprobs))
+            out.append(stream_out(self.ids, self.tokens, self.counts, self.logprobs))
+
+
+def stream_out(ids: Seq[int], tokens: Seq[int], counts: Seq[int], logprobs: Seq[int]) -> StreamOut:
+    """The ``StreamOut`` of rows that sent ``counts`` of ``tokens`` to requests ``ids`` with record
+    sizes ``logprobs`` (empty: 0 each); the counts are left out when each is 1, the sizes when each
+    is 0."""
+    return StreamOut(tuple(ids), tuple(tokens), () if counts.count(1) == len(counts) else tuple(counts),
+                     tuple(logprobs) if any(logprobs) else ())
 
 
 def settle_tokens(seq: Sequence, tokens: tuple[int, ...], config: SchedulerConfig,

@@ -3,6 +3,7 @@ words and stream barrier that go with feeding the device (specs/scheduler.md §5
 
 from __future__ import annotations
 
+from functools import lru_cache
 from operator import lt
 
 from fxsched.core.kv import blocks_for
@@ -22,6 +23,14 @@ def may_speculate(seq: Sequence) -> bool:
 
 def by_slot(active: tuple[Sequence, ...]) -> tuple[Sequence, ...]:
     return tuple(sorted(active, key=lambda s: s.slot)) if len(active) > 1 else active
+
+
+@lru_cache(maxsize=8)
+def row_numbers(n: int) -> tuple[int, ...]:
+    """``0, 1, ..., n - 1``: the rows of an ``n``-row batch. The same tuple for the same ``n``, so a
+    wide batch's every tick shares one instead of making ``n`` new ints for each call that names
+    its rows (a cache of a pure function: nothing a caller can observe changes)."""
+    return tuple(range(n))
 
 
 def slots_increasing(slots: tuple[int, ...]) -> bool:

@@ -163,33 +163,48 @@ class Settled:
 class RowFacts:
     """The fields of the active records a steady tick reads besides the hot ones, for the whole
     batch: ids and slots in order, whether any record is finished, whether none has a guard set,
-    and the earliest deadline of an unfinished one (None: none has a deadline)."""
+    the earliest deadline of an unfinished one (None: none has a deadline), whether any has its
+    cancel flag set, and what a streamed row sends its client: which rows stream, the request ids
+    of those (in order) and their record sizes (empty when every one is 0). A batched verify whose
+    rows all go on the common way reads these instead of every record and request."""
 
     ids: tuple[int, ...]
     slots: tuple[int, ...]
     any_finished: bool
     all_unguarded: bool
     next_deadline: Optional[float]
+    any_cancel: bool = False
+    streaming: tuple[bool, ...] = ()
+    stream_ids: tuple[int, ...] = ()
+    stream_logprobs: tuple[int, ...] = ()
 
 
 def row_facts(rows: tuple[Sequence, ...]) -> RowFacts:
     """The ``RowFacts`` of ``rows``, in one pass over the records."""
-    ids, slots = [], []
-    finished = guarded = False
+    ids, slots, streaming, stream_ids, stream_logprobs = [], [], [], [], []
+    finished = guarded = cancel = False
     deadline: Optional[float] = None
     for seq in rows:
         fields = seq.__dict__
         ids.append(fields["seq_id"])
         slots.append(fields["slot"])
+        request = fields["request"]
         if fields["finished"]:
             finished = True
         else:
-            due = fields["request"].deadline_ms
+            due = request.deadline_ms
             if due is not None and (deadline is None or due < deadline):
                 deadline = due
         if fields["guard"] is not None:
             guarded = True
-    return RowFacts(tuple(ids), tuple(slots), finished, not guarded, deadline)
+        if fields["cancel_requested"]:
+            cancel = True
+        streaming.append(request.streaming)
+        if request.streaming:
+            stream_ids.append(request.id)
+            stream_logprobs.append(request.top_logprobs if fields["logprob_records"] else 0)
+    return RowFacts(tuple(ids), tuple(slots), finished, not guarded, deadline, cancel, tuple(streaming),
+                    tuple(stream_ids), tuple(stream_logprobs) if any(stream_logprobs) else ())
 
 
 def kept_facts(state: "SchedulerState") -> Optional[RowFacts]:

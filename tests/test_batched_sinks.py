@@ -21,7 +21,7 @@ from fxsched.core.phases import AwaitBatchedDflash
 from fxsched.core.request import Request
 from fxsched.core.rows import grow
 from fxsched.core.sequence import Sequence
-from fxsched.core.state import NO_DRAFTS, DraftTable, initial_state
+from fxsched.core.state import NO_DRAFTS, DraftTable, Settled, hot_row, initial_state, kept_facts
 from fxsched.effects.base import expand_batched
 from fxsched.effects.client import ClientOutput
 
@@ -30,7 +30,7 @@ BLOCK = 4
 
 
 @st.composite
-def rows(draw, n_max: int = 6):
+def rows(draw, n_max: int = 6, cancels: bool = True):
     n = draw(st.integers(1, n_max))
     out = []
     for i in range(n):
@@ -43,7 +43,7 @@ def rows(draw, n_max: int = 6):
         out.append(Sequence(
             seq_id=10 + i, request=request, slot=i, seq_len=seq_len, blocks=seq_len // BLOCK + 1,
             output=tuple(draw(st.lists(st.integers(0, 70), min_size=generated, max_size=generated))),
-            remaining=draw(st.integers(1, 6)), last_token=5, cancel_requested=draw(st.booleans()),
+            remaining=draw(st.integers(1, 6)), last_token=5, cancel_requested=cancels and draw(st.booleans()),
             finished=False, logprob_records=draw(st.sampled_from([0, 0, 2])),
             content_count=draw(st.integers(0, 30)), acc=draw(st.integers(0, 5))))
     return out
@@ -78,9 +78,7 @@ def test_a_batched_plain_decode_equals_the_per_row_sink(seqs, data):
     assert _frames(got) == _frames(want)
 
 
-@settings(max_examples=300, deadline=None)
-@given(rows(), st.data())
-def test_a_batched_dflash_verify_settles_every_row_as_the_speculative_sink(seqs, data):
+def _check_batched_verify(seqs, data, kept: bool):
     k = 6
     drafts = tuple(tuple(data.draw(st.lists(st.sampled_from([7, 8, EOS]), min_size=k - 1, max_size=k - 1)))
                    for _ in seqs)
@@ -91,6 +89,9 @@ def test_a_batched_dflash_verify_settles_every_row_as_the_speculative_sink(seqs,
     held = DraftTable(zip((s.seq_id for s in seqs), drafts, strict=True))
     state = _state(seqs, data.draw(st.integers(8, 32), label="max_seq_len"), held, use_speculative=True, dflash=True,
                    num_drafts=k - 1)
+    if kept:  # the columns of a batched step over these very records, so the verify reads their RowFacts
+        state = attrs.evolve(state, settled=Settled(state.rows, *zip(*map(hot_row, seqs), strict=True)))
+        assert kept_facts(state) is not None
     waiting = AwaitBatchedDflash(tuple(s.seq_id for s in seqs), drafts, tuple(s.seq_len for s in seqs), k, k - 1)
     out: list = []
     after = dflash.batched_verified(state, waiting, ev.VerifyRows(tuple(verify_rows)), out)
@@ -111,3 +112,19 @@ def test_a_batched_dflash_verify_settles_every_row_as_the_speculative_sink(seqs,
     got_frames = [(f.request_id, (f.token,) if hasattr(f, "token") else f.tokens, f.logprobs) for f in _frames(out)]
     assert got_frames == frames
     assert not any(s.seq_id in after.drafts for s in seqs)  # the verify consumed every row's drafts
+
+
+@settings(max_examples=300, deadline=None)
+@given(rows(), st.data())
+def test_a_batched_dflash_verify_settles_every_row_as_the_speculative_sink(seqs, data):
+    _check_batched_verify(seqs, data, kept=False)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(rows(n_max=8, cancels=False), rows(n_max=8)), st.data())
+def test_a_batched_dflash_verify_from_kept_columns_settles_every_row_as_the_speculative_sink(seqs, data):
+    """The same from columns kept over the records: with no row cancelled, the verify reads which
+    rows stream, their request ids and record sizes from the ``RowFacts``, and a row that leaves the
+    common way (EOS, budget, the context ceiling) is settled by the sink; with one cancelled, every
+    row's record is read."""
+    _check_batched_verify(seqs, data, kept=True)
