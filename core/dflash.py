@@ -79,7 +79,8 @@ def dflash_verified(state: SchedulerState, waiting: AwaitDflashVerify, event: Ve
 def gate(state: SchedulerState, task: DflashGate, out: list[Effect]) -> SchedulerState:
     """Batch the verify sequences holding exactly as many drafts as the first one, if the device lets us."""
     held = state.drafts
-    lengths = [len(held[i]) for i in task.seq_ids]
+    column = held.column_for(task.seq_ids)
+    lengths = list(map(len, column)) if column is not None else [len(held[i]) for i in task.seq_ids]
     gamma = lengths[0]
     rest: tuple[int, ...] = ()
     if lengths.count(gamma) == len(lengths):  # the common case: every sequence holds gamma drafts
@@ -135,7 +136,8 @@ def batched_verify(state: SchedulerState, task: BatchedDflashVerify, out: list[E
         lasts = [s.last_token for s in seqs]
         lengths = tuple([s.seq_len for s in seqs])
     held = state.drafts
-    drafts = tuple([held[i] for i in ids])
+    column = held.column_for(ids)
+    drafts = column if column is not None else tuple([held[i] for i in ids])
     tokens: list[int] = []
     for last, mine in zip(lasts, drafts, strict=True):
         tokens.append(last)

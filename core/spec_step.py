@@ -46,7 +46,7 @@ def capacity(state: SchedulerState, waiting: AwaitCapacity, event: DraftCapacity
     facts = kept_facts(state)
     ids = facts.ids if facts is not None else tuple([s.seq_id for s in state.rows])
     bootstrap: tuple[int, ...] = ()
-    if all(map(held.__contains__, ids)):  # the common case: everyone holds drafts
+    if held.column_for(ids) is not None or all(map(held.__contains__, ids)):  # the common case: everyone holds drafts
         verify = ids
     else:
         verify = tuple(i for i in ids if i in held)
@@ -97,5 +97,5 @@ def batched_proposed(state: SchedulerState, waiting: AwaitBatchedProposal, event
     """The drafts of the batch: one table built from the answer, no sequence record copied."""
     ids, drafts = waiting.seq_ids, event.drafts
     if not state.drafts and all(drafts):  # the common case: nobody else holds drafts
-        return with_fields(state, {"drafts": DraftTable(zip(ids, drafts, strict=True))})
+        return with_fields(state, {"drafts": DraftTable.of_batch(ids, drafts)})
     return set_drafts(state, dict(zip(ids, drafts, strict=True)))
