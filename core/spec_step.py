@@ -46,7 +46,7 @@ def capacity(state: SchedulerState, waiting: AwaitCapacity, event: DraftCapacity
     facts = kept_facts(state)
     ids = facts.ids if facts is not None else tuple([s.seq_id for s in state.rows])
     bootstrap: tuple[int, ...] = ()
-    if held.column_for(ids) is not None or all(map(held.__contains__, ids)):  # the common case: everyone holds drafts
+    if held.column_for(ids) is not None or all(map(held.__contains__, ids)):  # the common case: all hold drafts
         verify = ids
     else:
         verify = tuple(i for i in ids if i in held)

@@ -33,6 +33,9 @@ class DraftTable(dict[int, tuple[int, ...]]):
 
     __slots__ = ("_ids", "_column")
 
+    _ids: tuple[int, ...]
+    _column: tuple[tuple[int, ...], ...]
+
     @classmethod
     def of_batch(cls, ids: tuple[int, ...], drafts: tuple[tuple[int, ...], ...]) -> "DraftTable":
         """The table of a batched proposal: row ``i``'s sequence ``ids[i]`` holds ``drafts[i]``

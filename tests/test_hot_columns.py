@@ -5,7 +5,10 @@ columns applied. The drafts of the batch are one table (``state.drafts``)."""
 
 from __future__ import annotations
 
+import pickle
+
 import attrs
+
 import pytest
 
 from fxsched.core import events as ev
@@ -112,6 +115,29 @@ def test_a_draft_table_is_an_immutable_hashable_value():
         with pytest.raises(TypeError):
             change()
     assert table == {1: (2, 3)}
+
+
+def test_a_batch_table_gives_its_drafts_as_one_column_for_exactly_its_sequences():
+    ids, drafts = (4, 9, 2), ((1, 2), (3,), (5, 6, 7))
+    table = DraftTable.of_batch(ids, drafts)
+    assert table == {4: (1, 2), 9: (3,), 2: (5, 6, 7)} and hash(table) == hash(DraftTable(table))
+    assert table.column_for(ids) is drafts
+    assert table.column_for(tuple(list(ids))) is drafts  # an equal tuple of ids will do
+    assert table.column_for((4, 9)) is None and table.column_for((9, 4, 2)) is None
+    assert DraftTable(table).column_for(ids) is None  # a table built any other way: look each up
+    assert pickle.loads(pickle.dumps(table)) == table
+
+
+def test_the_gate_and_the_verify_read_the_proposal_as_its_column():
+    d = _batched_run()
+    d.answer()  # the batched proposal
+    ids = tuple(s.seq_id for s in d.state.active)
+    column = d.state.drafts.column_for(ids)
+    assert column is not None and column == tuple(d.state.drafts[i] for i in ids)
+    query = d.run_to_query(dc.DecodeVerifyBatched).query
+    assert d.state.waiting.drafts is column  # the verify holds the very column, not a copy
+    rows = zip(d.state.active, column, strict=True)
+    assert query.tokens == tuple(t for s, drafts in rows for t in (s.last_token, *drafts))
 
 
 def _plain_run(n: int = 3) -> Driver:
