@@ -106,12 +106,19 @@ def _decoded_batch(state: SchedulerState, seq_ids: tuple[int, ...], event: Token
     (the same frames and device calls, row by row, as the per-row sink). When the batch is every
     active sequence and no row finishes or records a logprob, the records stay and the hot fields
     go to columns (``state.settled``, specs/scheduler.md §5.2); otherwise each sequence is copied
-    once. The state's active order is the rows' order unless a fault moved a sequence."""
+    once. The state's active order is the rows' order unless a fault moved a sequence. With the
+    columns' ``RowFacts`` at hand and no row finished or cancelled, no record is read for a row
+    that goes on the common way (specs/scheduler.md §5.2)."""
     config = state.config
     block_size = state.model.block_size
     eos = config.eos_set
     seq_limit = config.max_seq_len - 1
     ordered, rows, hot = batch_rows(state, seq_ids)
+    facts = kept_facts(state) if ordered else None
+    # no row finished or cancelled and no logprob sampled: which rows checkpoint and stream, and
+    # to whom, is the RowFacts' (less any row that took EOS); no record or request is read
+    quiet = facts is not None and not facts.any_finished and not facts.any_cancel and not any(event.logprobs)
+    streaming = facts.streaming if facts is not None and quiet else None
     logprobs = event.logprobs or (0,) * len(seq_ids)
     checkpoints: list[int] = []
     stream_ids: list[int] = []
@@ -125,14 +132,14 @@ def _decoded_batch(state: SchedulerState, seq_ids: tuple[int, ...], event: Token
     new_content: list[int] = []
     new_last: list[int] = []
     cold: dict[int, dict[str, Any]] = {}  # rows whose other fields change too (finished, logprob records)
-    for i, (seq, token, lp, seq_len0, blocks0, _, buf0, len0, remaining0, content0, last0) in enumerate(
-            zip(rows, event.tokens, logprobs, *hot, strict=True)):
-        fields = seq.__dict__
+    ended: list[int] = []  # (quiet) the rows that took EOS: no checkpoint, nothing streamed
+    for i, (token, lp, seq_len0, blocks0, _, buf0, len0, remaining0, content0, last0) in enumerate(
+            zip(event.tokens, logprobs, *hot, strict=True)):
         seq_len = seq_len0 + 1
         blocks = seq_len // block_size + 1  # kv.blocks_for: room for the next token included
         new_len.append(seq_len)
         new_blocks.append(blocks if blocks > blocks0 else blocks0)
-        if fields["cancel_requested"]:
+        if streaming is None and rows[i].cancel_requested:
             cold[i] = {"finished": True}
             new_buf.append(buf0)
             new_olen.append(len0)
@@ -146,25 +153,43 @@ def _decoded_batch(state: SchedulerState, seq_ids: tuple[int, ...], event: Token
         new_buf.append(extended(buf0, len0, (token,)))
         new_olen.append(len0 + 1)
         if lp:
-            cold[i] = {"logprob_records": fields["logprob_records"] + 1}
+            cold[i] = {"logprob_records": rows[i].logprob_records + 1}
         if token in eos:
             cold.setdefault(i, {})["finished"] = True
             new_last.append(last0)
+            ended.append(i)
             continue
         new_last.append(token)
-        checkpoints.append(fields["seq_id"])
-        request = fields["request"]
-        if request.streaming:
-            stream_ids.append(request.id)
-            stream_tokens.append(token)
-            stream_logprobs.append(request.top_logprobs if fields["logprob_records"] or lp else 0)
+        if streaming is not None:
+            if streaming[i]:
+                stream_tokens.append(token)
+        else:
+            fields = rows[i].__dict__
+            checkpoints.append(fields["seq_id"])
+            request = fields["request"]
+            if request.streaming:
+                stream_ids.append(request.id)
+                stream_tokens.append(token)
+                stream_logprobs.append(request.top_logprobs if fields["logprob_records"] or lp else 0)
         if remaining <= 0 or seq_len >= seq_limit:
             cold.setdefault(i, {})["finished"] = True
-    if checkpoints:
-        out.append(MarconiCheckpoints(tuple(checkpoints)))
-    if stream_ids:
-        out.append(StreamOut(tuple(stream_ids), tuple(stream_tokens),
-                             logprobs=tuple(stream_logprobs) if any(stream_logprobs) else ()))
+    marked: Seq[int] = checkpoints
+    to: Seq[int] = stream_ids
+    sizes: Seq[int] = stream_logprobs
+    if facts is not None and streaming is not None:
+        if not ended:
+            marked, to, sizes = facts.ids, facts.stream_ids, facts.stream_logprobs
+        else:  # the rows that took EOS neither checkpoint nor stream
+            took_eos = set(ended)
+            going = [seq for i, seq in enumerate(rows) if i not in took_eos]
+            streams = [seq for seq in going if seq.request.streaming]
+            marked = [seq.seq_id for seq in going]
+            to = [seq.request.id for seq in streams]
+            sizes = [seq.request.top_logprobs if seq.logprob_records else 0 for seq in streams]
+    if marked:
+        out.append(MarconiCheckpoints(tuple(marked)))
+    if to:
+        out.append(StreamOut(tuple(to), tuple(stream_tokens), logprobs=tuple(sizes) if any(sizes) else ()))
     columns: tuple[Seq[Any], ...] = (new_len, new_blocks, hot[2], new_buf, new_olen, new_remaining, new_content,
                                      new_last)
     rebuilt = {i: with_fields(rows[i], {**hot_fields(*[column[i] for column in columns]), **changes})

@@ -59,12 +59,21 @@ def _frames(effects):
     return [e for e in expand_batched(effects) if isinstance(e, ClientOutput)]
 
 
-@settings(max_examples=300, deadline=None)
-@given(rows(), st.data())
-def test_a_batched_plain_decode_equals_the_per_row_sink(seqs, data):
+def _kept(state, seqs):
+    """``state`` with the columns of a batched step over its very records, so a batched step reads
+    their ``RowFacts``."""
+    state = attrs.evolve(state, settled=Settled(state.rows, *zip(*map(hot_row, seqs), strict=True)))
+    assert kept_facts(state) is not None
+    return state
+
+
+def _check_plain_decode(seqs, data, kept: bool):
     tokens = tuple(data.draw(st.lists(st.sampled_from([7, 8, EOS]), min_size=len(seqs), max_size=len(seqs))))
-    logprobs = tuple(data.draw(st.lists(st.sampled_from([0, 3]), min_size=len(seqs), max_size=len(seqs))))
+    sampled = st.sampled_from([0, 3]) if data.draw(st.booleans(), label="logprobs") else st.just(0)
+    logprobs = tuple(data.draw(st.lists(sampled, min_size=len(seqs), max_size=len(seqs))))
     state = _state(seqs, data.draw(st.integers(3, 26), label="max_seq_len"))
+    if kept:
+        state = _kept(state, seqs)
     out: list = []
     after = decode._decoded_batch(state, tuple(s.seq_id for s in seqs), ev.TokensSampled(tokens, logprobs), out)
     want: list = []
@@ -78,6 +87,20 @@ def test_a_batched_plain_decode_equals_the_per_row_sink(seqs, data):
     assert _frames(got) == _frames(want)
 
 
+@settings(max_examples=300, deadline=None)
+@given(rows(), st.data())
+def test_a_batched_plain_decode_equals_the_per_row_sink(seqs, data):
+    _check_plain_decode(seqs, data, kept=False)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(rows(n_max=8, cancels=False), rows(n_max=8)), st.data())
+def test_a_batched_plain_decode_from_kept_columns_equals_the_per_row_sink(seqs, data):
+    """The same from columns kept over the records: with no row cancelled and no logprob sampled,
+    who checkpoints and streams comes from the ``RowFacts`` (less the rows that take EOS)."""
+    _check_plain_decode(seqs, data, kept=True)
+
+
 def _check_batched_verify(seqs, data, kept: bool):
     k = 6
     drafts = tuple(tuple(data.draw(st.lists(st.sampled_from([7, 8, EOS]), min_size=k - 1, max_size=k - 1)))
@@ -89,9 +112,8 @@ def _check_batched_verify(seqs, data, kept: bool):
     held = DraftTable(zip((s.seq_id for s in seqs), drafts, strict=True))
     state = _state(seqs, data.draw(st.integers(8, 32), label="max_seq_len"), held, use_speculative=True, dflash=True,
                    num_drafts=k - 1)
-    if kept:  # the columns of a batched step over these very records, so the verify reads their RowFacts
-        state = attrs.evolve(state, settled=Settled(state.rows, *zip(*map(hot_row, seqs), strict=True)))
-        assert kept_facts(state) is not None
+    if kept:
+        state = _kept(state, seqs)
     waiting = AwaitBatchedDflash(tuple(s.seq_id for s in seqs), drafts, tuple(s.seq_len for s in seqs), k, k - 1)
     out: list = []
     after = dflash.batched_verified(state, waiting, ev.VerifyRows(tuple(verify_rows)), out)
