@@ -31,25 +31,19 @@ class DraftTable(dict[int, tuple[int, ...]]):
     (specs/scheduler.md §5.2). Immutable and hashable like the records around it; entries of
     sequences that left the batch may linger until the next rebuild and mean nothing."""
 
-    __slots__ = ("_ids", "_column")
+    __slots__ = ()
 
-    _ids: tuple[int, ...]
-    _column: tuple[tuple[int, ...], ...]
-
-    @classmethod
-    def of_batch(cls, ids: tuple[int, ...], drafts: tuple[tuple[int, ...], ...]) -> "DraftTable":
+    @staticmethod
+    def of_batch(ids: tuple[int, ...], drafts: tuple[tuple[int, ...], ...]) -> "DraftTable":
         """The table of a batched proposal: row ``i``'s sequence ``ids[i]`` holds ``drafts[i]``
         (each non-empty). It keeps the two columns, so the rules of the next verify read the drafts
         of the same batch as one tuple (``column_for``), not one look-up per sequence."""
-        table = cls(zip(ids, drafts, strict=True))
-        table._ids, table._column = ids, drafts
-        return table
+        return BatchDraftTable(ids, drafts)
 
     def column_for(self, ids: tuple[int, ...]) -> Optional[tuple[tuple[int, ...], ...]]:
         """The drafts of ``ids`` in order, when this table is a batch's (``of_batch``) of exactly
         those sequences; else None (look them up one by one)."""
-        mine = getattr(self, "_ids", None)
-        return self._column if mine is not None and (mine is ids or mine == ids) else None
+        return None
 
     def __hash__(self) -> int:  # type: ignore[override]
         return hash(frozenset(self.items()))
@@ -70,6 +64,21 @@ class DraftTable(dict[int, tuple[int, ...]]):
 
     def __repr__(self) -> str:
         return f"DraftTable({dict.__repr__(self)})"
+
+
+class BatchDraftTable(DraftTable):
+    """A ``DraftTable`` made by ``DraftTable.of_batch``: the same value, with the ids and drafts
+    columns it was built from."""
+
+    __slots__ = ("_ids", "_column")
+
+    def __init__(self, ids: tuple[int, ...], drafts: tuple[tuple[int, ...], ...]) -> None:
+        super().__init__(zip(ids, drafts, strict=True))
+        self._ids, self._column = ids, drafts
+
+    def column_for(self, ids: tuple[int, ...]) -> Optional[tuple[tuple[int, ...], ...]]:
+        mine = self._ids
+        return self._column if mine is ids or mine == ids else None
 
 
 NO_DRAFTS = DraftTable()

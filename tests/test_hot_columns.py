@@ -101,7 +101,7 @@ def test_the_proposal_is_one_table_and_the_verify_takes_it_away():
     assert d.state.drafts == {}
     d.answer()  # the batched proposal
     held = d.state.drafts
-    assert type(held) is DraftTable and sorted(held) == [s.seq_id for s in d.state.active]
+    assert isinstance(held, DraftTable) and sorted(held) == [s.seq_id for s in d.state.active]
     assert all(len(v) == 5 for v in held.values())
     d.run_to_query(dc.ProposeBatched)
     assert d.state.drafts is NO_DRAFTS
