@@ -115,10 +115,10 @@ def _decoded_batch(state: SchedulerState, seq_ids: tuple[int, ...], event: Token
     seq_limit = config.max_seq_len - 1
     ordered, rows, hot = batch_rows(state, seq_ids)
     facts = kept_facts(state) if ordered else None
-    # no row finished or cancelled and no logprob sampled: which rows checkpoint and stream, and
-    # to whom, is the RowFacts' (less any row that took EOS); no record or request is read
-    quiet = facts is not None and not facts.any_finished and not facts.any_cancel and not any(event.logprobs)
-    streaming = facts.streaming if facts is not None and quiet else None
+    # every row goes on and no logprob was sampled: which rows checkpoint and stream, and to whom,
+    # is the RowFacts' (less any row that took EOS); no record or request is read
+    quiet = facts if facts is not None and facts.all_going and not any(event.logprobs) else None
+    streaming = quiet.streaming if quiet is not None else None
     logprobs = event.logprobs or (0,) * len(seq_ids)
     checkpoints: list[int] = []
     stream_ids: list[int] = []
@@ -176,9 +176,9 @@ def _decoded_batch(state: SchedulerState, seq_ids: tuple[int, ...], event: Token
     marked: Seq[int] = checkpoints
     to: Seq[int] = stream_ids
     sizes: Seq[int] = stream_logprobs
-    if facts is not None and streaming is not None:
+    if quiet is not None:
         if not ended:
-            marked, to, sizes = facts.ids, facts.stream_ids, facts.stream_logprobs
+            marked, to, sizes = quiet.ids, quiet.stream_ids, quiet.stream_logprobs
         else:  # the rows that took EOS neither checkpoint nor stream
             took_eos = set(ended)
             going = [seq for i, seq in enumerate(rows) if i not in took_eos]

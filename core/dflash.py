@@ -12,7 +12,7 @@ from operator import add
 from typing import Any
 
 from fxsched.core.agenda import (ask, batch_rows, by_id, drop_drafts, find_seq, in_order, keep_batch, push, put_seq)
-from fxsched.core.emit import Streamed, settle_tokens, spec_tokens, stream_out
+from fxsched.core.emit import settle_tokens, spec_tokens, stream_out
 from fxsched.core.events import BatchVerifyAllowed, Drafts, VerifyRows
 from fxsched.core.phases import (
     AwaitBatchedDflash,
@@ -161,9 +161,9 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
     ids, pre_lens = waiting.seq_ids, waiting.pre_lens
     ordered, seqs, hot = batch_rows(state, ids)
     facts = kept_facts(state) if ordered else None
-    # no row finished or cancelled: a row's record and request are read only if it leaves the common way
-    quiet = facts is not None and not facts.any_finished and not facts.any_cancel
-    streaming = facts.streaming if facts is not None and quiet else None
+    # every row goes on: a row's record and request are read only if it leaves the common way
+    quiet = facts if facts is not None and facts.all_going else None
+    streaming = quiet.streaming if quiet is not None else None
     rows_all = event.rows
     new_len: list[int] = []
     new_blocks: list[int] = []
@@ -177,8 +177,8 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
     slow: dict[int, Sequence] = {}  # rows settled by the sink: their records
     sent: dict[int, bool] = {}  # ... and whether each streamed
     finished_rows: list[int] = []
-    streamed = Streamed()
-    stream_tokens, stream_counts = streamed.tokens, streamed.counts
+    stream_tokens: list[int] = []  # what the rows stream, in row order ...
+    stream_counts: list[int] = []  # ... and how many tokens each
     inline = not config.loop_watchdog
     eos = config.eos_set
     seq_limit = config.max_seq_len - 1
@@ -247,13 +247,13 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
     count = len(ids)
     out.append(dc.CommitCtxBatch(ids, accepted, pre_lens, row_numbers(count)))
     if stream_counts:  # the ids and record sizes of the rows that streamed, in order
-        if facts is not None and streaming is not None and not slow:
-            out.append(stream_out(facts.stream_ids, stream_tokens, stream_counts, facts.stream_logprobs))
+        if quiet is not None and not slow:
+            out.append(stream_out(quiet.stream_ids, stream_tokens, stream_counts, quiet.stream_logprobs))
         else:
-            for i, seq in enumerate(seqs):
-                if sent[i] if i in sent else seq.request.streaming:
-                    streamed.note(slow.get(i, seq))
-            streamed.flush(out)
+            senders = [slow.get(i, seq) for i, seq in enumerate(seqs)
+                       if (sent[i] if i in sent else seq.request.streaming)]
+            out.append(stream_out([s.request.id for s in senders], stream_tokens, stream_counts,
+                                  [s.request.top_logprobs if s.logprob_records else 0 for s in senders]))
     out.append(dc.GdnFoldAccepted(facts.slots if facts is not None else tuple([s.slot for s in seqs]), accepted, k))
     out.append(dc.CommitAcceptedPrefixBatch(ids, accepted, (k,) * count))
     out.append(dc.StashVerifyHiddenRows(tuple(map(add, range(0, k * count, k), nas))))

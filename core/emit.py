@@ -83,33 +83,6 @@ def spec_tokens(seq: Sequence, tokens: tuple[int, ...], config: SchedulerConfig,
     return seq
 
 
-class Streamed:
-    """The frames of many sinks collected into one ``StreamOut`` (a batched verify's rows)."""
-
-    __slots__ = ("ids", "tokens", "counts", "logprobs")
-
-    def __init__(self) -> None:
-        self.ids: list[int] = []
-        self.tokens: list[int] = []
-        self.counts: list[int] = []
-        self.logprobs: list[int] = []
-
-    def take(self, seq: Sequence, streamed: tuple[int, ...]) -> None:
-        if streamed:
-            self.tokens.extend(streamed)
-            self.counts.append(len(streamed))
-            self.note(seq)
-
-    def note(self, seq: Sequence) -> None:
-        """The request id and record size of a row whose tokens and count are in already."""
-        self.ids.append(seq.request.id)
-        self.logprobs.append(seq.request.top_logprobs if seq.logprob_records else 0)
-
-    def flush(self, out: list[Effect]) -> None:
-        if self.ids:
-            out.append(stream_out(self.ids, self.tokens, self.counts, self.logprobs))
-
-
 def stream_out(ids: Seq[int], tokens: Seq[int], counts: Seq[int], logprobs: Seq[int]) -> StreamOut:
     """The ``StreamOut`` of rows that sent ``counts`` of ``tokens`` to requests ``ids`` with record
     sizes ``logprobs`` (empty: 0 each); the counts are left out when each is 1, the sizes when each

@@ -190,17 +190,18 @@ class Settled:
 class RowFacts:
     """The fields of the active records a steady tick reads besides the hot ones, for the whole
     batch: ids and slots in order, whether any record is finished, whether none has a guard set,
-    the earliest deadline of an unfinished one (None: none has a deadline), whether any has its
-    cancel flag set, and what a streamed row sends its client: which rows stream, the request ids
-    of those (in order) and their record sizes (empty when every one is 0). A batched verify whose
-    rows all go on the common way reads these instead of every record and request."""
+    the earliest deadline of an unfinished one (None: none has a deadline), whether every one goes
+    on (none finished, none with its cancel flag set), and what a streamed row sends its client:
+    which rows stream, the request ids of those (in order) and their record sizes (empty when every
+    one is 0). A batched verify or plain decode whose rows all go on reads these instead of every
+    record and request (specs/scheduler.md §5.2)."""
 
     ids: tuple[int, ...]
     slots: tuple[int, ...]
     any_finished: bool
     all_unguarded: bool
     next_deadline: Optional[float]
-    any_cancel: bool = False
+    all_going: bool = False
     streaming: tuple[bool, ...] = ()
     stream_ids: tuple[int, ...] = ()
     stream_logprobs: tuple[int, ...] = ()
@@ -230,8 +231,8 @@ def row_facts(rows: tuple[Sequence, ...]) -> RowFacts:
         if request.streaming:
             stream_ids.append(request.id)
             stream_logprobs.append(request.top_logprobs if fields["logprob_records"] else 0)
-    return RowFacts(tuple(ids), tuple(slots), finished, not guarded, deadline, cancel, tuple(streaming),
-                    tuple(stream_ids), tuple(stream_logprobs) if any(stream_logprobs) else ())
+    return RowFacts(tuple(ids), tuple(slots), finished, not guarded, deadline, not (finished or cancel),
+                    tuple(streaming), tuple(stream_ids), tuple(stream_logprobs) if any(stream_logprobs) else ())
 
 
 def kept_facts(state: "SchedulerState") -> Optional[RowFacts]:

@@ -212,7 +212,7 @@ def test_the_facts_kept_with_the_columns_are_those_of_the_records_tick_after_tic
             assert facts.slots == tuple(s.slot for s in rows)
             assert facts.any_finished == any(s.finished for s in rows)
             assert facts.all_unguarded == all(s.guard is None for s in rows)
-            assert facts.any_cancel == any(s.cancel_requested for s in rows)
+            assert facts.all_going == all(not (s.finished or s.cancel_requested) for s in rows)
             assert facts.streaming == tuple(s.request.streaming for s in rows)
             assert facts.stream_ids == tuple(s.request.id for s in rows if s.request.streaming)
             sizes = tuple(s.request.top_logprobs if s.logprob_records else 0 for s in rows if s.request.streaming)
