@@ -4,6 +4,7 @@ ends the walk with an error that says so instead of a hang."""
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 import signal
@@ -30,6 +31,36 @@ def test_two_processes_report_what_one_does():
     assert (two.steps, two.episodes) == (one.steps, one.episodes)
     assert two.coverage == one.coverage
     assert two.cpu_seconds > 0
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_episodes_run_with_the_objects_from_before_the_walk_frozen(monkeypatch, jobs):
+    """No collection during the walk traverses the objects from before it (in a forked worker they
+    share pages with the parent, which a collection's writes would copy); the collector gets them
+    back when the walk ends, failed or not, and a caller's own freeze is left alone."""
+    real = walk_module.run_indexed
+    assert gc.get_freeze_count() == 0
+
+    def frozen_while_running(seed, index):
+        if gc.get_freeze_count() == 0:
+            raise AssertionError("the objects from before the walk are not frozen")
+        if index == 30:
+            raise KeyError("made up")
+        return real(seed, index)
+
+    monkeypatch.setattr(walk_module, "run_indexed", frozen_while_running)
+    report = walk(7, steps=1000, jobs=jobs)
+    assert report.violation is None and report.episodes < 30
+    assert gc.get_freeze_count() == 0
+    with pytest.raises((RuntimeError, KeyError), match=r"made up"):
+        walk(7, steps=20_000, jobs=jobs)
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    try:
+        walk(7, steps=1000, jobs=jobs)
+        assert gc.get_freeze_count() > 0  # (frozen objects that died meanwhile are no longer counted)
+    finally:
+        gc.unfreeze()
 
 
 def test_a_time_budget_takes_whole_episodes_in_order():

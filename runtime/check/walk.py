@@ -24,6 +24,7 @@ tests/test_checker_coverage.py fails on a zero).
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import multiprocessing
 import multiprocessing.connection
@@ -737,13 +738,20 @@ def walk(seed: int, steps: Optional[int] = None, seconds: Optional[float] = None
     ``jobs`` > 1 runs episodes in that many forked processes (where the platform forks), each
     taking the next episode index as it frees up. Their outcomes are taken in episode order, so
     the report (steps, episodes, coverage, the violation) is the one a single process gives for
-    the same ``steps``; outcomes past the end are dropped (specs/checker.md §11.5)."""
+    the same ``steps``; outcomes past the end are dropped (specs/checker.md §11.5).
+
+    The objects from before the walk are frozen (``gc.freeze``) until it ends, so no collection in
+    this process or in a forked worker traverses them: a collection writes to every object it looks
+    at, and in a worker each write to a page still shared with the parent copies that page."""
     coverage: Counter = Counter()
     total, episodes = 0, 0
     start, cpu_start = time.perf_counter(), _cpu_seconds()
     parallel = jobs > 1 and "fork" in multiprocessing.get_all_start_methods()
     source = _forked_outcomes(seed, jobs) if parallel else (run_indexed(seed, i) for i in itertools.count())
     violation = None
+    froze = gc.get_freeze_count() == 0  # (a caller that froze its own objects keeps them frozen)
+    if froze:
+        gc.freeze()
     try:
         for outcome in source:
             coverage.update(outcome.coverage)
@@ -760,6 +768,8 @@ def walk(seed: int, steps: Optional[int] = None, seconds: Optional[float] = None
                 break
     finally:
         source.close()  # a forked source stops and reaps its workers
+        if froze:
+            gc.unfreeze()
     return WalkReport(seed, total, episodes, time.perf_counter() - start, dict(coverage), violation,
                       jobs if parallel else 1, _cpu_seconds() - cpu_start)
 
@@ -805,7 +815,8 @@ def _worker(seed: int, next_index: Any, stop: Any, conn: Any) -> None:
 
 
 def _forked_outcomes(seed: int, jobs: int):
-    """The outcomes of ``jobs`` forked walkers, in episode order; closing the generator stops them."""
+    """The outcomes of ``jobs`` forked walkers, in episode order; closing the generator stops them.
+    (``walk`` has frozen the parent's objects: specs/checker.md §11.5.)"""
     ctx = multiprocessing.get_context("fork")
     next_index, stop = ctx.Value("q", 0), ctx.Event()
     workers: list[Any] = []
