@@ -17,7 +17,8 @@ Modes:
 ``--memory`` instead reports how many bytes the state grows by per generated token over
 ``--ticks`` ticks (tracemalloc, only the newest state alive): the token logs hold 4 bytes a token.
 
-Method: the state is built and warmed up, the garbage collector's heap is frozen (``gc.freeze``),
+Method: the state is built and warmed up (``--warmup`` untimed ticks, 20 by default: admission,
+prefill and the first verifies), the garbage collector's heap is frozen (``gc.freeze``),
 then ``repeats`` windows of ``ticks`` ticks each are timed with this thread's CPU time
 (``time.thread_time_ns``) and wall time around every ``step`` call; the figures are medians over
 the windows. These machines are shared and noisy: compare CPU times, side by side in one run.
@@ -141,14 +142,20 @@ def _run_ticks(state, stub: InstantAnswers, ticks: int, event, clock=None):
     return state, event
 
 
-def measure(n: int, mode: str = "plain", ticks: int = 200, repeats: int = 5, seed: int = 0) -> dict:
-    """Medians over ``repeats`` windows of ``ticks`` ticks at ``n`` running sequences."""
+WARMUP = 20
+"""Ticks run untimed before the first window: admission, prefill and the first verifies."""
+
+
+def measure(n: int, mode: str = "plain", ticks: int = 200, repeats: int = 5, seed: int = 0,
+            warmup: int = WARMUP) -> dict:
+    """Medians over ``repeats`` windows of ``ticks`` ticks at ``n`` running sequences, after
+    ``warmup`` untimed ticks (at least ``WARMUP``; more measures older sequences)."""
     if mode not in MODES:
         raise ValueError(f"--mode {mode}: unknown (choose from {', '.join(MODES)})")
     stub = InstantAnswers(seed)
     state, effects = step(_boot(mode, n), ev.Boot())
     event = stub.answer(effects[-1])
-    state, event = _run_ticks(state, stub, 20, event)  # admission, prefill and the first verifies
+    state, event = _run_ticks(state, stub, max(warmup, WARMUP), event)
     if len(state.active) != n:
         raise RuntimeError(f"bench step: {len(state.active)} of {n} sequences running after warm-up")
     produced_before = sum(len(s.output) for s in state.active)
@@ -206,19 +213,21 @@ def print_table(rows: list[dict]) -> None:
         print("  ".join(cells))
 
 
-def run_step_bench(sizes, mode: str = "plain", ticks: int = 200, repeats: int = 5) -> list[dict]:
-    return [measure(n, mode, ticks, repeats) for n in tqdm(sizes, desc=f"bench step {mode}", unit="size", leave=False)]
+def run_step_bench(sizes, mode: str = "plain", ticks: int = 200, repeats: int = 5,
+                   warmup: int = WARMUP) -> list[dict]:
+    return [measure(n, mode, ticks, repeats, warmup=warmup)
+            for n in tqdm(sizes, desc=f"bench step {mode}", unit="size", leave=False)]
 
 
 def print_step_bench(sizes, mode: str = "plain", ticks: int = 200, repeats: int = 5, as_json: bool = False,
-                     memory: bool = False) -> list[dict]:
+                     memory: bool = False, warmup: int = WARMUP) -> list[dict]:
     import json
 
     if memory:
         rows = [measure_memory(n, mode, ticks) for n in tqdm(sizes, desc=f"bench step memory {mode}", unit="size",
                                                              leave=False)]
     else:
-        rows = run_step_bench(sizes, mode, ticks, repeats)
+        rows = run_step_bench(sizes, mode, ticks, repeats, warmup)
     if as_json:
         for row in rows:
             print(json.dumps(row))

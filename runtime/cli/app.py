@@ -300,7 +300,7 @@ def cmd_bench(args) -> int:
         from fxsched.runtime.bench.step import print_step_bench
 
         print_step_bench(args.sizes, mode=args.mode, ticks=args.ticks, repeats=args.repeats, as_json=args.json,
-                         memory=args.memory)
+                         memory=args.memory, warmup=args.warmup)
         return 0
     if args.what == "kernels":
         try:
@@ -418,6 +418,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--ticks", type=int_arg(1, 1_000_000), default=200,
                        help="ticks per measurement (step; check: 100 steps per tick)")
     bench.add_argument("--repeats", type=int_arg(1, 1000), default=5, help="repeats; the median is reported")
+    bench.add_argument("--warmup", type=int_arg(20, 1_000_000), default=20,
+                       help="step: untimed ticks before the first timed window (default 20: admission and "
+                            "prefill); more measures older sequences")
     bench.add_argument("--mode", choices=["plain", "spec5"], default="plain",
                        help="step: plain decode (compare vLLM A0) or 5-draft DFlash speculation (compare A5)")
     bench.add_argument("--memory", action="store_true",
