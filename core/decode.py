@@ -11,7 +11,7 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from fxsched.core.agenda import batch_rows, by_id, keep_batch, push, update
-from fxsched.core.emit import plain_token
+from fxsched.core.emit import plain_token, recipients
 from fxsched.core.events import DeviceFault, TokensSampled
 from fxsched.core.faults import fail_sequences
 from fxsched.core.memory import preempt, preemption_victim
@@ -182,10 +182,8 @@ def _decoded_batch(state: SchedulerState, seq_ids: tuple[int, ...], event: Token
         else:  # the rows that took EOS neither checkpoint nor stream
             took_eos = set(ended)
             going = [seq for i, seq in enumerate(rows) if i not in took_eos]
-            streams = [seq for seq in going if seq.request.streaming]
             marked = [seq.seq_id for seq in going]
-            to = [seq.request.id for seq in streams]
-            sizes = [seq.request.top_logprobs if seq.logprob_records else 0 for seq in streams]
+            to, sizes = recipients([seq for seq in going if seq.request.streaming])
     if marked:
         out.append(MarconiCheckpoints(tuple(marked)))
     if to:

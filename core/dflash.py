@@ -12,7 +12,7 @@ from operator import add
 from typing import Any
 
 from fxsched.core.agenda import (ask, batch_rows, by_id, drop_drafts, find_seq, in_order, keep_batch, push, put_seq)
-from fxsched.core.emit import settle_tokens, spec_tokens, stream_out
+from fxsched.core.emit import recipients, settle_tokens, spec_tokens, stream_out
 from fxsched.core.events import BatchVerifyAllowed, Drafts, VerifyRows
 from fxsched.core.phases import (
     AwaitBatchedDflash,
@@ -250,10 +250,9 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
         if quiet is not None and not slow:
             out.append(stream_out(quiet.stream_ids, stream_tokens, stream_counts, quiet.stream_logprobs))
         else:
-            senders = [slow.get(i, seq) for i, seq in enumerate(seqs)
-                       if (sent[i] if i in sent else seq.request.streaming)]
-            out.append(stream_out([s.request.id for s in senders], stream_tokens, stream_counts,
-                                  [s.request.top_logprobs if s.logprob_records else 0 for s in senders]))
+            to, sizes = recipients([slow.get(i, seq) for i, seq in enumerate(seqs)
+                                    if (sent[i] if i in sent else seq.request.streaming)])
+            out.append(stream_out(to, stream_tokens, stream_counts, sizes))
     out.append(dc.GdnFoldAccepted(facts.slots if facts is not None else tuple([s.slot for s in seqs]), accepted, k))
     out.append(dc.CommitAcceptedPrefixBatch(ids, accepted, (k,) * count))
     out.append(dc.StashVerifyHiddenRows(tuple(map(add, range(0, k * count, k), nas))))

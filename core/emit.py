@@ -91,6 +91,13 @@ def stream_out(ids: Seq[int], tokens: Seq[int], counts: Seq[int], logprobs: Seq[
                      tuple(logprobs) if any(logprobs) else ())
 
 
+def recipients(senders: Seq[Sequence]) -> tuple[list[int], list[int]]:
+    """The request ids and record sizes (``stream_out``'s ``ids`` and ``logprobs``) of the rows
+    ``senders``, in order: the sinks' way when the batch's ``RowFacts`` do not apply."""
+    return ([seq.request.id for seq in senders],
+            [seq.request.top_logprobs if seq.logprob_records else 0 for seq in senders])
+
+
 def settle_tokens(seq: Sequence, tokens: tuple[int, ...], config: SchedulerConfig,
                   fields: dict[str, Any]) -> tuple[Sequence, tuple[int, ...]]:
     """The speculative sink's decisions: the new sequence (``fields`` applied too; the dict is taken
