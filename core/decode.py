@@ -8,6 +8,7 @@ its ``blocks`` cover ``seq_len``; a failed batch changes no sequence it did not 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
+from operator import sub
 from typing import Any
 
 from fxsched.core.agenda import batch_rows, by_id, keep_batch, push, update
@@ -56,9 +57,9 @@ def decode_lane(state: SchedulerState, task: DecodeLane, out: list[Effect]) -> S
 
 def plain_decode(state: SchedulerState, task: PlainDecode, out: list[Effect]) -> SchedulerState:
     columns = hot_columns(state)
-    rows = state.rows
-    if columns is not None and slots_increasing((facts := columns.facts()).slots) and all(
-            greedy_request(s.request, n) for s, n in zip(rows, columns.out_len, strict=True)):
+    if columns is not None and slots_increasing((facts := columns.facts()).slots) and (facts.all_greedy or all(
+            greedy_request(s.request, n)
+            for s, n in zip(state.rows, map(sub, columns.seq_len, columns.out_base), strict=True))):
         # the rows are in slot order already and the columns hold their newest hot fields
         plan = plans.Decode(tokens=columns.last_token, seqs=facts.ids, seq_lens=columns.seq_len, picks=())
         out.append(plan)
@@ -126,37 +127,32 @@ def _decoded_batch(state: SchedulerState, seq_ids: tuple[int, ...], event: Token
     stream_logprobs: list[int] = []
     new_len: list[int] = []
     new_blocks: list[int] = []
-    new_buf: list[Any] = []  # each row's output: its token array ...
-    new_olen: list[int] = []  # ... and its length
-    new_remaining: list[int] = []
-    new_content: list[int] = []
+    new_buf: list[Any] = []  # each row's output array (its length is the new seq_len less ``out_base``)
     new_last: list[int] = []
     cold: dict[int, dict[str, Any]] = {}  # rows whose other fields change too (finished, logprob records)
     ended: list[int] = []  # (quiet) the rows that took EOS: no checkpoint, nothing streamed
-    for i, (token, lp, seq_len0, blocks0, _, buf0, len0, remaining0, content0, last0) in enumerate(
-            zip(event.tokens, logprobs, *hot, strict=True)):
+    # a row that takes its token grows its output and content count and spends its budget by one, as
+    # its seq_len: its offsets (``out_base``, ``end``, ``content_base``) stay
+    for i, (token, lp, seq_len0, blocks0, buf0, out_base, end) in enumerate(
+            zip(event.tokens, logprobs, hot[0], hot[1], hot[3], hot[4], hot[5], strict=True)):
         seq_len = seq_len0 + 1
         blocks = seq_len // block_size + 1  # kv.blocks_for: room for the next token included
+        if blocks < blocks0:
+            blocks = blocks0
         new_len.append(seq_len)
-        new_blocks.append(blocks if blocks > blocks0 else blocks0)
-        if streaming is None and rows[i].cancel_requested:
-            cold[i] = {"finished": True}
+        new_blocks.append(blocks)
+        if streaming is None and rows[i].cancel_requested:  # fed, but takes no token: the rest as it was
+            cold[i] = {**hot_fields(*[column[i] for column in hot]), "seq_len": seq_len, "blocks": blocks,
+                       "finished": True}
             new_buf.append(buf0)
-            new_olen.append(len0)
-            new_remaining.append(remaining0)
-            new_content.append(content0)
-            new_last.append(last0)
+            new_last.append(hot[7][i])
             continue
-        remaining = remaining0 - 1
-        new_remaining.append(remaining)
-        new_content.append(content0 + 1)
-        new_buf.append(extended(buf0, len0, (token,)))
-        new_olen.append(len0 + 1)
+        new_buf.append(extended(buf0, seq_len0 - out_base, (token,)))
         if lp:
             cold[i] = {"logprob_records": rows[i].logprob_records + 1}
         if token in eos:
             cold.setdefault(i, {})["finished"] = True
-            new_last.append(last0)
+            new_last.append(hot[7][i])
             ended.append(i)
             continue
         new_last.append(token)
@@ -171,7 +167,7 @@ def _decoded_batch(state: SchedulerState, seq_ids: tuple[int, ...], event: Token
                 stream_ids.append(request.id)
                 stream_tokens.append(token)
                 stream_logprobs.append(request.top_logprobs if fields["logprob_records"] or lp else 0)
-        if remaining <= 0 or seq_len >= seq_limit:
+        if seq_len >= end or seq_len >= seq_limit:  # the budget is spent (remaining 0) or the context is full
             cold.setdefault(i, {})["finished"] = True
     marked: Seq[int] = checkpoints
     to: Seq[int] = stream_ids
@@ -188,8 +184,7 @@ def _decoded_batch(state: SchedulerState, seq_ids: tuple[int, ...], event: Token
         out.append(MarconiCheckpoints(tuple(marked)))
     if to:
         out.append(StreamOut(tuple(to), tuple(stream_tokens), logprobs=tuple(sizes) if any(sizes) else ()))
-    columns: tuple[Seq[Any], ...] = (new_len, new_blocks, hot[2], new_buf, new_olen, new_remaining, new_content,
-                                     new_last)
+    columns: tuple[Seq[Any], ...] = (new_len, new_blocks, hot[2], new_buf, hot[4], hot[5], hot[6], new_last)
     rebuilt = {i: with_fields(rows[i], {**hot_fields(*[column[i] for column in columns]), **changes})
                for i, changes in cold.items()}
     return keep_batch(state, ordered, rows, columns, rebuilt)

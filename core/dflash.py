@@ -168,10 +168,7 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
     new_len: list[int] = []
     new_blocks: list[int] = []
     new_acc: list[int] = []
-    new_buf: list[Any] = []  # each row's output: its token array ...
-    new_olen: list[int] = []  # ... and its length
-    new_remaining: list[int] = []
-    new_content: list[int] = []
+    new_buf: list[Any] = []  # each row's output array (its length is the new seq_len less ``out_base``)
     new_last: list[int] = []
     nas: list[int] = []  # the accepted drafts of each row
     slow: dict[int, Sequence] = {}  # rows settled by the sink: their records
@@ -184,8 +181,10 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
     seq_limit = config.max_seq_len - 1
     short = k - 1  # a row whose drafts all match accepts k - 1 and takes the bonus row
     base = 0
-    for i, (drafts, pre, _, blocks0, acc0, buf0, len0, remaining, content0, last0) in enumerate(
-            zip(waiting.drafts, pre_lens, *hot, strict=True)):
+    # a common row grows its output and content count and spends its budget by the n tokens it takes,
+    # as its seq_len: its offsets (``out_base``, ``end``, ``content_base``) stay
+    for i, (drafts, pre, blocks0, acc0, buf0, out_base, end) in enumerate(
+            zip(waiting.drafts, pre_lens, hot[1], hot[2], hot[3], hot[4], hot[5], strict=True)):
         limit = len(drafts)
         if limit > short:
             limit = short
@@ -198,7 +197,7 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
         need = (pre + k) // block_size + 1  # kv.blocks_for: the verify grew the table to cover all k rows
         blocks = blocks0 if blocks0 >= need else need
         tokens = rows_all[base:base + n]
-        common = inline and remaining > n and seq_len < seq_limit and eos.isdisjoint(tokens)
+        common = inline and seq_len < end and seq_len < seq_limit and eos.isdisjoint(tokens)
         if streaming is not None:
             streams = streaming[i]
         elif common:
@@ -208,18 +207,15 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
         if common:
             new_len.append(seq_len)
             new_blocks.append(blocks)
-            new_acc.append(acc0 + na)
-            new_buf.append(extended(buf0, len0, tokens))
-            new_olen.append(len0 + n)
-            new_remaining.append(remaining - n)
-            new_content.append(content0 + n)
+            new_acc.append(acc0 + na if na else acc0)
+            new_buf.append(extended(buf0, pre - out_base, tokens))
             new_last.append(tokens[-1])
             if streams:
                 stream_tokens.extend(tokens)
                 stream_counts.append(n)
         else:
             # the record with the row's newest hot fields (the records may be older than the columns)
-            current = with_fields(seqs[i], hot_fields(pre, blocks0, acc0, buf0, len0, remaining, content0, last0))
+            current = with_fields(seqs[i], hot_fields(pre, blocks0, acc0, buf0, out_base, end, hot[6][i], hot[7][i]))
             settled, out_tokens = settle_tokens(current, tokens, config, {"seq_len": seq_len, "blocks": blocks,
                                                                           "acc": acc0 + na})
             if out_tokens:
@@ -229,14 +225,11 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
             slow[i] = settled
             if settled.finished:
                 finished_rows.append(i)
+            # (keep_batch takes this row's record from ``slow``; the proposal below reads its seq_len and last token)
             new_len.append(settled.seq_len)
             new_blocks.append(settled.blocks)
             new_acc.append(settled.acc)
-            buf, length = settled.output.parts()
-            new_buf.append(buf)
-            new_olen.append(length)
-            new_remaining.append(settled.remaining)
-            new_content.append(settled.content_count)
+            new_buf.append(buf0)
             new_last.append(settled.last_token)
         base += k
     # the device calls of the batch, built column-wise from the rows' verdicts
@@ -266,7 +259,7 @@ def batched_verified(state: SchedulerState, waiting: AwaitBatchedDflash, event: 
     else:
         out.append(dc.TrimProposerStateBatch(ids, tuple(nas)))
     lengths, lasts = tuple(new_len), tuple(new_last)
-    columns = (lengths, new_blocks, new_acc, new_buf, new_olen, new_remaining, new_content, lasts)
+    columns = (lengths, new_blocks, new_acc, new_buf, hot[4], hot[5], hot[6], lasts)
     # when every active sequence was verified, no one holds drafts now
     state = keep_batch(state, ordered, seqs, columns, slow, {"drafts": NO_DRAFTS} if ordered else None)
     if not ordered:

@@ -13,6 +13,7 @@ they hold as one table (``drafts``). A steady tick so copies no sequence record
 from __future__ import annotations
 
 from array import array
+from operator import sub
 from typing import Any, Optional
 
 import attrs
@@ -113,53 +114,64 @@ class Swapped:
 
 # the columns of ``Settled``: the fields a batched verify or plain decode changes on every row that
 # goes on (``seq_len``, ``blocks``, ``acc``, ``output``, ``remaining``, ``content_count``,
-# ``last_token``), ``output`` as two, its array and its length
-HOT_COLUMNS = ("seq_len", "blocks", "acc", "out_buf", "out_len", "remaining", "content_count", "last_token")
+# ``last_token``). ``output`` is two columns, its array and ``out_base``; ``out_base``, ``end`` and
+# ``content_base`` are the output length, budget and content count as offsets from ``seq_len``, which
+# a row that goes on the common way moves in step with them, so those columns stay as they are
+HOT_COLUMNS = ("seq_len", "blocks", "acc", "out_buf", "out_base", "end", "content_base", "last_token")
 
 
-def hot_fields(seq_len: int, blocks: int, acc: int, out_buf: "array[int]", out_len: int, remaining: int,
-               content_count: int, last_token: int) -> dict[str, Any]:
+def hot_fields(seq_len: int, blocks: int, acc: int, out_buf: "array[int]", out_base: int, end: int,
+               content_base: int, last_token: int) -> dict[str, Any]:
     """A row of the hot columns (``HOT_COLUMNS``, in order) as the record fields they stand for."""
-    return {"seq_len": seq_len, "blocks": blocks, "acc": acc, "output": view(out_buf, out_len),
-            "remaining": remaining, "content_count": content_count, "last_token": last_token}
+    return {"seq_len": seq_len, "blocks": blocks, "acc": acc, "output": view(out_buf, seq_len - out_base),
+            "remaining": end - seq_len, "content_count": seq_len - content_base, "last_token": last_token}
 
 
 def hot_row(seq: Sequence) -> tuple[Any, ...]:
     """A record's hot fields as a row of the hot columns (``HOT_COLUMNS``, in order)."""
     fields = seq.__dict__
-    return (fields["seq_len"], fields["blocks"], fields["acc"], *fields["output"].parts(), fields["remaining"],
-            fields["content_count"], fields["last_token"])
+    seq_len = fields["seq_len"]
+    buf, length = fields["output"].parts()
+    return (seq_len, fields["blocks"], fields["acc"], buf, seq_len - length, seq_len + fields["remaining"],
+            seq_len - fields["content_count"], fields["last_token"])
 
 
 @attrs.frozen(slots=False)
 class Settled:
     """The hot fields of every active sequence after a batched DFlash verify or a plain decode, as
-    columns over the records ``base`` (specs/scheduler.md §5.2): row ``i`` of each column is the
-    field of ``base[i]``. The records keep their other fields exact; only these seven are newer in
-    the columns. A step that every sequence goes on from the common way thus writes a few tuples
-    instead of a record per sequence; whoever reads ``state.active`` gets the records rebuilt once
-    (``records()``). A row's output is its token array and its length (a ``TokenLog`` view of it,
-    ``output``), so a steady row adds tokens to its array and makes no new object."""
+    columns over the records ``base`` (specs/scheduler.md §5.2): row ``i`` of each column stands
+    for the field of ``base[i]``. The records keep their other fields exact; only these seven are
+    newer in the columns. A step that every sequence goes on from the common way thus writes a few
+    tuples instead of a record per sequence; whoever reads ``state.active`` gets the records rebuilt
+    once (``records()``). A row's output is its token array and its length (a ``TokenLog`` view of
+    it, ``output``), so a steady row adds tokens to its array and makes no new object.
+
+    The output length, the budget left and the content count are held as offsets from ``seq_len``
+    (``out_base = seq_len - len(output)``, ``end = seq_len + remaining``, ``content_base = seq_len -
+    content_count``): a row that goes on the common way grows all of them by the tokens it takes,
+    so these offsets stay and their columns pass from one step to the next unchanged. A steady row
+    so writes two new numbers per step (``seq_len``, and ``acc`` when a draft was accepted), not
+    five; on a wide batch of long sequences each new number is an object of its own in memory."""
 
     base: tuple[Sequence, ...]
     seq_len: tuple[int, ...]
     blocks: tuple[int, ...]
     acc: tuple[int, ...]
     out_buf: tuple["array[int]", ...]
-    out_len: tuple[int, ...]
-    remaining: tuple[int, ...]
-    content_count: tuple[int, ...]
+    out_base: tuple[int, ...]
+    end: tuple[int, ...]
+    content_base: tuple[int, ...]
     last_token: tuple[int, ...]
 
     @property
     def output(self) -> tuple[TokenLog, ...]:
         """Each row's output, as a log."""
-        return tuple(map(view, self.out_buf, self.out_len))
+        return tuple(map(view, self.out_buf, map(sub, self.seq_len, self.out_base)))
 
     def columns(self) -> tuple[tuple[Any, ...], ...]:
         """The hot columns, in the order of ``HOT_COLUMNS``."""
-        return (self.seq_len, self.blocks, self.acc, self.out_buf, self.out_len, self.remaining,
-                self.content_count, self.last_token)
+        return (self.seq_len, self.blocks, self.acc, self.out_buf, self.out_base, self.end,
+                self.content_base, self.last_token)
 
     def facts(self) -> "RowFacts":
         """What a tick reads of the records ``base`` besides the hot fields (worked out on the first
@@ -191,10 +203,11 @@ class RowFacts:
     """The fields of the active records a steady tick reads besides the hot ones, for the whole
     batch: ids and slots in order, whether any record is finished, whether none has a guard set,
     the earliest deadline of an unfinished one (None: none has a deadline), whether every one goes
-    on (none finished, none with its cancel flag set), and what a streamed row sends its client:
-    which rows stream, the request ids of those (in order) and their record sizes (empty when every
-    one is 0). A batched verify or plain decode whose rows all go on reads these instead of every
-    record and request (specs/scheduler.md §5.2)."""
+    on (none finished, none with its cancel flag set), whether every request is greedy from its
+    first token (``Request.greedy``), and what a streamed row sends its client: which rows stream,
+    the request ids of those (in order) and their record sizes (empty when every one is 0). A
+    batched verify or plain decode whose rows all go on reads these instead of every record and
+    request (specs/scheduler.md §5.2)."""
 
     ids: tuple[int, ...]
     slots: tuple[int, ...]
@@ -202,6 +215,7 @@ class RowFacts:
     all_unguarded: bool
     next_deadline: Optional[float]
     all_going: bool = False
+    all_greedy: bool = False
     streaming: tuple[bool, ...] = ()
     stream_ids: tuple[int, ...] = ()
     stream_logprobs: tuple[int, ...] = ()
@@ -210,7 +224,7 @@ class RowFacts:
 def row_facts(rows: tuple[Sequence, ...]) -> RowFacts:
     """The ``RowFacts`` of ``rows``, in one pass over the records."""
     ids, slots, streaming, stream_ids, stream_logprobs = [], [], [], [], []
-    finished = guarded = cancel = False
+    finished = guarded = cancel = sampled = False
     deadline: Optional[float] = None
     for seq in rows:
         fields = seq.__dict__
@@ -227,11 +241,13 @@ def row_facts(rows: tuple[Sequence, ...]) -> RowFacts:
             guarded = True
         if fields["cancel_requested"]:
             cancel = True
+        if not request.greedy:
+            sampled = True
         streaming.append(request.streaming)
         if request.streaming:
             stream_ids.append(request.id)
             stream_logprobs.append(request.top_logprobs if fields["logprob_records"] else 0)
-    return RowFacts(tuple(ids), tuple(slots), finished, not guarded, deadline, not (finished or cancel),
+    return RowFacts(tuple(ids), tuple(slots), finished, not guarded, deadline, not (finished or cancel), not sampled,
                     tuple(streaming), tuple(stream_ids), tuple(stream_logprobs) if any(stream_logprobs) else ())
 
 

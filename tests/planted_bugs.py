@@ -122,7 +122,7 @@ PLANTED_BUGS: tuple[PlantedBug, ...] = (
                  '    return {"seq_len": seq_len, "acc": seq.acc + acc_gain(pre_len, seq_len)}\n',
                  '    return {"seq_len": seq_len, "acc": seq.acc + acc_gain(pre_len, seq_len) + 1}\n'),
             Edit("core/dflash.py",
-                 '            new_acc.append(acc0 + na)\n',
+                 '            new_acc.append(acc0 + na if na else acc0)\n',
                  '            new_acc.append(acc0 + na + 1)\n'),
             Edit("core/dflash.py",
                  '"acc": acc0 + na})\n',

@@ -162,6 +162,40 @@ def test_a_steady_plain_decode_keeps_the_records_and_moves_only_columns():
         _check_against_the_client(d)
 
 
+def test_a_steady_tick_leaves_the_offset_columns_as_they_were():
+    """A row that goes on the common way grows its output and content count and spends its budget
+    by the tokens it takes, as its seq_len: the columns of those offsets pass on unchanged (the same
+    tuples), while seq_len moves."""
+    for d, query in ((_batched_run(), dc.ProposeBatched), (_plain_run(), plans.Decode)):
+        before = d.state.settled
+        d.answer()
+        d.run_to_query(query)
+        after = d.state.settled
+        assert after is not before and after.base is before.base
+        assert after.out_base is before.out_base and after.end is before.end
+        assert after.content_base is before.content_base
+        assert all(new > old for new, old in zip(after.seq_len, before.seq_len, strict=True))
+        _check_against_the_client(d)
+
+
+def test_kept_columns_decode_with_host_picks_until_every_row_has_its_min_tokens():
+    """A request with ``min_tokens`` is not greedy until it has produced them: the decode asks for
+    host picks (EOS masked) until then (rebuilding the records from the columns), and from the
+    first decode after takes the device argmax straight from the kept columns."""
+    requests = [make_request(7, prompt_len=PROMPT_LEN, max_tokens=200, streaming=True),
+                make_request(8, prompt_len=PROMPT_LEN, max_tokens=200, streaming=True, min_tokens=6)]
+    d = Driver(requests=requests)
+    seen = []
+    for _ in range(10):
+        d.run_to_query(plans.Decode)
+        produced = {s.request_id: len(s.output) for s in d.state.active}
+        seen.append((produced[8], bool(d.query.picks), d.state.settled is not None))
+        d.answer()
+    assert [picks for _, picks, _ in seen] == [produced < 6 for produced, _, _ in seen]
+    assert {produced for produced, _, _ in seen} >= {5, 6}
+    assert [kept for _, _, kept in seen[2:]] == [not picks for _, picks, _ in seen[2:]]
+
+
 def test_a_plain_row_that_finishes_gets_its_record_rebuilt():
     requests = [make_request(i, prompt_len=PROMPT_LEN, max_tokens=m, streaming=True)
                 for i, m in ((7, 200), (8, 6), (9, 200))]
