@@ -5,8 +5,11 @@ alternates processes, cell by cell: for each round, each size N and each pairing
 ``plain`` with vLLM ``A0``, fxsched ``spec5`` with vLLM ``A5``), one vLLM process timing its
 scheduler (``SCRIPT --ns N --configs A0 --reps 1 --json ...``, vLLM 0.33's benchmark of
 ``schedule()`` + ``update_from_output()`` with a faked model output), then one fxsched process
-(``fxsched bench step --mode plain --sizes N --json``). Both report this thread's CPU time per
-step; the table gives the medians over the rounds and their ratio fxsched / vLLM per N. These
+(``fxsched bench step --mode plain --sizes N --warmup W --json``). Both report this thread's CPU
+time per step; the table gives the medians over the rounds and their ratio fxsched / vLLM per N.
+``--warmup W`` (default 20) is the number of untimed fxsched ticks before its windows: a cell
+runs ``200_000 // N`` ticks (at most ``--steps``) per window, so without it the N = 4096 cells time
+younger sequences than the N = 64 ones. These
 machines are shared and their speed drifts within seconds, which is why the cells interleave.
 
 vLLM's benchmark schedules at most 8192 tokens per step; with 5 drafts a step of N sequences needs
@@ -29,6 +32,8 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Optional
+
+from fxsched.runtime.bench.step import WARMUP
 
 PAIRS = (("plain", "A0"), ("spec5", "A5"))
 
@@ -77,10 +82,11 @@ def _vllm_cell(python: str, script: str, config: str, n: int, steps: int, timeou
         return float(rows[0]["step_cpu_us"])
 
 
-def _fxsched_cell(mode: str, n: int, steps: int, timeout: float) -> Optional[float]:
-    """fxsched's median CPU microseconds per tick at ``n``, or None if the cell failed."""
+def _fxsched_cell(mode: str, n: int, steps: int, timeout: float, warmup: int = WARMUP) -> Optional[float]:
+    """fxsched's median CPU microseconds per tick at ``n`` after ``warmup`` untimed ticks, or None
+    if the cell failed."""
     cmd = [sys.executable, "-m", "fxsched.runtime.cli", "bench", "step", "--mode", mode, "--sizes", str(n),
-           "--ticks", str(steps), "--repeats", "5", "--json"]
+           "--ticks", str(steps), "--repeats", "5", "--warmup", str(warmup), "--json"]
     try:
         done = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=timeout)
     except (subprocess.CalledProcessError, subprocess.TimeoutExpired):
@@ -89,7 +95,7 @@ def _fxsched_cell(mode: str, n: int, steps: int, timeout: float) -> Optional[flo
 
 
 def run(python: str, script: str, sizes: list[int], rounds: int, steps: int, timeout: float,
-        modes: tuple[str, ...]) -> list[dict]:
+        modes: tuple[str, ...], warmup: int = WARMUP) -> list[dict]:
     cells: dict[tuple[str, int], dict[str, list[float]]] = {}
     for r in range(rounds):
         for mode, config in PAIRS:
@@ -99,7 +105,7 @@ def run(python: str, script: str, sizes: list[int], rounds: int, steps: int, tim
                 got = cells.setdefault((mode, n), {"vllm": [], "fxsched": []})
                 ticks = max(20, min(steps, 200_000 // n))
                 v = _vllm_cell(python, script, config, n, ticks, timeout)
-                f = _fxsched_cell(mode, n, ticks, timeout)
+                f = _fxsched_cell(mode, n, ticks, timeout, warmup)
                 if v is not None:
                     got["vllm"].append(v)
                 if f is not None:
@@ -133,15 +139,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--steps", type=int, default=200, help="steps per cell (fewer at large N)")
     ap.add_argument("--modes", default="plain,spec5")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per cell")
+    ap.add_argument("--warmup", type=int, default=WARMUP,
+                    help=f"untimed ticks before fxsched's windows (at least {WARMUP}; more times older sequences)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     for flag, path in (("--vllm-python", args.vllm_python), ("--vllm-bench", args.vllm_bench)):
         if not os.path.isfile(path):
             print(f"vllm_anchor: {flag} {path}: no such file", file=sys.stderr)
             return 2
+    if args.warmup < WARMUP:
+        print(f"vllm_anchor: --warmup {args.warmup}: must be at least {WARMUP}", file=sys.stderr)
+        return 2
     sizes = [int(s) for s in args.sizes.split(",")]
     rows = run(args.vllm_python, args.vllm_bench, sizes, args.rounds, args.steps, args.timeout,
-               tuple(args.modes.split(",")))
+               tuple(args.modes.split(",")), args.warmup)
     if args.json:
         for row in rows:
             print(json.dumps(row))
