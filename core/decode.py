@@ -8,7 +8,6 @@ its ``blocks`` cover ``seq_len``; a failed batch changes no sequence it did not 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from operator import sub
 from typing import Any
 
 from fxsched.core.agenda import batch_rows, by_id, keep_batch, push, update
@@ -58,8 +57,7 @@ def decode_lane(state: SchedulerState, task: DecodeLane, out: list[Effect]) -> S
 def plain_decode(state: SchedulerState, task: PlainDecode, out: list[Effect]) -> SchedulerState:
     columns = hot_columns(state)
     if columns is not None and slots_increasing((facts := columns.facts()).slots) and (facts.all_greedy or all(
-            greedy_request(s.request, n)
-            for s, n in zip(state.rows, map(sub, columns.seq_len, columns.out_base), strict=True))):
+            greedy_request(s.request, n) for s, n in zip(state.rows, columns.out_len, strict=True))):
         # the rows are in slot order already and the columns hold their newest hot fields
         plan = plans.Decode(tokens=columns.last_token, seqs=facts.ids, seq_lens=columns.seq_len, picks=())
         out.append(plan)

@@ -164,9 +164,14 @@ class Settled:
     last_token: tuple[int, ...]
 
     @property
+    def out_len(self) -> tuple[int, ...]:
+        """Each row's output length."""
+        return tuple(map(sub, self.seq_len, self.out_base))
+
+    @property
     def output(self) -> tuple[TokenLog, ...]:
         """Each row's output, as a log."""
-        return tuple(map(view, self.out_buf, map(sub, self.seq_len, self.out_base)))
+        return tuple(map(view, self.out_buf, self.out_len))
 
     def columns(self) -> tuple[tuple[Any, ...], ...]:
         """The hot columns, in the order of ``HOT_COLUMNS``."""
