@@ -14,6 +14,9 @@ tensors, or CPU tensors under ``TRITON_INTERPRET=1``; the reference otherwise):
   block-paged KV cache, GQA allowed.
 * ``gated_delta``: gated delta rule steps returning outputs and every per-token state.
 
+``cpu_gemv`` is the one CPU kernel: a C file (AVX512-BF16) compiled on first use, for the bf16
+matrix-vector products of CPU decoding, with F.linear as its reference and fallback.
+
 ``_triton`` holds the shared "can Triton run here" helpers; ``bench`` has
 ``run_kernel_bench(device, repeats)``. Submodules are imported on demand so that
 importing this package never pulls in torch or triton.

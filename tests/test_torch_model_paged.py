@@ -56,25 +56,49 @@ def test_paged_attention_equals_dense(seq_len, num_queries, seed):
         torch.testing.assert_close(out[b], expected, atol=1e-5, rtol=1e-5)
 
 
-def test_paged_engine_fragmented_blocks_match_contiguous():
-    """Two sequences decoded in lockstep get interleaved blocks; logits match a run on its own."""
+@pytest.mark.parametrize("layout", ["placed", "fragmented"])
+def test_paged_engine_two_sequences_match_one_alone(layout):
+    """Two sequences decoded in lockstep give the logits of each run on its own, whether the pool
+    places each one's blocks consecutively (attention reads a view of the cache) or every other
+    block is held elsewhere (attention gathers the sequence's blocks)."""
     cfg = default_config()
     prompts = random_prompts(3, 2, cfg.vocab_size, 10, 20)
-    fragmented = HybridEngine(cfg)
+    batched = HybridEngine(cfg)
+    if layout == "fragmented":
+        held = batched.pool.allocate(cfg.num_blocks)
+        for block in held[::2]:
+            batched.pool.decref(block)
     alone = HybridEngine(cfg)
     for slot, prompt in enumerate(prompts):
-        fragmented.alloc(slot)
-        fragmented.prefill(slot, prompt)
+        batched.alloc(slot)
+        batched.prefill(slot, prompt)
     alone.alloc(0)
     alone.prefill(0, prompts[0])
     tok = [1, 2]
     for _ in range(40):
-        logits = fragmented.decode_batch([0, 1], tok)
+        logits = batched.decode_batch([0, 1], tok)
         ref = alone.decode_batch([0], tok[:1])
         torch.testing.assert_close(logits[0], ref[0], atol=1e-4, rtol=0)
         tok = logits.argmax(-1).tolist()
-    table = fragmented.block_table(0)
-    assert table != list(range(table[0], table[0] + len(table)))  # really non-contiguous
+    for slot in (0, 1):
+        table = batched.block_table(slot)
+        consecutive = table == list(range(table[0], table[0] + len(table)))
+        assert consecutive == (layout == "placed") and len(table) > 2
+
+
+def test_block_pool_keeps_growing_sequences_consecutive():
+    """New sequences go to the middle of the largest free run, so lockstep growth stays consecutive."""
+    pool = BlockPool(64)
+    a, b = pool.allocate(4), pool.allocate(4)
+    assert a == [0, 1, 2, 3] and b == [32, 33, 34, 35]
+    for _ in range(10):
+        a += pool.allocate(1, after=a[-1])
+        b += pool.allocate(1, after=b[-1])
+    assert a == list(range(0, 14)) and b == list(range(32, 46))
+    c = pool.allocate(2)
+    assert c == [22, 23]  # the middle of the larger gap, [14, 32)
+    rest = pool.allocate(pool.num_free())
+    assert sorted(a + b + c + rest) == list(range(64)) and pool.num_free() == 0
 
 
 def test_paged_prefill_equals_token_by_token_decode():

@@ -569,9 +569,8 @@ class TorchDevice:
         lists = [toks for _, toks in rows]
         self._room_for(list(zip(slots, map(len, lists), strict=True)), what)
         with self._errors(what), self.streams.use(stream):
-            outs = self.engine.commit_forward(slots, lists)
+            logits = self.engine.commit_forward(slots, lists)
         self._count(kind, what)
-        logits = torch.stack([o[-1] for o in outs])
         self._set_rows(logits, [(s.seq_id, len(t) - 1) for s, t in rows])
         for s in seqs:
             self._ctx_catch_up(s)

@@ -13,13 +13,13 @@ RoPE and the gate is applied to the attention output before o_proj. Scores and s
 
 from __future__ import annotations
 
-import math
-
 import torch
+import torch.nn.functional as F
 
 from fxsched.kernels.paged_attention import paged_attention as paged_attention_kernel
 from fxsched.kernels.paged_kv_append import paged_kv_append
 
+from .attn_plan import SeqKeys
 from .config import ModelConfig
 from .kernel_paths import attention_kernels_apply
 from .ops import linear, rms_norm
@@ -82,20 +82,18 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed:
     """Softmax attention with grouped KV heads.
 
     q [B, T, Hq, D], k/v [B, S, Hkv, D], allowed [B, T, S] (True = may attend; every row needs
-    at least one True). Returns [B, T, Hq, D].
+    at least one True). Returns [B, T, Hq, D]. Query head h reads kv head h // (Hq / Hkv), without
+    repeating the kv heads (PyTorch's fused SDPA, fp32 accumulation inside).
     """
-    b, t, hq, d = q.shape
-    group = hq // k.shape[2]
-    kh = k.repeat_interleave(group, dim=2).transpose(1, 2)  # [B, Hq, S, D]
-    vh = v.repeat_interleave(group, dim=2).transpose(1, 2)
-    scores = torch.matmul(q.transpose(1, 2), kh.transpose(-1, -2)).float() / math.sqrt(d)  # [B, Hq, T, S]
-    scores = scores.masked_fill(~allowed[:, None], float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1).to(q.dtype), vh).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                         attn_mask=allowed[:, None], enable_gqa=True)
+    return out.transpose(1, 2)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     block_tables: torch.Tensor, q_positions: torch.Tensor) -> torch.Tensor:
-    """Causal attention of queries over a paged cache.
+    """Causal attention of queries over a paged cache (the path without a host plan: every shape
+    is static, so a decode or verify forward through it traces whole, e.g. for a CUDA graph).
 
     q [B, T, Hq, D] at absolute positions q_positions [B, T]; k_cache/v_cache
     [num_blocks, block_size, Hkv, D]; block_tables [B, nb] (padding entries may be any valid id).
@@ -111,11 +109,40 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return masked_attention(q, keys, values, allowed)
 
 
+def planned_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, plan: tuple[SeqKeys, ...]) -> torch.Tensor:
+    """Causal attention of each batch entry's new rows over its keys, where `plan` says they are
+    (attn_plan.py: the new rows themselves, a view of the cache, or a gather of the entry's own
+    blocks). q [B, T, Hq, D], the new k/v [B, T, Hkv, D] (already written to the cache),
+    k_cache/v_cache [num_blocks, block_size, Hkv, D]. Padding rows of the output are zero."""
+    out = torch.zeros_like(q)
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    for b, seq in enumerate(plan):
+        n = seq.rows
+        qb = q[b, :n].transpose(0, 1)[None]
+        if seq.source == "fresh":
+            kb, vb = k[b, :n].to(k_cache.dtype), v[b, :n].to(v_cache.dtype)
+        elif seq.source == "run":
+            kb = flat_k[seq.flat_start:seq.flat_start + seq.ctx]
+            vb = flat_v[seq.flat_start:seq.flat_start + seq.ctx]
+        else:
+            assert seq.blocks is not None  # a gather entry carries its block ids
+            kb = k_cache.index_select(0, seq.blocks).view(-1, *k_cache.shape[2:])[:seq.ctx]
+            vb = v_cache.index_select(0, seq.blocks).view(-1, *v_cache.shape[2:])[:seq.ctx]
+        o = F.scaled_dot_product_attention(qb, kb.transpose(0, 1)[None].to(q.dtype),
+                                           vb.transpose(0, 1)[None].to(q.dtype), attn_mask=seq.mask,
+                                           is_causal=seq.source == "fresh" and n > 1, enable_gqa=True)
+        out[b, :n] = o[0].transpose(0, 1)
+    return out
+
+
 def attention_layer(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, *, cache: PagedKVCache,
                     cache_layer: int, positions: torch.Tensor, valid: torch.Tensor, write_index: torch.Tensor,
                     block_tables: torch.Tensor, uniform: bool = False, cfg: ModelConfig | None = None,
                     num_heads: int = 0, num_kv_heads: int = 0, head_dim: int = 0,
-                    rope_theta: float = 0.0) -> torch.Tensor:
+                    rope_theta: float = 0.0, valid_rows: torch.Tensor | None = None,
+                    plan: tuple[SeqKeys, ...] | None = None) -> torch.Tensor:
     """One target attention layer over a right-padded batch x [B, T, D].
 
     The block's shape and options come from `cfg` (`attention_qkv`); without cfg, from num_heads,
@@ -129,7 +156,11 @@ def attention_layer(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, *,
     positions): then, where kernel_paths allows Triton, the rows go through the `paged_kv_append`
     and `paged_attention` kernels (start = positions[:, 0], context = start + T, so row j sees
     positions <= positions[:, j]; query head h reads kv head h // (Hq // Hkv), as in
-    `masked_attention`). Ragged batches, and uniform ones without Triton, take the torch path.
+    `masked_attention`). Ragged batches, and uniform ones without Triton, take the torch path:
+    with a host `plan` (attn_plan.py) each entry attends over its own keys where they lie
+    (`planned_attention`); without one, over the batch's gathered blocks (`paged_attention`, the
+    shape-static form). valid_rows [N]: the flat indices (b * T + t) of the valid rows, so the
+    cache write needs no boolean mask (None: every row is valid when uniform, else `valid` is used).
     """
     if cfg is None:
         cfg = ModelConfig(num_attention_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
@@ -142,7 +173,15 @@ def attention_layer(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, *,
         paged_kv_append(k, v, k_cache, v_cache, block_tables, start)
         out = paged_attention_kernel(q, k_cache, v_cache, block_tables, start + t, cfg.head_dim ** -0.5)
     else:
-        cache.write(cache_layer, write_index, k[valid].to(k_cache.dtype), v[valid].to(v_cache.dtype))
-        out = paged_attention(q, k_cache, v_cache, block_tables,
-                              torch.where(valid, positions, torch.zeros_like(positions)))
+        k_rows, v_rows = k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:])
+        if valid_rows is not None:
+            k_rows, v_rows = k_rows.index_select(0, valid_rows), v_rows.index_select(0, valid_rows)
+        elif not uniform:
+            k_rows, v_rows = k[valid], v[valid]
+        cache.write(cache_layer, write_index, k_rows.to(k_cache.dtype), v_rows.to(v_cache.dtype))
+        if plan is not None:
+            out = planned_attention(q, k, v, k_cache, v_cache, plan)
+        else:
+            out = paged_attention(q, k_cache, v_cache, block_tables,
+                                  torch.where(valid, positions, torch.zeros_like(positions)))
     return attention_out(out, gate, w, prefix)

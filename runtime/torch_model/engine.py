@@ -39,6 +39,7 @@ from .errors import OutOfBlocksError, SlotError
 from .gdn import GdnSnapshot, GdnStateCache
 from .hf_drafters import PublishedDFlash, PublishedMtp, load_dflash_drafter
 from .kernel_paths import gdn_fold_kernel_applies
+from .attn_plan import plan_keys
 from .model import ForwardOutput, HybridModel, RowBatch
 from .ops import rms_norm
 from .paged_kv import BlockPool, PagedKVCache, blocks_for, flat_indices
@@ -48,6 +49,11 @@ from .spill import read_spill, write_spill
 from .weights import Weights, init_weights, load_weights, torch_dtype
 
 log = structlog.get_logger("fxsched.torch_model")
+
+
+def _in_cache(out: ForwardOutput) -> bool:
+    """Whether the forward committed its GDN states in the cache itself (gdn_layer's in_place)."""
+    return bool(out.gdn_rows) and out.gdn_rows[0].in_cache
 
 
 @dataclass
@@ -243,12 +249,14 @@ class HybridEngine:
 
     # ---- forward ------------------------------------------------------------------------------
     def _forward(self, slots: Sequence[int], token_lists: Sequence[Sequence[int]],
-                 commit_all: bool = False) -> ForwardOutput:
+                 commit_all: bool = False, in_place: bool = False) -> ForwardOutput:
         """Validate, allocate blocks (all or nothing), run the model; records pending + captured rows.
 
         commit_all promises that every row will be committed (a prefill chunk, a mixed or batched
         prefill): the GDN layers then keep only the states a commit can read (each sequence's block
         boundaries and last row, see _commit_rows) and run the chunked form, never T per-row states.
+        in_place (one row per slot, committed by the caller right after: a decode) lets the GDN
+        layers update the slots' states in the cache as they run (RowBatch.gdn_in_place).
         """
         if len(slots) != len(token_lists):
             raise ValueError(f"{len(slots)} slots but {len(token_lists)} token lists")
@@ -265,9 +273,11 @@ class HybridEngine:
             raise OutOfBlocksError(f"forward needs {need} new KV blocks, only {self.pool.num_free()} free; "
                                    f"reclaim cached blocks or free a slot")
         for slot, state, toks in zip(slots, states, token_lists, strict=True):
-            state.block_table.extend(self.pool.allocate(self.blocks_needed(slot, len(toks))))
+            last = state.block_table[-1] if state.block_table else None
+            state.block_table.extend(self.pool.allocate(self.blocks_needed(slot, len(toks)), after=last))
         keep = self._commit_rows(states, token_lists) if commit_all else None
-        batch = self._row_batch(slots, states, token_lists, keep)
+        batch = self._row_batch(slots, states, token_lists, keep, last_logits=commit_all)
+        batch.gdn_in_place = in_place
         drafter = self.dflash if isinstance(self.dflash, PublishedDFlash) else None
         out = self.model.forward(batch, self.kv, self.gdn,
                                  capture_layers=drafter.target_layer_ids if drafter is not None else ())
@@ -312,26 +322,39 @@ class HybridEngine:
         return tuple(sorted(rows))
 
     def _row_batch(self, slots: Sequence[int], states: Sequence[SlotState],
-                   token_lists: Sequence[Sequence[int]], keep_rows: tuple[int, ...] | None = None) -> RowBatch:
+                   token_lists: Sequence[Sequence[int]], keep_rows: tuple[int, ...] | None = None,
+                   last_logits: bool = False) -> RowBatch:
+        """The forward's batch, built from host lists in one pass and moved with one copy per
+        tensor; with last_logits only each entry's last row gets logits (a committed forward: the
+        caller reads nothing else)."""
         b, t = len(slots), max(len(toks) for toks in token_lists)
         nb = max(len(s.block_table) for s in states)
-        tokens = torch.zeros(b, t, dtype=torch.long)
-        positions = torch.zeros(b, t, dtype=torch.long)
-        valid = torch.zeros(b, t, dtype=torch.bool)
-        tables = torch.zeros(b, nb, dtype=torch.long)
+        bs = self.cfg.block_size
+        tokens, positions, tables = [0] * (b * t), [0] * (b * t), [0] * (b * nb)
+        valid_rows: list[int] = []
         write: list[int] = []
         for i, (state, toks) in enumerate(zip(states, token_lists, strict=True)):
-            n = len(toks)
-            tokens[i, :n] = torch.tensor([int(x) for x in toks])
-            positions[i, :n] = torch.arange(state.seq_len, state.seq_len + n)
-            valid[i, :n] = True
-            tables[i, :len(state.block_table)] = torch.tensor(state.block_table)
-            write += flat_indices(state.block_table, state.seq_len, n, self.cfg.block_size)
+            n, start, table = len(toks), state.seq_len, state.block_table
+            tokens[i * t:i * t + n] = [int(x) for x in toks]
+            positions[i * t:i * t + n] = range(start, start + n)
+            tables[i * nb:i * nb + len(table)] = table
+            valid_rows.extend(range(i * t, i * t + n))
+            write += flat_indices(table, start, n, bs)
         dev = self.device
-        uniform = all(len(toks) == t for toks in token_lists)
-        return RowBatch(tokens.to(dev), positions.to(dev), valid.to(dev), torch.tensor(write, device=dev),
-                        tables.to(dev), torch.tensor(list(slots), dtype=torch.long, device=dev), uniform,
-                        keep_rows)
+        lengths = [len(toks) for toks in token_lists]
+        uniform = all(n == t for n in lengths)
+        tokens_t = torch.tensor(tokens, dtype=torch.long).view(b, t)
+        positions_t = torch.tensor(positions, dtype=torch.long).view(b, t)
+        valid = (torch.arange(t)[None, :] < torch.tensor(lengths)[:, None])
+        plan = plan_keys([s.block_table for s in states], [s.seq_len for s in states], lengths, bs, dev)
+        logit_rows = None
+        if last_logits:
+            logit_rows = torch.tensor([i * t + n - 1 for i, n in enumerate(lengths)], dtype=torch.long, device=dev)
+        return RowBatch(tokens_t.to(dev), positions_t.to(dev), valid.to(dev), torch.tensor(write, device=dev),
+                        torch.tensor(tables, dtype=torch.long).view(b, nb).to(dev),
+                        torch.tensor(list(slots), dtype=torch.long, device=dev), uniform, keep_rows,
+                        valid_rows=None if uniform else torch.tensor(valid_rows, dtype=torch.long, device=dev),
+                        attn=plan, logit_rows=logit_rows)
 
     @torch.no_grad()
     def prefill(self, slot: int, tokens: Sequence[int]) -> torch.Tensor:
@@ -378,20 +401,21 @@ class HybridEngine:
         state = self._slot(slot)
         if start != state.seq_len:
             raise SlotError(f"slot {slot}: prefill_chunk at start={start} but seq_len={state.seq_len}")
-        return self.commit_forward([slot], [tokens])[0][-1]
+        return self.commit_forward([slot], [tokens])[0]
 
     @torch.no_grad()
-    def commit_forward(self, slots: Sequence[int], token_lists: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        """Append and commit every row of each slot's tokens in one forward; returns per slot logits
-        [n_b, V]. The GDN layers run the chunked form (no per-row states, see _forward)."""
+    def commit_forward(self, slots: Sequence[int], token_lists: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Append and commit every row of each slot's tokens in one forward; returns each slot's
+        last-row logits [B, V] (the only rows computed). The GDN layers run the chunked form (no
+        per-row states, see _forward)."""
         out = self._forward(slots, token_lists, commit_all=True)
         self.gdn_fold_accepted(slots, [len(toks) for toks in token_lists])
-        return [out.logits[b, :len(toks)] for b, toks in enumerate(token_lists)]
+        return out.logits
 
     @torch.no_grad()
     def decode_batch(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
         """Append and commit one token per slot; returns logits [B, V] for the next position."""
-        out = self._forward(slots, [[t] for t in tokens])
+        out = self._forward(slots, [[t] for t in tokens], in_place=True)
         self.gdn_fold_accepted(slots, [1] * len(slots))
         return out.logits[:, 0]
 
@@ -444,6 +468,9 @@ class HybridEngine:
             if self.dflash_features is not None and pending.features is not None:
                 self.dflash_features[slot, old:old + n] = pending.features[:n]
             for k in range(old // bs + 1, (old + n) // bs + 1):
+                if _in_cache(pending.out):  # a one-row forward: the boundary state is the slot's own
+                    state.boundary_states[k] = self.gdn.snapshot(slot)
+                    continue
                 state.boundary_states[k] = [(r.clone(), c.clone()) for r, c in
                                             (rows.row(b, k * bs - old - 1) for rows in pending.out.gdn_rows)]
             keep = blocks_for(state.seq_len, bs)
@@ -464,7 +491,7 @@ class HybridEngine:
         """
         groups: dict[int, tuple[ForwardOutput, list[int], list[int]]] = {}
         for slot, n, pending in zip(slots, accepted, pendings, strict=True):
-            if n <= 0:
+            if n <= 0 or _in_cache(pending.out):
                 continue
             out = pending.out
             if id(out) not in groups:

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fxsched.kernels.cpu_gdn import gdn_step
 from fxsched.kernels.gated_delta import gated_delta
 
 from .config import ModelConfig
@@ -57,6 +58,13 @@ class GdnRows:
     states: torch.Tensor
     windows: torch.Tensor
     rows: tuple[int, ...] | None = None
+    in_cache: bool = False  # the forward committed its row in the caches itself (gdn_layer's in_place)
+
+    @classmethod
+    def committed(cls) -> "GdnRows":
+        """The rows of an in-place forward: nothing to fold, the slot's state is the cache's."""
+        empty = torch.empty(0)
+        return cls(empty, empty, (), in_cache=True)
 
     def index(self, t: int) -> int:
         """Where the state after row t sits in `states` (ValueError if that state was not kept)."""
@@ -126,8 +134,9 @@ class GdnStateCache:
 
 
 def gdn_layer(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig,
-              state0: torch.Tensor, conv0: torch.Tensor,
-              keep_rows: tuple[int, ...] | None = None) -> tuple[torch.Tensor, GdnRows]:
+              state0: torch.Tensor | None, conv0: torch.Tensor | None,
+              keep_rows: tuple[int, ...] | None = None,
+              in_place: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, GdnRows]:
     """One GDN layer over x [B, T, D] from initial states state0 [B,Hv,Dk,Dv], conv0 [B,C,W-1].
 
     Returns (output [B, T, D], states in state0's / conv0's dtype). keep_rows None: the state after
@@ -135,24 +144,16 @@ def gdn_layer(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg: Mod
     the recurrence runs in the chunked form (gdn_chunked.py) without materialising per-row states.
     Rows are processed strictly left to right, so for right-padded batches the states of the valid
     rows do not depend on the padding.
+
+    in_place = (recurrent cache, conv cache, slots [B]) commits a one-row forward (a decode) as it
+    runs: the states are read from and written back to the caches' rows `slots` (the recurrence by
+    `fxsched.kernels.cpu_gdn.gdn_step`), state0 and conv0 are not used, and the returned GdnRows is
+    `GdnRows.committed()` -- the caller must not fold it again.
     """
-    b, t, _ = x.shape
-    hk, hv, dk, dv, width = cfg.gdn_num_heads, cfg.gdn_v_heads, cfg.gdn_key_dim, cfg.gdn_value_dim, cfg.conv_width
-    qkv = torch.cat([linear(x, w[f"{prefix}.q_proj"]), linear(x, w[f"{prefix}.k_proj"]),
-                     linear(x, w[f"{prefix}.v_proj"])], dim=-1)  # [B, T, C]
-    conv_in = torch.cat([conv0, qkv.transpose(1, 2).to(conv0.dtype)], dim=2)  # [B, C, W-1+T]
-    windows = conv_in.unfold(2, width, 1)  # [B, C, T, W]
-    mixed = F.silu((windows.float() * w[f"{prefix}.conv"].float()[None, :, None, :]).sum(-1)).transpose(1, 2)
-    q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)  # fp32 [B, T, C] pieces
-    q = l2_normalize(q.reshape(b, t, hk, dk)) * dk ** -0.5
-    k = l2_normalize(k.reshape(b, t, hk, dk))
-    if hv != hk:  # grouped value heads: value head j reads q/k head j // (hv // hk)
-        q = q.repeat_interleave(hv // hk, dim=2)
-        k = k.repeat_interleave(hv // hk, dim=2)
-    v = v.reshape(b, t, hv, dv)
-    beta = torch.sigmoid(linear(x, w[f"{prefix}.b_proj"])).float()  # [B, T, Hv]
-    log_decay = -torch.exp(w[f"{prefix}.A_log"].float()) * F.softplus(
-        linear(x, w[f"{prefix}.a_proj"]).float() + w[f"{prefix}.dt_bias"].float())  # [B, T, Hv]
+    if in_place is not None:
+        return _decode_in_place(x, w, prefix, cfg, *in_place)
+    assert state0 is not None and conv0 is not None  # only the in-place form goes without them
+    q, k, v, log_decay, beta, windows = _project(x, w, prefix, cfg, conv0)
     if keep_rows is not None:
         o, _, kept = chunked_gated_delta(q, k, v, log_decay, beta, state0.float(), keep_rows=list(keep_rows))
         assert kept is not None  # keep_rows given
@@ -161,10 +162,51 @@ def gdn_layer(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg: Mod
         o, states = gated_delta(q, k, v, log_decay, beta, state0, scale=1.0)  # [B,T,Hv,Dv], [B,T,Hv,Dk,Dv]
     else:
         o, states = _recurrence(q, k, v, torch.exp(log_decay), beta, state0)
+    return _output(o, x, w, prefix, cfg), GdnRows(states, windows, keep_rows)
+
+
+def _project(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig, conv0: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v (fp32, normalised, grouped heads repeated), log-decay, beta and the conv windows
+    [B, C, T, W] of x [B, T, D] after conv state conv0 [B, C, W-1]."""
+    b, t, _ = x.shape
+    hk, hv, dk, dv, width = cfg.gdn_num_heads, cfg.gdn_v_heads, cfg.gdn_key_dim, cfg.gdn_value_dim, cfg.conv_width
+    qkv = torch.cat([linear(x, w[f"{prefix}.q_proj"]), linear(x, w[f"{prefix}.k_proj"]),
+                     linear(x, w[f"{prefix}.v_proj"])], dim=-1)  # [B, T, C]
+    conv_in = torch.cat([conv0, qkv.transpose(1, 2).to(conv0.dtype)], dim=2)  # [B, C, W-1+T]
+    windows = conv_in.unfold(2, width, 1)  # [B, C, T, W]
+    mixed = F.silu((windows.float() * w[f"{prefix}.conv"].float()[None, :, None, :]).sum(-1)).transpose(1, 2)
+    q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
+    q = l2_normalize(q.reshape(b, t, hk, dk)) * dk ** -0.5
+    k = l2_normalize(k.reshape(b, t, hk, dk))
+    if hv != hk:
+        q = q.repeat_interleave(hv // hk, dim=2)
+        k = k.repeat_interleave(hv // hk, dim=2)
+    beta = torch.sigmoid(linear(x, w[f"{prefix}.b_proj"])).float()
+    log_decay = -torch.exp(w[f"{prefix}.A_log"].float()) * F.softplus(
+        linear(x, w[f"{prefix}.a_proj"]).float() + w[f"{prefix}.dt_bias"].float())
+    return q, k, v.reshape(b, t, hv, dv), log_decay, beta, windows
+
+
+def _output(o: torch.Tensor, x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig) -> torch.Tensor:
+    """o_proj(RMSNorm(o) * silu(x W_g)) for recurrence outputs o [B, T, Hv, Dv]."""
+    b, t, _ = x.shape
+    hv, dv = cfg.gdn_v_heads, cfg.gdn_value_dim
     gate = F.silu(linear(x, w[f"{prefix}.g_proj"])).view(b, t, hv, dv)
     o = rms_norm(o.to(x.dtype), w[f"{prefix}.o_norm"], cfg.rms_norm_eps)
     o = (o.float() * gate.float()).to(x.dtype)
-    return linear(o.reshape(b, t, hv * dv), w[f"{prefix}.o_proj"]), GdnRows(states, windows, keep_rows)
+    return linear(o.reshape(b, t, hv * dv), w[f"{prefix}.o_proj"])
+
+
+def _decode_in_place(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig,
+                     recurrent: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, GdnRows]:
+    """`gdn_layer`'s one-row forward committed in the caches (see its in_place)."""
+    if x.shape[1] != 1:
+        raise ValueError(f"an in-place GDN forward takes one row per sequence, not {x.shape[1]}")
+    q, k, v, log_decay, beta, windows = _project(x, w, prefix, cfg, conv.index_select(0, slots))
+    conv.index_copy_(0, slots, windows[:, :, 0, 1:].to(conv.dtype))
+    o = gdn_step(q[:, 0], k[:, 0], v[:, 0], log_decay[:, 0], beta[:, 0], recurrent, slots)
+    return _output(o[:, None], x, w, prefix, cfg), GdnRows.committed()
 
 
 def _recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,

@@ -6,7 +6,9 @@ h += ffn(norm(h)), where mixer is GDN or attention by cfg.layer_pattern and ffn 
 sparse MoE by cfg.mlp_kind(i) (`mlp_block`). Logits = lm_head(final_norm(h)).
 
 Invariant: `HybridModel.forward` writes K/V for the valid rows of the batch into the paged cache
-but never touches the GDN state cache; it returns per-row GDN states for the caller to commit.
+but never touches the GDN state cache; it returns per-row GDN states for the caller to commit --
+except for a batch marked gdn_in_place (a decode, whose single row is committed at once), whose GDN
+layers update the slots' states in place and return `GdnRows.committed()`.
 
 Captured layers: `forward(..., capture_layers=(l, ...))` returns in ForwardOutput.layer_hidden[l]
 the residual stream right after decoder layer l (0-based; pre final norm), [B, T, D]. In
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .attention import attention_layer
+from .attn_plan import SeqKeys
 from .config import ModelConfig
 from .gdn import GdnRows, GdnStateCache, gdn_layer
 from .moe import sparse_moe
@@ -47,6 +50,15 @@ class RowBatch:
     the paged Triton kernels (see kernel_paths.py). gdn_keep_rows None asks the GDN layers for the
     state after every row (a verify); a sorted tuple of rows asks for those states only (a forward
     whose rows are all committed: gdn_layer then takes the chunked form).
+
+    Optional host-built extras (the engine fills them; a batch without them takes the shape-static
+    paths): valid_rows [N] the flat indices b * T + t of the valid rows (the K/V write then needs no
+    boolean mask); attn the per-entry key plan (attn_plan.py: attention reads each sequence's keys
+    where they lie instead of a padded gather); logit_rows [R] the flat indices of the only rows
+    whose logits are wanted (a prefill reads one row of hundreds: the LM head is the largest
+    matrix of a small model). gdn_in_place (one row per sequence, all committed: a decode) makes the
+    GDN layers update the slots' states in the state cache as they run (gdn_layer's in_place), the
+    one exception to the invariant below.
     """
 
     tokens: torch.Tensor
@@ -57,12 +69,17 @@ class RowBatch:
     slots: torch.Tensor
     uniform: bool = False
     gdn_keep_rows: tuple[int, ...] | None = None
+    valid_rows: torch.Tensor | None = None
+    attn: tuple[SeqKeys, ...] | None = None
+    logit_rows: torch.Tensor | None = None
+    gdn_in_place: bool = False
 
 
 @dataclass
 class ForwardOutput:
-    """hidden [B, T, D] (pre final norm), logits [B, T, V], per GDN layer the per-row states, and the
-    residual stream after each requested decoder layer (see the module docstring)."""
+    """hidden [B, T, D] (pre final norm), logits [B, T, V] (or [R, V] for the batch's logit_rows), per
+    GDN layer the per-row states, and the residual stream after each requested decoder layer (see
+    the module docstring)."""
 
     hidden: torch.Tensor
     logits: torch.Tensor
@@ -104,19 +121,24 @@ class HybridModel:
         for i, kind in enumerate(cfg.layer_pattern):
             x = rms_norm(h, w[f"layers.{i}.input_norm"], cfg.rms_norm_eps)
             if kind == "gdn":
-                out, rows = gdn_layer(x, w, f"layers.{i}.gdn", cfg,
-                                      gdn.recurrent[gdn_index].index_select(0, batch.slots),
-                                      gdn.conv[gdn_index].index_select(0, batch.slots), batch.gdn_keep_rows)
+                if batch.gdn_in_place:
+                    out, rows = gdn_layer(x, w, f"layers.{i}.gdn", cfg, None, None,
+                                          in_place=(gdn.recurrent[gdn_index], gdn.conv[gdn_index], batch.slots))
+                else:
+                    out, rows = gdn_layer(x, w, f"layers.{i}.gdn", cfg,
+                                          gdn.recurrent[gdn_index].index_select(0, batch.slots),
+                                          gdn.conv[gdn_index].index_select(0, batch.slots), batch.gdn_keep_rows)
                 gdn_rows.append(rows)
                 gdn_index += 1
             else:
                 out = attention_layer(x, w, f"layers.{i}.attn", cfg=cfg, cache=kv, cache_layer=attn_index,
                                       positions=batch.positions, valid=batch.valid,
                                       write_index=batch.write_index, block_tables=batch.block_tables,
-                                      uniform=batch.uniform)
+                                      uniform=batch.uniform, valid_rows=batch.valid_rows, plan=batch.attn)
                 attn_index += 1
             h = h + out
             h = h + mlp_block(rms_norm(h, w[f"layers.{i}.post_norm"], cfg.rms_norm_eps), w, f"layers.{i}", cfg, i)
             if i in capture_layers:
                 layer_hidden[i] = h
-        return ForwardOutput(hidden=h, logits=self.lm_head(h), gdn_rows=gdn_rows, layer_hidden=layer_hidden)
+        read = h if batch.logit_rows is None else h.reshape(-1, h.shape[-1]).index_select(0, batch.logit_rows)
+        return ForwardOutput(hidden=h, logits=self.lm_head(read), gdn_rows=gdn_rows, layer_hidden=layer_hidden)

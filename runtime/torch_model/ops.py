@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fxsched.kernels import cpu_gemv
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) * weight over the last dim, computed in fp32 and cast back to x's dtype.
@@ -22,7 +24,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T for weight [out, in] (no bias anywhere in this model)."""
+    """x @ weight.T for weight [out, in] (no bias anywhere in this model).
+
+    A bf16 product of at most `cpu_gemv.MAX_ROWS` rows on the CPU (decode and verify) takes the
+    AVX512-BF16 kernel where it is ready (kernels/cpu_gemv.py: about twice F.linear's speed there);
+    everything else, and anything being traced by torch.compile, is F.linear.
+    """
+    if (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() >= 1
+            and x.numel() <= cpu_gemv.MAX_ROWS * x.shape[-1] and x.numel() > 0
+            and not torch.compiler.is_compiling() and cpu_gemv.ready()):
+        rows = cpu_gemv.gemv_bf16(x.reshape(-1, x.shape[-1]), weight)
+        return rows.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight)
 
 

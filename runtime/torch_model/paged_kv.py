@@ -8,6 +8,7 @@ only full, committed blocks are ever shared.
 
 from __future__ import annotations
 
+import re
 from typing import Sequence
 
 import torch
@@ -16,29 +17,59 @@ from .errors import OutOfBlocksError
 
 
 class BlockPool:
-    """Refcounted free-block pool; allocation hands out the lowest free ids first (deterministic)."""
+    """Refcounted block pool that keeps each sequence's blocks consecutive where it can.
+
+    Placement (deterministic): a sequence that grows (`after` = its last block) takes the blocks
+    right after it while they are free; any other request takes the largest free run -- from its
+    start when the run opens the pool or follows free space, else from its middle, so the sequence
+    before the run keeps half of it to grow into. A fresh pool therefore hands out 0, 1, 2, ...
+    Consecutive blocks let attention read a sequence's keys as a view of the cache
+    (attn_plan.py); when the pool is too full for that, any free block serves (attention then
+    gathers that sequence's blocks), so placement never refuses a request that fits.
+    """
+
+    _RUN = re.compile(b"\x01+")
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
         self._refcount = [0] * num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))  # pop() yields the lowest id
+        self._is_free = bytearray(b"\x01") * num_blocks
+        self._num_free = num_blocks
 
     def num_free(self) -> int:
         """Number of blocks with refcount 0."""
-        return len(self._free)
+        return self._num_free
 
     def refcount(self, block: int) -> int:
         """Current number of holders of `block`."""
         return self._refcount[block]
 
-    def allocate(self, n: int) -> list[int]:
-        """Take n free blocks (refcount 1 each); raise OutOfBlocksError, changing nothing, if fewer."""
-        if n > len(self._free):
-            raise OutOfBlocksError(f"need {n} KV blocks, only {len(self._free)} free "
+    def allocate(self, n: int, after: int | None = None) -> list[int]:
+        """Take n free blocks (refcount 1 each), placed as the class docstring says (`after`: the
+        last block of the sequence they extend); raise OutOfBlocksError, changing nothing, if fewer."""
+        if n > self._num_free:
+            raise OutOfBlocksError(f"need {n} KV blocks, only {self._num_free} free "
                                    f"(of {self.num_blocks}); reclaim cached blocks or free a slot")
-        blocks = [self._free.pop() for _ in range(n)]
+        blocks: list[int] = []
+        is_free = self._is_free
+        if after is not None:
+            nxt = after + 1
+            while len(blocks) < n and nxt < self.num_blocks and is_free[nxt]:
+                blocks.append(nxt)
+                nxt += 1
+        while len(blocks) < n:
+            start, end = max(((m.start(), m.end()) for m in self._RUN.finditer(is_free)),
+                             key=lambda r: (r[1] - r[0], -r[0]))
+            want = n - len(blocks)
+            if start > 0 and end - start > want:  # a maximal run after start 0 follows a used block
+                start += (end - start - want) // 2
+            blocks.extend(range(start, min(end, start + want)))
+            for b in blocks:
+                is_free[b] = 0
         for b in blocks:
+            is_free[b] = 0
             self._refcount[b] = 1
+        self._num_free -= n
         return blocks
 
     def incref(self, block: int) -> None:
@@ -48,12 +79,13 @@ class BlockPool:
         self._refcount[block] += 1
 
     def decref(self, block: int) -> None:
-        """Drop a holder; the block returns to the free list when its last holder drops it."""
+        """Drop a holder; the block returns to the free pool when its last holder drops it."""
         if self._refcount[block] <= 0:
             raise ValueError(f"decref of free block {block}")
         self._refcount[block] -= 1
         if self._refcount[block] == 0:
-            self._free.append(block)
+            self._is_free[block] = 1
+            self._num_free += 1
 
 
 class PagedKVCache:

@@ -1,0 +1,79 @@
+"""Where attention finds each sequence's keys in a forward: a plan built once on the host, read by
+every attention layer.
+
+A forward over B sequences writes the K/V of its new rows into the paged cache, then each query
+row attends over the keys of positions 0..its own position. The plan (`SeqKeys`, one per batch
+entry) says where those keys are, so that no layer gathers the whole context of the batch into a
+dense, padded tensor (the cost that dominated the old path at real sizes):
+
+* ``fresh`` -- the sequence had no committed tokens (a first prefill chunk): its keys are exactly
+  the forward's own new rows, so attention runs causally on them (top-left aligned, T == S) and
+  never reads the cache;
+* ``run`` -- the blocks holding positions 0..ctx-1 are consecutive block ids, so the keys are a
+  strided *view* of the cache: flat rows [flat_start, flat_start + ctx). The block pool places
+  each sequence's blocks to keep this the common case (paged_kv.BlockPool.allocate's ``after``);
+* ``gather`` -- anything else (a prefix-cache hit, a fragmented pool): one index_select of the
+  sequence's own blocks (never a padded batch-wide gather).
+
+A query row at position p may see keys 0..p. With several new rows and a committed prefix the
+alignment is bottom-right, so those get an explicit boolean mask [rows, ctx]; a single row sees
+every key and needs none.
+
+The plan is host data computed from the engine's bookkeeping before the forward (Python ints the
+engine already holds), so building it costs no device synchronisation. The traceable path
+(`attention.paged_attention`, used when a batch carries no plan) needs none of it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+__all__ = ["SeqKeys", "plan_keys"]
+
+
+@dataclass(frozen=True)
+class SeqKeys:
+    """Batch entry b's attention keys: rows new rows from position start (ctx = start + rows keys)."""
+
+    rows: int
+    start: int
+    source: str  # "fresh" | "run" | "gather"
+    flat_start: int = 0  # "run": flat cache row of position 0
+    blocks: torch.Tensor | None = None  # "gather": the block ids holding positions 0..ctx-1
+    mask: torch.Tensor | None = None  # [rows, ctx] bool (True = may attend) when rows > 1 and start > 0
+
+    @property
+    def ctx(self) -> int:
+        """Keys the sequence's last new row sees."""
+        return self.start + self.rows
+
+
+def _consecutive(table: Sequence[int], blocks: int) -> bool:
+    first = table[0]
+    return all(table[i] == first + i for i in range(1, blocks))
+
+
+def plan_keys(block_tables: Sequence[Sequence[int]], starts: Sequence[int], rows: Sequence[int],
+              block_size: int, device: torch.device) -> tuple[SeqKeys, ...]:
+    """The plan of a forward whose entry b adds rows[b] rows at starts[b] to a sequence whose
+    block table (covering start + rows positions) is block_tables[b]."""
+    plan = []
+    for table, start, n in zip(block_tables, starts, rows, strict=True):
+        ctx = start + n
+        if start == 0:
+            plan.append(SeqKeys(n, 0, "fresh"))
+            continue
+        mask = None
+        if n > 1:
+            mask = (torch.arange(ctx, device=device)[None, :]
+                    <= torch.arange(start, ctx, device=device)[:, None])
+        blocks = -(-ctx // block_size)
+        if _consecutive(table, blocks):
+            plan.append(SeqKeys(n, start, "run", flat_start=table[0] * block_size, mask=mask))
+        else:
+            ids = torch.tensor(list(table[:blocks]), dtype=torch.long, device=device)
+            plan.append(SeqKeys(n, start, "gather", blocks=ids, mask=mask))
+    return tuple(plan)
