@@ -51,6 +51,23 @@ from .weights import Weights, init_weights, load_weights, torch_dtype
 log = structlog.get_logger("fxsched.torch_model")
 
 
+def send_ints(fields: Sequence[Sequence[int]], device: torch.device) -> list[torch.Tensor]:
+    """int64 tensors on `device` of each host list, moved in one copy: the lists are packed into
+    one host buffer (pinned for CUDA, so the copy does not block the host), copied once, and each
+    result is a view of the device buffer. A forward's inputs thus cost one transfer, not one per
+    tensor."""
+    flat = [v for f in fields for v in f]
+    host = torch.tensor(flat, dtype=torch.long)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    buf = host.to(device, non_blocking=True)
+    out, at = [], 0
+    for f in fields:
+        out.append(buf[at:at + len(f)])
+        at += len(f)
+    return out
+
+
 def _in_cache(out: ForwardOutput) -> bool:
     """Whether the forward committed its GDN states in the cache itself (gdn_layer's in_place)."""
     return bool(out.gdn_rows) and out.gdn_rows[0].in_cache
@@ -324,9 +341,9 @@ class HybridEngine:
     def _row_batch(self, slots: Sequence[int], states: Sequence[SlotState],
                    token_lists: Sequence[Sequence[int]], keep_rows: tuple[int, ...] | None = None,
                    last_logits: bool = False) -> RowBatch:
-        """The forward's batch, built from host lists in one pass and moved with one copy per
-        tensor; with last_logits only each entry's last row gets logits (a committed forward: the
-        caller reads nothing else)."""
+        """The forward's batch, built from host lists in one pass and moved to the device in one
+        packed copy (`send_ints`); with last_logits only each entry's last row gets logits (a
+        committed forward: the caller reads nothing else)."""
         b, t = len(slots), max(len(toks) for toks in token_lists)
         nb = max(len(s.block_table) for s in states)
         bs = self.cfg.block_size
@@ -343,18 +360,20 @@ class HybridEngine:
         dev = self.device
         lengths = [len(toks) for toks in token_lists]
         uniform = all(n == t for n in lengths)
-        tokens_t = torch.tensor(tokens, dtype=torch.long).view(b, t)
-        positions_t = torch.tensor(positions, dtype=torch.long).view(b, t)
-        valid = (torch.arange(t)[None, :] < torch.tensor(lengths)[:, None])
-        plan = plan_keys([s.block_table for s in states], [s.seq_len for s in states], lengths, bs, dev)
-        logit_rows = None
+        fields = [tokens, positions, tables, write, list(slots), lengths]
+        if not uniform:
+            fields.append(valid_rows)
         if last_logits:
-            logit_rows = torch.tensor([i * t + n - 1 for i, n in enumerate(lengths)], dtype=torch.long, device=dev)
-        return RowBatch(tokens_t.to(dev), positions_t.to(dev), valid.to(dev), torch.tensor(write, device=dev),
-                        torch.tensor(tables, dtype=torch.long).view(b, nb).to(dev),
-                        torch.tensor(list(slots), dtype=torch.long, device=dev), uniform, keep_rows,
-                        valid_rows=None if uniform else torch.tensor(valid_rows, dtype=torch.long, device=dev),
-                        attn=plan, logit_rows=logit_rows)
+            fields.append([i * t + n - 1 for i, n in enumerate(lengths)])
+        sent = send_ints(fields, dev)
+        tokens_t, positions_t, tables_t, write_t, slots_t, lengths_t = sent[:6]
+        extra = iter(sent[6:])
+        valid_t = None if uniform else next(extra)
+        logit_rows = next(extra) if last_logits else None
+        valid = torch.arange(t, device=dev)[None, :] < lengths_t[:, None]
+        plan = plan_keys([s.block_table for s in states], [s.seq_len for s in states], lengths, bs, dev)
+        return RowBatch(tokens_t.view(b, t), positions_t.view(b, t), valid, write_t, tables_t.view(b, nb), slots_t,
+                        uniform, keep_rows, valid_rows=valid_t, attn=plan, logit_rows=logit_rows)
 
     @torch.no_grad()
     def prefill(self, slot: int, tokens: Sequence[int]) -> torch.Tensor:
