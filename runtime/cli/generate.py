@@ -86,6 +86,29 @@ def _add_model_arguments(p: argparse.ArgumentParser, what: str = "") -> None:
                    help=f"context length to allocate for a --model checkpoint (default: the loader's){what}")
     p.add_argument("--draft-model", metavar="DIR", default=None,
                    help=f"a DFlash drafter directory for a --model checkpoint (--spec dflash){what}")
+    add_kv_memory_argument(p, what)
+
+
+def add_kv_memory_argument(p: argparse.ArgumentParser, what: str = "") -> None:
+    p.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
+                   help=f"memory for the KV cache of a --model checkpoint, e.g. 2GiB, 512MiB or bytes (default: "
+                        f"every slot at the context length, at most 4 GiB){what}")
+
+
+_SIZE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(i?)B?", re.IGNORECASE)
+
+
+def parse_size(text: str, name: str) -> int:
+    """Bytes of a size such as 4GiB, 512MiB, 2G, 1.5GB or 1048576 (K/M/G/T: powers of 1024 with or
+    without i, as vLLM reads them); UsageError naming the flag otherwise."""
+    match = _SIZE.fullmatch(text.strip())
+    if match is None:
+        raise UsageError(f"{name} {text}: not a size (give bytes or a number with KiB, MiB, GiB or TiB)")
+    number, unit = float(match.group(1)), match.group(2).upper()
+    size = int(number * 1024 ** "KMGT".find(unit) * 1024) if unit else int(number)
+    if size < 1:
+        raise UsageError(f"{name} {text}: must be positive")
+    return size
 
 
 def add_generate_command(sub) -> None:
@@ -234,6 +257,7 @@ class ModelChoice:
     dtype: Optional[str] = None
     max_seq_len: Optional[int] = None
     draft_model: Optional[str] = None
+    kv_cache_memory: Optional[int] = None
     default: bool = False  # `model` is the embedded default model (no --model / --weights given)
     ep_ranks: int = 1  # > 1: a --model checkpoint is loaded as rank 0's expert shard (runtime/cli/ep.py)
 
@@ -261,6 +285,8 @@ def _model_choice(args) -> ModelChoice:
             raise UsageError(f"--dtype {dtype}: only for a --model checkpoint (the internal model runs in float32)")
         if max_seq_len is not None:
             raise UsageError(f"--max-seq-len {max_seq_len}: only for a --model checkpoint")
+        if getattr(args, "kv_cache_memory", None) is not None:
+            raise UsageError(f"--kv-cache-memory {args.kv_cache_memory}: only for a --model checkpoint")
         if draft_model is not None:
             raise UsageError(f"--draft-model {draft_model}: only for a --model checkpoint")
         return ModelChoice(weights=weights)
@@ -270,8 +296,11 @@ def _model_choice(args) -> ModelChoice:
     if draft_model is not None and not Path(draft_model).is_dir():
         raise UsageError(f"--draft-model {draft_model}: no such directory")
     length = _int(max_seq_len, "--max-seq-len", 16) if max_seq_len is not None else None
+    kv_text = getattr(args, "kv_cache_memory", None)
+    kv_memory = parse_size(kv_text, "--kv-cache-memory") if kv_text is not None else None
     ranks = getattr(args, "ep_ranks", 1)
-    return ModelChoice(model=model, dtype=dtype, max_seq_len=length, draft_model=draft_model, default=default,
+    return ModelChoice(model=model, dtype=dtype, max_seq_len=length, draft_model=draft_model,
+                       kv_cache_memory=kv_memory, default=default,
                        ep_ranks=ranks if isinstance(ranks, int) else 1)
 
 
@@ -314,11 +343,16 @@ def _pretrained(choice: ModelChoice, device: str):
         kwargs["max_seq_len"] = choice.max_seq_len
     if choice.draft_model is not None:
         kwargs["draft_model"] = choice.draft_model
+    if choice.kv_cache_memory is not None:
+        kwargs["kv_cache_memory"] = choice.kv_cache_memory
     if choice.ep_ranks > 1:
         kwargs["expert_shard"] = (0, choice.ep_ranks)
     try:
         return from_pretrained(choice.model, **kwargs)
     except TorchModelError as err:  # ModelDirError among them: the message names the file
+        if getattr(err, "field", None) == "kv_cache_memory":
+            raise UsageError(f"--kv-cache-memory {choice.kv_cache_memory}: {choice.label} needs "
+                             f"{getattr(err, 'expected', '')}") from None
         if getattr(err, "field", None) == "expert_shard":
             expected = getattr(err, "expected", "")
             raise UsageError(f"--ep-ranks {choice.ep_ranks}: {choice.label} takes {expected}") from None

@@ -25,7 +25,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from fxsched.runtime.cli.generate import DTYPES, UsageError, _int, _reporting
+from fxsched.runtime.cli.generate import DTYPES, UsageError, _int, _reporting, add_kv_memory_argument
 
 DEFAULT_PORT = 8000
 
@@ -40,6 +40,7 @@ def add_serve_command(sub) -> None:
     p.add_argument("--dtype", default=None, metavar="{" + ",".join(DTYPES) + "}",
                    help="weights and compute dtype of a --model checkpoint (default: the checkpoint's)")
     p.add_argument("--max-seq-len", default=None, metavar="N", help="context length to allocate for --model")
+    add_kv_memory_argument(p)
     p.add_argument("--draft-model", metavar="DIR", default=None,
                    help="a DFlash drafter directory (--spec dflash; the default model has no drafter of its own)")
     p.add_argument("--tokenizer", metavar="DIR", help="a directory with tokenizer.json (default: the model's)")

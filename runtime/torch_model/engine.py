@@ -151,17 +151,19 @@ class HybridEngine:
     def from_pretrained(cls, model_dir: str | Path, *, device: str | torch.device = "cpu", dtype: str | None = None,
                         max_seq_len: int | None = None, max_slots: int = 16, num_blocks: int | None = None,
                         block_size: int = 16, draft_model: str | Path | None = None,
-                        expert_shard: tuple[int, int] | None = None) -> "HybridEngine":
+                        expert_shard: tuple[int, int] | None = None,
+                        kv_cache_memory: int | None = None) -> "HybridEngine":
         """Engine over a Hugging Face checkpoint directory (see hf_checkpoint.load_pretrained, whose
         arguments these are; a bad directory raises ModelDirError). draft_model: a DFlash drafter
         directory (public format, see hf_drafters.load_dflash_drafter) to draft with. expert_shard:
         (rank, world) of an expert-parallel run: only rank's experts are loaded, and the MoE layers
-        need the run's group bound to them (runtime/ep/experts.py) before a forward."""
+        need the run's group bound to them (runtime/ep/experts.py) before a forward. kv_cache_memory:
+        the KV cache's budget in bytes (hf_checkpoint.kv_blocks), instead of num_blocks."""
         from .hf_checkpoint import load_pretrained
 
         cfg, weights = load_pretrained(model_dir, device=device, dtype=dtype, max_seq_len=max_seq_len,
                                        max_slots=max_slots, num_blocks=num_blocks, block_size=block_size,
-                                       expert_shard=expert_shard)
+                                       expert_shard=expert_shard, kv_cache_memory=kv_cache_memory)
         return cls(cfg, weights, device, draft_model=draft_model)
 
     # ---- slots --------------------------------------------------------------------------------

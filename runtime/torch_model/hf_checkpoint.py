@@ -50,6 +50,7 @@ same config (up to runtime sizes) and bit-identical weights.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
@@ -63,7 +64,7 @@ from safetensors import SafetensorError, safe_open
 from .config import DTYPES, ModelConfig
 from .errors import ConfigError, ModelDirError
 from .moe import ExpertShard, expert_bounds, moe_prefixes
-from .weights import Weights, check_weights, param_dtype, param_shapes
+from .weights import Weights, check_weights, param_dtype, param_shapes, torch_dtype
 
 log = structlog.get_logger("fxsched.torch_model.hf_checkpoint")
 
@@ -78,23 +79,30 @@ ARCHITECTURES: dict[str, str] = {
 }
 HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")  # GDN + gated attention, zero-centred norms
 DEFAULT_MAX_SEQ_LEN = 4096
+DEFAULT_KV_CACHE_MEMORY = 4 * 1024 ** 3  # the KV budget without --kv-cache-memory (vLLM's CPU default too)
 INDEX_FILE = "model.safetensors.index.json"
 _VISION_PREFIXES = ("model.visual.", "visual.")  # a Qwen3.5 composite checkpoint's vision tower: skipped
 
 
 def load_pretrained(model_dir: str | Path, *, device: str | torch.device = "cpu", dtype: str | None = None,
                     max_seq_len: int | None = None, max_slots: int = 16, num_blocks: int | None = None,
-                    block_size: int = 16, expert_shard: tuple[int, int] | None = None) -> tuple[ModelConfig, Weights]:
+                    block_size: int = 16, expert_shard: tuple[int, int] | None = None,
+                    kv_cache_memory: int | None = None) -> tuple[ModelConfig, Weights]:
     """(config, canonical weights on `device`) of the checkpoint in `model_dir`.
 
     dtype: "float32" / "bfloat16" / "float16" (default: the checkpoint's `dtype` / `torch_dtype`, else
     float32). Runtime sizes: max_seq_len (default min(max_position_embeddings, 4096)), max_slots,
-    block_size, num_blocks (default: enough blocks for every slot at max_seq_len).
+    block_size, and the KV cache's blocks: num_blocks, or as many as kv_cache_memory bytes hold
+    (`kv_blocks`; default: enough for every slot at max_seq_len, within DEFAULT_KV_CACHE_MEMORY).
     expert_shard: (rank, world) keeps only rank's experts of each MoE layer (see the module
     docstring; a model without MoE layers, or world 1, loads whole). More ranks than experts per
     layer raise ConfigError (field 'expert_shard').
     """
     root, cfg, family, shards = _open(model_dir, dtype, max_seq_len, max_slots, num_blocks, block_size)
+    if num_blocks is None:
+        cfg = dataclasses.replace(cfg, num_blocks=kv_blocks(cfg, kv_cache_memory))
+    elif kv_cache_memory is not None:
+        raise ConfigError("kv_cache_memory", "no value when num_blocks is given", kv_cache_memory)
     converter = _Converter(cfg, family, shards, _bounds(cfg, expert_shard), device)
     weights = converter.convert()
     check_weights(weights, cfg, str(root))  # the converter's output is complete by construction
@@ -104,6 +112,34 @@ def load_pretrained(model_dir: str | Path, *, device: str | torch.device = "cpu"
     log.debug("loaded_checkpoint", path=str(root), architecture=cfg.architecture, dtype=cfg.dtype,
               tensors=len(moved), mtp_layers=cfg.mtp_layers, expert_shard=expert_shard)
     return cfg, moved
+
+
+def kv_block_bytes(cfg: ModelConfig) -> int:
+    """Bytes of one KV block: keys and values of block_size positions in every attention layer."""
+    itemsize = torch.empty(0, dtype=torch_dtype(cfg)).element_size()
+    return len(cfg.attn_layers) * 2 * cfg.block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def kv_blocks(cfg: ModelConfig, kv_cache_memory: int | None) -> int:
+    """The KV cache's blocks for a memory budget in bytes (as vLLM's kv_cache_memory_bytes): as many
+    as fit, at least one sequence of max_seq_len (ConfigError 'kv_cache_memory' otherwise). Without
+    a budget: every slot at max_seq_len, but no more than DEFAULT_KV_CACHE_MEMORY holds (a
+    reservation for the worst case would be 7 GiB for a 1 GiB model at 16 slots x 4096 tokens; the
+    scheduler queues or preempts when the blocks run out, as in vLLM)."""
+    per_block = kv_block_bytes(cfg)
+    one_sequence = -(-cfg.max_seq_len // cfg.block_size)
+    if per_block == 0:  # no attention layer: the pool only counts positions
+        return cfg.max_slots * one_sequence
+    if kv_cache_memory is None:
+        return max(one_sequence, min(cfg.max_slots * one_sequence, DEFAULT_KV_CACHE_MEMORY // per_block))
+    if isinstance(kv_cache_memory, bool) or not isinstance(kv_cache_memory, int) or kv_cache_memory < 1:
+        raise ConfigError("kv_cache_memory", "a positive number of bytes", kv_cache_memory)
+    blocks = kv_cache_memory // per_block
+    if blocks < one_sequence:
+        raise ConfigError("kv_cache_memory", f"at least {one_sequence * per_block} bytes ({one_sequence} blocks of "
+                                             f"{per_block} bytes: one sequence of max_seq_len {cfg.max_seq_len})",
+                          kv_cache_memory)
+    return blocks
 
 
 def load_expert_shards(model_dir: str | Path, rank: int, world: int, *, device: str | torch.device = "cpu",

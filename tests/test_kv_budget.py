@@ -1,0 +1,77 @@
+"""The KV cache sized from a memory budget (`--kv-cache-memory`, hf_checkpoint.kv_blocks).
+
+A block holds keys and values of block_size positions in every attention layer, so a budget of B
+bytes holds B // (attention layers * 2 * block_size * kv heads * head dim * bytes per element)
+blocks; the expected counts below are worked out from the checkpoint's config.json, not from the
+loader.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from support.hf_tiny import build
+
+from fxsched.runtime.torch_model import ConfigError, HybridEngine, load_pretrained
+from fxsched.runtime.torch_model import hf_checkpoint
+
+ARGS = {"max_seq_len": 32, "max_slots": 2, "block_size": 4}
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("kv_budget") / "qwen3_5"
+    build("Qwen3_5ForCausalLM", path)
+    return path
+
+
+def _block_bytes(path: Path, dtype_bytes: int = 4) -> int:
+    config = json.loads((path / "config.json").read_text())
+    text = config.get("text_config", config)
+    attn_layers = sum(1 for kind in text["layer_types"] if kind == "full_attention")
+    return attn_layers * 2 * ARGS["block_size"] * text["num_key_value_heads"] * text["head_dim"] * dtype_bytes
+
+
+def test_budget_sets_the_number_of_blocks(ckpt):
+    per_block = _block_bytes(ckpt)
+    cfg, _ = load_pretrained(ckpt, dtype="float32", kv_cache_memory=per_block * 37 + per_block // 2, **ARGS)
+    assert cfg.num_blocks == 37
+    engine = HybridEngine.from_pretrained(ckpt, dtype="float32", kv_cache_memory=per_block * 20, **ARGS)
+    assert engine.num_free_blocks() == 20 and engine.kv.k[0].shape[0] == 20
+    half, _ = load_pretrained(ckpt, dtype="bfloat16", kv_cache_memory=per_block * 20, **ARGS)
+    assert half.num_blocks == 40  # bf16 blocks are half the size
+
+
+def test_budget_below_one_sequence_is_refused(ckpt):
+    per_block = _block_bytes(ckpt)
+    one_sequence = ARGS["max_seq_len"] // ARGS["block_size"]
+    with pytest.raises(ConfigError, match="kv_cache_memory.*one sequence of max_seq_len 32"):
+        load_pretrained(ckpt, dtype="float32", kv_cache_memory=per_block * one_sequence - 1, **ARGS)
+    with pytest.raises(ConfigError, match="kv_cache_memory"):
+        load_pretrained(ckpt, kv_cache_memory=1024, num_blocks=8, **ARGS)
+
+
+def test_default_reserves_every_slot_within_the_default_budget(ckpt, monkeypatch):
+    per_block = _block_bytes(ckpt)
+    cfg, _ = load_pretrained(ckpt, dtype="float32", **ARGS)
+    assert cfg.num_blocks == ARGS["max_slots"] * ARGS["max_seq_len"] // ARGS["block_size"]
+    monkeypatch.setattr(hf_checkpoint, "DEFAULT_KV_CACHE_MEMORY", per_block * 10)
+    capped, _ = load_pretrained(ckpt, dtype="float32", **ARGS)
+    assert capped.num_blocks == 10
+
+
+@pytest.mark.parametrize("value,message", [
+    ("lots", "--kv-cache-memory lots: not a size"),
+    ("1KiB", "--kv-cache-memory 1024: --model"),
+])
+def test_cli_refuses_a_bad_budget_in_one_line(ckpt, value, message):
+    out = subprocess.run([sys.executable, "-m", "fxsched.runtime.cli", "generate", "--model", str(ckpt),
+                          "--prompt-ids", "1 2 3", "--max-tokens", "2", "--kv-cache-memory", value, "--no-progress"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], out.stderr
