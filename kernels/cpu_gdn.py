@@ -51,10 +51,11 @@ def _pool(threads: int) -> ThreadPoolExecutor:
 def gdn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
              state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """`gdn_step_reference`'s result and state update, by the C kernel where it applies."""
+    if torch.compiler.is_compiling():  # traced: the reference's ops are the graph
+        return gdn_step_reference(q, k, v, g, beta, state, slots)
     lib = _library()
     if (lib is None or state.device.type != "cpu" or state.dtype not in (torch.bfloat16, torch.float32)
-            or not state.is_contiguous() or state.dim() != 4 or v.shape[-1] > 1024
-            or torch.compiler.is_compiling()):
+            or not state.is_contiguous() or state.dim() != 4 or v.shape[-1] > 1024):
         return gdn_step_reference(q, k, v, g, beta, state, slots)
     b, h, dk = k.shape
     dv = v.shape[-1]

@@ -267,16 +267,12 @@ class HybridEngine:
         return self.prefix.reclaim(n)
 
     # ---- forward ------------------------------------------------------------------------------
-    def _forward(self, slots: Sequence[int], token_lists: Sequence[Sequence[int]],
-                 commit_all: bool = False, in_place: bool = False) -> ForwardOutput:
-        """Validate, allocate blocks (all or nothing), run the model; records pending + captured rows.
-
-        commit_all promises that every row will be committed (a prefill chunk, a mixed or batched
-        prefill): the GDN layers then keep only the states a commit can read (each sequence's block
-        boundaries and last row, see _commit_rows) and run the chunked form, never T per-row states.
-        in_place (one row per slot, committed by the caller right after: a decode) lets the GDN
-        layers update the slots' states in the cache as they run (RowBatch.gdn_in_place).
-        """
+    def prepare(self, slots: Sequence[int], token_lists: Sequence[Sequence[int]], *, commit_all: bool = False,
+                in_place: bool = False, static: bool = False) -> RowBatch:
+        """Validate a forward's rows, allocate their blocks (all or nothing) and build its batch
+        (see _forward for commit_all and in_place). static leaves out the host-built attention plan,
+        so the forward takes only shape-static paths: the form a CUDA graph or
+        torch.compile(fullgraph=True) captures whole (tests/test_traceable_forward.py)."""
         if len(slots) != len(token_lists):
             raise ValueError(f"{len(slots)} slots but {len(token_lists)} token lists")
         if not slots:
@@ -297,6 +293,22 @@ class HybridEngine:
         keep = self._commit_rows(states, token_lists) if commit_all else None
         batch = self._row_batch(slots, states, token_lists, keep, last_logits=commit_all)
         batch.gdn_in_place = in_place
+        if static:
+            batch.attn = None
+        return batch
+
+    def _forward(self, slots: Sequence[int], token_lists: Sequence[Sequence[int]],
+                 commit_all: bool = False, in_place: bool = False) -> ForwardOutput:
+        """Validate, allocate blocks (all or nothing), run the model; records pending + captured rows.
+
+        commit_all promises that every row will be committed (a prefill chunk, a mixed or batched
+        prefill): the GDN layers then keep only the states a commit can read (each sequence's block
+        boundaries and last row, see _commit_rows) and run the chunked form, never T per-row states.
+        in_place (one row per slot, committed by the caller right after: a decode) lets the GDN
+        layers update the slots' states in the cache as they run (RowBatch.gdn_in_place).
+        """
+        batch = self.prepare(slots, token_lists, commit_all=commit_all, in_place=in_place)
+        states = [self._slot(s) for s in slots]
         drafter = self.dflash if isinstance(self.dflash, PublishedDFlash) else None
         out = self.model.forward(batch, self.kv, self.gdn,
                                  capture_layers=drafter.target_layer_ids if drafter is not None else ())
