@@ -23,7 +23,7 @@ import torch
 
 from ._cpu import load
 
-__all__ = ["gdn_step", "gdn_step_reference"]
+__all__ = ["gdn_step", "gdn_step_reference", "ready"]
 
 
 def gdn_step_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -41,6 +41,11 @@ def gdn_step_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
 def _library() -> ctypes.CDLL | None:
     return load("cpu_gdn", {"fx_gdn_step": [ctypes.c_void_p] * 6 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
                             + [ctypes.c_int64] * 6})
+
+
+def ready() -> bool:
+    """Whether the compiled kernel is in use on this host (compiles it on the first call)."""
+    return _library() is not None
 
 
 @functools.cache

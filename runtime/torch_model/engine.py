@@ -38,7 +38,7 @@ from .drafters import DFlashDrafter, MtpHead
 from .errors import OutOfBlocksError, SlotError
 from .gdn import GdnSnapshot, GdnStateCache
 from .hf_drafters import PublishedDFlash, PublishedMtp, load_dflash_drafter
-from .kernel_paths import gdn_fold_kernel_applies
+from .kernel_paths import gdn_decode_in_place, gdn_fold_kernel_applies
 from .attn_plan import plan_keys
 from .model import ForwardOutput, HybridModel, RowBatch
 from .ops import rms_norm
@@ -448,7 +448,7 @@ class HybridEngine:
     @torch.no_grad()
     def decode_batch(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
         """Append and commit one token per slot; returns logits [B, V] for the next position."""
-        out = self._forward(slots, [[t] for t in tokens], in_place=True)
+        out = self._forward(slots, [[t] for t in tokens], in_place=gdn_decode_in_place(self.device))
         self.gdn_fold_accepted(slots, [1] * len(slots))
         return out.logits[:, 0]
 

@@ -21,6 +21,11 @@ Wired hot spots (the torch code stays as the fallback and is what runs on a plai
   batches keep the torch path (masked dense attention over the gathered blocks).
 * `gdn_fold` -- `HybridEngine.gdn_fold_accepted`, i.e. every commit (prefill chunks, decode, verify +
   fold, `commit_accepted_prefix`); `gdn_fold_reference` (the same gather/scatter copy) otherwise.
+
+The CPU kernels (C, `fxsched.kernels.cpu_gemv` / `cpu_gdn`) follow the opposite rule: they serve CPU
+engines unless Triton was asked for there (FXSCHED_KERNELS=triton) or FXSCHED_KERNELS=torch. A
+decode on such an engine updates the GDN states in place (`gdn_decode_in_place`: gdn.gdn_layer's
+in_place, by `cpu_gdn.gdn_step`) instead of the recurrence above plus `gdn_fold`.
 """
 
 from __future__ import annotations
@@ -29,13 +34,15 @@ import os
 
 import torch
 
+from fxsched.kernels import cpu_gdn
 from fxsched.kernels import gated_delta as _gated_delta
 from fxsched.kernels import gdn_fold as _gdn_fold
 from fxsched.kernels import paged_attention as _paged_attention
 from fxsched.kernels import paged_kv_append as _paged_kv_append
 from fxsched.kernels._triton import use_triton
 
-__all__ = ["attention_kernels_apply", "gdn_fold_kernel_applies", "gdn_recurrence_kernel_applies"]
+__all__ = ["attention_kernels_apply", "gdn_decode_in_place", "gdn_fold_kernel_applies",
+           "gdn_recurrence_kernel_applies"]
 
 
 def _device_opted_in(tensor: torch.Tensor) -> bool:
@@ -58,3 +65,8 @@ def gdn_recurrence_kernel_applies(*tensors: torch.Tensor) -> bool:
 def gdn_fold_kernel_applies(*tensors: torch.Tensor) -> bool:
     """Whether `gdn_fold` runs as a Triton kernel for these tensors."""
     return _device_opted_in(tensors[0]) and use_triton(*tensors, kernel=_gdn_fold._gather_rows_to_slots_kernel)
+
+
+def gdn_decode_in_place(device: torch.device) -> bool:
+    """Whether a decode on an engine on `device` updates its GDN states in place (the CPU kernel)."""
+    return device.type == "cpu" and not _device_opted_in(torch.empty(0)) and cpu_gdn.ready()
