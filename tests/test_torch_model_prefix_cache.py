@@ -170,3 +170,27 @@ def test_prefix_cache_rejected_prompt_leaves_slot_empty():
     assert engine.seq_len(0) == 0 and engine.block_table(0) == [] and engine.num_free_blocks() == free
     engine.prefill(0, prompt)
     assert engine.cached_prompt_tokens(0) == 32
+
+
+@pytest.mark.parametrize("every", [2, 3])
+def test_gdn_snapshots_every_few_blocks_resume_from_the_deepest_one(reference_engine, every):
+    """With GDN snapshots every `every` blocks, a repeated prompt resumes from the deepest cached block
+    that has one (the blocks between are cached for their KV but hold no state) and still gives the
+    uncached output; the sequence held a snapshot only at those boundaries."""
+    engine = HybridEngine(dataclasses.replace(default_config(), gdn_snapshot_every=every))
+    assert engine.cfg.gdn_snapshot_blocks == every
+    prompt = random_prompts(23, 1, engine.cfg.vocab_size, 90, 90)[0]
+    expected = reference_engine.greedy_generate(prompt, MAX_TOKENS)
+    out = engine.greedy_generate(prompt, MAX_TOKENS, slot=0, free_slot=False)
+    assert out == expected
+    full = engine.seq_len(0) // 16
+    assert sorted(engine.slot_state(0).boundary_states) == [k for k in range(1, full + 1) if k % every == 0]
+    engine.cache_sequence(0)
+    engine.free(0)
+    assert engine.num_cached_blocks() == full // every * every
+    again = engine.greedy_generate(prompt, MAX_TOKENS, slot=3, free_slot=False)
+    usable = (90 - 1) // 16  # at least one prompt token is recomputed
+    assert engine.cached_prompt_tokens(3) == usable // every * every * 16
+    assert again == expected
+    assert _blocks_accounted(engine)
+    engine.free(3)

@@ -65,6 +65,7 @@ class ModelConfig:
     num_blocks: int = 256
     max_slots: int = 16
     max_seq_len: int = 512
+    gdn_snapshot_every: int = 0  # blocks between prefix-cache GDN snapshots; 0: gdn_snapshot_blocks decides
     # misc
     rms_norm_eps: float = 1e-6
     seed: int = 0
@@ -133,6 +134,26 @@ class ModelConfig:
     def stop_ids(self) -> tuple[int, ...]:
         """eos_id followed by the extra eos_ids (duplicates removed, order kept)."""
         return tuple(dict.fromkeys((self.eos_id, *self.eos_ids)))
+
+    @property
+    def gdn_snapshot_blocks(self) -> int:
+        """Every how many KV blocks a sequence keeps a GDN state snapshot for the prefix cache.
+
+        A snapshot (every GDN layer's recurrent and conv state) is per sequence, not per position:
+        at real sizes one outweighs dozens of KV blocks (Qwen3.5 0.6B-like: 9.4 MB against 0.2 MB a
+        block), and snapshotting every block cost more memory than the KV cache and much of a
+        prompt's prefill time. So snapshots are taken every N blocks, N making them cost about as
+        much memory as the blocks they cover; a cache hit then resumes from the last snapshotted
+        block. 1 for models without GDN layers or with small states (under 1 MiB); gdn_snapshot_every
+        sets N outright.
+        """
+        if self.gdn_snapshot_every > 0:
+            return self.gdn_snapshot_every
+        itemsize = 4 if self.dtype == "float32" else 2
+        state = len(self.gdn_layers) * (self.gdn_v_heads * self.gdn_key_dim * self.gdn_value_dim
+                                        + self.gdn_conv_channels * (self.conv_width - 1)) * itemsize
+        block = max(1, len(self.attn_layers) * 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize)
+        return 1 if state < 2 ** 20 else max(1, -(-state // block))
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -215,6 +236,9 @@ def _validate(cfg: ModelConfig) -> None:
             raise ConfigError(name, "a positive integer", value)
     if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or cfg.seed < 0:
         raise ConfigError("seed", "a non-negative integer", cfg.seed)
+    every = cfg.gdn_snapshot_every
+    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+        raise ConfigError("gdn_snapshot_every", "a non-negative integer (0: by the state's size)", every)
     if not isinstance(cfg.mtp, bool):
         raise ConfigError("mtp", "a boolean (true/false)", cfg.mtp)
     if isinstance(cfg.conv_width, bool) or not isinstance(cfg.conv_width, int) or cfg.conv_width < 2:

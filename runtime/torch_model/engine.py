@@ -10,7 +10,8 @@ seq_len by the accepted prefix and copies in the GDN state after the last accept
 Invariants after every public call:
   * a slot holds exactly ceil(seq_len / block_size) blocks, except between a verify and its commit;
   * the GDN state of a slot equals (up to fp32 rounding) the state after running tokens(slot) from zero;
-  * boundary_states[k] is the GDN state when seq_len was k * block_size (for the prefix cache);
+  * boundary_states[k] is the GDN state when seq_len was k * block_size, for every k that is a
+    multiple of cfg.gdn_snapshot_blocks (for the prefix cache);
   * hidden_history[slot, :seq_len] are the target's final hidden rows (pre-norm) of tokens(slot);
   * with a checkpoint DFlash drafter (`draft_model`), dflash_features[slot, :seq_len] are its context
     features of tokens(slot), and every cached prefix block has its rows in _block_features.
@@ -106,6 +107,11 @@ class HybridEngine:
         dtype = torch_dtype(cfg)  # KV / GDN caches and hidden rows are kept in the model's dtype
         if self.device.type == "cuda" and dtype == torch.float32:
             torch.backends.cuda.matmul.allow_tf32 = True
+        if self.device.type == "cpu":
+            # GDN decays drive states and chunk terms through subnormal floats (exp of a large
+            # negative log-decay sum), which x86 computes ~100x slower: flushing them to zero took
+            # a 512-token Qwen3.5 prefill from 7.6 to 4.2 s. Values below 1e-38 change no logit.
+            torch.set_flush_denormal(True)
         weights = weights if weights is not None else init_weights(cfg, self.device)
         self.model = HybridModel(cfg, {n: t.to(self.device) for n, t in weights.items()})
         self.pool = BlockPool(cfg.num_blocks)
@@ -344,12 +350,12 @@ class HybridEngine:
         state); None (every row) when the forward is a single row per sequence anyway."""
         if max(len(toks) for toks in token_lists) <= 1:
             return None
-        bs = self.cfg.block_size
+        bs, every = self.cfg.block_size, self.cfg.gdn_snapshot_blocks
         rows: set[int] = set()
         for state, toks in zip(states, token_lists, strict=True):
             start, n = state.seq_len, len(toks)
             rows.add(n - 1)
-            rows.update(k * bs - start - 1 for k in range(start // bs + 1, (start + n) // bs + 1))
+            rows.update(k * bs - start - 1 for k in range(start // bs + 1, (start + n) // bs + 1) if k % every == 0)
         return tuple(sorted(rows))
 
     def _row_batch(self, slots: Sequence[int], states: Sequence[SlotState],
@@ -405,6 +411,8 @@ class HybridEngine:
         hits = self.prefix.lookup(state.adapter_id, tokens, (len(tokens) - 1) // bs)
         if self.dflash_features is not None:  # a cached block is usable only with its context features
             hits = hits[:next((i for i, e in enumerate(hits) if e.block_id not in self._block_features), len(hits))]
+        # resume from the deepest hit with a GDN snapshot (cache_sequence keeps them every few blocks)
+        hits = hits[:next((i + 1 for i in range(len(hits) - 1, -1, -1) if hits[i].gdn_state is not None), 0)]
         need = blocks_for(len(tokens), bs) - len(hits)
         if need > self.pool.num_free():
             raise OutOfBlocksError(f"prefill of {len(tokens)} tokens needs {need} new KV blocks, "
@@ -413,12 +421,15 @@ class HybridEngine:
         for i, entry in enumerate(hits):
             self.pool.incref(entry.block_id)
             state.block_table.append(entry.block_id)
-            state.boundary_states[i + 1] = entry.gdn_state
+            if entry.gdn_state is not None:
+                state.boundary_states[i + 1] = entry.gdn_state
             self.hidden_history[slot, i * bs:(i + 1) * bs] = entry.hidden
             if self.dflash_features is not None:
                 self.dflash_features[slot, i * bs:(i + 1) * bs] = self._block_features[entry.block_id]
         if hits:
-            self.gdn.load(slot, hits[-1].gdn_state)
+            resume = hits[-1].gdn_state
+            assert resume is not None  # the hits end at a snapshotted block
+            self.gdn.load(slot, resume)
             state.tokens = [int(t) for t in tokens[:cached]]
             state.seq_len = cached
         state.cached_prompt_tokens = cached
@@ -501,6 +512,8 @@ class HybridEngine:
             if self.dflash_features is not None and pending.features is not None:
                 self.dflash_features[slot, old:old + n] = pending.features[:n]
             for k in range(old // bs + 1, (old + n) // bs + 1):
+                if k % self.cfg.gdn_snapshot_blocks:  # snapshots are kept every gdn_snapshot_blocks blocks
+                    continue
                 if _in_cache(pending.out):  # a one-row forward: the boundary state is the slot's own
                     state.boundary_states[k] = self.gdn.snapshot(slot)
                     continue
@@ -639,16 +652,18 @@ class HybridEngine:
     def cache_sequence(self, slot: int) -> int:
         """Insert the slot's full committed blocks (with boundary GDN states) into the prefix cache.
 
-        Stops at the first block without a boundary snapshot. Returns how many blocks were newly cached.
+        Blocks up to the last one whose boundary has a snapshot (ModelConfig.gdn_snapshot_blocks: a
+        hit resumes from the deepest snapshotted block), the others with no state of their own.
+        Returns how many blocks were newly cached.
         """
         state = self._slot(slot)
         bs = self.cfg.block_size
-        keys = self.prefix.keys_for(state.adapter_id, state.tokens, state.seq_len // bs)
+        full = state.seq_len // bs
+        last = max((k for k in state.boundary_states if k <= full), default=0)
+        keys = self.prefix.keys_for(state.adapter_id, state.tokens, last)
         entries = []
         for i, key in enumerate(keys):
             snapshot = state.boundary_states.get(i + 1)
-            if snapshot is None:
-                break
             entries.append(CachedBlock(key, state.block_table[i], state.adapter_id,
                                        tuple(state.tokens[i * bs:(i + 1) * bs]), snapshot,
                                        self.hidden_history[slot, i * bs:(i + 1) * bs].clone()))

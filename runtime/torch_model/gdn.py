@@ -174,8 +174,9 @@ def _project(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg: Mode
     qkv = torch.cat([linear(x, w[f"{prefix}.q_proj"]), linear(x, w[f"{prefix}.k_proj"]),
                      linear(x, w[f"{prefix}.v_proj"])], dim=-1)  # [B, T, C]
     conv_in = torch.cat([conv0, qkv.transpose(1, 2).to(conv0.dtype)], dim=2)  # [B, C, W-1+T]
-    windows = conv_in.unfold(2, width, 1)  # [B, C, T, W]
-    mixed = F.silu((windows.float() * w[f"{prefix}.conv"].float()[None, :, None, :]).sum(-1)).transpose(1, 2)
+    windows = conv_in.unfold(2, width, 1)  # [B, C, T, W] (a view: the conv state after each row)
+    weight = w[f"{prefix}.conv"].float()
+    mixed = F.silu(F.conv1d(conv_in.float(), weight[:, None, :], groups=weight.shape[0])).transpose(1, 2)
     q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
     q = l2_normalize(q.reshape(b, t, hk, dk)) * dk ** -0.5
     k = l2_normalize(k.reshape(b, t, hk, dk))

@@ -2,8 +2,9 @@
 
 Sharing is by reference counting, not copying: a cached block is held once by the cache and once
 per sequence that reuses it; it is immutable because only full, committed blocks are cached and
-sequences only write positions >= their committed length. Each entry also stores the GDN state at
-the block's end boundary and the target hidden rows of the block, so a hit restores a sequence
+sequences only write positions >= their committed length. An entry stores the GDN state at the
+block's end boundary where the sequence kept one (every ModelConfig.gdn_snapshot_blocks blocks) and
+the target hidden rows of the block, so a hit that ends at a snapshotted block restores a sequence
 exactly (recurrent state and drafter context included).
 
 Invariants: an entry is reachable only through its full chain from the first block; eviction
@@ -41,7 +42,7 @@ class CachedBlock:
     block_id: int
     adapter_id: int
     tokens: tuple[int, ...]
-    gdn_state: GdnSnapshot
+    gdn_state: GdnSnapshot | None  # None: no snapshot at this block (kept every gdn_snapshot_blocks blocks)
     hidden: torch.Tensor  # [block_size, D] target hidden rows (pre-norm) of the block's positions
 
 
