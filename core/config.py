@@ -98,6 +98,10 @@ class SchedulerConfig:
     rollback_resteer: bool = True
     max_rollbacks: int = 2
     preemption_immunity_tokens: int = 64
+    # chunked prefill only: a new request's chunk 0 waits for lane 2 instead of running alone in
+    # lane 1, so prompts that arrive together are prefilled together in one batched forward
+    # (specs/scheduler.md §5.10 step 5). Off: the reference traces' one-prompt chunk 0.
+    prefill_new_together: bool = False
 
     def uses_mtp(self, model: ModelInfo) -> bool:
         """MTP / DFlash speculation runs when asked for and the model has a proposer."""

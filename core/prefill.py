@@ -157,6 +157,9 @@ def lane_adapter(state: SchedulerState, waiting: AwaitLaneAdapter, event: Adapte
     req, slot = waiting.request, waiting.slot
     out.append(dc.AcquireAdapterSlot(req.adapter_slot))
     if state.config.chunked_prefill:
+        if state.config.prefill_new_together:  # lane 2 prefills it with the others that arrived
+            entry = PrefillEntry(waiting.seq_id, req, slot, 0)
+            return replace(state, prefilling=state.prefilling + (entry,))
         return start_chunk0(state, req, waiting.seq_id, slot, out)
     if state.model.supports_beam and req.num_beams > 1:
         query = dc.GenerateBeamBatch((req.prompt,), (req.num_beams,))
@@ -237,6 +240,19 @@ def nothing_prefilling(state: SchedulerState) -> bool:
     return not state.prefilling
 
 
+def _wave(state: SchedulerState, mixed: bool) -> tuple[PrefillEntry, ...]:
+    """The prefilling entries one batched forward takes under prefill_new_together: from the front,
+    while their chunks (and a mixed step's decode rows) fit max_batch_tokens; the first always."""
+    budget = state.config.max_batch_tokens - (len(state.rows) if mixed else 0)
+    taken = 0
+    for i, entry in enumerate(state.prefilling):
+        chunk, _ = entry_chunk(entry, state.config.max_prefill_tokens)
+        if i and taken + chunk > budget:
+            return state.prefilling[:i]
+        taken += chunk
+    return state.prefilling
+
+
 def continue_prefills(state: SchedulerState, task: ContinuePrefills, out: list[Effect]) -> SchedulerState:
     if nothing_prefilling(state):
         return state
@@ -247,11 +263,12 @@ def continue_prefills(state: SchedulerState, task: ContinuePrefills, out: list[E
     mixed = bool(state.rows) and not single_active_with_speculation(state)
     if mixed:
         state = replace(state, last_decode_ms=state.now_ms)
-    if len(state.prefilling) >= 2 and (mixed or not state.rows):
+    group = _wave(state, mixed) if config.prefill_new_together else state.prefilling
+    if len(group) >= 2 and (mixed or not state.rows):
         if mixed:
             out.append(dc.PollInnerq())
-        chunks = [entry_chunk(e, limit) for e in state.prefilling]
-        slices = tuple(_slice(e, c, last) for e, (c, last) in zip(state.prefilling, chunks, strict=True))
+        chunks = [entry_chunk(e, limit) for e in group]
+        slices = tuple(_slice(e, c, last) for e, (c, last) in zip(group, chunks, strict=True))
         n = 0
         ids: tuple[int, ...] = ()
         query: dc.DeviceCall
@@ -261,12 +278,12 @@ def continue_prefills(state: SchedulerState, task: ContinuePrefills, out: list[E
             query = dc.MixedForwardBatch(tokens, ids, slices, state.prefill_stream)
         else:
             query = dc.PrefillBatchChunk(slices, state.prefill_stream)
-        prefilling = tuple(_advance(e, c) for e, (c, _) in zip(state.prefilling, chunks, strict=True))
-        state = replace(state, prefilling=prefilling, mixed_step_ran=mixed)
+        advanced = tuple(_advance(e, c) for e, (c, _) in zip(group, chunks, strict=True))
+        state = replace(state, prefilling=advanced + state.prefilling[len(group):], mixed_step_ran=mixed)
         picks = [PickPrefillToken(e.seq_id, n + r)
-                 for r, (e, (_, last)) in enumerate(zip(prefilling, chunks, strict=True)) if last]
+                 for r, (e, (_, last)) in enumerate(zip(advanced, chunks, strict=True)) if last]
         tail = (MixedReadback(ids),) if mixed else ()
-        in_flight = ids + tuple(e.seq_id for e in prefilling)
+        in_flight = ids + tuple(e.seq_id for e in advanced)
         return forward(state, out, query, in_flight, Barrier(), *picks, *tail, Promote())
     head = state.prefilling[0]
     chunk, last = entry_chunk(head, limit)

@@ -138,6 +138,10 @@ GREEDY = SamplingOptions()
 # --- configuration ------------------------------------------------------------------------------
 
 
+PREFILL_CHUNK = 2048  # the most tokens of one prompt a step prefills
+PREFILL_BUDGET = 8192  # the most rows one prefill (or mixed) forward takes
+
+
 def context_limit(cfg: ModelConfig) -> int:
     """The scheduler's ``max_seq_len``: the model's context less the widest verify (so the rows of
     a verify started just before the scheduler's limit still fit in the model's context)."""
@@ -170,8 +174,11 @@ def scheduler_setup(cfg: ModelConfig, spec: str, batch: int, eos_ids: Optional[S
         raise GenerateError("--spec dflash: the model has no DFlash drafter (config dflash_gamma = 0, "
                             "no --draft-model)")
     eos = model_eos_ids(cfg) if eos_ids is None else tuple(eos_ids)
+    # prompts are chunked (PREFILL_CHUNK tokens a step) and those that arrive together are prefilled
+    # together in one forward of at most PREFILL_BUDGET rows (specs/scheduler.md §5.10, §5.13)
     common: dict[str, Any] = dict(eos_ids=eos, max_batch_size=batch, max_seq_len=context_limit(cfg),
-                                  admission_watermark=cfg.max_seq_len)
+                                  admission_watermark=cfg.max_seq_len, max_prefill_tokens=PREFILL_CHUNK,
+                                  max_batch_tokens=PREFILL_BUDGET, prefill_new_together=True)
     model: dict[str, Any] = dict(vocab=cfg.vocab_size, block_size=cfg.block_size, total_blocks=cfg.num_blocks)
     if spec == "mtp":
         return (SchedulerConfig(use_speculative=True, dflash=False, num_drafts=MTP_DRAFTS, **common),

@@ -124,11 +124,33 @@ def test_prompts_finishing_in_one_step_are_promoted_from_the_last_one_back():
     assert [s.request_id for s in d.state.active] == [1, 3, 2]
 
 
+def test_prompts_arriving_together_are_prefilled_together_when_asked():
+    config = make_config(max_prefill_tokens=64, prefill_new_together=True)
+    requests = [make_request(i + 1, prompt_len=n, max_tokens=3) for i, n in enumerate((20, 9, 33))]
+    d = Driver(config=config, requests=requests)
+    d.finish()
+    assert len(d.outputs(DoneOut)) == 3
+    assert not of_type(d.history, dc.PrefillChunk)  # no prompt ran alone
+    wave = of_type(d.history, dc.PrefillBatchChunk)[0]
+    assert [(s.start, s.length, s.last) for s in wave.prefills] == [(0, 20, True), (0, 9, True), (0, 33, True)]
+
+
+def test_a_wave_of_new_prompts_stays_within_the_batch_token_budget():
+    config = make_config(max_prefill_tokens=64, max_batch_tokens=45, prefill_new_together=True)
+    requests = [make_request(i + 1, prompt_len=20, max_tokens=2) for i in range(3)]
+    d = Driver(config=config, requests=requests)
+    d.finish()
+    assert len(d.outputs(DoneOut)) == 3
+    waves = of_type(d.history, dc.PrefillBatchChunk)
+    assert [len(w.prefills) for w in waves] == [2]  # 40 tokens; a third prompt would make 60 > 45
+    assert sum(s.length for s in waves[0].prefills) <= 45
+
+
 @settings(max_examples=150, deadline=None)
 @given(lens=st.lists(st.integers(1, 70), min_size=1, max_size=5), limit=st.integers(1, 24),
-       batch=st.integers(1, 64), late=st.lists(st.booleans(), min_size=5, max_size=5))
-def test_the_scheduler_feeds_every_prompt_exactly_once_in_order_within_budget(lens, limit, batch, late):
-    config = make_config(max_prefill_tokens=limit, max_batch_tokens=batch)
+       batch=st.integers(1, 64), late=st.lists(st.booleans(), min_size=5, max_size=5), together=st.booleans())
+def test_the_scheduler_feeds_every_prompt_exactly_once_in_order_within_budget(lens, limit, batch, late, together):
+    config = make_config(max_prefill_tokens=limit, max_batch_tokens=batch, prefill_new_together=together)
     requests = [make_request(i + 1, prompt_len=n, max_tokens=3) for i, n in enumerate(lens)]
     # five lateness flags for one to five requests: the flags past the last request are unused
     first = [r for r, l in zip(requests, late, strict=False) if not l] or requests[:1]
@@ -147,7 +169,7 @@ def test_the_scheduler_feeds_every_prompt_exactly_once_in_order_within_budget(le
         offset = 0
         for index, (start, length, last) in enumerate(plan):
             assert start == offset and length > 0
-            assert length <= (max(batch, limit) if index == 0 else limit)
+            assert length <= (max(batch, limit) if index == 0 and not together else limit)
             offset += length
             assert last == (offset == prompt_len)
         assert offset == prompt_len

@@ -24,10 +24,11 @@ its block_size - 1, so cfg.dflash_gamma always counts the drafts of one DFlash p
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import structlog
 import torch
@@ -50,6 +51,22 @@ from .spill import read_spill, write_spill
 from .weights import Weights, init_weights, load_weights, torch_dtype
 
 log = structlog.get_logger("fxsched.torch_model")
+
+
+@contextlib.contextmanager
+def _subnormals_flushed(device: torch.device) -> Iterator[None]:
+    """Flush subnormal floats to zero on this thread while a CPU forward runs. GDN decays drive
+    states and chunk terms through them (exp of a large negative log-decay sum), which x86 computes
+    ~100x slower: flushing took a 512-token Qwen3.5 prefill from 7.6 to 4.2 s. Values below 1e-38
+    change no logit. Scoped, because the mode is the thread's (Python floats included)."""
+    if device.type != "cpu":
+        yield
+        return
+    torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
 
 
 def send_ints(fields: Sequence[Sequence[int]], device: torch.device) -> list[torch.Tensor]:
@@ -107,11 +124,7 @@ class HybridEngine:
         dtype = torch_dtype(cfg)  # KV / GDN caches and hidden rows are kept in the model's dtype
         if self.device.type == "cuda" and dtype == torch.float32:
             torch.backends.cuda.matmul.allow_tf32 = True
-        if self.device.type == "cpu":
-            # GDN decays drive states and chunk terms through subnormal floats (exp of a large
-            # negative log-decay sum), which x86 computes ~100x slower: flushing them to zero took
-            # a 512-token Qwen3.5 prefill from 7.6 to 4.2 s. Values below 1e-38 change no logit.
-            torch.set_flush_denormal(True)
+
         weights = weights if weights is not None else init_weights(cfg, self.device)
         self.model = HybridModel(cfg, {n: t.to(self.device) for n, t in weights.items()})
         self.pool = BlockPool(cfg.num_blocks)
@@ -316,8 +329,9 @@ class HybridEngine:
         batch = self.prepare(slots, token_lists, commit_all=commit_all, in_place=in_place)
         states = [self._slot(s) for s in slots]
         drafter = self.dflash if isinstance(self.dflash, PublishedDFlash) else None
-        out = self.model.forward(batch, self.kv, self.gdn,
-                                 capture_layers=drafter.target_layer_ids if drafter is not None else ())
+        with _subnormals_flushed(self.device):
+            out = self.model.forward(batch, self.kv, self.gdn,
+                                     capture_layers=drafter.target_layer_ids if drafter is not None else ())
         features = self._context_features(drafter, out) if drafter is not None else None
         for b, (slot, state, toks) in enumerate(zip(slots, states, token_lists, strict=True)):
             rows = features[b, :len(toks)] if features is not None else None
