@@ -30,7 +30,10 @@ __all__ = ["MAX_ROWS", "gemv_bf16", "gemv_bf16_reference", "ready"]
 
 log = structlog.get_logger("fxsched.kernels")
 
-MAX_ROWS = 8  # rows of x one call takes (the C kernel keeps R * M accumulators in registers)
+# Rows of x this kernel takes (the C code takes up to 8). Beyond 4 the dot-product instruction's
+# throughput, not memory, bounds it on the hosts measured (36 GFLOP/s with the weights in L2, where
+# oneDNN's AMX path reaches 52 at 8 rows), so F.linear serves larger batches.
+MAX_ROWS = 4
 _MIN_ROWS_PER_THREAD = 256  # below this a thread's share costs more to hand out than to compute
 
 
