@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from support.hf_tiny import build
 
 from fxsched.runtime.torch_model import ConfigError, HybridEngine, load_pretrained
@@ -75,3 +76,29 @@ def test_cli_refuses_a_bad_budget_in_one_line(ckpt, value, message):
     assert out.returncode == 2 and out.stdout == ""
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], out.stderr
+
+
+def test_an_engine_without_a_drafter_keeps_no_hidden_history(tmp_path):
+    """Hidden rows are kept only for drafters that read them; a model without one (Qwen3 dense here)
+    spills, restores and reuses cached prefixes without them, and decodes as an unbroken run."""
+    path = tmp_path / "qwen3"
+    build("Qwen3ForCausalLM", path)
+    engine = HybridEngine.from_pretrained(path, dtype="float32", **ARGS)
+    assert not engine.keeps_hidden and engine.hidden_history.shape[1] == 0
+    reference = HybridEngine.from_pretrained(path, dtype="float32", **ARGS)
+    prompt = [3, 9, 4, 1, 7, 2, 8, 6, 5]
+    for e in (engine, reference):
+        e.alloc(0)
+        e.prefill(0, prompt)
+        e.decode_batch([0], [11])
+    spill = tmp_path / "seq.spill"
+    engine.save_sequence_state(0, spill)
+    engine.free(0)
+    engine.restore_sequence_state(1, spill)
+    got = engine.decode_batch([1], [12])
+    want = reference.decode_batch([0], [12])
+    assert torch.allclose(got, want, atol=1e-5)
+    engine.cache_sequence(1)
+    engine.alloc(0)
+    engine.prefill(0, prompt + [11, 12])
+    assert engine.cached_prompt_tokens(0) == 8  # two blocks of 4 reused without hidden rows

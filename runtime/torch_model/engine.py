@@ -12,7 +12,10 @@ Invariants after every public call:
   * the GDN state of a slot equals (up to fp32 rounding) the state after running tokens(slot) from zero;
   * boundary_states[k] is the GDN state when seq_len was k * block_size, for every k that is a
     multiple of cfg.gdn_snapshot_blocks (for the prefix cache);
-  * hidden_history[slot, :seq_len] are the target's final hidden rows (pre-norm) of tokens(slot);
+  * hidden_history[slot, :seq_len] are the target's final hidden rows (pre-norm) of tokens(slot),
+    where a drafter reads them (`keeps_hidden`: a checkpoint MTP module, the internal MTP head or
+    DFlash drafter); an engine without such a drafter keeps none (a [slots, 0, D] tensor: at real
+    sizes the history is slots x context x hidden, 128 MB for Qwen3-0.6B at 16 x 4096);
   * with a checkpoint DFlash drafter (`draft_model`), dflash_features[slot, :seq_len] are its context
     features of tokens(slot), and every cached prefix block has its rows in _block_features.
 
@@ -150,7 +153,9 @@ class HybridEngine:
                                                device=self.device, dtype=dtype)
         elif cfg.dflash_gamma > 0:
             self.dflash = DFlashDrafter(cfg, self.model.w, self.device)
-        self.hidden_history = torch.zeros(cfg.max_slots, cfg.max_seq_len, cfg.hidden_size, device=self.device,
+        self.keeps_hidden = self.mtp is not None or isinstance(self.dflash, DFlashDrafter)
+        self.hidden_history = torch.zeros(cfg.max_slots, cfg.max_seq_len if self.keeps_hidden else 0,
+                                          cfg.hidden_size, device=self.device,
                                           dtype=dtype)
         self.mtp_hidden = torch.zeros(cfg.max_slots, cfg.hidden_size, device=self.device, dtype=dtype)
         self._mtp_hidden_set = [False] * cfg.max_slots
@@ -437,7 +442,8 @@ class HybridEngine:
             state.block_table.append(entry.block_id)
             if entry.gdn_state is not None:
                 state.boundary_states[i + 1] = entry.gdn_state
-            self.hidden_history[slot, i * bs:(i + 1) * bs] = entry.hidden
+            if self.keeps_hidden:
+                self.hidden_history[slot, i * bs:(i + 1) * bs] = entry.hidden
             if self.dflash_features is not None:
                 self.dflash_features[slot, i * bs:(i + 1) * bs] = self._block_features[entry.block_id]
         if hits:
@@ -448,7 +454,8 @@ class HybridEngine:
             state.seq_len = cached
         state.cached_prompt_tokens = cached
         logits = self.prefill_chunk(slot, tokens[cached:], cached)
-        self._captured[slot] = self.hidden_history[slot, :len(tokens)].clone()
+        if self.keeps_hidden:  # the whole prompt's rows, cached ones included (MTP reads the last)
+            self._captured[slot] = self.hidden_history[slot, :len(tokens)].clone()
         if self.dflash_features is not None:
             self._captured_features[slot] = self.dflash_features[slot, :len(tokens)].clone()
         return logits
@@ -522,7 +529,8 @@ class HybridEngine:
             b = pending.batch_index
             state.tokens.extend(pending.tokens[:n])
             state.seq_len = old + n
-            self.hidden_history[slot, old:old + n] = pending.out.hidden[b, :n]
+            if self.keeps_hidden:
+                self.hidden_history[slot, old:old + n] = pending.out.hidden[b, :n]
             if self.dflash_features is not None and pending.features is not None:
                 self.dflash_features[slot, old:old + n] = pending.features[:n]
             for k in range(old // bs + 1, (old + n) // bs + 1):
@@ -567,6 +575,13 @@ class HybridEngine:
                 args = (gdn_rows.states, gdn_rows.conv_rows(), rows_t, slot_t,
                         self.gdn.recurrent[layer], self.gdn.conv[layer])
                 (gdn_fold if gdn_fold_kernel_applies(*args) else gdn_fold_reference)(*args)
+
+    def hidden_rows(self, slot: int, start: int, end: int) -> torch.Tensor:
+        """The committed hidden rows [end - start, D] of `slot` (zeros where the engine keeps no
+        history: nothing reads them then, and spill files and cache entries keep their shape)."""
+        if self.keeps_hidden:
+            return self.hidden_history[slot, start:end]
+        return torch.zeros(end - start, self.cfg.hidden_size, device=self.device, dtype=self.hidden_history.dtype)
 
     # ---- drafters -----------------------------------------------------------------------------
     def save_hidden_for_mtp(self, slot: int, row: int) -> None:
@@ -680,7 +695,7 @@ class HybridEngine:
             snapshot = state.boundary_states.get(i + 1)
             entries.append(CachedBlock(key, state.block_table[i], state.adapter_id,
                                        tuple(state.tokens[i * bs:(i + 1) * bs]), snapshot,
-                                       self.hidden_history[slot, i * bs:(i + 1) * bs].clone()))
+                                       self.hidden_rows(slot, i * bs, (i + 1) * bs).clone()))
             if self.dflash_features is not None:  # side table: prefill reuses a block with its features
                 self._block_features[state.block_table[i]] = self.dflash_features[slot, i * bs:(i + 1) * bs].clone()
         return self.prefix.insert(entries)
@@ -696,7 +711,8 @@ class HybridEngine:
         if self.dflash is not None:
             self.dflash.move(slot_from, slot_to)
         n = state.seq_len
-        self.hidden_history[slot_to, :n] = self.hidden_history[slot_from, :n]
+        if self.keeps_hidden:
+            self.hidden_history[slot_to, :n] = self.hidden_history[slot_from, :n]
         if self.dflash_features is not None:
             self.dflash_features[slot_to, :n] = self.dflash_features[slot_from, :n]
         if isinstance(self.mtp, PublishedMtp):

@@ -50,7 +50,7 @@ def export_sequence(engine: "HybridEngine", slot: int) -> tuple[dict[str, Any], 
         for layer, (rec, conv) in enumerate(snap):
             tensors[f"gdn.{k}.recurrent.{layer}"] = rec
             tensors[f"gdn.{k}.conv.{layer}"] = conv
-    tensors["hidden"] = engine.hidden_history[slot, :state.seq_len]
+    tensors["hidden"] = engine.hidden_rows(slot, 0, state.seq_len)
     has_mtp_hidden = engine.has_mtp_hidden(slot)
     if has_mtp_hidden:
         tensors["mtp_hidden"] = engine.mtp_hidden[slot]
@@ -133,7 +133,8 @@ def import_sequence(engine: "HybridEngine", slot: int, blocks: list[int], meta: 
     engine.gdn.load(slot, snapshot(0))
     state.boundary_states = {int(k): snapshot(int(k)) for k in meta["boundaries"]}
     state.tokens, state.seq_len = [int(t) for t in meta["tokens"]], int(meta["seq_len"])
-    engine.hidden_history[slot, :state.seq_len] = tensors["hidden"].to(dev)
+    if engine.keeps_hidden:
+        engine.hidden_history[slot, :state.seq_len] = tensors["hidden"].to(dev)
     if meta["mtp_hidden"]:
         engine.set_mtp_hidden(slot, tensors["mtp_hidden"].to(dev))
     if engine.dflash is not None:
