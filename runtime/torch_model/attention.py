@@ -16,10 +16,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fxsched.kernels import cpu_attention
 from fxsched.kernels.paged_attention import paged_attention as paged_attention_kernel
 from fxsched.kernels.paged_kv_append import paged_kv_append
 
-from .attn_plan import SeqKeys
+from .attn_plan import AttnPlan
 from .config import ModelConfig
 from .kernel_paths import attention_kernels_apply
 from .ops import linear, rms_norm
@@ -110,15 +111,26 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def planned_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, plan: tuple[SeqKeys, ...]) -> torch.Tensor:
+                      v_cache: torch.Tensor, plan: AttnPlan) -> torch.Tensor:
     """Causal attention of each batch entry's new rows over its keys, where `plan` says they are
     (attn_plan.py: the new rows themselves, a view of the cache, or a gather of the entry's own
-    blocks). q [B, T, Hq, D], the new k/v [B, T, Hkv, D] (already written to the cache),
+    blocks; the decode and verify rows of a CPU bf16 forward in one call of the row kernel).
+    q [B, T, Hq, D], the new k/v [B, T, Hkv, D] (already written to the cache),
     k_cache/v_cache [num_blocks, block_size, Hkv, D]. Padding rows of the output are zero."""
-    out = torch.zeros_like(q)
+    rows = plan.rows if plan.rows is not None and cpu_attention.fits(q, k_cache) else None
+    if rows is not None:
+        b_, t_ = q.shape[:2]
+        out = cpu_attention.paged_attention_bf16(q.reshape(b_ * t_, *q.shape[2:]), k_cache, v_cache, rows.q_rows,
+                                                 rows.ctx, rows.tables).view(q.shape)
+        if len(rows.entries) == len(plan.seqs):
+            return out
+    else:
+        out = torch.zeros_like(q)
     flat_k = k_cache.view(-1, *k_cache.shape[2:])
     flat_v = v_cache.view(-1, *v_cache.shape[2:])
-    for b, seq in enumerate(plan):
+    for b, seq in enumerate(plan.seqs):
+        if rows is not None and b in rows.entries:
+            continue
         n = seq.rows
         qb = q[b, :n].transpose(0, 1)[None]
         if seq.source == "fresh":
@@ -142,7 +154,7 @@ def attention_layer(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, *,
                     block_tables: torch.Tensor, uniform: bool = False, cfg: ModelConfig | None = None,
                     num_heads: int = 0, num_kv_heads: int = 0, head_dim: int = 0,
                     rope_theta: float = 0.0, valid_rows: torch.Tensor | None = None,
-                    plan: tuple[SeqKeys, ...] | None = None) -> torch.Tensor:
+                    plan: AttnPlan | None = None) -> torch.Tensor:
     """One target attention layer over a right-padded batch x [B, T, D].
 
     The block's shape and options come from `cfg` (`attention_qkv`); without cfg, from num_heads,

@@ -19,6 +19,12 @@ A query row at position p may see keys 0..p. With several new rows and a committ
 alignment is bottom-right, so those get an explicit boolean mask [rows, ctx]; a single row sees
 every key and needs none.
 
+On the CPU the entries that add few rows to a committed prefix (decode and verify) are served
+together by one call of the C row kernel (kernels/cpu_attention.py): `RowKeys` lists their query
+rows, each row's context (its position + 1) and its sequence's block table, and the kernel reads
+the keys in place through the table, so "run" and "gather" cost the same there. Prefill chunks
+(many rows) keep PyTorch's fused SDPA, which is compute-bound there and fast.
+
 The plan is host data computed from the engine's bookkeeping before the forward (Python ints the
 engine already holds), so building it costs no device synchronisation. The traceable path
 (`attention.paged_attention`, used when a batch carries no plan) needs none of it.
@@ -31,7 +37,11 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["SeqKeys", "plan_keys"]
+__all__ = ["AttnPlan", "RowKeys", "SeqKeys", "plan_keys"]
+
+# An entry adding at most this many rows to a committed prefix goes to the row kernel (decode: 1,
+# verify: drafts + 1); longer chunks are prefill work for SDPA.
+ROW_KERNEL_MAX_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -51,15 +61,57 @@ class SeqKeys:
         return self.start + self.rows
 
 
+@dataclass(frozen=True)
+class RowKeys:
+    """The query rows one row-kernel call serves: batch entries `entries`; for kernel row r, query
+    row q_rows[r] of the flattened [B * T] batch sees positions 0 .. ctx[r] - 1 through block table
+    tables[r] (int32 tensors [R], [R], [R, nb])."""
+
+    entries: frozenset[int]
+    q_rows: torch.Tensor
+    ctx: torch.Tensor
+    tables: torch.Tensor
+
+
+@dataclass(frozen=True)
+class AttnPlan:
+    """A forward's attention plan: every entry's keys, and the rows the row kernel serves (None:
+    every entry goes through SDPA)."""
+
+    seqs: tuple[SeqKeys, ...]
+    rows: RowKeys | None = None
+
+
+def _row_keys(block_tables: Sequence[Sequence[int]], starts: Sequence[int], rows: Sequence[int],
+              block_size: int) -> RowKeys | None:
+    t = max(rows)
+    entries, q_rows, ctx, tables = [], [], [], []
+    nb = max(-(-(start + n) // block_size) for start, n in zip(starts, rows, strict=True))
+    for b, (table, start, n) in enumerate(zip(block_tables, starts, rows, strict=True)):
+        if start == 0 or n > ROW_KERNEL_MAX_ROWS:
+            continue
+        entries.append(b)
+        padded = list(table[:nb]) + [0] * (nb - min(nb, len(table)))
+        for j in range(n):
+            q_rows.append(b * t + j)
+            ctx.append(start + j + 1)
+            tables.append(padded)
+    if not entries:
+        return None
+    return RowKeys(frozenset(entries), torch.tensor(q_rows, dtype=torch.int32), torch.tensor(ctx, dtype=torch.int32),
+                   torch.tensor(tables, dtype=torch.int32))
+
+
 def _consecutive(table: Sequence[int], blocks: int) -> bool:
     first = table[0]
     return all(table[i] == first + i for i in range(1, blocks))
 
 
 def plan_keys(block_tables: Sequence[Sequence[int]], starts: Sequence[int], rows: Sequence[int],
-              block_size: int, device: torch.device) -> tuple[SeqKeys, ...]:
+              block_size: int, device: torch.device, row_kernel: bool = False) -> AttnPlan:
     """The plan of a forward whose entry b adds rows[b] rows at starts[b] to a sequence whose
-    block table (covering start + rows positions) is block_tables[b]."""
+    block table (covering start + rows positions) is block_tables[b]; row_kernel: list the
+    decode and verify rows for the CPU row kernel (host tensors)."""
     plan = []
     for table, start, n in zip(block_tables, starts, rows, strict=True):
         ctx = start + n
@@ -76,4 +128,5 @@ def plan_keys(block_tables: Sequence[Sequence[int]], starts: Sequence[int], rows
         else:
             ids = torch.tensor(list(table[:blocks]), dtype=torch.long, device=device)
             plan.append(SeqKeys(n, start, "gather", blocks=ids, mask=mask))
-    return tuple(plan)
+    kernel_rows = _row_keys(block_tables, starts, rows, block_size) if row_kernel else None
+    return AttnPlan(tuple(plan), kernel_rows)

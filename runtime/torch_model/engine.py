@@ -410,7 +410,8 @@ class HybridEngine:
         valid_t = None if uniform else next(extra)
         logit_rows = next(extra) if last_logits else None
         valid = torch.arange(t, device=dev)[None, :] < lengths_t[:, None]
-        plan = plan_keys([s.block_table for s in states], [s.seq_len for s in states], lengths, bs, dev)
+        plan = plan_keys([s.block_table for s in states], [s.seq_len for s in states], lengths, bs, dev,
+                         row_kernel=dev.type == "cpu" and bool(self.kv.k) and self.kv.k[0].dtype == torch.bfloat16)
         return RowBatch(tokens_t.view(b, t), positions_t.view(b, t), valid, write_t, tables_t.view(b, nb), slots_t,
                         uniform, keep_rows, valid_rows=valid_t, attn=plan, logit_rows=logit_rows)
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .attention import attention_layer
-from .attn_plan import SeqKeys
+from .attn_plan import AttnPlan
 from .config import ModelConfig
 from .gdn import GdnRows, GdnStateCache, gdn_layer
 from .moe import sparse_moe
@@ -70,7 +70,7 @@ class RowBatch:
     uniform: bool = False
     gdn_keep_rows: tuple[int, ...] | None = None
     valid_rows: torch.Tensor | None = None
-    attn: tuple[SeqKeys, ...] | None = None
+    attn: AttnPlan | None = None
     logit_rows: torch.Tensor | None = None
     gdn_in_place: bool = False
 
