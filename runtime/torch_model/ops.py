@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fxsched.kernels import cpu_gemv
+from fxsched.kernels import cpu_gemv, cpu_pointwise
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -19,6 +19,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     `weight` is a plain multiplicative weight (zero-centred checkpoint norms were converted to
     1 + w at load, see hf_checkpoint.py), so this is the only RMSNorm the forward needs.
     """
+    if cpu_pointwise.takes_norm(x, weight):
+        return cpu_pointwise.rms_norm_bf16(x, weight, eps)  # the same arithmetic, one pass (CPU bf16)
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
 
@@ -39,9 +41,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu_mlp(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
-    """down(silu(gate(x)) * up(x)) with weights `{prefix}.gate_proj/up_proj/down_proj`."""
-    return linear(F.silu(linear(x, w[f"{prefix}.gate_proj"])) * linear(x, w[f"{prefix}.up_proj"]),
-                  w[f"{prefix}.down_proj"])
+    """down(silu(gate(x)) * up(x)) with weights `{prefix}.gate_proj/up_proj/down_proj` (on a CPU bf16
+    forward the product is one pass rounding once, kernels/cpu_pointwise.py)."""
+    gate, up = linear(x, w[f"{prefix}.gate_proj"]), linear(x, w[f"{prefix}.up_proj"])
+    if cpu_pointwise.takes(gate, up):
+        return linear(cpu_pointwise.silu_mul_bf16(gate, up), w[f"{prefix}.down_proj"])
+    return linear(F.silu(gate) * up, w[f"{prefix}.down_proj"])
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
