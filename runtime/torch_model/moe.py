@@ -38,6 +38,8 @@ from typing import Any, Optional, Protocol
 import torch
 import torch.nn.functional as F
 
+from fxsched.kernels import cpu_gemv
+
 from .config import ModelConfig
 from .ops import linear, swiglu_mlp
 from .weights import param_shapes
@@ -59,22 +61,71 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool) 
     return weights.to(x.dtype), experts
 
 
+# Assignments (token, slot pairs) up to which a bf16 CPU forward takes the per-assignment C kernel
+# (cpu_gemv.moe_gemv_bf16: each assignment streams its expert's rows once) rather than the grouped
+# GEMM, whose CPU bf16 form runs oneDNN per group at about half the kernel's speed on one-row groups.
+# Past this, tokens share experts often enough that reading each expert once wins (measured on a
+# Qwen3-Next-like layer, see specs/expert-parallel.md §10.5).
+GEMV_MAX_ASSIGNMENTS = 1024
+
+
 def routed_sum(flat: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_w: torch.Tensor,
                up_w: torch.Tensor, down_w: torch.Tensor, first: int = 0) -> torch.Tensor:
     """sum_e p_e * SwiGLU_e(x) over the chosen experts e in [first, first + len(gate_w)) for tokens
     flat [N, D] routed to `experts` [N, k] with `weights` [N, k]; gate_w/up_w/down_w hold those
-    experts' rows (expert first + j at row j). Experts outside the range add nothing."""
+    experts' rows (expert first + j at row j). Experts outside the range add nothing.
+
+    No host synchronisation and no data-dependent shape (see the module docstring): the N * k
+    assignments are grouped by expert on the device and each projection is one grouped GEMM
+    (`_grouped`), or, for a few assignments of a bf16 CPU forward, one per-assignment kernel call
+    (`_per_assignment`)."""
+    n, k = experts.shape
+    count = gate_w.shape[0]
+    local = (experts - first).reshape(-1)
+    outside = (local < 0) | (local >= count)
+    local = torch.where(outside, torch.full_like(local, count), local)  # `count`: no expert of ours
+    if (flat.dtype == torch.bfloat16 and flat.device.type == "cpu" and n * k <= GEMV_MAX_ASSIGNMENTS
+            and not torch.compiler.is_compiling() and cpu_gemv.ready()):
+        return _per_assignment(flat, weights, local, gate_w, up_w, down_w)
+    return _grouped(flat, weights, local, gate_w, up_w, down_w)
+
+
+def _per_assignment(flat: torch.Tensor, weights: torch.Tensor, local: torch.Tensor, gate_w: torch.Tensor,
+                    up_w: torch.Tensor, down_w: torch.Tensor) -> torch.Tensor:
+    """routed_sum by one product per assignment (local [N * k] expert rows, `count` for none:
+    the kernel gives zero rows there)."""
+    n, k = weights.shape
+    h = flat.repeat_interleave(k, dim=0)  # assignment a = token a // k, slot a % k
+    act = F.silu(cpu_gemv.moe_gemv_bf16(h, gate_w, local)) * cpu_gemv.moe_gemv_bf16(h, up_w, local)
+    y = cpu_gemv.moe_gemv_bf16(act, down_w, local).view(n, k, -1)
     out = torch.zeros_like(flat)
-    last = first + gate_w.shape[0]
-    for e in torch.unique(experts).tolist():
-        if not first <= e < last:
-            continue
-        token, slot = torch.nonzero(experts == e, as_tuple=True)
-        h = flat[token]
-        j = e - first
-        y = linear(F.silu(linear(h, gate_w[j])) * linear(h, up_w[j]), down_w[j])
-        out.index_add_(0, token, y * weights[token, slot, None])
+    for slot in range(k):  # slot order: each token's terms are added one by one, as index_add_ does
+        out += y[:, slot] * weights[:, slot, None]
     return out
+
+
+def _grouped(flat: torch.Tensor, weights: torch.Tensor, local: torch.Tensor, gate_w: torch.Tensor,
+             up_w: torch.Tensor, down_w: torch.Tensor) -> torch.Tensor:
+    """routed_sum by grouped GEMMs: the assignments sorted by expert (stable: within an expert in
+    token order), the end offset of each expert's group found by a binary search of the sorted ids,
+    the tokens gathered in that order, one grouped GEMM per projection, the weighted rows added back
+    with index_add_ (in expert order for each token). Assignments to no expert of ours (id `count`)
+    sort last, past the last offset: the GEMMs leave those rows undefined and they are replaced by
+    zeros before the scatter."""
+    k = weights.shape[1]
+    count = gate_w.shape[0]
+    order = torch.argsort(local, stable=True)
+    ids = local.index_select(0, order)
+    bounds = torch.arange(1, count + 1, device=local.device, dtype=local.dtype)
+    offs = torch.searchsorted(ids, bounds, out_int32=True)  # end of expert j's rows: #ids <= j
+    token = torch.div(order, k, rounding_mode="floor")
+    h = flat.index_select(0, token)
+    g = torch._grouped_mm(h, gate_w.transpose(-2, -1), offs=offs)
+    u = torch._grouped_mm(h, up_w.transpose(-2, -1), offs=offs)
+    y = torch._grouped_mm(F.silu(g) * u, down_w.transpose(-2, -1), offs=offs)
+    p = weights.reshape(-1).index_select(0, order)[:, None]
+    y = torch.where((ids < count)[:, None], y * p, torch.zeros((), dtype=y.dtype, device=y.device))
+    return torch.zeros_like(flat).index_add_(0, token, y)
 
 
 def expert_bounds(num_experts: int, world: int) -> list[tuple[int, int]]:
