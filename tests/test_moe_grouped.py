@@ -131,3 +131,33 @@ def test_routed_sum_takes_the_kernel_for_few_bf16_rows_only(monkeypatch):
                                   (many, layer16, torch.bfloat16)):
         moe.routed_sum(*_tokens(experts.shape[0], dtype, experts), experts, *layer)
     assert taken == (["kernel"] if cpu_gemv.ready() else ["grouped"]) + ["grouped", "grouped"]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_shared_expert_is_the_gated_swiglu(dtype):
+    """fuse_shared_experts keeps every name and shape (the shared gate/up/gate rows become views of
+    one matrix) and shared_expert on it is sigmoid(x W_g^T) * down(silu(x W_gate^T) * x W_up^T)."""
+    from dataclasses import replace
+
+    from fxsched.runtime.torch_model.config import default_config
+    from fxsched.runtime.torch_model.weights import init_weights
+
+    base = default_config()
+    cfg = replace(base, num_layers=1, layer_pattern=("attn",), mlp_pattern=("moe",), num_experts=E,
+                  num_experts_per_tok=K, moe_intermediate_size=I, shared_expert_intermediate_size=20,
+                  dtype="float32" if dtype == torch.float32 else "bfloat16")
+    w = init_weights(cfg)
+    fused = moe.fuse_shared_experts(w, cfg)
+    prefix = moe.moe_prefixes(cfg)[0]
+    assert moe.fused_shared(w, prefix) is None and moe.fused_shared(fused, prefix) is not None
+    assert {n: t.shape for n, t in fused.items()} == {n: t.shape for n, t in w.items()}
+    assert all(torch.equal(fused[n], w[n]) for n in w)
+    x = torch.randn(5, cfg.hidden_size, generator=torch.Generator().manual_seed(5)).to(dtype)
+    p = {n: w[f"{prefix}.{n}"].double() for n in ("shared.gate_proj", "shared.up_proj", "shared.down_proj", "shared_gate")}
+    xd = x.double()
+    act = torch.nn.functional.silu(xd @ p["shared.gate_proj"].T) * (xd @ p["shared.up_proj"].T)
+    want = torch.sigmoid(xd @ p["shared_gate"].T) * (act @ p["shared.down_proj"].T)
+    for weights in (w, fused):  # the separate products and the fused one
+        got = moe.shared_expert(x, weights, prefix)
+        assert got.dtype == dtype
+        assert (got.double() - want).abs().max() <= TOL[dtype] * max(1.0, float(want.abs().max()))

@@ -272,6 +272,58 @@ def sparse_moe(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg: Mo
     else:
         out = routed_sum(flat, weights, experts, gate_w, up_w, down_w)
     if cfg.shared_expert_intermediate_size:
-        shared = swiglu_mlp(flat, w, f"{prefix}.shared")
-        out = out + torch.sigmoid(linear(flat, w[f"{prefix}.shared_gate"])) * shared
+        out = out + shared_expert(flat, w, prefix)
     return out.reshape(shape)
+
+
+def _shared_parts(w: dict[str, torch.Tensor], prefix: str) -> tuple[torch.Tensor, ...]:
+    return tuple(w[f"{prefix}.{name}"] for name in ("shared.gate_proj", "shared.up_proj", "shared_gate"))
+
+
+def fused_shared(w: dict[str, torch.Tensor], prefix: str) -> Optional[torch.Tensor]:
+    """The [2S + 1, D] matrix whose rows are the layer's shared gate_proj, up_proj and shared_gate
+    when the three are consecutive views of it (`fuse_shared_experts`), else None."""
+    gate, up, sgate = _shared_parts(w, prefix)
+    base = gate._base
+    if base is None or up._base is not base or sgate._base is not base or base.dim() != 2:
+        return None
+    s, d = gate.shape
+    at = base.storage_offset()
+    if (base.shape[0] != 2 * s + 1 or not base.is_contiguous() or gate.storage_offset() != at
+            or up.storage_offset() != at + s * d or sgate.storage_offset() != at + 2 * s * d):
+        return None
+    return base
+
+
+def fuse_shared_experts(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """`weights` with each MoE layer's shared gate_proj [S, D], up_proj [S, D] and shared_gate
+    [1, D] stored as consecutive rows of one [2S + 1, D] tensor (the dict keeps its names and
+    shapes: the three entries become views of it), so `shared_expert` projects a token onto all
+    three with one product. One copy at load; the separate tensors are released with the caller's
+    dict."""
+    if not cfg.shared_expert_intermediate_size:
+        return weights
+    out = dict(weights)
+    for prefix in moe_prefixes(cfg):
+        if fused_shared(out, prefix) is not None:
+            continue
+        parts = _shared_parts(out, prefix)
+        fused = torch.cat(parts, dim=0)
+        s = parts[0].shape[0]
+        out[f"{prefix}.shared.gate_proj"], out[f"{prefix}.shared.up_proj"], out[f"{prefix}.shared_gate"] = (
+            fused[:s], fused[s:2 * s], fused[2 * s:])
+    return out
+
+
+def shared_expert(flat: torch.Tensor, w: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+    """sigmoid(x W_shared_gate^T) * SwiGLU_shared(x) for tokens flat [N, D]: with the fused layout
+    one product gives the gate, up and shared-gate columns, then one the down projection (four
+    products otherwise)."""
+    fused = fused_shared(w, prefix)
+    if fused is None:
+        gated = torch.sigmoid(linear(flat, w[f"{prefix}.shared_gate"]))
+        return gated * swiglu_mlp(flat, w, f"{prefix}.shared")
+    s = (fused.shape[0] - 1) // 2
+    proj = linear(flat, fused)
+    act = F.silu(proj[:, :s]) * proj[:, s:2 * s]
+    return torch.sigmoid(proj[:, 2 * s:]) * linear(act, w[f"{prefix}.shared.down_proj"])
