@@ -11,10 +11,21 @@ gate_proj / up_proj [E, I, D], down_proj [E, D, I] (experts stacked on dim 0 so 
 runtime can slice them), and when cfg.shared_expert_intermediate_size > 0: shared.gate_proj,
 shared.up_proj, shared.down_proj and shared_gate [1, D].
 
-The routed sum (`routed_sum`) loops over the experts that received at least one token, in
-increasing expert order, gathering their tokens and scattering the weighted outputs back with
-index_add_ (the same accumulation order as transformers' eager experts). Rows are independent: a
+The routed sum (`routed_sum`, specs/expert-parallel.md §10.7) has no host logic: no read back,
+no data-dependent shape (no unique / nonzero / boolean mask / tolist), so it adds no host
+synchronisation to a step and runs on the meta device. The N * k (token, slot) assignments are
+grouped by expert on the device (stable argsort of the expert ids; each expert's group end by a
+binary search of the sorted ids), the tokens gathered in that order, and each projection is one
+grouped GEMM (`torch._grouped_mm`) over the stacked weights; the weighted rows go back with
+index_add_, each token's terms in increasing expert order (as transformers' eager experts). A
+bf16 CPU forward with at most GEMV_MAX_ASSIGNMENTS assignments takes the per-assignment C kernel
+instead (cpu_gemv.moe_gemv_bf16), which is faster on one-row groups. Experts outside a shard's
+range get id `count` and contribute zeros (torch.where, not a mask). Rows are independent: a
 token's output depends only on that token, so padded rows never affect valid ones.
+
+The shared expert (`shared_expert`) is fused: `fuse_shared_experts` (called by HybridModel) stores
+its gate_proj, up_proj and the shared_gate row as consecutive rows of one matrix, so one product
+projects a token onto all three.
 
 Expert shards (specs/expert-parallel.md §10.2). With `expert_shard=(rank, world)` the loader
 (hf_checkpoint.py) keeps only rank's contiguous range of each MoE layer's experts
@@ -65,7 +76,7 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool) 
 # (cpu_gemv.moe_gemv_bf16: each assignment streams its expert's rows once) rather than the grouped
 # GEMM, whose CPU bf16 form runs oneDNN per group at about half the kernel's speed on one-row groups.
 # Past this, tokens share experts often enough that reading each expert once wins (measured on a
-# Qwen3-Next-like layer, see specs/expert-parallel.md §10.5).
+# Qwen3-Next-like layer, see specs/expert-parallel.md §10.7).
 GEMV_MAX_ASSIGNMENTS = 1024
 
 
