@@ -161,3 +161,22 @@ def test_fused_shared_expert_is_the_gated_swiglu(dtype):
         got = moe.shared_expert(x, weights, prefix)
         assert got.dtype == dtype
         assert (got.double() - want).abs().max() <= TOL[dtype] * max(1.0, float(want.abs().max()))
+
+
+@pytest.mark.skipif(not cpu_gemv.ready(), reason="the AVX512-BF16 kernel is not available on this host")
+def test_per_assignment_kernel_split_across_threads():
+    """cpu_gemv.moe_gemv_bf16 with its output rows split over two threads (at least 256 rows each):
+    each row against its own expert, zero for an id outside the experts."""
+    from support.torch_testing import single_thread
+
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(4, 40, generator=gen).to(torch.bfloat16)
+    w = torch.randn(3, 516, 40, generator=gen).to(torch.bfloat16)
+    ids = torch.tensor([0, 2, 3, 2])  # 3: not one of the 3 experts
+    want = torch.stack([w[int(e)].double() @ x[a].double() if int(e) < 3 else torch.zeros(516, dtype=torch.float64)
+                        for a, e in enumerate(ids)])
+    with single_thread():
+        torch.set_num_threads(2)
+        got = cpu_gemv.moe_gemv_bf16(x, w, ids)
+    assert (got.double() - want).abs().max() <= 3e-2 * float(want.abs().max())
+    assert torch.equal(got[2], torch.zeros(516, dtype=torch.bfloat16))
