@@ -84,3 +84,25 @@ int fx_gemv_bf16(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, i
   for (; n < n1; ++n) ONE[M](x, w, y, K, N, n);
   return 0;
 }
+
+/* Mixture-of-experts form: y[a, :] = x[a, :] . w[ids[a]]^T for A rows, each against its own expert
+ * of the stacked w[E, N, K] (rows n0..n1-1 of every expert). A row whose id lies outside [0, E) is
+ * an expert another shard holds: its output is zero. The ids are read here, in memory, so the
+ * caller needs no host copy of them. */
+int fx_moe_gemv_bf16(const uint16_t *x, const uint16_t *w, const int64_t *ids, uint16_t *y, int64_t A,
+                     int64_t K, int64_t N, int64_t E, int64_t n0, int64_t n1) {
+  if (A < 0 || K < 1 || E < 1 || n0 < 0 || n1 > N || n0 > n1) return 1;
+  for (int64_t a = 0; a < A; ++a) {
+    const int64_t e = ids[a];
+    uint16_t *ya = y + a * N;
+    if (e < 0 || e >= E) {
+      memset(ya + n0, 0, (size_t)(n1 - n0) * sizeof(uint16_t));
+      continue;
+    }
+    const uint16_t *we = w + e * N * K, *xa = x + a * K;
+    int64_t n = n0;
+    for (; n + 4 <= n1; n += 4) block_4_1(xa, we, ya, K, N, n);
+    for (; n < n1; ++n) block_1_1(xa, we, ya, K, N, n);
+  }
+  return 0;
+}

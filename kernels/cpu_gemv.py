@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ._cpu import load
 
-__all__ = ["MAX_ROWS", "gemv_bf16", "gemv_bf16_reference", "ready"]
+__all__ = ["MAX_ROWS", "gemv_bf16", "gemv_bf16_reference", "moe_gemv_bf16", "moe_gemv_bf16_reference", "ready"]
 
 log = structlog.get_logger("fxsched.kernels")
 
@@ -44,7 +44,8 @@ def gemv_bf16_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = load("cpu_gemv", {"fx_gemv_bf16": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5})
+    lib = load("cpu_gemv", {"fx_gemv_bf16": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5,
+                            "fx_moe_gemv_bf16": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6})
     if lib is not None and not _self_check(lib):
         log.warning("cpu_kernel_unavailable", kernel="cpu_gemv", reason="self-check against F.linear failed")
         return None
@@ -62,7 +63,13 @@ def _self_check(lib: ctypes.CDLL) -> bool:
         ref = x.float() @ w.float().T
         if not torch.allclose(y.float(), ref, rtol=1e-2, atol=1e-2):
             return False
-    return True
+    x = torch.randn(3, 40, generator=gen).to(torch.bfloat16)
+    w = torch.randn(2, 6, 40, generator=gen).to(torch.bfloat16)
+    ids = torch.tensor([1, 2, 0])  # 2: outside the 2 experts -> a zero row
+    y = torch.empty(3, 6, dtype=torch.bfloat16)
+    if lib.fx_moe_gemv_bf16(x.data_ptr(), w.data_ptr(), ids.data_ptr(), y.data_ptr(), 3, 40, 6, 2, 0, 6) != 0:
+        return False
+    return torch.allclose(y.float(), moe_gemv_bf16_reference(x, w, ids).float(), rtol=1e-2, atol=1e-2)
 
 
 def ready() -> bool:
@@ -94,4 +101,39 @@ def gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return y
     step = -(-n // threads // 4) * 4
     list(_pool(threads).map(lambda lo: lib.fx_gemv_bf16(*args, lo, min(n, lo + step)), range(0, n, step)))
+    return y
+
+
+def moe_gemv_bf16_reference(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Row a of x [A, K] against expert ids[a] of w [E, N, K]: [A, N]; a row whose id is outside
+    [0, E) is zero (an expert of another shard)."""
+    inside = (ids >= 0) & (ids < w.shape[0])
+    picked = w.index_select(0, ids.clamp(0, w.shape[0] - 1))
+    y = torch.bmm(x[:, None, :], picked.transpose(1, 2))[:, 0]
+    return torch.where(inside[:, None], y, torch.zeros((), dtype=y.dtype))
+
+
+def moe_gemv_bf16(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """[A, N]: row a of bf16 x [A, K] times expert ids[a] of w [E, N, K] (transposed), zero where
+    ids[a] is outside [0, E). The one-row-per-assignment product of a MoE decode: each assignment
+    streams its expert's rows once, with no gather of the weights and no host read of the ids (the
+    C code reads them in memory). The reference where the kernel is not ready or the operands do
+    not fit it."""
+    lib = _library()
+    if (lib is None or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16 or x.device.type != "cpu"
+            or w.device.type != "cpu" or ids.device.type != "cpu" or x.dim() != 2 or w.dim() != 3
+            or ids.dim() != 1 or ids.shape[0] != x.shape[0] or x.shape[1] != w.shape[2]
+            or not w.is_contiguous() or x.requires_grad or w.requires_grad):
+        return moe_gemv_bf16_reference(x, w, ids)
+    x, ids = x.contiguous(), ids.to(torch.int64).contiguous()
+    a, k = x.shape
+    e, n = w.shape[0], w.shape[1]
+    y = torch.empty(a, n, dtype=torch.bfloat16)
+    args = (x.data_ptr(), w.data_ptr(), ids.data_ptr(), y.data_ptr(), a, k, n, e)
+    threads = min(torch.get_num_threads(), n // _MIN_ROWS_PER_THREAD)
+    if threads <= 1:
+        lib.fx_moe_gemv_bf16(*args, 0, n)
+        return y
+    step = -(-n // threads // 4) * 4
+    list(_pool(threads).map(lambda lo: lib.fx_moe_gemv_bf16(*args, lo, min(n, lo + step)), range(0, n, step)))
     return y

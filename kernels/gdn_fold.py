@@ -30,7 +30,7 @@ import torch
 
 from ._triton import HAVE_TRITON, cdiv, use_triton
 
-__all__ = ["gdn_fold", "gdn_fold_reference", "gdn_fold_triton"]
+__all__ = ["gdn_fold", "gdn_fold_reference", "gdn_fold_rows", "gdn_fold_triton"]
 
 _COPY_BLOCK = 1024
 
@@ -66,6 +66,23 @@ def gdn_fold_reference(
     state[slots] = states_rows[batch_index, rows].to(state.dtype)
     conv[slots] = conv_rows[batch_index, rows].to(conv.dtype)
 
+
+
+def gdn_fold_rows(
+    states_rows: torch.Tensor,
+    conv_rows: torch.Tensor,
+    batch_index: torch.Tensor,
+    rows: torch.Tensor,
+    slots: torch.Tensor,
+    state: torch.Tensor,
+    conv: torch.Tensor,
+) -> None:
+    """The fold of the live entries only (the caller dropped the padding ones on the host): slot
+    slots[i] gets row rows[i] of batch entry batch_index[i]; writes ``state`` and ``conv`` in place.
+    gdn_fold_reference's result with no boolean mask, so nothing waits for the device and nothing
+    has a data-dependent shape (it runs on the meta device too)."""
+    state.index_copy_(0, slots, states_rows[batch_index, rows].to(state.dtype))
+    conv.index_copy_(0, slots, conv_rows[batch_index, rows].to(conv.dtype))
 
 if HAVE_TRITON:
     import triton

@@ -36,7 +36,7 @@ from typing import Iterator, Sequence
 import structlog
 import torch
 
-from fxsched.kernels.gdn_fold import gdn_fold, gdn_fold_reference
+from fxsched.kernels.gdn_fold import gdn_fold, gdn_fold_rows
 
 from .config import ModelConfig, default_config
 from .drafters import DFlashDrafter, MtpHead
@@ -556,7 +556,7 @@ class HybridEngine:
         forward's own state tensors: batch entry b keeps row accepted - 1 (where that forward kept it,
         GdnRows.index) into its slot; entries
         not committed here carry slot -1 (padding) and write nothing. The Triton kernel where
-        kernel_paths allows it, `gdn_fold_reference` otherwise (both copy exactly).
+        kernel_paths allows it, `gdn_fold_rows` on the live entries otherwise (both copy exactly).
         """
         groups: dict[int, tuple[ForwardOutput, list[int], list[int]]] = {}
         for slot, n, pending in zip(slots, accepted, pendings, strict=True):
@@ -570,12 +570,17 @@ class HybridEngine:
             slot_ids[pending.batch_index] = slot
             rows[pending.batch_index] = out.gdn_rows[0].index(n - 1) if out.gdn_rows else n - 1
         for out, slot_ids, rows in groups.values():
-            slot_t = torch.tensor(slot_ids, dtype=torch.long, device=self.device)
-            rows_t = torch.tensor(rows, dtype=torch.long, device=self.device)
+            live = [b for b, s in enumerate(slot_ids) if s >= 0]
+            slot_t, rows_t, live_t, live_rows_t, live_slots_t = send_ints(
+                [slot_ids, rows, live, [rows[b] for b in live], [slot_ids[b] for b in live]], self.device)
             for layer, gdn_rows in enumerate(out.gdn_rows):
                 args = (gdn_rows.states, gdn_rows.conv_rows(), rows_t, slot_t,
                         self.gdn.recurrent[layer], self.gdn.conv[layer])
-                (gdn_fold if gdn_fold_kernel_applies(*args) else gdn_fold_reference)(*args)
+                if gdn_fold_kernel_applies(*args):
+                    gdn_fold(*args)
+                else:  # the live entries alone, picked on the host: no boolean mask on the device
+                    gdn_fold_rows(gdn_rows.states, gdn_rows.conv_rows(), live_t, live_rows_t, live_slots_t,
+                                  self.gdn.recurrent[layer], self.gdn.conv[layer])
 
     def hidden_rows(self, slot: int, start: int, end: int) -> torch.Tensor:
         """The committed hidden rows [end - start, D] of `slot` (zeros where the engine keeps no

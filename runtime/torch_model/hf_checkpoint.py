@@ -114,6 +114,14 @@ def load_pretrained(model_dir: str | Path, *, device: str | torch.device = "cpu"
     return cfg, moved
 
 
+def pretrained_config(model_dir: str | Path, *, dtype: str | None = None, max_seq_len: int | None = None,
+                      max_slots: int = 16, num_blocks: int | None = None, block_size: int = 16) -> ModelConfig:
+    """The ModelConfig `load_pretrained` would build for `model_dir` (same arguments; num_blocks
+    None: every slot at max_seq_len), without reading a weight: e.g. to allocate a model of the
+    checkpoint's shapes on the meta device (tests/test_qwen3_next_80b_meta.py)."""
+    return _open(model_dir, dtype, max_seq_len, max_slots, num_blocks, block_size)[1]
+
+
 def kv_block_bytes(cfg: ModelConfig) -> int:
     """Bytes of one KV block: keys and values of block_size positions in every attention layer."""
     itemsize = torch.empty(0, dtype=torch_dtype(cfg)).element_size()

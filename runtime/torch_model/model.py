@@ -26,7 +26,7 @@ from .attention import attention_layer
 from .attn_plan import AttnPlan
 from .config import ModelConfig
 from .gdn import GdnRows, GdnStateCache, gdn_layer
-from .moe import sparse_moe
+from .moe import fuse_shared_experts, sparse_moe
 from .ops import linear, rms_norm, swiglu_mlp
 from .paged_kv import PagedKVCache
 from .weights import Weights, check_weights
@@ -93,7 +93,7 @@ class HybridModel:
     def __init__(self, cfg: ModelConfig, weights: Weights) -> None:
         check_weights(weights, cfg)
         self.cfg = cfg
-        self.w = weights
+        self.w = fuse_shared_experts(weights, cfg)  # same names and shapes (moe.fuse_shared_experts)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token embeddings [..., D] of token ids [...]."""

@@ -11,10 +11,21 @@ gate_proj / up_proj [E, I, D], down_proj [E, D, I] (experts stacked on dim 0 so 
 runtime can slice them), and when cfg.shared_expert_intermediate_size > 0: shared.gate_proj,
 shared.up_proj, shared.down_proj and shared_gate [1, D].
 
-The routed sum (`routed_sum`) loops over the experts that received at least one token, in
-increasing expert order, gathering their tokens and scattering the weighted outputs back with
-index_add_ (the same accumulation order as transformers' eager experts). Rows are independent: a
+The routed sum (`routed_sum`, specs/expert-parallel.md §10.7) has no host logic: no read back,
+no data-dependent shape (no unique / nonzero / boolean mask / tolist), so it adds no host
+synchronisation to a step and runs on the meta device. The N * k (token, slot) assignments are
+grouped by expert on the device (stable argsort of the expert ids; each expert's group end by a
+binary search of the sorted ids), the tokens gathered in that order, and each projection is one
+grouped GEMM (`torch._grouped_mm`) over the stacked weights; the weighted rows go back with
+index_add_, each token's terms in increasing expert order (as transformers' eager experts). A
+bf16 CPU forward with at most GEMV_MAX_ASSIGNMENTS assignments takes the per-assignment C kernel
+instead (cpu_gemv.moe_gemv_bf16), which is faster on one-row groups. Experts outside a shard's
+range get id `count` and contribute zeros (torch.where, not a mask). Rows are independent: a
 token's output depends only on that token, so padded rows never affect valid ones.
+
+The shared expert (`shared_expert`) is fused: `fuse_shared_experts` (called by HybridModel) stores
+its gate_proj, up_proj and the shared_gate row as consecutive rows of one matrix, so one product
+projects a token onto all three.
 
 Expert shards (specs/expert-parallel.md §10.2). With `expert_shard=(rank, world)` the loader
 (hf_checkpoint.py) keeps only rank's contiguous range of each MoE layer's experts
@@ -38,6 +49,8 @@ from typing import Any, Optional, Protocol
 import torch
 import torch.nn.functional as F
 
+from fxsched.kernels import cpu_gemv
+
 from .config import ModelConfig
 from .ops import linear, swiglu_mlp
 from .weights import param_shapes
@@ -59,22 +72,71 @@ def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool) 
     return weights.to(x.dtype), experts
 
 
+# Assignments (token, slot pairs) up to which a bf16 CPU forward takes the per-assignment C kernel
+# (cpu_gemv.moe_gemv_bf16: each assignment streams its expert's rows once) rather than the grouped
+# GEMM, whose CPU bf16 form runs oneDNN per group at about half the kernel's speed on one-row groups.
+# Past this, tokens share experts often enough that reading each expert once wins (measured on a
+# Qwen3-Next-like layer, see specs/expert-parallel.md §10.7).
+GEMV_MAX_ASSIGNMENTS = 1024
+
+
 def routed_sum(flat: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, gate_w: torch.Tensor,
                up_w: torch.Tensor, down_w: torch.Tensor, first: int = 0) -> torch.Tensor:
     """sum_e p_e * SwiGLU_e(x) over the chosen experts e in [first, first + len(gate_w)) for tokens
     flat [N, D] routed to `experts` [N, k] with `weights` [N, k]; gate_w/up_w/down_w hold those
-    experts' rows (expert first + j at row j). Experts outside the range add nothing."""
+    experts' rows (expert first + j at row j). Experts outside the range add nothing.
+
+    No host synchronisation and no data-dependent shape (see the module docstring): the N * k
+    assignments are grouped by expert on the device and each projection is one grouped GEMM
+    (`_grouped`), or, for a few assignments of a bf16 CPU forward, one per-assignment kernel call
+    (`_per_assignment`)."""
+    n, k = experts.shape
+    count = gate_w.shape[0]
+    local = (experts - first).reshape(-1)
+    outside = (local < 0) | (local >= count)
+    local = torch.where(outside, torch.full_like(local, count), local)  # `count`: no expert of ours
+    if (flat.dtype == torch.bfloat16 and flat.device.type == "cpu" and n * k <= GEMV_MAX_ASSIGNMENTS
+            and not torch.compiler.is_compiling() and cpu_gemv.ready()):
+        return _per_assignment(flat, weights, local, gate_w, up_w, down_w)
+    return _grouped(flat, weights, local, gate_w, up_w, down_w)
+
+
+def _per_assignment(flat: torch.Tensor, weights: torch.Tensor, local: torch.Tensor, gate_w: torch.Tensor,
+                    up_w: torch.Tensor, down_w: torch.Tensor) -> torch.Tensor:
+    """routed_sum by one product per assignment (local [N * k] expert rows, `count` for none:
+    the kernel gives zero rows there)."""
+    n, k = weights.shape
+    h = flat.repeat_interleave(k, dim=0)  # assignment a = token a // k, slot a % k
+    act = F.silu(cpu_gemv.moe_gemv_bf16(h, gate_w, local)) * cpu_gemv.moe_gemv_bf16(h, up_w, local)
+    y = cpu_gemv.moe_gemv_bf16(act, down_w, local).view(n, k, -1)
     out = torch.zeros_like(flat)
-    last = first + gate_w.shape[0]
-    for e in torch.unique(experts).tolist():
-        if not first <= e < last:
-            continue
-        token, slot = torch.nonzero(experts == e, as_tuple=True)
-        h = flat[token]
-        j = e - first
-        y = linear(F.silu(linear(h, gate_w[j])) * linear(h, up_w[j]), down_w[j])
-        out.index_add_(0, token, y * weights[token, slot, None])
+    for slot in range(k):  # slot order: each token's terms are added one by one, as index_add_ does
+        out += y[:, slot] * weights[:, slot, None]
     return out
+
+
+def _grouped(flat: torch.Tensor, weights: torch.Tensor, local: torch.Tensor, gate_w: torch.Tensor,
+             up_w: torch.Tensor, down_w: torch.Tensor) -> torch.Tensor:
+    """routed_sum by grouped GEMMs: the assignments sorted by expert (stable: within an expert in
+    token order), the end offset of each expert's group found by a binary search of the sorted ids,
+    the tokens gathered in that order, one grouped GEMM per projection, the weighted rows added back
+    with index_add_ (in expert order for each token). Assignments to no expert of ours (id `count`)
+    sort last, past the last offset: the GEMMs leave those rows undefined and they are replaced by
+    zeros before the scatter."""
+    k = weights.shape[1]
+    count = gate_w.shape[0]
+    order = torch.argsort(local, stable=True)
+    ids = local.index_select(0, order)
+    bounds = torch.arange(1, count + 1, device=local.device, dtype=local.dtype)
+    offs = torch.searchsorted(ids, bounds, out_int32=True)  # end of expert j's rows: #ids <= j
+    token = torch.div(order, k, rounding_mode="floor")
+    h = flat.index_select(0, token)
+    g = torch._grouped_mm(h, gate_w.transpose(-2, -1), offs=offs)
+    u = torch._grouped_mm(h, up_w.transpose(-2, -1), offs=offs)
+    y = torch._grouped_mm(F.silu(g) * u, down_w.transpose(-2, -1), offs=offs)
+    p = weights.reshape(-1).index_select(0, order)[:, None]
+    y = torch.where((ids < count)[:, None], y * p, torch.zeros((), dtype=y.dtype, device=y.device))
+    return torch.zeros_like(flat).index_add_(0, token, y)
 
 
 def expert_bounds(num_experts: int, world: int) -> list[tuple[int, int]]:
@@ -221,6 +283,58 @@ def sparse_moe(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg: Mo
     else:
         out = routed_sum(flat, weights, experts, gate_w, up_w, down_w)
     if cfg.shared_expert_intermediate_size:
-        shared = swiglu_mlp(flat, w, f"{prefix}.shared")
-        out = out + torch.sigmoid(linear(flat, w[f"{prefix}.shared_gate"])) * shared
+        out = out + shared_expert(flat, w, prefix)
     return out.reshape(shape)
+
+
+def _shared_parts(w: dict[str, torch.Tensor], prefix: str) -> tuple[torch.Tensor, ...]:
+    return tuple(w[f"{prefix}.{name}"] for name in ("shared.gate_proj", "shared.up_proj", "shared_gate"))
+
+
+def fused_shared(w: dict[str, torch.Tensor], prefix: str) -> Optional[torch.Tensor]:
+    """The [2S + 1, D] matrix whose rows are the layer's shared gate_proj, up_proj and shared_gate
+    when the three are consecutive views of it (`fuse_shared_experts`), else None."""
+    gate, up, sgate = _shared_parts(w, prefix)
+    base = gate._base
+    if base is None or up._base is not base or sgate._base is not base or base.dim() != 2:
+        return None
+    s, d = gate.shape
+    at = base.storage_offset()
+    if (base.shape[0] != 2 * s + 1 or not base.is_contiguous() or gate.storage_offset() != at
+            or up.storage_offset() != at + s * d or sgate.storage_offset() != at + 2 * s * d):
+        return None
+    return base
+
+
+def fuse_shared_experts(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """`weights` with each MoE layer's shared gate_proj [S, D], up_proj [S, D] and shared_gate
+    [1, D] stored as consecutive rows of one [2S + 1, D] tensor (the dict keeps its names and
+    shapes: the three entries become views of it), so `shared_expert` projects a token onto all
+    three with one product. One copy at load; the separate tensors are released with the caller's
+    dict."""
+    if not cfg.shared_expert_intermediate_size:
+        return weights
+    out = dict(weights)
+    for prefix in moe_prefixes(cfg):
+        if fused_shared(out, prefix) is not None:
+            continue
+        parts = _shared_parts(out, prefix)
+        fused = torch.cat(parts, dim=0)
+        s = parts[0].shape[0]
+        out[f"{prefix}.shared.gate_proj"], out[f"{prefix}.shared.up_proj"], out[f"{prefix}.shared_gate"] = (
+            fused[:s], fused[s:2 * s], fused[2 * s:])
+    return out
+
+
+def shared_expert(flat: torch.Tensor, w: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+    """sigmoid(x W_shared_gate^T) * SwiGLU_shared(x) for tokens flat [N, D]: with the fused layout
+    one product gives the gate, up and shared-gate columns, then one the down projection (four
+    products otherwise)."""
+    fused = fused_shared(w, prefix)
+    if fused is None:
+        gated = torch.sigmoid(linear(flat, w[f"{prefix}.shared_gate"]))
+        return gated * swiglu_mlp(flat, w, f"{prefix}.shared")
+    s = (fused.shape[0] - 1) // 2
+    proj = linear(flat, fused)
+    act = F.silu(proj[:, :s]) * proj[:, s:2 * s]
+    return torch.sigmoid(proj[:, 2 * s:]) * linear(act, w[f"{prefix}.shared.down_proj"])
