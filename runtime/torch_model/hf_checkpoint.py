@@ -65,6 +65,7 @@ from .config import DTYPES, ModelConfig
 from .errors import ConfigError, ModelDirError
 from .moe import ExpertShard, expert_bounds, moe_prefixes
 from .weights import Weights, check_weights, param_dtype, param_shapes, torch_dtype
+from .st_read import read_whole
 
 log = structlog.get_logger("fxsched.torch_model.hf_checkpoint")
 
@@ -492,7 +493,10 @@ class _Shards:
         """The tensor `name`, or with rows=(first, count) only those rows of its first dimension."""
         try:
             handle = self.handles[self.files[name]]
-            if rows is None:
+            whole = read_whole(self.files[name], name) if rows is None else None  # no mapped pages held
+            if whole is not None:
+                tensor = whole
+            elif rows is None:
                 tensor = handle.get_tensor(name)
             else:
                 tensor = handle.get_slice(name)[rows[0]:rows[0] + rows[1]]
