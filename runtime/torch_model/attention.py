@@ -27,18 +27,36 @@ from .ops import linear, rms_norm
 from .paged_kv import PagedKVCache
 
 
+_rope_cache: list[tuple[tuple[object, ...], torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+
+def _rope_tables(positions: torch.Tensor, theta: float, rot: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [..., T, 1, rot] at `positions` (fp32 angles, cast to dtype). Every layer of a
+    forward ropes at the same positions tensor, so the last tables are kept, keyed by that tensor
+    (held, so its identity cannot be reused) and its version counter (an in-place write changes it)."""
+    key = (id(positions), positions._version, theta, rot, dtype, positions.device)
+    tracing = torch.compiler.is_compiling()
+    if not tracing and _rope_cache and _rope_cache[0][0] == key:
+        return _rope_cache[0][2], _rope_cache[0][3]
+    inv_freq = theta ** (-torch.arange(0, rot, 2, device=positions.device, dtype=torch.float32) / rot)
+    angles = positions.to(torch.float32)[..., None] * inv_freq  # [..., T, rot/2]
+    cos = torch.cat([angles.cos(), angles.cos()], -1)[..., None, :].to(dtype)
+    sin = torch.cat([angles.sin(), angles.sin()], -1)[..., None, :].to(dtype)
+    if not tracing:
+        _rope_cache[:] = [(key, positions, cos, sin)]
+    return cos, sin
+
+
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int | None = None) -> torch.Tensor:
     """Rotate-half rotary embedding of x [..., T, H, D] at integer positions [..., T].
 
     Only the first `rotary_dim` (default: all D) dims rotate, pairing dim i with i + rotary_dim/2;
-    the rest pass through. cos/sin are computed in fp32 and cast to x's dtype (as transformers).
+    the rest pass through. cos/sin are computed in fp32 and cast to x's dtype (as transformers),
+    once per positions tensor (`_rope_tables`).
     """
     dim = x.shape[-1]
     rot = dim if rotary_dim is None else rotary_dim
-    inv_freq = theta ** (-torch.arange(0, rot, 2, device=x.device, dtype=torch.float32) / rot)
-    angles = positions.to(torch.float32)[..., None] * inv_freq  # [..., T, rot/2]
-    cos = torch.cat([angles.cos(), angles.cos()], -1)[..., None, :].to(x.dtype)
-    sin = torch.cat([angles.sin(), angles.sin()], -1)[..., None, :].to(x.dtype)
+    cos, sin = _rope_tables(positions, theta, rot, x.dtype)
     half = rot // 2
     if rot == dim:
         rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
