@@ -11,9 +11,11 @@ Speculation modes (``SPECS``) map onto the scheduler configuration as follows:
 * ``dflash``: ``use_speculative`` + ``dflash``, ``num_drafts`` = the drafter's block size gamma;
 * ``ngram``: ``ngram_speculative`` (prompt-lookup drafts proposed by the scheduler itself).
 
-Every mode is greedy and lossless: the tokens equal those of ``none``, token for token.
+Greedy, every mode is lossless: the tokens equal those of ``none``, token for token. Sampling, every
+mode is lossless in distribution: the speculative steps verify by rejection sampling
+(specs/speculation.md §6.16), so the output follows the law of ``none`` (not its tokens).
 
-Sampling (``SamplingOptions``, spec ``none`` only: the speculative steps verify greedily). Each
+Sampling (``SamplingOptions``; ``logprobs`` with spec ``none`` only). Each
 request carries the run's ``temperature``, ``top_p``, ``top_k``, ``min_p`` and ``logprobs`` and its
 own seed, ``seed`` + its index x ``REQUEST_SEED_STRIDE`` (2**20: requests' draws never share a
 seed for outputs shorter than a million tokens); a pick draws with that seed + the output length (specs/scheduler.md §5.11), so a seeded run repeats token for token. The torch
@@ -671,10 +673,9 @@ def generate(engine: HybridEngine, prompts: Seq[Seq[int]], max_tokens: int, spec
         check_prompt(p, cfg, f"prompt {i + 1}")
     batch = batch if batch is not None else min(len(prompts), cfg.max_slots)
     config, model, proposer = scheduler_setup(cfg, spec, batch, eos_ids)
-    if spec != "none" and not sampling.greedy:
-        what = (f"--temperature {sampling.temperature}" if sampling.temperature > 0
-                else f"--logprobs {sampling.logprobs}")
-        raise GenerateError(f"{what}: needs --spec none (the speculative modes verify greedily)")
+    if spec != "none" and sampling.logprobs:
+        raise GenerateError(f"--logprobs {sampling.logprobs}: needs --spec none (the speculative modes keep no "
+                            "logprobs)")
     if sampling.logprobs > cfg.vocab_size:
         raise GenerateError(f"--logprobs {sampling.logprobs}: must be at most the vocabulary size {cfg.vocab_size}")
     requests = [sampling.request(i, p, max_tokens) for i, p in enumerate(prompts)]

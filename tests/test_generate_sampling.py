@@ -146,7 +146,7 @@ def test_logprobs_are_the_models_log_softmax_for_every_token_after_the_first(cap
     (("--seed", "x"), "--seed x: not an integer"),
     (("--logprobs", "-2", "--json"), "--logprobs -2: must be at least 0"),
     (("--logprobs", "2"), "--logprobs 2: needs --json"),
-    (("--temperature", "0.7", "--spec", "ngram"), "--temperature 0.7: needs --spec none"),
+    (("--logprobs", "2", "--json", "--spec", "ngram"), "--logprobs 2: needs --spec none"),
 ])
 def test_a_bad_sampling_value_is_one_line_and_exit_2(capsys, flags, says):
     assert fxsched("--prompt-ids", "1 2 3", "--max-tokens", "4", *flags) == 2

@@ -17,7 +17,7 @@ from fxsched.effects.device_calls import HostPick  # noqa: E402
 from fxsched.runtime.devices import spec_sampling  # noqa: E402
 from fxsched.runtime.devices.spec_sampling import verify_sample  # noqa: E402
 from fxsched.runtime.devices.torch_sampling import filtered_probs  # noqa: E402
-from tests.support.chi2 import chi2_sf, chi2_test  # noqa: E402
+from support.chi2 import chi2_sf, chi2_test  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -30,7 +30,9 @@ counters), then one summary object (``"summary": true``), and nothing else.
 
 Sampling: greedy by default; ``--temperature T`` (> 0 samples), ``--top-p``, ``--top-k``,
 ``--min-p`` and ``--seed S`` (request i draws with seed S + i, so a seeded run repeats) apply to
-every request, with ``--spec none``; ``--logprobs N`` adds each token's logprob and the N most
+every request, with every ``--spec`` (a speculative mode verifies sampled drafts by rejection
+sampling, which keeps the target's distribution: specs/speculation.md §6.16); ``--logprobs N``
+(``--spec none`` only) adds each token's logprob and the N most
 likely ids to the ``--json`` records (``logprobs``: one entry per token id, null for the first
 token, which the scheduler picks without a record).
 
@@ -133,7 +135,7 @@ def add_generate_command(sub) -> None:
                    help="requests running at once (default 1); fewer prompts are repeated to fill the batch")
     p.add_argument("--max-tokens", default="32", help="tokens to generate per request (default 32)")
     p.add_argument("--spec", default="none", help="speculation: none, mtp, dflash or ngram (default none)")
-    p.add_argument("--temperature", default="0", help="sampling temperature (default 0: greedy; > 0 needs --spec none)")
+    p.add_argument("--temperature", default="0", help="sampling temperature (default 0: greedy)")
     p.add_argument("--top-p", default="1", help="nucleus sampling: keep the most likely tokens up to this mass "
                                                 "(0 < p <= 1, default 1: off)")
     p.add_argument("--top-k", default="0", help="keep the k most likely tokens (default 0: off)")
@@ -518,9 +520,8 @@ def run_generate(args, out=None) -> int:
     max_tokens = _int(args.max_tokens, "--max-tokens", 1)
     batch = _int(args.batch, "--batch", 1)
     sampling = _sampling(args)
-    if args.spec != "none" and not sampling.greedy:
-        what = f"--temperature {args.temperature}" if sampling.temperature > 0 else f"--logprobs {args.logprobs}"
-        raise UsageError(f"{what}: needs --spec none (the speculative modes verify greedily)")
+    if args.spec != "none" and sampling.logprobs:
+        raise UsageError(f"--logprobs {args.logprobs}: needs --spec none (the speculative modes keep no logprobs)")
     if sampling.logprobs and not args.json:
         raise UsageError(f"--logprobs {args.logprobs}: needs --json (the logprobs are written in its records)")
     _prompt_option(args)

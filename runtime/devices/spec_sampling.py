@@ -1,5 +1,5 @@
 """Rejection-sampling verification of speculative drafts, batched in torch (specs/speculation.md
-§6.15).
+§6.16).
 
 ``verify_sample(logits [R, V], inputs, picks, eos_ids, q=None)`` answers a verify whose rows are
 ``inputs`` (one list per sequence, sequence-major: the anchor then the drafts, ``K_b`` rows each,

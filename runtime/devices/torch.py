@@ -59,6 +59,7 @@ from fxsched.kernels.row_argmax import row_argmax
 from fxsched.runtime.devices.device import DeviceError
 from fxsched.runtime.logs import ensure_configured
 from fxsched.runtime.devices.streams import StreamError, StreamSet
+from fxsched.runtime.devices.spec_sampling import verify_sample
 from fxsched.runtime.devices.torch_sampling import SampledRows, sample_rows
 from fxsched.runtime.torch_model import HybridEngine
 from fxsched.runtime.torch_model.errors import OutOfBlocksError, SpillError, TorchModelError
@@ -681,6 +682,29 @@ class TorchDevice:
             offset += k
         with self.streams.use(stream):
             return self._verify_many([self._seq(i) for i in seqs], lists, "decode_verify_batched")
+
+    def sample_verify(self, picks, eos_ids) -> list[int]:
+        """The last verify's rows redone by rejection sampling (``spec_sampling.verify_sample``, one
+        pick per row in the verify's row order): the pending rows each sequence may keep become its
+        accepted drafts + 1, as the greedy verify's agreement did."""
+        if self._logits is None or not self._owners:
+            raise DeviceError("sample_verify: no verify has produced rows")
+        seqs: list[DeviceSeq] = []
+        for seq_id, local in self._owners:
+            if local == 0:
+                seqs.append(self._seq(seq_id))
+        inputs = []
+        for s in seqs:
+            if s.pending is None or s.pending.kind is not PendingKind.VERIFY:
+                raise DeviceError(f"sample_verify: sequence {s.seq_id} has no pending verify")
+            inputs.append(s.pending.tokens)
+        self.stats.calls["sample_verify"] += 1
+        rows, accepted = verify_sample(self._logits, inputs, picks, eos_ids)
+        for s, n in zip(seqs, accepted, strict=True):
+            assert s.pending is not None
+            s.pending = Pending(s.pending.tokens, s.pending.keep, PendingKind.VERIFY, n + 1)
+        self._argmax = rows
+        return rows
 
     # ======================================================================================
     # proposers
