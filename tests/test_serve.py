@@ -322,7 +322,35 @@ def test_malformed_json_unknown_fields_and_unknown_routes(server):
         server.client().completions.create(model=MODEL, prompt="hi", max_tokens=-1)
 
 
-def test_speculative_server_refuses_sampling_queues_and_answers_429(tok):
+def test_speculative_server_samples_for_the_openai_client_streamed_and_not(tok):
+    """``--spec mtp`` and temperature 0.8 (specs/speculation.md §6.16): a seeded choice gives the same
+    text streamed and not, and sampling leaves the greedy text."""
+    s = Server(tok, spec="mtp")
+    try:
+        client = s.client()
+        text = PROMPTS[1]
+        greedy = references(tok, [tok.encode(text)], spec="mtp")[0]
+        got = []
+        for seed in (1, 2, 3):
+            done = client.completions.create(model=MODEL, prompt=text, max_tokens=MAX_TOKENS, temperature=0.8,
+                                             seed=seed)
+            assert done.choices[0].finish_reason in ("length", "stop") and done.usage.completion_tokens > 0
+            stream = client.completions.create(model=MODEL, prompt=text, max_tokens=MAX_TOKENS, temperature=0.8,
+                                               seed=seed, stream=True)
+            pieces = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+            assert pieces == done.choices[0].text, f"seed {seed}: streamed and whole answers differ"
+            got.append(done.choices[0].text)
+        assert any(g != greedy for g in got)  # it sampled
+        chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=8, temperature=0.8, top_p=0.9, seed=5)
+        assert chat.choices[0].message.content is not None
+        s.idle()
+        assert_free(s)
+    finally:
+        s.close()
+
+
+def test_speculative_server_refuses_logprobs_queues_and_answers_429(tok):
     devices: list[FaultyDevice] = []
 
     def wrap(device):
@@ -331,7 +359,6 @@ def test_speculative_server_refuses_sampling_queues_and_answers_429(tok):
 
     s = Server(tok, spec="ngram", max_batch=1, max_waiting=1, wrap_device=wrap)
     try:
-        _error_body(s.post("/v1/completions", json={"prompt": "hi", "temperature": 0.7}), 400, "temperature")
         _error_body(s.post("/v1/completions", json={"prompt": "hi", "logprobs": 1}), 400, "logprobs")
         _error_body(s.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                           "logprobs": True}), 400, "logprobs")
