@@ -580,6 +580,7 @@ class Summary:
     cached_prompt_tokens: int
     steps: int
     discarded_tokens: int = 0  # received after a stop string, before the Cancel took effect
+    acceptance_by_position: tuple[float, ...] = ()  # share of verified drafts kept, by draft position
 
     @property
     def tokens_per_s(self) -> float:
@@ -608,6 +609,7 @@ class Summary:
             "target_forwards": self.target_forwards, "forwards_per_token": self.forwards_per_token,
             "verifies": self.verifies, "accepted_drafts": self.accepted_drafts,
             "mean_accepted_length": self.mean_accepted_length,
+            "acceptance_by_position": list(self.acceptance_by_position),
             "cached_prompt_tokens": self.cached_prompt_tokens, "steps": self.steps,
         }
 
@@ -722,6 +724,7 @@ def generate(engine: HybridEngine, prompts: Seq[Seq[int]], max_tokens: int, spec
         accepted_drafts=stats.accepted_drafts, mean_accepted_length=stats.mean_accepted_length,
         cached_prompt_tokens=stats.cached_prompt_tokens, steps=interpreter.steps,
         discarded_tokens=sum(r.received - len(r.tokens) for r in results),
+        acceptance_by_position=stats.acceptance_by_position,
     )
     if interrupted:
         raise GenerateInterrupted(GenerateResult(results, summary, device))

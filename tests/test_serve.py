@@ -346,6 +346,16 @@ def test_speculative_server_samples_for_the_openai_client_streamed_and_not(tok):
         assert chat.choices[0].message.content is not None
         s.idle()
         assert_free(s)
+        # per-position acceptance: position 0 saw every verify's first draft; the kept drafts add up
+        m = s.metrics()
+        drafted = {k: v for k, v in m.items() if k.startswith("fxsched_spec_drafts_per_position_total")}
+        kept = {k: v for k, v in m.items() if k.startswith("fxsched_spec_accepted_per_position_total")}
+        assert drafted["fxsched_spec_drafts_per_position_total{mode=mtp,position=0}"] == \
+            m["fxsched_spec_verifies_total{mode=mtp}"] > 0
+        assert sum(kept.values()) == m["fxsched_spec_accepted_tokens_total{mode=mtp}"]
+        rate = m["fxsched_spec_acceptance_per_position{mode=mtp,position=0}"]
+        assert rate == kept["fxsched_spec_accepted_per_position_total{mode=mtp,position=0}"] / \
+            drafted["fxsched_spec_drafts_per_position_total{mode=mtp,position=0}"]
     finally:
         s.close()
 

@@ -159,9 +159,14 @@ def test_accepting_drafts_without_the_ratio_test_fails_it(engine, monkeypatch, m
 
 
 def test_a_seeded_speculative_run_repeats(engine):
-    settings = SETTINGS["T1.0-top_k20"]
-    options = SamplingOptions(seed=11, **settings)
-    first = generate(engine, [PROMPT] * 4, 8, "mtp", 4, sampling=options).outputs
-    again = generate(HybridEngine(engine.cfg), [PROMPT] * 4, 8, "mtp", 4, sampling=options).outputs
+    settings = SETTINGS["T0.7-top_p0.9"]
+    options = SamplingOptions(seed=12, **settings)
+    result = generate(engine, [PROMPT] * 4, 8, "mtp", 4, sampling=options, drafter=lookup_drafter)
+    first = result.outputs
+    again = generate(HybridEngine(engine.cfg), [PROMPT] * 4, 8, "mtp", 4, sampling=options,
+                     drafter=lookup_drafter).outputs
     assert first == again
+    stats = result.device.stats  # per-position acceptance adds up to the kept drafts
+    assert sum(stats.accepted_at) == stats.accepted_drafts > 0 and stats.drafts_at[0] == stats.verifies
+    assert result.summary.acceptance_by_position == tuple(a / d for a, d in zip(stats.accepted_at, stats.drafts_at, strict=True))
     assert len(set(map(tuple, first))) > 1  # the requests' seeds differ, and so do their tokens

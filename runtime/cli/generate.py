@@ -169,6 +169,9 @@ def add_bench_generate(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--specs", default="none,mtp,dflash,ngram",
                        help="speculation modes, comma-separated; one the model cannot run is reported as skipped "
                             "(generate)")
+    bench.add_argument("--temperature", dest="bench_temperature", default="0",
+                       help="sampling temperature of every request (default 0: greedy; > 0: the rows report "
+                            "the accepted length at that temperature, seeded, and no losslessness) (generate)")
     bench.add_argument("--prompts", default="held-out,repetitive",
                        help="prompt sets, comma-separated: held-out, repetitive (generate)")
     bench.add_argument("--json", action="store_true", help="one JSON object per row, nothing else (step, check, generate)")
@@ -650,6 +653,9 @@ def run_bench_generate(args, out=None) -> list[dict]:
         if spec not in SPECS:
             raise UsageError(f"--specs {spec}: unknown speculation mode (choose from {', '.join(SPECS)})")
     max_tokens = _int(args.max_tokens, "--max-tokens", 1)
+    temperature = _float(getattr(args, "bench_temperature", None) or "0", "--temperature")
+    if not 0 <= temperature <= 100:
+        raise UsageError(f"--temperature {args.bench_temperature}: must be between 0 and 100")
     sets = [s.strip() for s in getattr(args, "prompts", ",".join(PROMPT_SETS)).split(",") if s.strip()]
     for name in sets or [""]:
         if name not in PROMPT_SETS:
@@ -686,17 +692,19 @@ def run_bench_generate(args, out=None) -> list[dict]:
 
         rows = bench_generate(lambda n=1: _engine(replace(choice, ep_ranks=n), device), batches, max_tokens, specs,
                               progress=progress, tokenizer=tokenizer, prompt_sets=sets, ep_ranks=ranks,
-                              model_dir=choice.model, weights=choice.weights)
+                              model_dir=choice.model, weights=choice.weights, temperature=temperature)
     finally:
         bar.close()
     model = choice.model or choice.weights or "random (seeded)"
     label = "default model" if choice.default else ("model" if choice.model else "weights")
     if getattr(args, "json", False):
         for row in rows:
-            record = {**row_json(row), "device": device, "max_tokens": max_tokens, "model": model}
+            record = {**row_json(row), "device": device, "max_tokens": max_tokens, "temperature": temperature,
+                      "model": model}
             print(json.dumps(record), file=out)
         return rows
-    print(f"bench generate: device={device} max_tokens={max_tokens} {label}={model}", file=out)
+    print(f"bench generate: device={device} max_tokens={max_tokens} temperature={temperature:g} {label}={model}",
+          file=out)
     print(format_table(rows), file=out)
     return rows
 

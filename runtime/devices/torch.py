@@ -126,6 +126,24 @@ class DeviceStats:
     restores: int = 0
     calls: Counter = field(default_factory=Counter)  # forward / proposer / commit calls by name
     widest_batched_verify: int = 0  # most sequences in one decode_verify_batched
+    drafts_at: list[int] = field(default_factory=list)  # verified drafts by position (0: the first draft)
+    accepted_at: list[int] = field(default_factory=list)  # of those, the ones kept
+
+    def count_position(self, drafts: int, accepted: int) -> None:
+        """One verify of ``drafts`` drafts that kept the first ``accepted`` of them."""
+        if len(self.drafts_at) < drafts:
+            grow = drafts - len(self.drafts_at)
+            self.drafts_at.extend([0] * grow)
+            self.accepted_at.extend([0] * grow)
+        for i in range(drafts):
+            self.drafts_at[i] += 1
+        for i in range(min(accepted, drafts)):
+            self.accepted_at[i] += 1
+
+    @property
+    def acceptance_by_position(self) -> tuple[float, ...]:
+        """Per draft position, the share of verified drafts kept (vLLM's per-position acceptance)."""
+        return tuple(a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafts_at, strict=True))
 
     @property
     def accepted_drafts(self) -> int:
@@ -275,6 +293,7 @@ class TorchDevice:
         self.stats.verifies += 1
         self.stats.verify_rows += len(pending.tokens)
         self.stats.kept_rows += n
+        self.stats.count_position(len(pending.tokens) - 1, n - 1)
         if n > pending.agreed:
             self.stats.overaccepts += 1
             message = (f"{what}: sequence {s.seq_id} keeps {n} verify rows but the target agreed with "
