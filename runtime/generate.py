@@ -15,15 +15,17 @@ Greedy, every mode is lossless: the tokens equal those of ``none``, token for to
 mode is lossless in distribution: the speculative steps verify by rejection sampling
 (specs/speculation.md §6.16), so the output follows the law of ``none`` (not its tokens).
 
-Sampling (``SamplingOptions``; ``logprobs`` with spec ``none`` only). Each
+Sampling (``SamplingOptions``, every spec). Each
 request carries the run's ``temperature``, ``top_p``, ``top_k``, ``min_p`` and ``logprobs`` and its
 own seed, ``seed`` + its index x ``REQUEST_SEED_STRIDE`` (2**20: requests' draws never share a
 seed for outputs shorter than a million tokens); a pick draws with that seed + the output length (specs/scheduler.md §5.11), so a seeded run repeats token for token. The torch
 device samples the rows (``TorchDevice.sample_rows``); with ``logprobs`` = k > 0 each generated
 token gets its logprob record (the chosen token's logprob and the k most likely ids, from
 ``TorchDevice.last_sample``, matched to requests by ``LogprobWitness``) in
-``RequestResult.logprobs``, one entry per token id; the first token's is None (a first token
-never carries a record, specs/scheduler.md §5.11). The defaults are greedy and change nothing.
+``RequestResult.logprobs``, one entry per token id; the first token's comes from its device row
+(the scheduler's first pick carries no record, specs/scheduler.md §5.11), a speculative token's from
+its verify row (``TorchDevice.last_verify``, specs/speculation.md §6.16). The defaults are greedy
+and change nothing.
 
 EOS. ``eos_ids`` (default: the model config's ``stop_ids``) go to the scheduler and the
 interpreter; ``()`` never stops early (``--ignore-eos``). The scheduler appends the EOS to a
@@ -53,6 +55,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence as Seq
@@ -394,19 +397,36 @@ class EosWitness(Observer):
 
 
 class LogprobWitness(Observer):
-    """Logprob records for the tokens of a run with ``logprobs`` (``TorchDevice.last_sample``).
+    """Logprob records for the tokens of a run with ``logprobs`` (``TorchDevice.last_sample``,
+    ``TorchDevice.last_verify``).
 
     A sampled readback is the query that ends a batch; once the batch is carried out, the state's
     waiting record names its rows (``seq_ids`` of a decode or a mixed step, ``seq_id`` of a first
-    token, with its ``request`` for a whole prefill), in the order of the sample's rows. Each row's record waits under its request until the
-    host takes that request's next token (``take``)."""
+    token, with its ``request`` for a whole prefill), in the order of the sample's rows. A row the
+    scheduler picked without a record (a first token: specs/scheduler.md §5.11) gets one from the
+    device's row (``TorchDevice.row_record``). A rejection-sampled verify (specs/speculation.md
+    §6.16) gives each sequence the records of the tokens it emits, in order. Records wait in order
+    under their request until the host takes that request's tokens (``take``)."""
 
     def __init__(self, device: TorchDevice):
         self.device = device
         self._seen: Optional[object] = None
-        self.pending: dict[int, RowLogprobs] = {}
+        self._seen_verify: Optional[object] = None
+        self.pending: dict[int, deque[RowLogprobs]] = {}
+
+    def _requests(self, state: SchedulerState) -> dict[int, Request]:
+        request_of = {s.seq_id: s.request for s in state.active}
+        request_of.update((e.seq_id, e.request) for e in state.prefilling)
+        return request_of
 
     def performed(self, state: SchedulerState) -> None:
+        verified = self.device.last_verify
+        if verified is not None and verified is not self._seen_verify:
+            self._seen_verify = verified
+            request_of = self._requests(state)
+            for vid, records in verified:
+                if vid in request_of:
+                    self.pending.setdefault(request_of[vid].id, deque()).extend(records)
         sample = self.device.last_sample
         if sample is None or sample is self._seen:
             return
@@ -418,18 +438,25 @@ class LogprobWitness(Observer):
             rows = () if seq_id is None else (seq_id,)
         if len(rows) != len(sample.logprobs):
             return
-        request_of = {s.seq_id: s.request.id for s in state.active}
-        request_of.update((e.seq_id, e.request.id) for e in state.prefilling)
+        request_of = self._requests(state)
         request = getattr(waiting, "request", None)
         if request is not None and rows:
-            request_of[rows[0]] = request.id
-        for seq_id, record in zip(rows, sample.logprobs, strict=True):
-            if record is not None and seq_id in request_of:
-                self.pending[request_of[seq_id]] = record
+            request_of[rows[0]] = request
+        for r, (sid, record, token) in enumerate(zip(rows, sample.logprobs, sample.tokens, strict=True)):
+            req = request_of.get(sid)
+            if req is None:
+                continue
+            if record is None and req.top_logprobs > 0:
+                record = self.device.row_record(self.device.last_sample_row + r, token, req.top_logprobs)
+            if record is not None:
+                self.pending.setdefault(req.id, deque()).append(record)
 
     def take(self, request_id: int, token: int) -> Optional[dict[str, Any]]:
-        """The record of ``request_id``'s token ``token``, in the ``--json`` form; None if none."""
-        record = self.pending.pop(request_id, None)
+        """The record of ``request_id``'s next token ``token``, in the ``--json`` form; None if none."""
+        queue = self.pending.get(request_id)
+        record = queue.popleft() if queue else None
+        if queue is not None and not queue:
+            del self.pending[request_id]
         if record is None or record.token != token:
             return None
         return {"token_id": record.token, "logprob": record.logprob,
@@ -675,9 +702,6 @@ def generate(engine: HybridEngine, prompts: Seq[Seq[int]], max_tokens: int, spec
         check_prompt(p, cfg, f"prompt {i + 1}")
     batch = batch if batch is not None else min(len(prompts), cfg.max_slots)
     config, model, proposer = scheduler_setup(cfg, spec, batch, eos_ids)
-    if spec != "none" and sampling.logprobs:
-        raise GenerateError(f"--logprobs {sampling.logprobs}: needs --spec none (the speculative modes keep no "
-                            "logprobs)")
     if sampling.logprobs > cfg.vocab_size:
         raise GenerateError(f"--logprobs {sampling.logprobs}: must be at most the vocabulary size {cfg.vocab_size}")
     requests = [sampling.request(i, p, max_tokens) for i, p in enumerate(prompts)]

@@ -170,3 +170,37 @@ def test_a_seeded_speculative_run_repeats(engine):
     assert sum(stats.accepted_at) == stats.accepted_drafts > 0 and stats.drafts_at[0] == stats.verifies
     assert result.summary.acceptance_by_position == tuple(a / d for a, d in zip(stats.accepted_at, stats.drafts_at, strict=True))
     assert len(set(map(tuple, first))) > 1  # the requests' seeds differ, and so do their tokens
+
+
+def reference_logprobs(cfg, prompt: list[int], output: list[int]) -> list[list[float]]:
+    """Teacher forcing on a fresh engine: the raw log-softmax before each output token."""
+    ref = HybridEngine(cfg)
+    slot = ref.free_slots()[0]
+    ref.alloc(slot)
+    rows = [ref.prefill(slot, prompt)[None]]
+    if len(output) > 1:
+        rows.append(ref.verify(slot, output[:-1]))
+    return torch.log_softmax(torch.cat(rows).float(), dim=-1).tolist()
+
+
+@pytest.mark.parametrize("mode", ["none", "mtp", "dflash", "ngram"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_every_token_gets_the_targets_logprob_with_speculation(cfg, mode, temperature):
+    """The first token included; greedy speculation with logprobs keeps the greedy tokens."""
+    prompts = [PROMPT, PROMPT[3:]]
+    options = SamplingOptions(temperature=temperature, seed=3, logprobs=2)
+    result = generate(HybridEngine(cfg), prompts, 6, mode, 2 if mode != "ngram" else 1, sampling=options,
+                      drafter=None if mode == "ngram" else lookup_drafter, strict=True)
+    if temperature == 0:
+        greedy = generate(HybridEngine(cfg), prompts, 6, "none", 2).outputs
+        assert result.outputs == greedy
+    for prompt, res in zip(prompts, result.results, strict=True):
+        assert res.logprobs is not None and len(res.logprobs) == len(res.tokens)
+        ref = reference_logprobs(cfg, prompt, res.tokens)
+        for j, (token, record) in enumerate(zip(res.tokens, res.logprobs, strict=True)):
+            assert record is not None and record["token_id"] == token, (j, record)
+            assert record["logprob"] == pytest.approx(ref[j][token], abs=1e-4)
+            top = sorted(range(len(ref[j])), key=lambda t: -ref[j][t])[:2]
+            assert [e["token_id"] for e in record["top_logprobs"]] == top
+    if mode != "none":
+        assert result.device.stats.calls["sample_verify"] > 0

@@ -32,9 +32,9 @@ Sampling: greedy by default; ``--temperature T`` (> 0 samples), ``--top-p``, ``-
 ``--min-p`` and ``--seed S`` (request i draws with seed S + i, so a seeded run repeats) apply to
 every request, with every ``--spec`` (a speculative mode verifies sampled drafts by rejection
 sampling, which keeps the target's distribution: specs/speculation.md §6.16); ``--logprobs N``
-(``--spec none`` only) adds each token's logprob and the N most
-likely ids to the ``--json`` records (``logprobs``: one entry per token id, null for the first
-token, which the scheduler picks without a record).
+adds each token's logprob and the N most likely ids to the ``--json`` records (``logprobs``: one
+entry per token id, the first token's included, with every ``--spec``: the target's raw
+distribution).
 
 Bad input (an out-of-range sampling value, an empty or malformed prompt, a token id outside the vocabulary, a prompt longer than
 the context, text for a model without a tokenizer, an unknown ``--spec``, ``--device cuda``
@@ -523,8 +523,6 @@ def run_generate(args, out=None) -> int:
     max_tokens = _int(args.max_tokens, "--max-tokens", 1)
     batch = _int(args.batch, "--batch", 1)
     sampling = _sampling(args)
-    if args.spec != "none" and sampling.logprobs:
-        raise UsageError(f"--logprobs {args.logprobs}: needs --spec none (the speculative modes keep no logprobs)")
     if sampling.logprobs and not args.json:
         raise UsageError(f"--logprobs {args.logprobs}: needs --json (the logprobs are written in its records)")
     _prompt_option(args)

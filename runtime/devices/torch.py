@@ -60,7 +60,7 @@ from fxsched.runtime.devices.device import DeviceError
 from fxsched.runtime.logs import ensure_configured
 from fxsched.runtime.devices.streams import StreamError, StreamSet
 from fxsched.runtime.devices.spec_sampling import verify_sample
-from fxsched.runtime.devices.torch_sampling import SampledRows, sample_rows
+from fxsched.runtime.devices.torch_sampling import RowLogprobs, SampledRows, logprob_records, sample_rows
 from fxsched.runtime.torch_model import HybridEngine
 from fxsched.runtime.torch_model.errors import OutOfBlocksError, SpillError, TorchModelError
 
@@ -719,11 +719,29 @@ class TorchDevice:
             inputs.append(s.pending.tokens)
         self.stats.calls["sample_verify"] += 1
         rows, accepted = verify_sample(self._logits, inputs, picks, eos_ids)
-        for s, n in zip(seqs, accepted, strict=True):
+        records: list[tuple[int, list[RowLogprobs]]] = []
+        offset = 0
+        for s, n, toks in zip(seqs, accepted, inputs, strict=True):
             assert s.pending is not None
             s.pending = Pending(s.pending.tokens, s.pending.keep, PendingKind.VERIFY, n + 1)
+            widths = [picks[offset + i].top_logprobs for i in range(n + 1)]
+            if any(widths):  # the rows it emits: the kept drafts and the row after them
+                records.append((s.seq_id, logprob_records(self._logits[offset:offset + n + 1],
+                                                          rows[offset:offset + n + 1], widths)))
+            offset += len(toks)
+        self.last_verify = records
         self._argmax = rows
         return rows
+
+    last_verify: Optional[list[tuple[int, list[RowLogprobs]]]] = None  # the last sample_verify's records
+    last_sample_row: int = 0  # the first row of the last sample_rows
+
+    def row_record(self, row: int, token: int, width: int) -> RowLogprobs:
+        """The logprob record of ``token`` at row ``row`` of the last forward (the first token's,
+        whose pick the scheduler makes without one)."""
+        self._check_rows(row, 1)
+        assert self._logits is not None
+        return logprob_records(self._logits[row:row + 1], [token], [width])[0]
 
     # ======================================================================================
     # proposers
@@ -862,6 +880,7 @@ class TorchDevice:
             raise DeviceError("no forward has produced logits rows yet")
         self.stats.calls["sample_rows"] += 1
         self.last_sample = sample_rows(self._logits[row:row + n], picks, eos_ids)
+        self.last_sample_row = row
         return self.last_sample
 
     def vocab_size(self) -> int:

@@ -142,3 +142,19 @@ def sample_rows(logits: torch.Tensor, picks: Seq[HostPick], eos_ids: Seq[int]) -
             k = picks[r].top_logprobs
             records[r] = RowLogprobs(chosen[r], picked[i], tuple(zip(top_ids[i][:k], top_values[i][:k], strict=True)))
     return SampledRows(chosen, records)
+
+
+def logprob_records(logits: torch.Tensor, tokens: Seq[int], widths: Seq[int]) -> list[RowLogprobs]:
+    """The logprob record of each row of ``logits [M, V]`` for its chosen ``tokens[m]`` with the
+    ``widths[m]`` largest entries (ties: the lower id first): the raw ``log_softmax``, as
+    ``sample_rows`` gives them."""
+    if not tokens:
+        return []
+    raw = torch.log_softmax(logits.to(torch.float32), dim=-1)
+    width = min(max(widths), raw.shape[1])
+    values, ids = raw.sort(dim=-1, descending=True, stable=True)
+    chosen = torch.tensor(list(tokens), dtype=torch.int64, device=raw.device)[:, None]
+    picked = raw.gather(-1, chosen).squeeze(-1).tolist()
+    top_values, top_ids = values[:, :width].tolist(), ids[:, :width].tolist()
+    return [RowLogprobs(int(t), picked[m], tuple(zip(top_ids[m][:k], top_values[m][:k], strict=True)))
+            for m, (t, k) in enumerate(zip(tokens, widths, strict=True))]

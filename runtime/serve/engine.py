@@ -483,7 +483,7 @@ class ServeEngine:
         device = TorchDevice(self.engine, proposer=self.proposer, drafter=self.drafter, on_tick=self._tick)
         self._device = device
         self.metrics.reset_speculation()
-        self.host.logprobs = None if self.speculative else LogprobWitness(device)
+        self.host.logprobs = LogprobWitness(device)
         recorder = self._recorder(life)
         interpreter = Interpreter(self.wrap_device(device) if self.wrap_device else device, self.host,
                                   self.config.eos_ids,
