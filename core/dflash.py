@@ -25,7 +25,7 @@ from fxsched.core.phases import (
     SerialVerify,
 )
 from fxsched.core.records import replace, with_fields
-from fxsched.core.rows import row_numbers
+from fxsched.core.rows import batch_picks, row_numbers
 from fxsched.core.sequence import Sequence
 from fxsched.core.state import NO_DRAFTS, SchedulerState, hot_columns, hot_fields, kept_facts
 from fxsched.core.token_log import extended
@@ -128,6 +128,11 @@ def batched_verify(state: SchedulerState, task: BatchedDflashVerify, out: list[E
         rows = state.rows
         lasts = columns.last_token if columns else [s.last_token for s in rows]
         lengths = columns.seq_len if columns else tuple([s.seq_len for s in rows])
+        if facts is not None and facts.all_greedy:
+            picks: tuple[dc.HostPick, ...] = ()
+        else:
+            produced = columns.out_len if columns else [len(s.output) for s in rows]
+            picks = batch_picks([s.request for s in rows], produced, (task.k,) * len(ids))
     else:
         by = by_id(state)
         if any(i not in by for i in ids):  # a fault failed some since the gate
@@ -135,6 +140,7 @@ def batched_verify(state: SchedulerState, task: BatchedDflashVerify, out: list[E
         seqs = [by[i] for i in ids]
         lasts = [s.last_token for s in seqs]
         lengths = tuple([s.seq_len for s in seqs])
+        picks = batch_picks([s.request for s in seqs], [len(s.output) for s in seqs], (task.k,) * len(ids))
     held = state.drafts
     column = held.column_for(ids)
     drafts = column if column is not None else tuple([held[i] for i in ids])
@@ -143,7 +149,8 @@ def batched_verify(state: SchedulerState, task: BatchedDflashVerify, out: list[E
         tokens.append(last)
         tokens.extend(mine)
     out.append(dc.SyncSecondaryCall())
-    query = dc.DecodeVerifyBatched(tokens=tuple(tokens), ks=(task.k,) * len(ids), seqs=ids, stream=0, woa=True)
+    query = dc.DecodeVerifyBatched(tokens=tuple(tokens), ks=(task.k,) * len(ids), seqs=ids, stream=0, woa=True,
+                                   picks=picks)
     return ask(state, out, query, AwaitBatchedDflash(ids, drafts, lengths, task.k, task.draft_count))
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from fxsched.core.agenda import find_seq, has_seq, held, put_seq
 from fxsched.core.emit import spec_token
-from fxsched.core.events import TokenSampled, VerifyRows
+from fxsched.core.events import TokenSampled, TokensSampled, VerifyRows
 from fxsched.core.phases import AfterProposal, AwaitKVerify, AwaitMtpDecode, SerialVerify
+from fxsched.core.rows import answered_token
 from fxsched.core.state import SchedulerState
 from fxsched.core.verdict import accepted_prefix, verify_width
 from fxsched.core.verifying import dflash_serial_verify, k2_verdict, propose, shared_verdict, start_k_verify
@@ -15,9 +16,9 @@ from fxsched.effects import device_calls as dc
 from fxsched.effects.base import Effect
 
 
-def mtp_decoded(state: SchedulerState, waiting: AwaitMtpDecode, event: TokenSampled,
+def mtp_decoded(state: SchedulerState, waiting: AwaitMtpDecode, event: TokenSampled | TokensSampled,
                 out: list[Effect]) -> SchedulerState:
-    seq = spec_token(find_seq(state, waiting.seq_id), event.token, state.config, out)
+    seq = spec_token(find_seq(state, waiting.seq_id), answered_token(event), state.config, out)
     state = put_seq(state, seq)
     if seq.finished:
         return state

@@ -13,7 +13,7 @@ from typing import Optional
 from fxsched.core.agenda import ask, by_id, drop_drafts, push, put_seqs
 from fxsched.core.events import BatchVerifyAllowed, VerifyRows
 from fxsched.core.phases import AwaitMtpBatch, AwaitMtpGate, MtpBatch, MtpGate, MtpGateCheck, SerialVerify
-from fxsched.core.rows import grow
+from fxsched.core.rows import batch_picks, grow
 from fxsched.core.sequence import Sequence
 from fxsched.core.state import SchedulerState
 from fxsched.core.verdict import accepted_prefix
@@ -139,7 +139,9 @@ def _start_batch(state: SchedulerState, batch: MtpBatch, out: list[Effect]) -> S
         pre_lens.append(seq.seq_len)
         grown[seq_id] = grow(seq, seq.seq_len + k, state.model.block_size)
     out.append(dc.SyncSecondaryCall())
-    query = dc.DecodeVerifyBatched(tokens=tokens, ks=batch.ks, seqs=batch.seq_ids, stream=0, woa=True)
+    seqs = [active[i] for i in batch.seq_ids]
+    picks = batch_picks([s.request for s in seqs], [len(s.output) for s in seqs], batch.ks)
+    query = dc.DecodeVerifyBatched(tokens=tokens, ks=batch.ks, seqs=batch.seq_ids, stream=0, woa=True, picks=picks)
     waiting = AwaitMtpBatch(batch.seq_ids, batch.ks, tuple(drafts), tuple(pre_lens), batch.draft_count)
     return ask(drop_drafts(put_seqs(state, grown), batch.seq_ids), out, query, waiting)
 

@@ -16,10 +16,10 @@ from typing import Optional, Sequence as Seq
 
 from fxsched.core.agenda import ask, find_seq, forward, held, put_seq, set_drafts
 from fxsched.core.emit import spec_token, spec_tokens
-from fxsched.core.events import TokenSampled, VerifyRows
+from fxsched.core.events import TokenSampled, TokensSampled, VerifyRows
 from fxsched.core.phases import AskQuery, AwaitNgramDecode, AwaitNgramVerify, NgramStep
 from fxsched.core.records import replace
-from fxsched.core.rows import grow
+from fxsched.core.rows import answered_token, grow, row_query, verify_picks
 from fxsched.core.sequence import Sequence
 from fxsched.core.state import SchedulerState
 from fxsched.effects import device_calls as dc
@@ -82,22 +82,22 @@ def ngram_step(state: SchedulerState, task: NgramStep, out: list[Effect]) -> Sch
     if not mine:
         out.append(dc.EpBroadcastCmdForSeq(seq.slot, seq.last_token))
         state = put_seq(state, grow(seq, seq.seq_len + 1, state.model.block_size))
-        read = AskQuery(dc.ArgmaxOnDevice(row=0, stream=0), AwaitNgramDecode(seq.seq_id))
+        read = AskQuery(row_query(seq), AwaitNgramDecode(seq.seq_id))
         return forward(state, out, dc.DecodeCall(seq.last_token, seq.seq_id, 0), (seq.seq_id,), read)
     draft = mine[0]
     out.append(dc.SyncSecondaryCall())
     out.append(dc.EpBroadcastCmdForSeq(seq.slot, VERIFY_CMD[2]))
     out.append(dc.EpBroadcastCmd(seq.last_token))
     out.append(dc.EpBroadcastCmd(draft))
-    query = dc.DecodeVerifyGraphed(seq.seq_id, (seq.last_token, draft))
+    query = dc.DecodeVerifyGraphed(seq.seq_id, (seq.last_token, draft), verify_picks(seq, 2))
     pre = seq.seq_len
     seq = grow(seq, pre + 2, state.model.block_size)
     return ask(state, out, query, AwaitNgramVerify(seq.seq_id, draft, pre), put=seq, consumed=True)
 
 
-def ngram_decoded(state: SchedulerState, waiting: AwaitNgramDecode, event: TokenSampled,
+def ngram_decoded(state: SchedulerState, waiting: AwaitNgramDecode, event: TokenSampled | TokensSampled,
                   out: list[Effect]) -> SchedulerState:
-    seq = spec_token(find_seq(state, waiting.seq_id), event.token, state.config, out)
+    seq = spec_token(find_seq(state, waiting.seq_id), answered_token(event), state.config, out)
     state = put_seq(state, seq)
     if not seq.finished:
         drafts = _proposal(state, seq)

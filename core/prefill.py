@@ -36,6 +36,7 @@ from fxsched.core.records import replace
 from fxsched.core.request import Request
 from fxsched.core.retire import finish_and_release, finish_reason
 from fxsched.core.rows import (
+    answered_token,
     by_slot,
     ep_prefill_preamble,
     first_token_query,
@@ -52,10 +53,6 @@ from fxsched.effects.client import ResponseOut, TokenOut
 
 
 # --- shared pieces ----------------------------------------------------------------------------
-
-
-def answered_token(event: TokenSampled | TokensSampled) -> int:
-    return event.token if isinstance(event, TokenSampled) else event.tokens[0]
 
 
 def become_active(state: SchedulerState, request: Request, seq_id: int, slot: int, token: int,

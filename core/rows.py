@@ -6,6 +6,7 @@ from __future__ import annotations
 from functools import lru_cache
 from operator import lt
 
+from fxsched.core.events import TokenSampled, TokensSampled
 from fxsched.core.kv import blocks_for
 from fxsched.core.records import with_fields
 from fxsched.core.request import Request
@@ -53,6 +54,44 @@ def host_pick(seq: Sequence) -> dc.HostPick:
     req = seq.request
     return dc.HostPick(req.temperature, req.seed + len(seq.output), len(seq.output) < req.min_tokens,
                        req.top_logprobs, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p)
+
+
+def row_picks(request: Request, produced: int, k: int) -> tuple[dc.HostPick, ...]:
+    """The picks of a ``k``-row verify of a sequence with ``produced`` output tokens: row ``i``
+    fills output position ``produced + i``, so its seed is the request's + that position and EOS
+    is masked while the position is below ``min_tokens`` (specs/speculation.md §6.16)."""
+    req = request
+    return tuple([dc.HostPick(req.temperature, req.seed + produced + i, produced + i < req.min_tokens,
+                              req.top_logprobs, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p)
+                  for i in range(k)])
+
+
+def verify_picks(seq: Sequence, k: int) -> tuple[dc.HostPick, ...]:
+    """A serial verify's picks: none when every row is greedy (the greedy verify's rows), else one
+    per row (``row_picks``)."""
+    produced = len(seq.output)
+    return () if greedy_request(seq.request, produced) else row_picks(seq.request, produced, k)
+
+
+def batch_picks(requests: tuple[Request, ...] | list[Request], produced: tuple[int, ...] | list[int],
+                ks: tuple[int, ...]) -> tuple[dc.HostPick, ...]:
+    """A batched verify's picks, sequence-major: none when every row of every sequence is greedy."""
+    if all(greedy_request(r, n) for r, n in zip(requests, produced, strict=True)):
+        return ()
+    return tuple(p for r, n, k in zip(requests, produced, ks, strict=True) for p in row_picks(r, n, k))
+
+
+def answered_token(event: TokenSampled | TokensSampled) -> int:
+    """The token of a one-row read: the device argmax's, or the first host pick's."""
+    return event.token if isinstance(event, TokenSampled) else event.tokens[0]
+
+
+def row_query(seq: Sequence, row: int = 0) -> dc.DeviceCall:
+    """The read of a decoded row's token inside a speculative step: the device argmax for a greedy
+    row, else a host pick (seed + output length, the request's filters)."""
+    if greedy_row(seq):
+        return dc.ArgmaxOnDevice(row=row, stream=0)
+    return dc.CopyLogitsToHost(row=row, n=1, picks=(host_pick(seq),))
 
 
 def grow(seq: Sequence, seq_len: int, block_size: int) -> Sequence:

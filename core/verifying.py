@@ -24,7 +24,7 @@ from fxsched.core.phases import (
     AwaitMtpDecode,
     AwaitProposal,
 )
-from fxsched.core.rows import grow
+from fxsched.core.rows import grow, row_query, verify_picks
 from fxsched.core.sequence import Sequence
 from fxsched.core.state import SchedulerState
 from fxsched.core.verdict import acc_gain
@@ -77,7 +77,7 @@ def mtp_bootstrap(state: SchedulerState, seq_id: int, draft_count: int, out: lis
     out.append(dc.EpBroadcastCmdForSeq(seq.slot, seq.last_token))
     seq = grow(seq, seq.seq_len + 1, state.model.block_size)
     state = put_seq(state, seq)
-    read = AskQuery(dc.ArgmaxOnDevice(row=0, stream=0), AwaitMtpDecode(seq_id, draft_count))
+    read = AskQuery(row_query(seq), AwaitMtpDecode(seq_id, draft_count))
     return forward(state, out, dc.DecodeCall(seq.last_token, seq_id, 0), (seq_id,), read)
 
 
@@ -100,14 +100,15 @@ def start_k_verify(state: SchedulerState, seq: Sequence, drafts: tuple[int, ...]
     for token in inputs:
         out.append(dc.EpBroadcastCmd(token))
     query: dc.DeviceCall
+    picks = verify_picks(seq, k)
     if k == 2:
-        query = dc.DecodeVerifyGraphed(seq.seq_id, inputs)
+        query = dc.DecodeVerifyGraphed(seq.seq_id, inputs, picks)
     elif k == 3:
-        query = dc.DecodeVerifyGraphedK3(seq.seq_id, inputs)
+        query = dc.DecodeVerifyGraphedK3(seq.seq_id, inputs, picks)
     elif dflash_mode:
-        query = dc.DecodeAndVerifyFused(seq.seq_id, inputs)
+        query = dc.DecodeAndVerifyFused(seq.seq_id, inputs, picks)
     else:
-        query = dc.DecodeVerifyGraphedK4(seq.seq_id, inputs)
+        query = dc.DecodeVerifyGraphedK4(seq.seq_id, inputs, picks)
     pre = seq.seq_len
     seq = grow(seq, pre + k, state.model.block_size)
     return ask(state, out, query, AwaitKVerify(seq.seq_id, drafts, k, propose_n, pre, dflash_mode), put=seq,
@@ -118,7 +119,7 @@ def dflash_serial_verify(state: SchedulerState, seq: Sequence, draft_count: int,
     """One sequence's block verify over ``[L] + drafts`` (specs/speculation.md §6.9)."""
     drafts = held(state, seq.seq_id)
     out.append(dc.SyncSecondaryCall())
-    query = dc.DecodeVerifyDflash(seq.seq_id, (seq.last_token,) + drafts)
+    query = dc.DecodeVerifyDflash(seq.seq_id, (seq.last_token,) + drafts, verify_picks(seq, len(drafts) + 1))
     pre = seq.seq_len
     seq = grow(seq, pre + len(drafts) + 1, state.model.block_size)
     return ask(state, out, query, AwaitDflashVerify(seq.seq_id, drafts, pre, draft_count), put=seq, consumed=True)

@@ -326,12 +326,36 @@ class DecodeDraft(DeviceCall):
 
 
 @attrs.frozen
+class HostPick:
+    """How one logits row becomes a token (specs/scheduler.md §5.11): EOS masked while
+    ``mask_eos``, then (temperature > 0) temperature, min-p, top-k (0: off) and top-p (1.0: off),
+    one draw seeded by ``seed``. ``top_logprobs`` is the row's logprob record size. The filters
+    print nothing in a trace; their defaults leave every pick as it was."""
+
+    temperature: float
+    seed: int
+    mask_eos: bool
+    top_logprobs: int = 0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+
+
+def host_picks(value: Iterable[HostPick]) -> tuple[HostPick, ...]:
+    """Converter: the host picks of a logits readback, as a tuple."""
+    return tuple(value)
+
+
+@attrs.frozen
 class SerialVerify(DeviceCall):
-    """A per-sequence verify over ``tokens`` (anchor + drafts); answered with its rows."""
+    """A per-sequence verify over ``tokens`` (anchor + drafts); answered with its rows. ``picks``
+    (one per row, empty when every row is greedy) make the rows a rejection-sampled verify's
+    (specs/speculation.md §6.16); they print nothing in a trace."""
 
     QUERY: ClassVar[bool] = True
     seq: int
     tokens: tuple[int, ...] = attrs.field(converter=int_tuple)
+    picks: tuple[HostPick, ...] = attrs.field(default=(), converter=host_picks)
 
 
 @attrs.frozen
@@ -379,6 +403,7 @@ class DecodeVerifyBatched(DeviceCall):
     seqs: tuple[int, ...] = attrs.field(converter=int_tuple)
     stream: int = 0
     woa: bool = True
+    picks: tuple[HostPick, ...] = attrs.field(default=(), converter=host_picks)  # as SerialVerify's, row order
 
 
 # --- proposers -------------------------------------------------------------------------------
@@ -458,27 +483,6 @@ class ArgmaxBatch(DeviceCall):
     row: int
     n: int
     stream: int = 0
-
-
-@attrs.frozen
-class HostPick:
-    """How one logits row becomes a token (specs/scheduler.md §5.11): EOS masked while
-    ``mask_eos``, then (temperature > 0) temperature, min-p, top-k (0: off) and top-p (1.0: off),
-    one draw seeded by ``seed``. ``top_logprobs`` is the row's logprob record size. The filters
-    print nothing in a trace; their defaults leave every pick as it was."""
-
-    temperature: float
-    seed: int
-    mask_eos: bool
-    top_logprobs: int = 0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-
-
-def host_picks(value: Iterable[HostPick]) -> tuple[HostPick, ...]:
-    """Converter: the host picks of a logits readback, as a tuple."""
-    return tuple(value)
 
 
 @attrs.frozen

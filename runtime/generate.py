@@ -11,17 +11,21 @@ Speculation modes (``SPECS``) map onto the scheduler configuration as follows:
 * ``dflash``: ``use_speculative`` + ``dflash``, ``num_drafts`` = the drafter's block size gamma;
 * ``ngram``: ``ngram_speculative`` (prompt-lookup drafts proposed by the scheduler itself).
 
-Every mode is greedy and lossless: the tokens equal those of ``none``, token for token.
+Greedy, every mode is lossless: the tokens equal those of ``none``, token for token. Sampling, every
+mode is lossless in distribution: the speculative steps verify by rejection sampling
+(specs/speculation.md §6.16), so the output follows the law of ``none`` (not its tokens).
 
-Sampling (``SamplingOptions``, spec ``none`` only: the speculative steps verify greedily). Each
+Sampling (``SamplingOptions``, every spec). Each
 request carries the run's ``temperature``, ``top_p``, ``top_k``, ``min_p`` and ``logprobs`` and its
 own seed, ``seed`` + its index x ``REQUEST_SEED_STRIDE`` (2**20: requests' draws never share a
 seed for outputs shorter than a million tokens); a pick draws with that seed + the output length (specs/scheduler.md §5.11), so a seeded run repeats token for token. The torch
 device samples the rows (``TorchDevice.sample_rows``); with ``logprobs`` = k > 0 each generated
 token gets its logprob record (the chosen token's logprob and the k most likely ids, from
 ``TorchDevice.last_sample``, matched to requests by ``LogprobWitness``) in
-``RequestResult.logprobs``, one entry per token id; the first token's is None (a first token
-never carries a record, specs/scheduler.md §5.11). The defaults are greedy and change nothing.
+``RequestResult.logprobs``, one entry per token id; the first token's comes from its device row
+(the scheduler's first pick carries no record, specs/scheduler.md §5.11), a speculative token's from
+its verify row (``TorchDevice.last_verify``, specs/speculation.md §6.16). The defaults are greedy
+and change nothing.
 
 EOS. ``eos_ids`` (default: the model config's ``stop_ids``) go to the scheduler and the
 interpreter; ``()`` never stops early (``--ignore-eos``). The scheduler appends the EOS to a
@@ -51,6 +55,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence as Seq
@@ -392,19 +397,36 @@ class EosWitness(Observer):
 
 
 class LogprobWitness(Observer):
-    """Logprob records for the tokens of a run with ``logprobs`` (``TorchDevice.last_sample``).
+    """Logprob records for the tokens of a run with ``logprobs`` (``TorchDevice.last_sample``,
+    ``TorchDevice.last_verify``).
 
     A sampled readback is the query that ends a batch; once the batch is carried out, the state's
     waiting record names its rows (``seq_ids`` of a decode or a mixed step, ``seq_id`` of a first
-    token, with its ``request`` for a whole prefill), in the order of the sample's rows. Each row's record waits under its request until the
-    host takes that request's next token (``take``)."""
+    token, with its ``request`` for a whole prefill), in the order of the sample's rows. A row the
+    scheduler picked without a record (a first token: specs/scheduler.md §5.11) gets one from the
+    device's row (``TorchDevice.row_record``). A rejection-sampled verify (specs/speculation.md
+    §6.16) gives each sequence the records of the tokens it emits, in order. Records wait in order
+    under their request until the host takes that request's tokens (``take``)."""
 
     def __init__(self, device: TorchDevice):
         self.device = device
         self._seen: Optional[object] = None
-        self.pending: dict[int, RowLogprobs] = {}
+        self._seen_verify: Optional[object] = None
+        self.pending: dict[int, deque[RowLogprobs]] = {}
+
+    def _requests(self, state: SchedulerState) -> dict[int, Request]:
+        request_of = {s.seq_id: s.request for s in state.active}
+        request_of.update((e.seq_id, e.request) for e in state.prefilling)
+        return request_of
 
     def performed(self, state: SchedulerState) -> None:
+        verified = self.device.last_verify
+        if verified is not None and verified is not self._seen_verify:
+            self._seen_verify = verified
+            request_of = self._requests(state)
+            for vid, records in verified:
+                if vid in request_of:
+                    self.pending.setdefault(request_of[vid].id, deque()).extend(records)
         sample = self.device.last_sample
         if sample is None or sample is self._seen:
             return
@@ -416,18 +438,25 @@ class LogprobWitness(Observer):
             rows = () if seq_id is None else (seq_id,)
         if len(rows) != len(sample.logprobs):
             return
-        request_of = {s.seq_id: s.request.id for s in state.active}
-        request_of.update((e.seq_id, e.request.id) for e in state.prefilling)
+        request_of = self._requests(state)
         request = getattr(waiting, "request", None)
         if request is not None and rows:
-            request_of[rows[0]] = request.id
-        for seq_id, record in zip(rows, sample.logprobs, strict=True):
-            if record is not None and seq_id in request_of:
-                self.pending[request_of[seq_id]] = record
+            request_of[rows[0]] = request
+        for r, (sid, record, token) in enumerate(zip(rows, sample.logprobs, sample.tokens, strict=True)):
+            req = request_of.get(sid)
+            if req is None:
+                continue
+            if record is None and req.top_logprobs > 0:
+                record = self.device.row_record(self.device.last_sample_row + r, token, req.top_logprobs)
+            if record is not None:
+                self.pending.setdefault(req.id, deque()).append(record)
 
     def take(self, request_id: int, token: int) -> Optional[dict[str, Any]]:
-        """The record of ``request_id``'s token ``token``, in the ``--json`` form; None if none."""
-        record = self.pending.pop(request_id, None)
+        """The record of ``request_id``'s next token ``token``, in the ``--json`` form; None if none."""
+        queue = self.pending.get(request_id)
+        record = queue.popleft() if queue else None
+        if queue is not None and not queue:
+            del self.pending[request_id]
         if record is None or record.token != token:
             return None
         return {"token_id": record.token, "logprob": record.logprob,
@@ -578,6 +607,7 @@ class Summary:
     cached_prompt_tokens: int
     steps: int
     discarded_tokens: int = 0  # received after a stop string, before the Cancel took effect
+    acceptance_by_position: tuple[float, ...] = ()  # share of verified drafts kept, by draft position
 
     @property
     def tokens_per_s(self) -> float:
@@ -606,6 +636,7 @@ class Summary:
             "target_forwards": self.target_forwards, "forwards_per_token": self.forwards_per_token,
             "verifies": self.verifies, "accepted_drafts": self.accepted_drafts,
             "mean_accepted_length": self.mean_accepted_length,
+            "acceptance_by_position": list(self.acceptance_by_position),
             "cached_prompt_tokens": self.cached_prompt_tokens, "steps": self.steps,
         }
 
@@ -671,10 +702,6 @@ def generate(engine: HybridEngine, prompts: Seq[Seq[int]], max_tokens: int, spec
         check_prompt(p, cfg, f"prompt {i + 1}")
     batch = batch if batch is not None else min(len(prompts), cfg.max_slots)
     config, model, proposer = scheduler_setup(cfg, spec, batch, eos_ids)
-    if spec != "none" and not sampling.greedy:
-        what = (f"--temperature {sampling.temperature}" if sampling.temperature > 0
-                else f"--logprobs {sampling.logprobs}")
-        raise GenerateError(f"{what}: needs --spec none (the speculative modes verify greedily)")
     if sampling.logprobs > cfg.vocab_size:
         raise GenerateError(f"--logprobs {sampling.logprobs}: must be at most the vocabulary size {cfg.vocab_size}")
     requests = [sampling.request(i, p, max_tokens) for i, p in enumerate(prompts)]
@@ -721,6 +748,7 @@ def generate(engine: HybridEngine, prompts: Seq[Seq[int]], max_tokens: int, spec
         accepted_drafts=stats.accepted_drafts, mean_accepted_length=stats.mean_accepted_length,
         cached_prompt_tokens=stats.cached_prompt_tokens, steps=interpreter.steps,
         discarded_tokens=sum(r.received - len(r.tokens) for r in results),
+        acceptance_by_position=stats.acceptance_by_position,
     )
     if interrupted:
         raise GenerateInterrupted(GenerateResult(results, summary, device))

@@ -226,6 +226,15 @@ class Interpreter:
         tokens = [host_pick(decode_bf16_row(slab, vocab, r), pick, self.eos_ids) for r, pick in enumerate(picks)]
         return ev.TokensSampled(tuple(tokens), logprobs)
 
+    def _verify_rows(self, effect, rows) -> ev.VerifyRows:
+        """A verify's answer: the device's greedy rows, or (the effect carries picks and the device's
+        class defines ``sample_verify``: the torch device) the rows of its rejection-sampled verify
+        (specs/speculation.md §6.16). A device without it (recording, scripted, simulated) answers
+        its own rows: their logits put all the mass on the scripted answer."""
+        if effect.picks and callable(getattr(type(self.device), "sample_verify", None)):
+            rows = self.device.sample_verify(effect.picks, self.eos_ids)  # type: ignore[attr-defined]
+        return ev.VerifyRows(rows)
+
     def _decode_plan(self, plan: plans.Decode) -> ev.Event:
         d = self.device
         d.note_fx(f"fx launch {plan.label}")
@@ -426,9 +435,9 @@ _CASES: tuple[tuple[Union[type, tuple[type, ...]], Handler], ...] = (
     (dc.NormalizeSsmStates, lambda it, e: it.device.normalize_ssm_states(e.seq, e.stream)),
     (dc.DecodeCall, _forward(lambda d, e: d.decode(e.token, e.seq, e.stream))),
     (dc.DecodeDraft, _forward(lambda d, e: d.decode_draft(e.token, e.seq, e.stream))),
-    (dc.SerialVerify, lambda it, e: ev.VerifyRows(getattr(it.device, e.CALL)(e.seq, e.tokens))),
-    (dc.DecodeVerifyBatched, lambda it, e: ev.VerifyRows(
-        it.device.decode_verify_batched(e.tokens, e.ks, e.seqs, e.stream, e.woa))),
+    (dc.SerialVerify, lambda it, e: it._verify_rows(e, getattr(it.device, e.CALL)(e.seq, e.tokens))),
+    (dc.DecodeVerifyBatched, lambda it, e: it._verify_rows(
+        e, it.device.decode_verify_batched(e.tokens, e.ks, e.seqs, e.stream, e.woa))),
     (dc.ProposeMulti, lambda it, e: ev.Drafts(
         it.device.run_mtp_propose_multi(e.token, e.pos, e.n, e.seq, e.stream, e.mask))),
     (dc.ProposeBatched, lambda it, e: ev.BatchedDrafts(

@@ -197,6 +197,20 @@ def test_export_round_trips_bit_for_bit(tmp_path):
     assert torch.equal(raw["model.norm.weight"], weights["final_norm"] - 1)  # zero-centred on disk
 
 
+def test_bench_generate_reports_accepted_length_and_acceptance_by_position_at_a_temperature(capsys):
+    assert _fxsched("bench", "generate", "--batches", "2", "--max-tokens", "8", "--specs", "none,mtp",
+                    "--prompts", "held-out", "--temperature", "0.8", "--json") == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["spec"] for r in rows] == ["none", "mtp"] and all(r["temperature"] == 0.8 for r in rows)
+    none, mtp = rows
+    assert none["acceptance_by_position"] is None and mtp["lossless"] is None  # sampled: no token equality
+    positions = mtp["acceptance_by_position"]
+    assert 1 <= len(positions) <= 3 and all(0 <= a <= 1 for a in positions)
+    assert mtp["mean_accepted_length"] > 1  # the MTP head's drafts are kept at T = 0.8 too
+    assert _fxsched("bench", "generate", "--temperature", "-1") == 2
+    assert "--temperature -1" in capsys.readouterr().err
+
+
 def test_rebuild_entry_point_rejects_a_file_as_out_dir(tmp_path, capsys):
     target = tmp_path / "file"
     target.write_text("x")

@@ -145,3 +145,23 @@ def test_generate_function_picks_the_ep_run_for_more_than_one_rank():
     assert generate_function(argparse.Namespace(ep_ranks=1)) is generate
     bound = generate_function(argparse.Namespace(ep_ranks=3, ep_timeout=7.0, weights=None))
     assert bound.keywords == {"ep_ranks": 3, "weights": None, "timeout_s": 7.0}
+
+
+@pytest.mark.parametrize("spec, prompts", [("dflash", BATCH)])  # batched and fused serial verifies
+def test_sampled_speculation_with_two_ranks_matches_one_rank(spec, prompts):
+    """Rejection-sampled verifies (specs/speculation.md §6.16) run on rank 0's logits: a seeded run
+    gives the single-rank tokens and the workers keep up with the rows it kept."""
+    pytest.importorskip("fxsched.runtime.devices.torch")
+    from fxsched.runtime.ep.generate import generate_ep
+    from fxsched.runtime.generate import SamplingOptions, generate
+    from fxsched.runtime.torch_model import HybridEngine, default_config
+
+    cfg = default_config()
+    sampling = SamplingOptions(temperature=0.8, top_k=20, seed=5)
+    one = generate(HybridEngine(cfg), prompts, 12, spec, sampling=sampling)
+    result = generate_ep(HybridEngine(cfg), prompts, 12, spec, ep_ranks=2, sampling=sampling)
+    assert result.outputs == one.outputs
+    assert result.device.stats.calls["sample_verify"] > 0
+    report = result.worker_reports[1]
+    assert report["error"] is None
+    assert [(t, snapshot_from_json(snap)) for t, snap in report["ticks"]] == result.leader_ticks

@@ -80,6 +80,9 @@ def runs(tmp_path_factory, one_torch_thread) -> dict[str, Recorded]:
     out = {spec: _generate(folder, spec, *common, "--spec", spec) for spec in ("none", "mtp", "dflash", "ngram")}
     out["sampled"] = _generate(folder, "sampled", *common, "--temperature", "0.9", "--top-k", "20", "--seed", "7",
                                "--logprobs", "2")
+    for spec in ("mtp", "dflash", "ngram"):  # rejection-sampled verifies (specs/speculation.md §6.16)
+        out[f"sampled-{spec}"] = _generate(folder, f"sampled-{spec}", *common, "--spec", spec, "--temperature", "0.9",
+                                           "--top-k", "20", "--seed", "7")
     text = ("--prompt", "The quick brown fox", "--max-tokens", "24")
     plain = _generate(folder, "text", *text, toy=False)
     stop = _stop_string(plain.records[0]["text"])
@@ -120,7 +123,8 @@ def _streamed(outputs: str) -> dict[int, tuple[list[int], Optional[int]]]:
 # --- recorded runs replay to identical effects ---------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["none", "mtp", "dflash", "ngram", "sampled", "stop"])
+@pytest.mark.parametrize("mode", ["none", "mtp", "dflash", "ngram", "sampled", "sampled-mtp", "sampled-dflash",
+                                  "sampled-ngram", "stop"])
 def test_a_recorded_run_replays_to_identical_effects_and_outputs(capsys, runs, mode):
     run = runs[mode]
     code, out, err = _replay(capsys, run.path, "--outputs")

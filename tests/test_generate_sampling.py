@@ -113,14 +113,14 @@ def test_a_seeded_sampled_run_repeats_exactly_and_follows_the_seed_rule(capsys, 
     assert [r["token_ids"] for r in other] != [r["token_ids"] for r in first]
 
 
-def test_logprobs_are_the_models_log_softmax_for_every_token_after_the_first(capsys, tmp_path):
+def test_logprobs_are_the_models_log_softmax_for_every_token_the_first_included(capsys, tmp_path):
     records = run_json(capsys, tmp_path, "--logprobs", "3")
     for i, record in enumerate(records):
         tokens, logits = reference(ids(PROMPTS[i]))
         assert record["token_ids"] == tokens  # logprobs do not change a greedy pick
         entries = record["logprobs"]
-        assert len(entries) == len(tokens) and entries[0] is None  # a first token has no record
-        for step in range(1, len(tokens)):
+        assert len(entries) == len(tokens)
+        for step in range(len(tokens)):  # the first token's record comes from its prefill row
             want = torch.log_softmax(logits[step].double(), dim=-1)
             entry = entries[step]
             assert entry["token_id"] == tokens[step]
@@ -146,7 +146,6 @@ def test_logprobs_are_the_models_log_softmax_for_every_token_after_the_first(cap
     (("--seed", "x"), "--seed x: not an integer"),
     (("--logprobs", "-2", "--json"), "--logprobs -2: must be at least 0"),
     (("--logprobs", "2"), "--logprobs 2: needs --json"),
-    (("--temperature", "0.7", "--spec", "ngram"), "--temperature 0.7: needs --spec none"),
 ])
 def test_a_bad_sampling_value_is_one_line_and_exit_2(capsys, flags, says):
     assert fxsched("--prompt-ids", "1 2 3", "--max-tokens", "4", *flags) == 2

@@ -176,17 +176,16 @@ def test_stop_strings_and_logprobs(server, tok):
     streamed = list(client.completions.create(model=MODEL, prompt=text, max_tokens=MAX_TOKENS, stop=stop,
                                               stream=True))
     assert "".join(c.choices[0].text for c in streamed) == cut.choices[0].text
-    # logprobs: the chosen token's logprob is the largest of the top entries (greedy), the first is null
+    # logprobs: the chosen token's logprob is the largest of the top entries (greedy), the first's too
     lp = client.completions.create(model=MODEL, prompt=text, max_tokens=6, logprobs=3).choices[0].logprobs
     assert len(lp.tokens) == 6 and "".join(lp.tokens) == full[:len("".join(lp.tokens))]
-    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-    for chosen, top in zip(lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True):
+    for chosen, top in zip(lp.token_logprobs, lp.top_logprobs, strict=True):
         assert len(top) == 3 and chosen == pytest.approx(max(top.values())) and chosen < 0
     chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}], max_tokens=4,
                                           logprobs=True, top_logprobs=2)
     entries = chat.choices[0].logprobs.content
     assert "".join(e.token for e in entries) == chat.choices[0].message.content
-    assert all(len(e.top_logprobs) == 2 for e in entries[1:])
+    assert all(len(e.top_logprobs) == 2 for e in entries)
     server.idle()
     assert_free(server)
 
@@ -322,7 +321,50 @@ def test_malformed_json_unknown_fields_and_unknown_routes(server):
         server.client().completions.create(model=MODEL, prompt="hi", max_tokens=-1)
 
 
-def test_speculative_server_refuses_sampling_queues_and_answers_429(tok):
+def test_speculative_server_samples_for_the_openai_client_streamed_and_not(tok):
+    """``--spec mtp`` and temperature 0.8 (specs/speculation.md §6.16): a seeded choice gives the same
+    text streamed and not, and sampling leaves the greedy text."""
+    s = Server(tok, spec="mtp")
+    try:
+        client = s.client()
+        text = PROMPTS[1]
+        greedy = references(tok, [tok.encode(text)], spec="mtp")[0]
+        got = []
+        for seed in (1, 2, 3):
+            done = client.completions.create(model=MODEL, prompt=text, max_tokens=MAX_TOKENS, temperature=0.8,
+                                             seed=seed)
+            assert done.choices[0].finish_reason in ("length", "stop") and done.usage.completion_tokens > 0
+            stream = client.completions.create(model=MODEL, prompt=text, max_tokens=MAX_TOKENS, temperature=0.8,
+                                               seed=seed, stream=True)
+            pieces = "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+            assert pieces == done.choices[0].text, f"seed {seed}: streamed and whole answers differ"
+            got.append(done.choices[0].text)
+        assert any(g != greedy for g in got)  # it sampled
+        chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                              max_tokens=8, temperature=0.8, top_p=0.9, seed=5, logprobs=True,
+                                              top_logprobs=2)
+        assert chat.choices[0].message.content is not None
+        entries = chat.choices[0].logprobs.content  # every token's, the first included, through the verifies
+        assert "".join(e.token for e in entries) == chat.choices[0].message.content
+        assert all(e.logprob <= 0 and len(e.top_logprobs) == 2 and e.logprob <= e.top_logprobs[0].logprob + 1e-6
+                   for e in entries)
+        s.idle()
+        assert_free(s)
+        # per-position acceptance: position 0 saw every verify's first draft; the kept drafts add up
+        m = s.metrics()
+        drafted = {k: v for k, v in m.items() if k.startswith("fxsched_spec_drafts_per_position_total")}
+        kept = {k: v for k, v in m.items() if k.startswith("fxsched_spec_accepted_per_position_total")}
+        assert drafted["fxsched_spec_drafts_per_position_total{mode=mtp,position=0}"] == \
+            m["fxsched_spec_verifies_total{mode=mtp}"] > 0
+        assert sum(kept.values()) == m["fxsched_spec_accepted_tokens_total{mode=mtp}"]
+        rate = m["fxsched_spec_acceptance_per_position{mode=mtp,position=0}"]
+        assert rate == kept["fxsched_spec_accepted_per_position_total{mode=mtp,position=0}"] / \
+            drafted["fxsched_spec_drafts_per_position_total{mode=mtp,position=0}"]
+    finally:
+        s.close()
+
+
+def test_speculative_server_queues_and_answers_429(tok):
     devices: list[FaultyDevice] = []
 
     def wrap(device):
@@ -331,10 +373,6 @@ def test_speculative_server_refuses_sampling_queues_and_answers_429(tok):
 
     s = Server(tok, spec="ngram", max_batch=1, max_waiting=1, wrap_device=wrap)
     try:
-        _error_body(s.post("/v1/completions", json={"prompt": "hi", "temperature": 0.7}), 400, "temperature")
-        _error_body(s.post("/v1/completions", json={"prompt": "hi", "logprobs": 1}), 400, "logprobs")
-        _error_body(s.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
-                                                          "logprobs": True}), 400, "logprobs")
         # greedy n-gram speculation is lossless
         text = PROMPTS[5]
         want = references(tok, [tok.encode(text)])[0]

@@ -110,9 +110,10 @@ def test_bench_generate_table(capsys):
     assert fxsched("bench", "generate", "--batches", "1,2", "--max-tokens", "4", "--specs", "none,dflash",
                    "--prompts", "held-out") == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("bench generate: device=cpu max_tokens=4")
+    assert out[0].startswith("bench generate: device=cpu max_tokens=4 temperature=0")
     header = out[1].split()
-    assert header == ["prompts", "spec", "batch", "tokens", "tokens/s", "fwd/token", "mean_acc_len", "lossless"]
+    assert header == ["prompts", "spec", "batch", "tokens", "tokens/s", "fwd/token", "mean_acc_len", "acc/pos",
+                      "lossless"]
     rows = [line.split() for line in out[2:]]
     assert [(r[1], r[2]) for r in rows] == [("none", "1"), ("dflash", "1"), ("none", "2"), ("dflash", "2")]
     assert [r[-1] for r in rows] == ["-", "yes", "-", "yes"]  # none is the reference

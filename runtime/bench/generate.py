@@ -24,7 +24,13 @@ Columns (``COLUMNS``): ``tokens/s`` generated tokens per wall-clock second of th
 (prefill included); ``fwd/token`` target-model forwards per generated token (one batched forward
 serves every request in it, so plain decoding at batch B gives 1/B; an accepted draft saves one);
 ``mean_acc_len`` tokens gained per verify (accepted drafts + the target's own token; ``-`` for a mode
-that does not verify).
+that does not verify); ``acc/pos`` the share of verified drafts kept at each draft position (the
+first draft first, ``/``-separated; vLLM's per-position acceptance; ``-`` without verifies).
+
+``temperature`` > 0 (``bench generate --temperature T``): every request samples at T with a fixed
+seed (request i: seed i x 2**20), the speculative modes verifying by rejection sampling
+(specs/speculation.md §6.16); the figures are then those at T, and ``lossless`` is ``-`` (a sampled
+run keeps the distribution of ``none``, not its tokens: tests/test_spec_distribution.py checks it).
 
 Expert parallelism (``ep_ranks``, e.g. 1, 2, 4; specs/expert-parallel.md §10.5): every row runs once
 per rank count, 2 and more through ``generate_ep`` (rank 0 here, the others worker processes that
@@ -43,12 +49,12 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Optional
 
 from fxsched.runtime.bench.prompts import random_prompts
-from fxsched.runtime.generate import (GenerateError, GenerateResult, expand_prompts, generate, max_prompt_len,
-                                      scheduler_setup)
+from fxsched.runtime.generate import (GREEDY, GenerateError, GenerateResult, SamplingOptions, expand_prompts,
+                                      generate, max_prompt_len, scheduler_setup)
 from fxsched.runtime.torch_model import HybridEngine, ModelConfig
 
 PROMPT_SETS = ("held-out", "repetitive")
-COLUMNS = ("prompts", "spec", "batch", "tokens", "tokens/s", "fwd/token", "mean_acc_len", "lossless")
+COLUMNS = ("prompts", "spec", "batch", "tokens", "tokens/s", "fwd/token", "mean_acc_len", "acc/pos", "lossless")
 EP_COLUMNS = ("ranks", "MiB/rank", "experts_MiB", "coll_ms/fwd", "=1rank")
 MIB = 1024 * 1024
 REPEAT_PATTERN_LEN = 6  # ids of the repeated pattern of a repetitive set without a tokenizer
@@ -91,11 +97,13 @@ def bench_generate(engine_factory: Callable[..., HybridEngine], batches: Iterabl
                    max_tokens: int = 32, specs: Iterable[str] = ("none", "mtp", "dflash", "ngram"),
                    progress: Optional[Callable[[str], None]] = None, tokenizer: Any = None,
                    prompt_sets: Iterable[str] = PROMPT_SETS, ep_ranks: Iterable[int] = (1,),
-                   model_dir: Optional[str] = None, weights: Optional[str] = None) -> list[dict[str, Any]]:
+                   model_dir: Optional[str] = None, weights: Optional[str] = None,
+                   temperature: float = 0.0) -> list[dict[str, Any]]:
     """One row per (prompt set, batch, rank count, mode): see the module docstring for the columns.
     ``engine_factory()`` builds a one-rank engine, ``engine_factory(n)`` rank 0's of n ranks (with
     expert_shard=(0, n) for a MoE checkpoint); ``model_dir`` / ``weights`` name what the workers load."""
     specs = list(specs)
+    sampling = SamplingOptions(temperature=temperature) if temperature > 0 else GREEDY
     ordered = (["none"] if "none" in specs else []) + [s for s in specs if s != "none"]
     ranks_list = list(ep_ranks)
     with_ep = ranks_list != [1]
@@ -116,7 +124,8 @@ def bench_generate(engine_factory: Callable[..., HybridEngine], batches: Iterabl
                         rows.append({"prompts": name, "spec": spec, "batch": batch, "skipped": reason,
                                      **({"ranks": ranks} if with_ep else {})})
                         continue
-                    result, engine = _run(engine_factory, ranks, chosen, max_tokens, spec, batch, model_dir, weights)
+                    result, engine = _run(engine_factory, ranks, chosen, max_tokens, spec, batch, model_dir, weights,
+                                          sampling)
                     if spec == "none":
                         base = result
                     s = result.summary
@@ -124,7 +133,9 @@ def bench_generate(engine_factory: Callable[..., HybridEngine], batches: Iterabl
                         "prompts": name, "spec": spec, "batch": batch, "tokens": s.generated_tokens,
                         "tokens/s": s.tokens_per_s, "fwd/token": s.forwards_per_token,
                         "mean_acc_len": s.mean_accepted_length,
-                        "lossless": None if base is None or spec == "none" else result.outputs == base.outputs,
+                        "acc/pos": list(s.acceptance_by_position) if s.verifies else None,
+                        "lossless": (None if base is None or spec == "none" or temperature > 0
+                                     else result.outputs == base.outputs),
                     }
                     if with_ep:
                         if ranks == 1:
@@ -136,11 +147,12 @@ def bench_generate(engine_factory: Callable[..., HybridEngine], batches: Iterabl
 
 
 def _run(engine_factory: Callable[..., HybridEngine], ranks: int, prompts: list[list[int]], max_tokens: int,
-         spec: str, batch: int, model_dir: Optional[str], weights: Optional[str]) -> tuple[GenerateResult, HybridEngine]:
-    """One run on a fresh engine, on one rank or through ``generate_ep``."""
+         spec: str, batch: int, model_dir: Optional[str], weights: Optional[str],
+         sampling: SamplingOptions = GREEDY) -> tuple[GenerateResult, HybridEngine]:
+    """One run on a fresh engine, on one rank or through ``generate_ep`` (greedy there)."""
     if ranks == 1:
         engine = engine_factory()
-        return generate(engine, prompts, max_tokens, spec, batch, eos_ids=()), engine
+        return generate(engine, prompts, max_tokens, spec, batch, eos_ids=(), sampling=sampling), engine
     from fxsched.runtime.ep.generate import generate_ep
 
     engine = engine_factory(ranks)
@@ -173,6 +185,7 @@ def row_json(row: dict[str, Any]) -> dict[str, Any]:
     """The ``--json`` record of a row: the same keys, ``tokens_per_s`` / ``forwards_per_token`` /
     ``mean_accepted_length`` spelled out, JSON null where a figure does not apply."""
     names = {"tokens/s": "tokens_per_s", "fwd/token": "forwards_per_token", "mean_acc_len": "mean_accepted_length",
+             "acc/pos": "acceptance_by_position",
              "MiB/rank": "weights_mib_per_rank", "experts_MiB": "expert_mib_per_rank",
              "coll_ms/fwd": "collective_ms_per_forward", "=1rank": "same_as_one_rank"}
     return {names.get(k, k): v for k, v in row.items()}

@@ -30,9 +30,11 @@ counters), then one summary object (``"summary": true``), and nothing else.
 
 Sampling: greedy by default; ``--temperature T`` (> 0 samples), ``--top-p``, ``--top-k``,
 ``--min-p`` and ``--seed S`` (request i draws with seed S + i, so a seeded run repeats) apply to
-every request, with ``--spec none``; ``--logprobs N`` adds each token's logprob and the N most
-likely ids to the ``--json`` records (``logprobs``: one entry per token id, null for the first
-token, which the scheduler picks without a record).
+every request, with every ``--spec`` (a speculative mode verifies sampled drafts by rejection
+sampling, which keeps the target's distribution: specs/speculation.md §6.16); ``--logprobs N``
+adds each token's logprob and the N most likely ids to the ``--json`` records (``logprobs``: one
+entry per token id, the first token's included, with every ``--spec``: the target's raw
+distribution).
 
 Bad input (an out-of-range sampling value, an empty or malformed prompt, a token id outside the vocabulary, a prompt longer than
 the context, text for a model without a tokenizer, an unknown ``--spec``, ``--device cuda``
@@ -133,7 +135,7 @@ def add_generate_command(sub) -> None:
                    help="requests running at once (default 1); fewer prompts are repeated to fill the batch")
     p.add_argument("--max-tokens", default="32", help="tokens to generate per request (default 32)")
     p.add_argument("--spec", default="none", help="speculation: none, mtp, dflash or ngram (default none)")
-    p.add_argument("--temperature", default="0", help="sampling temperature (default 0: greedy; > 0 needs --spec none)")
+    p.add_argument("--temperature", default="0", help="sampling temperature (default 0: greedy)")
     p.add_argument("--top-p", default="1", help="nucleus sampling: keep the most likely tokens up to this mass "
                                                 "(0 < p <= 1, default 1: off)")
     p.add_argument("--top-k", default="0", help="keep the k most likely tokens (default 0: off)")
@@ -167,6 +169,9 @@ def add_bench_generate(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--specs", default="none,mtp,dflash,ngram",
                        help="speculation modes, comma-separated; one the model cannot run is reported as skipped "
                             "(generate)")
+    bench.add_argument("--temperature", dest="bench_temperature", default="0",
+                       help="sampling temperature of every request (default 0: greedy; > 0: the rows report "
+                            "the accepted length at that temperature, seeded, and no losslessness) (generate)")
     bench.add_argument("--prompts", default="held-out,repetitive",
                        help="prompt sets, comma-separated: held-out, repetitive (generate)")
     bench.add_argument("--json", action="store_true", help="one JSON object per row, nothing else (step, check, generate)")
@@ -518,9 +523,6 @@ def run_generate(args, out=None) -> int:
     max_tokens = _int(args.max_tokens, "--max-tokens", 1)
     batch = _int(args.batch, "--batch", 1)
     sampling = _sampling(args)
-    if args.spec != "none" and not sampling.greedy:
-        what = f"--temperature {args.temperature}" if sampling.temperature > 0 else f"--logprobs {args.logprobs}"
-        raise UsageError(f"{what}: needs --spec none (the speculative modes verify greedily)")
     if sampling.logprobs and not args.json:
         raise UsageError(f"--logprobs {args.logprobs}: needs --json (the logprobs are written in its records)")
     _prompt_option(args)
@@ -649,6 +651,9 @@ def run_bench_generate(args, out=None) -> list[dict]:
         if spec not in SPECS:
             raise UsageError(f"--specs {spec}: unknown speculation mode (choose from {', '.join(SPECS)})")
     max_tokens = _int(args.max_tokens, "--max-tokens", 1)
+    temperature = _float(getattr(args, "bench_temperature", None) or "0", "--temperature")
+    if not 0 <= temperature <= 100:
+        raise UsageError(f"--temperature {args.bench_temperature}: must be between 0 and 100")
     sets = [s.strip() for s in getattr(args, "prompts", ",".join(PROMPT_SETS)).split(",") if s.strip()]
     for name in sets or [""]:
         if name not in PROMPT_SETS:
@@ -685,17 +690,19 @@ def run_bench_generate(args, out=None) -> list[dict]:
 
         rows = bench_generate(lambda n=1: _engine(replace(choice, ep_ranks=n), device), batches, max_tokens, specs,
                               progress=progress, tokenizer=tokenizer, prompt_sets=sets, ep_ranks=ranks,
-                              model_dir=choice.model, weights=choice.weights)
+                              model_dir=choice.model, weights=choice.weights, temperature=temperature)
     finally:
         bar.close()
     model = choice.model or choice.weights or "random (seeded)"
     label = "default model" if choice.default else ("model" if choice.model else "weights")
     if getattr(args, "json", False):
         for row in rows:
-            record = {**row_json(row), "device": device, "max_tokens": max_tokens, "model": model}
+            record = {**row_json(row), "device": device, "max_tokens": max_tokens, "temperature": temperature,
+                      "model": model}
             print(json.dumps(record), file=out)
         return rows
-    print(f"bench generate: device={device} max_tokens={max_tokens} {label}={model}", file=out)
+    print(f"bench generate: device={device} max_tokens={max_tokens} temperature={temperature:g} {label}={model}",
+          file=out)
     print(format_table(rows), file=out)
     return rows
 

@@ -59,7 +59,8 @@ from fxsched.kernels.row_argmax import row_argmax
 from fxsched.runtime.devices.device import DeviceError
 from fxsched.runtime.logs import ensure_configured
 from fxsched.runtime.devices.streams import StreamError, StreamSet
-from fxsched.runtime.devices.torch_sampling import SampledRows, sample_rows
+from fxsched.runtime.devices.spec_sampling import verify_sample
+from fxsched.runtime.devices.torch_sampling import RowLogprobs, SampledRows, logprob_records, sample_rows
 from fxsched.runtime.torch_model import HybridEngine
 from fxsched.runtime.torch_model.errors import OutOfBlocksError, SpillError, TorchModelError
 
@@ -125,6 +126,24 @@ class DeviceStats:
     restores: int = 0
     calls: Counter = field(default_factory=Counter)  # forward / proposer / commit calls by name
     widest_batched_verify: int = 0  # most sequences in one decode_verify_batched
+    drafts_at: list[int] = field(default_factory=list)  # verified drafts by position (0: the first draft)
+    accepted_at: list[int] = field(default_factory=list)  # of those, the ones kept
+
+    def count_position(self, drafts: int, accepted: int) -> None:
+        """One verify of ``drafts`` drafts that kept the first ``accepted`` of them."""
+        if len(self.drafts_at) < drafts:
+            grow = drafts - len(self.drafts_at)
+            self.drafts_at.extend([0] * grow)
+            self.accepted_at.extend([0] * grow)
+        for i in range(drafts):
+            self.drafts_at[i] += 1
+        for i in range(min(accepted, drafts)):
+            self.accepted_at[i] += 1
+
+    @property
+    def acceptance_by_position(self) -> tuple[float, ...]:
+        """Per draft position, the share of verified drafts kept (vLLM's per-position acceptance)."""
+        return tuple(a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafts_at, strict=True))
 
     @property
     def accepted_drafts(self) -> int:
@@ -274,6 +293,7 @@ class TorchDevice:
         self.stats.verifies += 1
         self.stats.verify_rows += len(pending.tokens)
         self.stats.kept_rows += n
+        self.stats.count_position(len(pending.tokens) - 1, n - 1)
         if n > pending.agreed:
             self.stats.overaccepts += 1
             message = (f"{what}: sequence {s.seq_id} keeps {n} verify rows but the target agreed with "
@@ -682,6 +702,47 @@ class TorchDevice:
         with self.streams.use(stream):
             return self._verify_many([self._seq(i) for i in seqs], lists, "decode_verify_batched")
 
+    def sample_verify(self, picks, eos_ids) -> list[int]:
+        """The last verify's rows redone by rejection sampling (``spec_sampling.verify_sample``, one
+        pick per row in the verify's row order): the pending rows each sequence may keep become its
+        accepted drafts + 1, as the greedy verify's agreement did."""
+        if self._logits is None or not self._owners:
+            raise DeviceError("sample_verify: no verify has produced rows")
+        seqs: list[DeviceSeq] = []
+        for seq_id, local in self._owners:
+            if local == 0:
+                seqs.append(self._seq(seq_id))
+        inputs = []
+        for s in seqs:
+            if s.pending is None or s.pending.kind is not PendingKind.VERIFY:
+                raise DeviceError(f"sample_verify: sequence {s.seq_id} has no pending verify")
+            inputs.append(s.pending.tokens)
+        self.stats.calls["sample_verify"] += 1
+        rows, accepted = verify_sample(self._logits, inputs, picks, eos_ids)
+        records: list[tuple[int, list[RowLogprobs]]] = []
+        offset = 0
+        for s, n, toks in zip(seqs, accepted, inputs, strict=True):
+            assert s.pending is not None
+            s.pending = Pending(s.pending.tokens, s.pending.keep, PendingKind.VERIFY, n + 1)
+            widths = [picks[offset + i].top_logprobs for i in range(n + 1)]
+            if any(widths):  # the rows it emits: the kept drafts and the row after them
+                records.append((s.seq_id, logprob_records(self._logits[offset:offset + n + 1],
+                                                          rows[offset:offset + n + 1], widths)))
+            offset += len(toks)
+        self.last_verify = records
+        self._argmax = rows
+        return rows
+
+    last_verify: Optional[list[tuple[int, list[RowLogprobs]]]] = None  # the last sample_verify's records
+    last_sample_row: int = 0  # the first row of the last sample_rows
+
+    def row_record(self, row: int, token: int, width: int) -> RowLogprobs:
+        """The logprob record of ``token`` at row ``row`` of the last forward (the first token's,
+        whose pick the scheduler makes without one)."""
+        self._check_rows(row, 1)
+        assert self._logits is not None
+        return logprob_records(self._logits[row:row + 1], [token], [width])[0]
+
     # ======================================================================================
     # proposers
     # ======================================================================================
@@ -819,6 +880,7 @@ class TorchDevice:
             raise DeviceError("no forward has produced logits rows yet")
         self.stats.calls["sample_rows"] += 1
         self.last_sample = sample_rows(self._logits[row:row + n], picks, eos_ids)
+        self.last_sample_row = row
         return self.last_sample
 
     def vocab_size(self) -> int:

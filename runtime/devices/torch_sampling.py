@@ -70,8 +70,23 @@ def _column(values: list, dtype: torch.dtype, device: torch.device) -> torch.Ten
 
 def _draw(x: torch.Tensor, picks: Seq[HostPick]) -> torch.Tensor:
     """Tokens ``[M]`` for rows ``x [M, V]`` (float32, EOS already masked) with temperature > 0."""
+    probs = filtered_probs(x, picks)
+    u = _column([uniform(p.seed) for p in picks], torch.float64, x.device)
+    return inverse_cdf(probs, u)
+
+
+def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row of ``weights [M, V]`` (unnormalised, >= 0), the first id whose float64 running sum
+    exceeds ``u [M, 1]`` times the row's total (zero weights are never picked)."""
+    running = weights.to(torch.float64).cumsum(dim=-1)
+    pos = torch.searchsorted(running, u * running[:, -1:], right=True).clamp_(max=weights.shape[1] - 1)
+    return pos.squeeze(-1)
+
+
+def filtered_probs(x: torch.Tensor, picks: Seq[HostPick]) -> torch.Tensor:
+    """The temperature-scaled softmax of rows ``x [M, V]`` (float32, EOS already masked), with the
+    entries min-p, top-k and top-p cut set to 0 (not renormalised): what a pick draws from."""
     device = x.device
-    vocab = x.shape[1]
     temps = _column([p.temperature for p in picks], torch.float32, device)
     probs = torch.softmax((x - x.max(dim=-1, keepdim=True).values) / temps, dim=-1)
     min_p = _column([p.min_p for p in picks], torch.float32, device)
@@ -80,10 +95,7 @@ def _draw(x: torch.Tensor, picks: Seq[HostPick]) -> torch.Tensor:
     if cut:
         rows = torch.tensor(cut, device=device)
         probs[rows] = _top_k_top_p(probs[rows], [picks[i] for i in cut])
-    running = probs.to(torch.float64).cumsum(dim=-1)
-    u = _column([uniform(p.seed) for p in picks], torch.float64, device)
-    pos = torch.searchsorted(running, u * running[:, -1:], right=True).clamp_(max=vocab - 1)
-    return pos.squeeze(-1)
+    return probs
 
 
 def _top_k_top_p(probs: torch.Tensor, picks: Seq[HostPick]) -> torch.Tensor:
@@ -130,3 +142,19 @@ def sample_rows(logits: torch.Tensor, picks: Seq[HostPick], eos_ids: Seq[int]) -
             k = picks[r].top_logprobs
             records[r] = RowLogprobs(chosen[r], picked[i], tuple(zip(top_ids[i][:k], top_values[i][:k], strict=True)))
     return SampledRows(chosen, records)
+
+
+def logprob_records(logits: torch.Tensor, tokens: Seq[int], widths: Seq[int]) -> list[RowLogprobs]:
+    """The logprob record of each row of ``logits [M, V]`` for its chosen ``tokens[m]`` with the
+    ``widths[m]`` largest entries (ties: the lower id first): the raw ``log_softmax``, as
+    ``sample_rows`` gives them."""
+    if not tokens:
+        return []
+    raw = torch.log_softmax(logits.to(torch.float32), dim=-1)
+    width = min(max(widths), raw.shape[1])
+    values, ids = raw.sort(dim=-1, descending=True, stable=True)
+    chosen = torch.tensor(list(tokens), dtype=torch.int64, device=raw.device)[:, None]
+    picked = raw.gather(-1, chosen).squeeze(-1).tolist()
+    top_values, top_ids = values[:, :width].tolist(), ids[:, :width].tolist()
+    return [RowLogprobs(int(t), picked[m], tuple(zip(top_ids[m][:k], top_values[m][:k], strict=True)))
+            for m, (t, k) in enumerate(zip(tokens, widths, strict=True))]

@@ -17,7 +17,8 @@ Sampling. The interpreter lets a device pick sampled rows itself when the device
 ``sample_rows`` (runtime/interpreter.py, specs/runner.md §4.3); attribute forwarding does not
 count. So ``EpLeaderDevice(inner, ...)`` builds an ``EpSamplingLeaderDevice`` when ``inner``'s class
 has ``sample_rows`` (the torch device): it syncs as the host copy would and then asks ``inner``,
-so the picks are those of a single-rank run. Around the recording device the leader stays the
+so the picks are those of a single-rank run (and so are the rejection-sampled verifies,
+``sample_verify``). Around the recording device the leader stays the
 plain class, and the trace keeps its host copies.
 
 Experts: with a sharded MoE model, ``experts`` is the run's ``ExpertGroup`` (runtime/ep/experts.py),
@@ -398,3 +399,10 @@ class EpSamplingLeaderDevice(EpLeaderDevice):
         ``inner`` picks the rows."""
         self._sync()
         return self.inner.sample_rows(row, n, picks, eos_ids)
+
+    def sample_verify(self, picks, eos_ids) -> list[int]:
+        """The last verify's rows by rejection sampling (specs/speculation.md §6.16): ``inner``'s,
+        on rank 0's logits; the workers learn the kept rows from the commits that follow."""
+        if self.failure is not None:
+            raise DeviceError(self.failure)
+        return self.inner.sample_verify(picks, eos_ids)

@@ -483,7 +483,7 @@ class ServeEngine:
         device = TorchDevice(self.engine, proposer=self.proposer, drafter=self.drafter, on_tick=self._tick)
         self._device = device
         self.metrics.reset_speculation()
-        self.host.logprobs = None if self.speculative else LogprobWitness(device)
+        self.host.logprobs = LogprobWitness(device)
         recorder = self._recorder(life)
         interpreter = Interpreter(self.wrap_device(device) if self.wrap_device else device, self.host,
                                   self.config.eos_ids,
@@ -559,6 +559,7 @@ class ServeEngine:
         m.device(e.cfg.num_blocks - free - evictable, e.num_cached_blocks(), e.cfg.max_slots - len(e.free_slots()))
         if self._device is not None:
             m.speculation(self._device.stats.verifies, self._device.stats.kept_rows)
+            m.positions(self._device.stats.drafts_at, self._device.stats.accepted_at)
 
     def _frame(self, choice: _Choice, n: int) -> None:
         now = time.perf_counter()

@@ -18,6 +18,10 @@ What ``GET /metrics`` shows (names as exported):
 * ``fxsched_spec_verifies_total{mode}``, ``fxsched_spec_accepted_tokens_total{mode}`` (accepted
   drafts), ``fxsched_spec_mean_accepted_length{mode}``: tokens gained per verify (accepted drafts +
   the target's own token; 0 until the first verify), for the server's ``--spec`` mode;
+  ``fxsched_spec_drafts_per_position_total{mode,position}`` and
+  ``fxsched_spec_accepted_per_position_total{mode,position}``: verified drafts and the kept ones by
+  draft position (0: the first draft), and ``fxsched_spec_acceptance_per_position{mode,position}``
+  their ratio (vLLM's per-position acceptance);
 * ``fxsched_time_to_first_token_seconds`` (request accepted -> first token handed to the HTTP
   layer), ``fxsched_inter_token_latency_seconds`` (gap between a choice's token frames, divided
   among the frame's tokens: a verify that yields k tokens counts k gaps of a k-th of the time),
@@ -83,6 +87,14 @@ class ServeMetrics:
                                 registry=r)
         self.faults = Counter("fxsched_engine_faults", "Exceptions out of the drive loop (engine restarted)",
                               registry=r)
+        self.drafts_at = Counter("fxsched_spec_drafts_per_position", "Verified drafts by draft position",
+                                 ["mode", "position"], registry=r)
+        self.accepted_at = Counter("fxsched_spec_accepted_per_position", "Kept drafts by draft position",
+                                   ["mode", "position"], registry=r)
+        self.acceptance_at = Gauge("fxsched_spec_acceptance_per_position",
+                                   "Share of verified drafts kept, by draft position", ["mode", "position"], registry=r)
+        self._positions_seen: tuple[list[int], list[int]] = ([], [])
+        self._positions: tuple[list[int], list[int]] = ([], [])
         self._verifies_seen = 0
         self._kept_seen = 0
         self._verifies = 0
@@ -112,5 +124,27 @@ class ServeMetrics:
         self.accepted.labels(self.spec).inc(max(dk - dv, 0))
         self.mean_accepted.labels(self.spec).set(self._kept / self._verifies if self._verifies else 0.0)
 
+    def positions(self, drafts_at: list[int], accepted_at: list[int]) -> None:
+        """The device's running totals by draft position (drafts verified, drafts kept)."""
+        seen_d, seen_a = self._positions_seen
+        total_d, total_a = self._positions
+        for i, (d, a) in enumerate(zip(drafts_at, accepted_at, strict=True)):
+            if i >= len(seen_d):
+                seen_d.append(0)
+                seen_a.append(0)
+                total_d.append(0)
+                total_a.append(0)
+            dd, da = d - seen_d[i], a - seen_a[i]
+            if dd <= 0 and da <= 0:
+                continue
+            seen_d[i], seen_a[i] = d, a
+            total_d[i] += max(dd, 0)
+            total_a[i] += max(da, 0)
+            label = str(i)
+            self.drafts_at.labels(self.spec, label).inc(max(dd, 0))
+            self.accepted_at.labels(self.spec, label).inc(max(da, 0))
+            self.acceptance_at.labels(self.spec, label).set(total_a[i] / total_d[i] if total_d[i] else 0.0)
+
     def reset_speculation(self) -> None:
         self._verifies_seen = self._kept_seen = 0
+        self._positions_seen = ([], [])

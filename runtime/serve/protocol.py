@@ -10,9 +10,9 @@ number); unknown fields are allowed and ignored, as vLLM does. Fields the server
 never silently dropped.
 
 Defaults that differ from OpenAI's: ``temperature`` defaults to 0 (greedy: the scheduler's
-default, and the only choice of the speculative modes), and ``model`` may be left out (the served
-model). With a speculative ``--spec`` mode (mtp, dflash, ngram) every step verifies greedily, so a
-request asking for ``temperature`` > 0 or for logprobs is refused (400 naming the field).
+default), and ``model`` may be left out (the served model). With a speculative ``--spec`` mode (mtp,
+dflash, ngram) a sampling request is verified by rejection sampling (specs/speculation.md §6.16: the
+output keeps the target's distribution); logprobs are the target's, as without speculation.
 
 Errors. ``APIError`` carries the HTTP status and the OpenAI error body ``{"error": {"message",
 "type", "param", "code"}}``; ``param`` names the offending field (``messages[1].content``).
@@ -25,7 +25,9 @@ P x n ``ChoiceSpec`` (choice index ``p * n + j``, as OpenAI numbers them), each 
 none is given), like ``fxsched generate``'s requests. Logprobs: the scheduler gives a record only
 when asked for at least one top entry, so ``logprobs: 0`` (completions) or ``logprobs: true``
 without ``top_logprobs`` (chat) asks it for one and reports none of them; the first token of every
-choice has no record (specs/scheduler.md §5.11): its logprob is reported as null.
+choice gets its record from the device row the scheduler picked it from (``LogprobWitness``; the
+scheduler itself keeps none for it, specs/scheduler.md §5.11), and speculative tokens theirs from
+the verify rows (specs/speculation.md §6.16).
 """
 
 from __future__ import annotations
@@ -283,16 +285,13 @@ def _stops(stop: Union[str, list[str], None]) -> tuple[str, ...]:
 
 def _choices(req: _Common, prompts: list[list[int]], max_tokens: int, top: int, limits: Limits
              ) -> tuple[ChoiceSpec, ...]:
-    """The P x n choices (sampling fields checked; a speculative server refuses sampling)."""
+    """The P x n choices (sampling fields checked)."""
     temperature = _number(req.temperature, "temperature", 0.0, 0.0, 2.0)
     top_p = _number(req.top_p, "top_p", 1.0, 0.0, 1.0, open_low=True)
     min_p = _number(req.min_p, "min_p", 0.0, 0.0, 1.0)
     top_k = 0 if req.top_k is None or req.top_k == -1 else req.top_k
     if top_k < 0:
         raise bad_request(f"must be at least 0 (0 or -1: off), got {req.top_k}", "top_k")
-    if limits.speculative and temperature > 0:
-        raise bad_request("sampling (temperature > 0) needs a server started with --spec none: the "
-                          "speculative modes verify greedily", "temperature")
     n = 1 if req.n is None else req.n
     if not 1 <= n <= MAX_N:
         raise bad_request(f"must be between 1 and {MAX_N}, got {n}", "n")
@@ -364,9 +363,6 @@ def completion_plan(req: CompletionRequest, tokenizer: Any, limits: Limits) -> P
     if req.logprobs is not None:
         if not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
             raise bad_request(f"must be between 0 and {MAX_TOP_LOGPROBS}, got {req.logprobs}", "logprobs")
-        if limits.speculative:
-            raise bad_request("logprobs need a server started with --spec none (the speculative modes verify "
-                              "greedily and keep no logprobs)", "logprobs")
         top = req.logprobs
     max_tokens = _max_tokens(req.max_tokens, "max_tokens", max(len(p) for p in prompts), 16, limits)
     choices = _choices(req, prompts, max_tokens, 0 if top is None else max(top, 1), limits)
@@ -422,9 +418,6 @@ def chat_plan(req: ChatCompletionRequest, tokenizer: Any, limits: Limits) -> Pla
     if req.top_logprobs and not req.logprobs:
         raise bad_request("needs logprobs: true", "top_logprobs")
     if req.logprobs:
-        if limits.speculative:
-            raise bad_request("logprobs need a server started with --spec none (the speculative modes verify "
-                              "greedily and keep no logprobs)", "logprobs")
         top = req.top_logprobs or 0
     if req.max_tokens is not None and req.max_completion_tokens is not None:
         raise bad_request("give max_tokens or max_completion_tokens, not both", "max_completion_tokens")
