@@ -165,6 +165,11 @@ def gdn_layer(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg: Mod
     return _output(o, x, w, prefix, cfg), GdnRows(states, windows, keep_rows)
 
 
+# Rows per sequence up to which the short convolution is taken as window products (decode, verify)
+# rather than a depthwise conv1d (prefill chunks), whose set-up dominates a forward of few rows.
+_FEW_ROWS = 16
+
+
 def _project(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig, conv0: torch.Tensor
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v (fp32, normalised, grouped heads repeated), log-decay, beta and the conv windows
@@ -176,7 +181,10 @@ def _project(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg: Mode
     conv_in = torch.cat([conv0, qkv.transpose(1, 2).to(conv0.dtype)], dim=2)  # [B, C, W-1+T]
     windows = conv_in.unfold(2, width, 1)  # [B, C, T, W] (a view: the conv state after each row)
     weight = w[f"{prefix}.conv"].float()
-    mixed = F.silu(F.conv1d(conv_in.float(), weight[:, None, :], groups=weight.shape[0])).transpose(1, 2)
+    if t <= _FEW_ROWS:  # decode and verify: a product with each row's window (conv1d's set-up costs more)
+        mixed = F.silu((windows.float() * weight[:, None, :]).sum(-1)).transpose(1, 2)
+    else:
+        mixed = F.silu(F.conv1d(conv_in.float(), weight[:, None, :], groups=weight.shape[0])).transpose(1, 2)
     q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
     q = l2_normalize(q.reshape(b, t, hk, dk)) * dk ** -0.5
     k = l2_normalize(k.reshape(b, t, hk, dk))
