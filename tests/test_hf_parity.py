@@ -94,6 +94,22 @@ def test_hf_prefill_and_decode_logits_match_transformers(checkpoints, arch):
     assert len(set(gen)) > 3, gen  # the tiny model is not degenerate: the check covers varied tokens
 
 
+@pytest.mark.parametrize("arch", ["Qwen3_5ForCausalLM", "Qwen3NextForCausalLM"])
+def test_hf_long_prompt_prefill_matches_transformers(checkpoints, arch):
+    """A prompt longer than the window-product threshold of the GDN short convolution (its
+    depthwise conv1d path; the prompts above take the window products) gives transformers' logits,
+    and so do the decode rows after it."""
+    ck = checkpoints[arch]
+    n = 40
+    prompt, gen, ref = _greedy(ck, seed=4, n=n)
+    engine = HybridEngine.from_pretrained(ck.path, **ENGINE_ARGS)
+    engine.alloc(0)
+    diffs = [_maxdiff(engine.prefill(0, prompt), ref[n - 1])]
+    for step, token in enumerate(gen[:4]):
+        diffs.append(_maxdiff(engine.decode_batch([0], [token])[0], ref[n + step]))
+    assert max(diffs) <= ATOL, (arch, diffs)
+
+
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_hf_batched_decode_and_verify_match_transformers(checkpoints, arch):
     ck = checkpoints[arch]
