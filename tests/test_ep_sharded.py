@@ -320,14 +320,16 @@ def test_bench_generate_over_rank_counts_reports_memory_and_collective_time(mode
     assert run_fxsched("bench", "generate", "--model", str(path), "--ep-ranks", "1,2", "--batches", "2",
                        "--specs", "none", "--prompts", "held-out", "--max-tokens", "4", toy=False) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[1].split() == ["prompts", "spec", "batch", "tokens", "tokens/s", "fwd/token", "mean_acc_len",
-                                "lossless", "ranks", "MiB/rank", "experts_MiB", "coll_ms/fwd", "=1rank"]
-    one, two = (line.split() for line in lines[2:])
-    assert (one[8], two[8]) == ("1", "2") and two[-1] == "yes" and float(one[-2]) == 0 < float(two[-2])
-    experts_one = float(one[10])
-    assert [float(v) for v in two[10].split("/")] == pytest.approx([experts_one / 2] * 2, abs=0.01)
-    whole = float(one[9])
-    rank0, rank1 = (float(v) for v in two[9].split("/"))
+    header = lines[1].split()
+    assert header == ["prompts", "spec", "batch", "tokens", "tokens/s", "fwd/token", "mean_acc_len", "acc/pos",
+                      "lossless", "ranks", "MiB/rank", "experts_MiB", "coll_ms/fwd", "=1rank"]
+    one, two = (dict(zip(header, line.split(), strict=True)) for line in lines[2:])
+    assert (one["ranks"], two["ranks"]) == ("1", "2") and two["=1rank"] == "yes"
+    assert float(one["coll_ms/fwd"]) == 0 < float(two["coll_ms/fwd"])
+    experts_one = float(one["experts_MiB"])
+    assert [float(v) for v in two["experts_MiB"].split("/")] == pytest.approx([experts_one / 2] * 2, abs=0.01)
+    whole = float(one["MiB/rank"])
+    rank0, rank1 = (float(v) for v in two["MiB/rank"].split("/"))
     assert rank0 == pytest.approx(whole - experts_one / 2, abs=0.01) and rank1 == pytest.approx(experts_one / 2, abs=0.01)
     assert run_fxsched("bench", "generate", "--model", str(path), "--ep-ranks", "1,9", toy=False) == 2
     assert capsys.readouterr().err.strip() == (f"fxsched bench generate: --ep-ranks 9: --model {path} takes at "
