@@ -336,7 +336,7 @@ def cmd_bench(args) -> int:
         if jobs > 1:
             print(f"{jobs} processes / 1: {medians[jobs] / medians[1]:.2f}")
         return 0
-    print(f"fxsched bench: unknown benchmark '{args.what}' (known: step, kernels, check, generate, gdn-prefill)",
+    print(f"fxsched bench: unknown benchmark '{args.what}' (known: step, kernels, check, generate, gdn-prefill, serve, e2e)",
           file=sys.stderr)
     return EXIT_USAGE
 
@@ -457,6 +457,10 @@ def main(argv=None) -> int:
         from fxsched.runtime.bench.gdn_prefill import main as gdn_prefill_main
 
         return gdn_prefill_main(words[2:])
+    if words[:2] == ["bench", "e2e"]:  # its own options (runtime/bench/e2e.py)
+        from fxsched.runtime.bench.e2e import main as bench_e2e_main
+
+        return bench_e2e_main(words[2:])
     if words[:2] == ["bench", "serve"]:  # its own options (runtime/bench/serve.py)
         from fxsched.runtime.bench.serve import main as bench_serve_main
 
