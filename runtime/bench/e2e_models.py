@@ -37,6 +37,7 @@ log = structlog.get_logger(__name__)
 
 DONE = "DONE"
 VOCAB = 151936
+EOS_IDS = [151645, 151643]  # Qwen's <|im_end|>, <|endoftext|> (the bench ignores EOS; loaders want one)
 _ROPE: dict[str, Any] = {"rope_type": "default", "rope_theta": 1_000_000.0}
 _HYBRID_ROPE: dict[str, Any] = {**_ROPE, "partial_rotary_factor": 0.25, "mrope_interleaved": True, "mrope_section": [11, 11, 10]}
 _GDN: dict[str, Any] = {"linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128}
@@ -48,7 +49,7 @@ def _qwen3_06b() -> Any:
     return transformers.Qwen3Config(vocab_size=VOCAB, hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
                                     num_key_value_heads=8, head_dim=128, intermediate_size=3072,
                                     tie_word_embeddings=True, max_position_embeddings=40960, rms_norm_eps=1e-6,
-                                    rope_parameters=_ROPE, architectures=["Qwen3ForCausalLM"])
+                                    rope_parameters=_ROPE, architectures=["Qwen3ForCausalLM"], eos_token_id=EOS_IDS)
 
 
 def _layer_types(layers: int) -> list[str]:
@@ -63,7 +64,8 @@ def _qwen35_hybrid() -> Any:
                                           intermediate_size=3584, linear_num_key_heads=16, linear_num_value_heads=16,
                                           **_GDN, layer_types=_layer_types(24), tie_word_embeddings=True,
                                           max_position_embeddings=32768, rms_norm_eps=1e-6,
-                                          rope_parameters=_HYBRID_ROPE, architectures=["Qwen3_5ForCausalLM"])
+                                          rope_parameters=_HYBRID_ROPE, architectures=["Qwen3_5ForCausalLM"],
+                                          eos_token_id=EOS_IDS)
 
 
 def _qwen3_next_moe() -> Any:
@@ -77,7 +79,7 @@ def _qwen3_next_moe() -> Any:
                                         decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
                                         tie_word_embeddings=False, max_position_embeddings=32768, rms_norm_eps=1e-6,
                                         rope_parameters={**_ROPE, "partial_rotary_factor": 0.25},
-                                        architectures=["Qwen3NextForCausalLM"])
+                                        architectures=["Qwen3NextForCausalLM"], eos_token_id=EOS_IDS)
 
 
 LIKE: dict[str, Callable[[], Any]] = {"qwen3-0.6b": _qwen3_06b, "qwen3.5-hybrid": _qwen35_hybrid,
@@ -120,7 +122,7 @@ def build(config: Any, path: Path, seed: int, mtp_layers: int = 0) -> None:
     model = model.to(torch.bfloat16)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
-    (path / "generation_config.json").write_text(json.dumps({"do_sample": False}))
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": EOS_IDS, "do_sample": False}))
     if mtp_layers:
         _add_mtp(model.config, path, mtp_layers)
     from fxsched.runtime.torch_model.default_model import default_model_dir
