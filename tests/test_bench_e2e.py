@@ -71,9 +71,8 @@ def test_fxsched_greedy_tokens_equal_transformers(report):
 def test_a_worker_process_gives_the_in_process_tokens(ckpt, report, tmp_path):
     args = e2e.build_parser().parse_args(["--model", str(ckpt), *ARGS])
     config = json.loads((ckpt / "config.json").read_text())
-    prompts = e2e.prompts_for(config["vocab_size"], 1, 8, 0)
-    (tmp_path / "p.json").write_text(json.dumps(prompts))
-    record = e2e.run_cell(args, "fxsched", ckpt, tmp_path / "p.json", 1, config)
+    path = e2e.prompt_file(tmp_path, config["vocab_size"], 1, args)
+    record = e2e.run_cell(args, "fxsched", ckpt, path, 1, config)
     assert "error" not in record, record
     fx1 = next(c for c in report["cells"] if c["engine"] == "fxsched" and c["batch"] == 1)
     assert record["tokens"] == fx1["tokens"]
@@ -87,6 +86,15 @@ def test_decode_weight_bytes_counts_one_embedding_row_and_the_tied_head(ckpt):
     embed = sizes["model.embed_tokens.weight"]
     assert config["tie_word_embeddings"] and not any("lm_head" in n for n in sizes)
     assert e2e_models.decode_weight_bytes(ckpt) == sum(sizes.values()) + embed // config["vocab_size"]
+
+
+def test_prompt_sets_are_seeded_distinct_and_nested_across_batches():
+    one, eight = e2e.prompt_sets(1000, 1, 32, 0), e2e.prompt_sets(1000, 8, 32, 0)
+    assert one == e2e.prompt_sets(1000, 1, 32, 0)
+    assert eight["run"][:1] == one["run"] and len(eight["run"]) == len(eight["ttft"]) == 8
+    assert all(len(p) == 32 for p in eight["run"] + eight["ttft"]) and len(eight["warmup"]) == 2
+    runs = {tuple(p[:16]) for p in eight["run"]}
+    assert not runs & {tuple(p[:16]) for p in eight["ttft"]}  # no shared first block: no prefix-cache hit
 
 
 def test_figures_and_first_diff():
@@ -104,6 +112,7 @@ def test_figures_and_first_diff():
     (["--vllm-python", "/nonexistent/python"], "--vllm-python /nonexistent/python"),
     (["--vllm-python", sys.executable], f"--vllm-python {sys.executable}: cannot import vllm"),
     (["--kv-cache-memory", "lots"], "--kv-cache-memory lots"),
+    (["--like", "qwen3-0.6b", "--model", "/tmp"], "give one of them"),
 ])
 def test_bad_input_is_one_line_and_exit_2(words, names, capsys):
     assert cli_main(["bench", "e2e", *words]) == 2

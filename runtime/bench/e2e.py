@@ -78,12 +78,14 @@ def _vllm_ok(python: str) -> Optional[str]:
 
 def resolve_models(args: argparse.Namespace) -> list[tuple[str, Path]]:
     """(label, directory) of each model to run; builds missing ``--like`` checkpoints."""
+    if args.model is not None and args.like is not None:
+        raise UsageError(f"--model {args.model} and --like {args.like}: give one of them")
     if args.model is not None:
         path = Path(args.model)
         if not (path / "config.json").is_file():
             raise UsageError(f"--model {args.model}: no config.json there")
         return [(path.name, path)]
-    names = [n.strip() for n in args.like.split(",")]
+    names = [n.strip() for n in (args.like or "qwen3-0.6b").split(",")]
     for name in names:
         if name not in e2e_models.LIKE:
             raise UsageError(f"--like {name}: unknown model (choose from {', '.join(e2e_models.LIKE)})")
@@ -95,6 +97,22 @@ def prompts_for(vocab: int, count: int, length: int, seed: int) -> list[list[int
     """``count`` seeded random prompts of ``length`` ids (the same for every engine)."""
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(length)] for _ in range(count)]
+
+
+def prompt_sets(vocab: int, batch: int, length: int, seed: int) -> dict[str, list[list[int]]]:
+    """The worker's prompt sets for a batch (e2e_worker), from three seeded streams: ``run`` (the
+    first ``batch`` prompts of the ``seed`` stream, so the same at every batch), ``ttft`` (as many of
+    another stream) and ``warmup`` (at most two of 8 ids). Random prompts share no cached block
+    (16 ids) with one another, so no run is served from another's prefix cache."""
+    return {"run": prompts_for(vocab, batch, length, seed),
+            "ttft": prompts_for(vocab, batch, length, seed + 1_000_003),
+            "warmup": prompts_for(vocab, min(batch, 2), 8, seed + 2_000_003)}
+
+
+def prompt_file(folder: Path, vocab: int, batch: int, args: argparse.Namespace) -> Path:
+    path = folder / f"prompts-{batch}.json"
+    path.write_text(json.dumps(prompt_sets(vocab, batch, args.prompt_len, args.seed)))
+    return path
 
 
 def kv_budget(config: dict[str, Any], batch: int, tokens: int) -> int:
@@ -204,11 +222,7 @@ def run_model(args: argparse.Namespace, label: str, model: Path, engines: list[s
     rounds: dict[tuple[str, int], list[dict[str, Any]]] = {}
     tokens: dict[tuple[str, int], list[list[int]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        every = prompts_for(vocab, max(args.batches), args.prompt_len, args.seed)
-        files = {}
-        for b in args.batches:
-            files[b] = Path(tmp) / f"prompts-{b}.json"
-            files[b].write_text(json.dumps(every[:b]))
+        files = {b: prompt_file(Path(tmp), vocab, b, args) for b in args.batches}
         for r in range(args.rounds):
             for b in args.batches:
                 for engine in engines:
@@ -299,8 +313,9 @@ def format_model(result: dict[str, Any]) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = ArgumentParser(prog="fxsched bench e2e", description=__doc__.splitlines()[0])
-    ap.add_argument("--like", default="qwen3-0.6b",
-                    help=f"comma list of model shapes to build and run: {', '.join(e2e_models.LIKE)}")
+    ap.add_argument("--like", default=None,
+                    help=f"comma list of model shapes to build and run: {', '.join(e2e_models.LIKE)} "
+                         f"(default qwen3-0.6b)")
     ap.add_argument("--model", metavar="DIR", default=None, help="run this checkpoint instead of --like")
     ap.add_argument("--models-dir", default=str(e2e_models.default_models_dir()),
                     help="where --like checkpoints are built and kept")

@@ -4,11 +4,12 @@ Run as ``python -m fxsched.runtime.bench.e2e_worker ARGS`` (fxsched, transformer
 ``VLLM_PYTHON .../e2e_worker.py ARGS`` (vLLM, whose environment has no fxsched): this file imports
 nothing but the standard library at module level, and fxsched only inside the fxsched cell.
 
-The cell reads its prompts (token-id lists, every prompt the same length) from ``--prompts FILE``,
-then in this one process: a warm-up generate (two prompts of the batch, 2 tokens: first-call and
-allocation costs out of the timings), a timed run with max_tokens=1 (time to first token of the
-whole batch), a timed run with max_tokens=N; greedy, EOS ignored, so every engine generates exactly
-N tokens per prompt. It prints one JSON object as the last line of stdout: ``ttft_s``, ``total_s``
+The cell reads its prompts (token-id lists, every prompt the same length) from ``--prompts FILE``:
+a JSON object of three sets, ``warmup``, ``ttft`` and ``run``, none sharing a prefix with another
+(so no engine's prefix cache serves one run from another), then in this one process: a warm-up
+generate (``warmup``, 2 tokens: first-call and allocation costs out of the timings), a timed run
+of ``ttft`` with max_tokens=1 (time to first token of the whole batch), a timed run of ``run`` with
+max_tokens=N; greedy, EOS ignored, so every engine generates exactly N tokens per prompt. It prints one JSON object as the last line of stdout: ``ttft_s``, ``total_s``
 (the N-token run), ``tokens`` (the N-token run's generated ids per prompt), ``peak_rss_bytes``
 (the peak resident sets of this process and of its live child processes, summed), ``threads``.
 """
@@ -97,6 +98,25 @@ def _fxsched_runner(args: argparse.Namespace, batch: int) -> Callable[[list[list
     return run
 
 
+_GDN_MODULES = ("qwen3_5.modeling_qwen3_5", "qwen3_5_moe.modeling_qwen3_5_moe", "qwen3_next.modeling_qwen3_next")
+_GDN_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
+                  "causal_conv1d_update")
+
+
+def _torch_gdn() -> None:
+    """transformers' GDN layers on their own torch functions: with flash-linear-attention installed
+    they are bound to its Triton kernels, which do not run on a CPU."""
+    import inspect
+
+    for name in _GDN_MODULES:
+        module = sys.modules.get(f"transformers.models.{name}")
+        if module is None:
+            continue
+        for fn in _GDN_FUNCTIONS:
+            if hasattr(module, fn):
+                setattr(module, fn, inspect.unwrap(getattr(module, fn)))
+
+
 def _transformers_runner(args: argparse.Namespace) -> Callable[[list[list[int]], int], list[list[int]]]:
     """transformers' cell: ``generate`` of AutoModelForCausalLM in the checkpoint's dtype, greedy."""
     import torch
@@ -104,6 +124,7 @@ def _transformers_runner(args: argparse.Namespace) -> Callable[[list[list[int]],
 
     torch.set_num_threads(args.threads)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype="auto").eval()
+    _torch_gdn()
 
     def run(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         ids = torch.tensor(prompts, dtype=torch.long)
@@ -156,15 +177,16 @@ def _vllm_runner(args: argparse.Namespace) -> Callable[[list[list[int]], int], l
 def run_cell(args: argparse.Namespace) -> dict[str, Any]:
     """Warm up, then time max_tokens=1 and max_tokens=N on the batch (see the module docstring)."""
     with open(args.prompts) as f:
-        prompts = json.load(f)
+        sets = json.load(f)
+    prompts = sets["run"]
     if args.engine == "fxsched":
         run = _fxsched_runner(args, len(prompts))
     elif args.engine == "transformers":
         run = _transformers_runner(args)
     else:
         run = _vllm_runner(args)
-    run([p[:8] for p in prompts[:2]], WARMUP_TOKENS)
-    ttft, _ = _timed(run, prompts, 1)
+    run(sets["warmup"], WARMUP_TOKENS)
+    ttft, _ = _timed(run, sets["ttft"], 1)
     total, tokens = _timed(run, prompts, args.max_tokens)
     return {"engine": args.engine, "batch": len(prompts), "ttft_s": ttft, "total_s": total, "tokens": tokens,
             "peak_rss_bytes": _peak_rss_bytes(), "threads": args.threads}
@@ -174,7 +196,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="e2e_worker", description=__doc__.splitlines()[0])
     ap.add_argument("--engine", choices=ENGINES, required=True)
     ap.add_argument("--model", required=True)
-    ap.add_argument("--prompts", required=True, help="a JSON file: the batch's prompts as token-id lists")
+    ap.add_argument("--prompts", required=True, help="a JSON file: the warmup, ttft and run prompt sets")
     ap.add_argument("--max-tokens", type=int, required=True)
     ap.add_argument("--max-seq-len", type=int, required=True)
     ap.add_argument("--threads", type=int, default=1)
