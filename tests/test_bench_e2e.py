@@ -97,6 +97,16 @@ def test_prompt_sets_are_seeded_distinct_and_nested_across_batches():
     assert not runs & {tuple(p[:16]) for p in eight["ttft"]}  # no shared first block: no prefix-cache hit
 
 
+def test_failure_line_names_the_exception():
+    stderr = ("Traceback (most recent call last):\n  File \"x.py\", line 1\n"
+              "pydantic_core._pydantic_core.ValidationError: 1 validation error for ModelConfig\n"
+              "  Value error, Model architectures ['X'] failed to be inspected.\n"
+              "    For further information visit https://errors.pydantic.dev\n")
+    assert e2e.failure_line(stderr) == "Value error, Model architectures ['X'] failed to be inspected."
+    assert e2e.failure_line("boom\nRuntimeError: no\nlast words\n") == "RuntimeError: no"
+    assert e2e.failure_line("just this\n") == "just this"
+
+
 def test_figures_and_first_diff():
     got = e2e.figures({"ttft_s": 0.5, "total_s": 2.5, "peak_rss_bytes": 2e9}, batch=4, prompt_len=100, max_tokens=11)
     assert got["prefill_tok_s"] == 800 and got["decode_tok_s"] == 20 and got["peak_rss_gb"] == 2

@@ -35,6 +35,7 @@ import json
 import math
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -180,11 +181,22 @@ def run_cell(args: argparse.Namespace, engine: str, model: Path, prompts_file: P
         return {"error": f"timed out after {args.timeout:g} s"}
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
-        tail = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        tail = failure_line(done.stderr) or f"exit status {done.returncode}"
         log.warning("e2e_cell_failed", engine=engine, batch=batch, error=tail)
         return {"error": tail}
     record: dict[str, Any] = json.loads(lines[-1])
     return record
+
+
+_EXCEPTION = re.compile(r"^(?:[A-Za-z_][\w.]*(?:Error|Exception|Exit)\b|Value error,)")
+
+
+def failure_line(stderr: str) -> str:
+    """The line of a failed cell's stderr that says why: the last exception line (``Value error, ...``
+    of a pydantic error), else the last line; at most 300 characters."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    named = [line for line in lines if _EXCEPTION.match(line)]
+    return (named or lines or [""])[-1][:300]
 
 
 def _dtype(config: dict[str, Any]) -> str:

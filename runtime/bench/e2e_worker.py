@@ -139,20 +139,27 @@ def _transformers_runner(args: argparse.Namespace) -> Callable[[list[list[int]],
 def _hide_broken_extras() -> None:
     """A torchvision, torchaudio or torchcodec built for another torch fails at import (``operator
     torchvision::nms does not exist``, ``libc10_cuda.so``) and takes transformers' image and audio
-    utilities, which vLLM imports, down with it; text models need neither, so such a package is
-    made invisible to transformers."""
+    utilities, which vLLM imports, down with it; text models need none of them. Such a package is
+    made absent (``sys.modules[name] = None``: ``find_spec`` then answers None, so transformers
+    sees it missing) here and, through a ``sitecustomize`` put first on PYTHONPATH, in the Python
+    processes vLLM starts (it inspects architectures in one)."""
     import importlib
+    import tempfile
 
-    import transformers.utils
-    import transformers.utils.import_utils as import_utils
-
+    broken = []
     for package in ("torchvision", "torchaudio", "torchcodec"):
         try:
             importlib.import_module(package)
         except (ImportError, RuntimeError, OSError):
-            for module in (transformers.utils, import_utils):
-                setattr(module, f"is_{package}_available", lambda: False)
+            broken.append(package)
+            for name in [m for m in sys.modules if m == package or m.startswith(package + ".")]:
+                del sys.modules[name]
             sys.modules[package] = None  # type: ignore[assignment]
+    if broken:
+        folder = tempfile.mkdtemp(prefix="fxsched-e2e-site-")
+        with open(os.path.join(folder, "sitecustomize.py"), "w") as f:
+            f.write(f"import sys\nfor _name in {broken!r}:\n    sys.modules[_name] = None\n")
+        os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (folder, os.environ.get("PYTHONPATH")) if p)
 
 
 def _vllm_runner(args: argparse.Namespace) -> Callable[[list[list[int]], int], list[list[int]]]:
