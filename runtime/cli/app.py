@@ -411,7 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
     phases.set_defaults(func=cmd_phases)
 
     bench = sub.add_parser("bench", help="print speed figures (medians of repeats); `bench gdn-prefill --help` "
-                                         "for the GDN prefill memory figures")
+                                         "for the GDN prefill memory figures, `bench e2e --help` for fxsched "
+                                         "against transformers and vLLM end to end")
     bench.add_argument("what", choices=["step", "kernels", "check"])
     bench.add_argument("--sizes", type=sizes_arg, default=(1, 8, 64, 256),
                        help="running sequences, comma-separated, each 1..4096 (step; default 1,8,64,256)")
