@@ -336,7 +336,7 @@ def cmd_bench(args) -> int:
         if jobs > 1:
             print(f"{jobs} processes / 1: {medians[jobs] / medians[1]:.2f}")
         return 0
-    print(f"fxsched bench: unknown benchmark '{args.what}' (known: step, kernels, check, generate, gdn-prefill)",
+    print(f"fxsched bench: unknown benchmark '{args.what}' (known: step, kernels, check, generate, gdn-prefill, serve, e2e)",
           file=sys.stderr)
     return EXIT_USAGE
 
@@ -411,7 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
     phases.set_defaults(func=cmd_phases)
 
     bench = sub.add_parser("bench", help="print speed figures (medians of repeats); `bench gdn-prefill --help` "
-                                         "for the GDN prefill memory figures")
+                                         "for the GDN prefill memory figures, `bench e2e --help` for fxsched "
+                                         "against transformers and vLLM end to end")
     bench.add_argument("what", choices=["step", "kernels", "check"])
     bench.add_argument("--sizes", type=sizes_arg, default=(1, 8, 64, 256),
                        help="running sequences, comma-separated, each 1..4096 (step; default 1,8,64,256)")
@@ -457,6 +458,10 @@ def main(argv=None) -> int:
         from fxsched.runtime.bench.gdn_prefill import main as gdn_prefill_main
 
         return gdn_prefill_main(words[2:])
+    if words[:2] == ["bench", "e2e"]:  # its own options (runtime/bench/e2e.py)
+        from fxsched.runtime.bench.e2e import main as bench_e2e_main
+
+        return bench_e2e_main(words[2:])
     if words[:2] == ["bench", "serve"]:  # its own options (runtime/bench/serve.py)
         from fxsched.runtime.bench.serve import main as bench_serve_main
 
