@@ -473,8 +473,8 @@ MUTANTS: tuple[Mutant, ...] = (
        "a rejected n-gram draft emits the row after the draft instead of the model's token"),
     _m("ngram_decode_no_growth", "ngram",
        "        state = put_seq(state, grow(seq, seq.seq_len + 1, state.model.block_size))\n"
-       "        read = AskQuery(dc.ArgmaxOnDevice(row=0, stream=0), AwaitNgramDecode(seq.seq_id))\n",
-       "        read = AskQuery(dc.ArgmaxOnDevice(row=0, stream=0), AwaitNgramDecode(seq.seq_id))\n",
+       "        read = AskQuery(row_query(seq), AwaitNgramDecode(seq.seq_id))\n",
+       "        read = AskQuery(row_query(seq), AwaitNgramDecode(seq.seq_id))\n",
        "an n-gram step's plain decode does not advance seq_len"),
     _m("ngram_match_includes_suffix", "ngram",
        "    limit = (size - 1) * width  # a match ends before the last token: s + n <= size - 1\n",
