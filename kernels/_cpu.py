@@ -19,12 +19,13 @@ import os
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import structlog
 
-__all__ = ["load"]
+__all__ = ["load", "split"]
 
 log = structlog.get_logger("fxsched.kernels")
 
@@ -51,7 +52,8 @@ def _compile(name: str, source: Path) -> Path | None:
     if compiler is None:
         log.warning("cpu_kernel_unavailable", kernel=name, reason="no C compiler (cc, gcc or $CC)")
         return None
-    digest = hashlib.sha256(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what it may include
+    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(FLAGS).encode()).hexdigest()[:16]
     target = _cache_dir() / f"{name}-{digest}.so"
     if target.exists():
         return target
@@ -95,3 +97,18 @@ def load(name: str, symbols: dict[str, list[Any]]) -> ctypes.CDLL | None:
         fn.restype = ctypes.c_int
         fn.argtypes = argtypes
     return lib
+
+
+@functools.cache
+def _pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fxsched-cpu")
+
+
+def split(run: Callable[[int, int], int], n: int, threads: int, align: int = 1) -> int:
+    """Runs run(lo, hi) over [0, n) in at most `threads` contiguous ranges (each a multiple of
+    `align` long but the last) on a shared thread pool -- ctypes calls release the GIL, so the
+    ranges run in parallel -- and returns the largest return code (0: all succeeded)."""
+    if threads <= 1 or n <= align:
+        return run(0, n)
+    step = -(-n // threads // align) * align
+    return max(_pool(threads).map(lambda lo: run(lo, min(n, lo + step)), range(0, n, step)))

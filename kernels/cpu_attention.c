@@ -13,35 +13,13 @@
  * Returns 0, or 1 when the shapes do not fit (d % 32, d > MAX_DIM, more than MAX_HEADS query
  * heads), 2 when scratch memory cannot be had.
  */
-#include <immintrin.h>
-#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "cpu_simd.h"
+
 #define MAX_HEADS 128
 #define MAX_DIM 512
-
-static inline __m512 exp512(__m512 x) {
-    /* e^x = 2^n * 2^f, n = round(x log2 e), |f| <= 1/2; 2^f by a degree-6 polynomial
-       (relative error about 2e-7); inputs here are <= 0, so clamp from below only */
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.5353362e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3398874e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6180573e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5503393e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022652e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
-static inline __m512 bf16x16_to_f32(const uint16_t *p) {
-    __m256i h = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
 
 /* One unit: query row qrow, kv heads g0 .. g1 - 1 and their query heads. Keys and values are read
    row by row (a cache row holds every kv head of a position contiguously), so the reads stream. */
@@ -104,7 +82,7 @@ static void unit(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, uint
             const uint16_t *vp = vb + o * hkv * d;
             for (int64_t g = g0; g < g1; g++) {
                 for (int64_t l = 0; l < lanes; l++) {
-                    __m512 v = bf16x16_to_f32(vp + g * d + l * 16);
+                    __m512 v = load_bf16(vp + g * d + l * 16);
                     for (int64_t j = 0; j < group; j++) {
                         int64_t h = (g - g0) * group + j;
                         float *a = accf + h * d + l * 16;
@@ -118,8 +96,7 @@ static void unit(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, uint
         __m512 inv = _mm512_set1_ps(1.0f / sum[h]);
         uint16_t *op = out + (qrow * hq + g0 * group + h) * d;
         for (int64_t l = 0; l < lanes; l++) {
-            __m256bh o = _mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(accf + h * d + l * 16), inv));
-            _mm256_storeu_si256((__m256i *)(op + l * 16), (__m256i)o);
+            store_bf16(op + l * 16, _mm512_mul_ps(_mm512_loadu_ps(accf + h * d + l * 16), inv));
         }
     }
 }

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 import torch
 import torch.nn.functional as F
 
-from ._cpu import load
+from ._cpu import load, split
 
 __all__ = ["fits", "paged_attention_bf16", "paged_attention_reference", "ready"]
 
@@ -100,11 +99,6 @@ def fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
             and q.shape[-2] <= 128 and ready())
 
 
-@functools.cache
-def _pool(threads: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fxsched-attn")
-
-
 def paged_attention_bf16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_rows: torch.Tensor,
                          ctx: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     """paged_attention_reference's result through the C kernel. Callers check `fits` first; q,
@@ -118,14 +112,8 @@ def paged_attention_bf16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     # each row whole where there are rows enough for the threads, else its kv heads split
     splits = 1 if rows >= threads else min(hkv, -(-threads // rows))
     units = rows * splits
-    if threads <= 1 or units == 1:
-        rc = _call(lib, q, k_cache, v_cache, out, q_rows, ctx, tables, splits, 0, units)
-    else:
-        step = -(-units // min(threads, units))
-        rcs = _pool(threads).map(
-            lambda lo: _call(lib, q, k_cache, v_cache, out, q_rows, ctx, tables, splits, lo, min(units, lo + step)),
-            range(0, units, step))
-        rc = max(rcs)
+    rc = split(lambda lo, hi: _call(lib, q, k_cache, v_cache, out, q_rows, ctx, tables, splits, lo, hi), units,
+               min(threads, units))
     if rc != 0:
         raise RuntimeError(f"cpu_attention kernel failed (code {rc})")
     return out

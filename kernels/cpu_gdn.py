@@ -17,11 +17,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from ._cpu import load
+from ._cpu import load, split
 
 __all__ = ["gdn_step", "gdn_step_reference", "ready"]
 
@@ -48,11 +47,6 @@ def ready() -> bool:
     return _library() is not None
 
 
-@functools.cache
-def _pool(threads: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fxsched-gdn")
-
-
 def gdn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
              state: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     """`gdn_step_reference`'s result and state update, by the C kernel where it applies."""
@@ -71,10 +65,5 @@ def gdn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), state.data_ptr(),
             int(state.dtype == torch.bfloat16), slots.data_ptr(), o.data_ptr(), b, h, dk, dv)
     pairs = b * h
-    threads = min(torch.get_num_threads(), pairs)
-    if threads <= 1:
-        lib.fx_gdn_step(*args, 0, pairs)
-    else:
-        step = -(-pairs // threads)
-        list(_pool(threads).map(lambda lo: lib.fx_gdn_step(*args, lo, min(pairs, lo + step)), range(0, pairs, step)))
+    split(lambda lo, hi: lib.fx_gdn_step(*args, lo, hi), pairs, min(torch.get_num_threads(), pairs))
     return o

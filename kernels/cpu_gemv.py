@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 import torch
 import torch.nn.functional as F
 
-from ._cpu import load
+from ._cpu import load, split
 
 __all__ = ["MAX_ROWS", "gemv_bf16", "gemv_bf16_reference", "moe_gemv_bf16", "moe_gemv_bf16_reference", "ready"]
 
@@ -72,14 +71,14 @@ def _self_check(lib: ctypes.CDLL) -> bool:
     return torch.allclose(y.float(), moe_gemv_bf16_reference(x, w, ids).float(), rtol=1e-2, atol=1e-2)
 
 
+def _threads(n: int) -> int:
+    """Threads for a product of n weight rows (blocks of 4 rows, at least _MIN_ROWS_PER_THREAD each)."""
+    return min(torch.get_num_threads(), n // _MIN_ROWS_PER_THREAD)
+
+
 def ready() -> bool:
     """Whether the compiled kernel is in use on this host (compiles it on the first call)."""
     return _library() is not None
-
-
-@functools.cache
-def _pool(threads: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fxsched-gemv")
 
 
 def gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -95,12 +94,7 @@ def gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     n = w.shape[0]
     y = torch.empty(m, n, dtype=torch.bfloat16)
     args = (x.data_ptr(), w.data_ptr(), y.data_ptr(), m, k, n)
-    threads = min(torch.get_num_threads(), n // _MIN_ROWS_PER_THREAD)
-    if threads <= 1:
-        lib.fx_gemv_bf16(*args, 0, n)
-        return y
-    step = -(-n // threads // 4) * 4
-    list(_pool(threads).map(lambda lo: lib.fx_gemv_bf16(*args, lo, min(n, lo + step)), range(0, n, step)))
+    split(lambda lo, hi: lib.fx_gemv_bf16(*args, lo, hi), n, _threads(n), align=4)
     return y
 
 
@@ -130,10 +124,5 @@ def moe_gemv_bf16(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.
     e, n = w.shape[0], w.shape[1]
     y = torch.empty(a, n, dtype=torch.bfloat16)
     args = (x.data_ptr(), w.data_ptr(), ids.data_ptr(), y.data_ptr(), a, k, n, e)
-    threads = min(torch.get_num_threads(), n // _MIN_ROWS_PER_THREAD)
-    if threads <= 1:
-        lib.fx_moe_gemv_bf16(*args, 0, n)
-        return y
-    step = -(-n // threads // 4) * 4
-    list(_pool(threads).map(lambda lo: lib.fx_moe_gemv_bf16(*args, lo, min(n, lo + step)), range(0, n, step)))
+    split(lambda lo, hi: lib.fx_moe_gemv_bf16(*args, lo, hi), n, _threads(n), align=4)
     return y

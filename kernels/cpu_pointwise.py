@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import structlog
 import torch
 import torch.nn.functional as F
 
-from ._cpu import load
+from ._cpu import load, split
 
 __all__ = ["ready", "rms_norm_bf16", "rms_norm_reference", "silu_mul_bf16", "silu_mul_reference", "takes",
            "takes_norm"]
@@ -90,18 +89,8 @@ def takes_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and not weight.requires_grad and takes(x))
 
 
-@functools.cache
-def _pool(threads: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(max_workers=threads, thread_name_prefix="fxsched-pointwise")
-
-
 def _split(n: int, per_item: int, run: Callable[[int, int], int]) -> None:
-    threads = min(torch.get_num_threads(), n * per_item // _MIN_ELEMENTS_PER_THREAD)
-    if threads <= 1:
-        rc = run(0, n)
-    else:
-        step = -(-n // threads)
-        rc = max(_pool(threads).map(lambda lo: run(lo, min(n, lo + step)), range(0, n, step)))
+    rc = split(run, n, min(torch.get_num_threads(), n * per_item // _MIN_ELEMENTS_PER_THREAD))
     if rc != 0:
         raise RuntimeError(f"cpu_pointwise kernel failed (code {rc})")
 
