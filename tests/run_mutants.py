@@ -1,7 +1,10 @@
 """Run the mutation suite (tests/mutants.py) and report what catches each mutant.
 
     python tests/run_mutants.py [ID ...] [--checker-only] [--all-tests] [--jobs 2] [--steps N]
-                                [--seeds 1,2,3] [--json PATH]
+                                [--seeds 1,2,3] [--json PATH] [--mutants-file PATH]
+
+``--mutants-file`` takes the mutants from another Python file that defines ``MUTANTS`` the same way
+(a held-out set kept outside the repository, so that the checker is not tuned on it).
 
 For every mutant, on a mutated copy of the package (tests/support/mutation.py):
 
@@ -37,7 +40,9 @@ from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/ itself, also under ``python -m tests.run_mutants``
 
-from mutants import BY_ID, MUTANTS, Mutant  # noqa: E402
+import importlib.util  # noqa: E402
+
+from mutants import MUTANTS, Mutant  # noqa: E402
 from support.mutation import WALKS, Edit, mutant, occurrences, pytest_in, run_python  # noqa: E402
 
 SEEDS = (1, 2, 3)
@@ -188,14 +193,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--seeds", default=",".join(map(str, SEEDS)), help="comma-separated walk seeds")
     parser.add_argument("--json", type=Path, help="write every result to this file")
     parser.add_argument("--no-baseline", action="store_true", help="skip the run on the unmutated copy")
+    parser.add_argument("--mutants-file", type=Path, help="take MUTANTS from this file instead of tests/mutants.py")
     args = parser.parse_args(argv)
+    args.mutants = MUTANTS
+    if args.mutants_file is not None:
+        if not args.mutants_file.is_file():
+            parser.error(f"--mutants-file {args.mutants_file}: no such file")
+        spec = importlib.util.spec_from_file_location("heldout_mutants", args.mutants_file)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        args.mutants = tuple(module.MUTANTS)
     try:
         args.seeds = tuple(int(s) for s in args.seeds.split(","))
     except ValueError:
         parser.error(f"--seeds {args.seeds!r}: not a comma-separated list of integers")
     if args.steps < 1 or args.jobs < 1:
         parser.error("--steps and --jobs must be at least 1")
-    unknown = [i for i in args.ids if i not in BY_ID]
+    by_id = {m.id: m for m in args.mutants}
+    unknown = [i for i in args.ids if i not in by_id]
     if unknown:
         parser.error(f"no mutant named {', '.join(unknown)}")
     # generous limits: a walk runs at 10k+ steps/s even on a loaded machine
@@ -206,7 +222,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    chosen = tuple(BY_ID[i] for i in args.ids) if args.ids else MUTANTS
+    by_id = {m.id: m for m in args.mutants}
+    chosen = tuple(by_id[i] for i in args.ids) if args.ids else args.mutants
     problems = check_snippets(chosen)
     if problems:
         print("refused: the mutants no longer match core/ (update tests/mutants.py):\n  " + "\n  ".join(problems))
