@@ -24,21 +24,15 @@ import attrs
 from fxsched.core import events as ev
 from fxsched.core.config import SCRIPTED_EOS as EOS
 from fxsched.core.state import SchedulerState
-from fxsched.core.phases import AwaitAdapterIds, AwaitPublishBlocks
+from fxsched.core.phases import AwaitAdapterIds, AwaitInput, AwaitPublishBlocks
 from fxsched.effects import device_calls as dc
 from fxsched.effects import lifecycle as lc
 from fxsched.effects.base import expand_batched
 from fxsched.effects.client import DoneOut, ErrorOut, ResponseOut, TokenOut, TokensOut
+from fxsched.runtime.check.frames import tokens_after_checkpoints
+from fxsched.runtime.check.progress import Progress, check_blocks, no_idle_with_work, no_shutdown_with_work
+from fxsched.runtime.check.violation import Violation
 
-
-
-class Violation(Exception):
-    """An invariant does not hold; ``invariant`` names it."""
-
-    def __init__(self, invariant: str, message: str):
-        super().__init__(f"{invariant}: {message}")
-        self.invariant = invariant
-        self.message = message
 
 
 WILD = -1
@@ -605,6 +599,7 @@ DECODE = 1 << 10  # one of ``DECODE_LANE``
 PLAN = 1 << 11  # a plain decode plan
 BATCHED = 1 << 12  # a batched record standing for several effects (``split``: see ``expand_batched``)
 OUT = 1 << 13  # streams tokens to a client (``TokenOut``, ``TokensOut``)
+CHECKPOINT = 1 << 14  # a Marconi checkpoint of the plain sink
 
 
 def effect_role(cls: type) -> int:
@@ -639,6 +634,8 @@ def effect_role(cls: type) -> int:
         role |= BATCHED
     if issubclass(cls, (TokenOut, TokensOut)):
         role |= OUT
+    if issubclass(cls, (lc.MarconiCheckpoint, lc.MarconiCheckpoints)):
+        role |= CHECKPOINT
     return role
 
 
@@ -760,6 +757,7 @@ class Monitor:
         self.expected: dict[int, tuple[int, ...]] = {}
         self.streamed: dict[int, list[int]] = {}
         self.work = 16
+        self.progress = Progress()
         for r in requests:
             self.add_request(r)
         self.final: dict[int, object] = {}
@@ -800,6 +798,8 @@ class Monitor:
         self.seen_active: Any = None  # the active records (``rows``) after the last step
         self.seen_state: Optional[SchedulerState] = None  # the last state seen
         self.seen_prefilling: Any = None
+        self.seen_settled: Any = None  # the hot columns and records the block check last read
+        self.seen_rows: Any = None
         self.seen_restoring: Any = None
         self.seen_new: Any = None
         self.seen_slots: list[int] = []  # the slots of ``seen_active``, in order
@@ -816,6 +816,7 @@ class Monitor:
         self.expected[request.id] = expected_output(request.tokens, request.max_tokens,
                                                     min_tokens=getattr(request, "min_tokens", 0))
         self.streamed[request.id] = []
+        self.progress.add_request(request)
         self.work += request.prompt_len + request.max_tokens * self.replays + 4
 
     def on_event(self, event, kind: Optional[int] = None) -> None:
@@ -829,6 +830,7 @@ class Monitor:
         if kind & INPUT:
             self.nothing_new = True
         if kind & CLOCK:
+            self.progress.on_clock(self.final, self.seen_state.tick if self.seen_state is not None else 0)
             self.now_ms = event.now_ms
         elif kind & CANCEL:
             rid = event.request_id
@@ -863,14 +865,22 @@ class Monitor:
             roles = batch_roles(kinds)
         if roles & (ALLOC | RELEASE) or (roles & NAMES and self.released):
             no_effect_on_released(effects, self.released, self.live, kinds)
+            if roles & RELEASE:
+                for effect in effects:
+                    if type(effect) is lc.ReleaseSeq:
+                        self.progress.released(effect.seq)
         if roles & COMMIT and roles & FOLD:
             fold_before_commit(effects)
         if roles & COMPACT:
             compaction_target_free(effects, self.device)
+        if roles & CHECKPOINT and roles & OUT and self.rids:  # (batched records are expanded by now)
+            tokens_after_checkpoints(effects, self.device)
         if self.shutdown_tail or roles & SHUTDOWN:
             acts = 0  # the roles of the effects before the shutdown, for the rules below
             for effect in effects:  # the shutdown's order, and nothing after it
                 if self.shutdown_tail or isinstance(effect, (lc.EpShutdown, lc.Quiesce, lc.Teardown)):
+                    if not self.shutdown_tail and self.seen_state is not None and not self.tick_fault:
+                        no_shutdown_with_work(self.seen_state)
                     shutdown_order(self.shutdown_tail, effect)
                 elif isinstance(effect, (dc.AllocSequence, dc.AllocSequenceFor)) and effect.session:
                     self.served.add(effect.session)
@@ -933,6 +943,7 @@ class Monitor:
                 rid = self.prev_active.get(effect.seq, (0, 0, None, 0))[2]
                 if rid is not None:
                     self.moved.add(rid)
+                    self.progress.let_go(rid)
                     if str(effect.reason) == "preempt_requeue":
                         self.evicted.add(rid)
                         held = self.device.live.get(effect.seq)
@@ -1014,6 +1025,7 @@ class Monitor:
         else:
             self.final[rid] = output
             self.served.add(rid)
+            self.progress.finished(rid)
             request = self.requests[rid]
             expected = self.expected[rid]
             final_frame_matches(expected, output, self.streamed[rid], request.max_tokens,
@@ -1103,6 +1115,10 @@ class Monitor:
                 running = self._running(state)
         elif restoring is not self.seen_restoring:
             running = self._running(state)
+        settled = state.settled
+        if settled is not self.seen_settled or rows is not self.seen_rows:
+            check_blocks(self.progress, rows, settled)
+            self.seen_settled, self.seen_rows = settled, rows
         if state.config is not self.seen_config:
             batch_bound(state)
             self.seen_config = state.config
@@ -1115,6 +1131,10 @@ class Monitor:
             for request in new:
                 self.admitted_by.setdefault(request.id, state.tick + self.work)
         phase = type(state.waiting)  # (no phase record is subclassed)
+        if self.progress.deadlines:
+            self.progress.on_state(state, self.now_ms)
+        if phase is AwaitInput and not repeat:  # (input events while it waits fill the inbox)
+            no_idle_with_work(state)
         if phase is AwaitPublishBlocks:
             if not repeat and self.config is not None:
                 admission_ran(state, self.now_ms, self.last_decode_ms, self.selected_in_tick)
