@@ -226,10 +226,10 @@ def random_episode(rng: random.Random) -> Episode:
             fields = dict(temperature=rng.choice([0.0, 0.5, 1.0]), top_p=rng.choice([1.0, 0.9, 0.5]),
                           top_k=rng.choice([0, 1, 5]), min_p=rng.choice([0.0, 0.1]),
                           top_logprobs=rng.choice([0, 0, 2]), min_tokens=rng.choice([0, 0, 2, 5]))
-        if beam or mode != "plain":
-            # a beam hypothesis is the device's, min_tokens or not; a speculative sink keeps an early
-            # EOS unstreamed in the output (specs/speculation.md §6.1 step 4), which the expected
-            # output does not model: min_tokens runs on the plain path only
+        if beam or mode == "self_spec":
+            # a beam hypothesis is the device's, min_tokens or not; the self-speculative verify is
+            # greedy (specs/speculation.md §6.15), so an EOS below min_tokens reaches its sink, which
+            # keeps it unstreamed in the output (§6.1 step 4): the expected output does not model that
             fields.pop("min_tokens", None)
         if adapters:
             fields["adapter_slot"] = rng.choice([-1, -1, -1, 1, 2, 3])
@@ -307,7 +307,7 @@ def _proposer_quirks(episode: Episode, rng: random.Random) -> Episode:
         changes.update(requests=requests[:8], max_batch_size=rng.choice((2, 3)), spill=rng.random() < 0.5,
                        total_blocks=rng.choice((10, 12, 16)), held_blocks=0, reclaimable=0,
                        kv_exhaust_at=(1, 3, 6), max_seq_len=4096, spill_corrupt_for=(), spill_missing_for=())
-    if episode.mode == "plain" and rng.random() < 0.1:
+    if episode.mode != "self_spec" and rng.random() < 0.1:
         # greedy rows below min_tokens whose script says EOS early: the EOS must be masked
         rs: list[SimRequest] = list(changes.get("requests", episode.requests))
         i = rng.randrange(len(rs))
@@ -378,7 +378,7 @@ def _suited_to_fault(episode: Episode, rng: random.Random) -> Episode:
         changes["requests"] = tuple(changes["requests"]) + tuple(
             attrs.evolve(r, id=r.id + len(episode.requests)) for r in changes["requests"][:len(extra)])
     episode = attrs.evolve(episode, **changes)
-    if episode.mode != "plain":  # min_tokens runs on the plain path only (see random_episode)
+    if episode.mode == "self_spec":  # no min_tokens there (see random_episode)
         episode = attrs.evolve(episode, requests=tuple(attrs.evolve(r, min_tokens=0) for r in episode.requests))
     return episode
 

@@ -103,6 +103,14 @@ _WEIGHED: dict[tuple, int | list[float]] = {}
 ``sampling.pick_weights`` makes of that row: picks that differ in their seed alone share it."""
 
 
+def _agreed(inputs, rows) -> int:
+    """The drafts of a verify's ``inputs`` (after the anchor) that its ``rows`` agree with, in a row."""
+    a = 0
+    while a + 1 < len(inputs) and inputs[a + 1] == rows[a]:
+        a += 1
+    return a
+
+
 class _Slice(NamedTuple):
     """A prefill's rows in the shape of a batched call's slice (for the EP word check)."""
 
@@ -164,6 +172,7 @@ class SimDevice(ScriptedDevice):
         self.ring_slots = 0  # the SSM snapshot ring's slots (0: no ring)
         self.rings: dict[int, tuple[dict[int, int], int]] = {}  # request id -> (ring slot -> position, cursor)
         self.epoch = 0  # changes to the pool and the slots so far (see the module docstring)
+        self.verify_order: tuple[tuple[int, bool], ...] = ()  # the last verify's sequences (counted?) in row order
         self.ep_words = EpWordCheck()  # the EP words as a worker reads them, against the forwards that run
 
     # --- strict bookkeeping ---------------------------------------------------------------------------
@@ -422,6 +431,7 @@ class SimDevice(ScriptedDevice):
         self.verified[seq] = (len(tokens), s.seq_len)
         rows = super()._verify(name, seq, tokens)
         self.verify_io[seq] = (tuple(tokens), tuple(rows))
+        self.verify_order = ((seq, name != "decode_verify"),)
         self.blamed = None
         return rows
 
@@ -429,13 +439,7 @@ class SimDevice(ScriptedDevice):
         """The drafts the last verify of ``seq`` accepted, from its own inputs and rows (None: no
         verify since the last plain decode)."""
         io = self.verify_io.get(seq)
-        if io is None:
-            return None
-        inputs, rows = io
-        a = 0
-        while a + 1 < len(inputs) and inputs[a + 1] == rows[a]:
-            a += 1
-        return a
+        return None if io is None else _agreed(*io)
 
     def decode_verify_batched(self, tokens, ks, seqs, stream: int, woa: bool) -> list[int]:
         if len(set(seqs)) != len(seqs) or len(ks) != len(seqs) or sum(ks) != len(tokens):
@@ -457,6 +461,7 @@ class SimDevice(ScriptedDevice):
             self.verify_io[seq_id] = (tuple(tokens[offset:offset + k]), tuple(rows[offset:offset + k]))
             offset += k
         self.batch_seqs = tuple(seqs)
+        self.verify_order = tuple((seq_id, True) for seq_id in seqs)
         self.blamed = None
         return rows
 
@@ -704,27 +709,55 @@ class SimDevice(ScriptedDevice):
         copy. A pick is a function of the answer, the pick and the EOS ids alone, so each one is
         worked out once (``_PICKED``: the walk's seeds and answers repeat across episodes), and
         the row's weights once for all the seeds (``_WEIGHED``): only the draw is the seed's."""
+        return Picked([self._pick(self._row(r), pick, eos_ids) for r, pick in zip(range(row, row + n), picks,
+                                                                                   strict=True)])
+
+    def _pick(self, answer: int, pick, eos_ids) -> int:
+        """The token ``pick`` draws from a row whose scripted answer is ``answer``."""
         vocab = self.vocab
-        tokens = []
-        for r, pick in zip(range(row, row + n), picks, strict=True):
-            answer = self._row(r)
-            key = (answer, vocab, pick, eos_ids)
-            token = _PICKED.get(key)
-            if token is None:
-                shape = (answer, vocab, pick.temperature, pick.top_p, pick.top_k, pick.min_p, pick.mask_eos, eos_ids)
-                weights = _WEIGHED.get(shape)
-                if weights is None:
-                    logits = [0.0] * vocab
-                    if 0 <= answer < vocab:
-                        logits[answer] = 30.0
-                    if len(_WEIGHED) >= 4096:
-                        _WEIGHED.clear()
-                    weights = _WEIGHED[shape] = pick_weights(logits, pick, eos_ids)
-                if len(_PICKED) >= 65536:
-                    _PICKED.clear()
-                token = _PICKED[key] = weights if isinstance(weights, int) else draw(weights, pick.seed)
-            tokens.append(token)
-        return Picked(tokens)
+        key = (answer, vocab, pick, eos_ids)
+        token = _PICKED.get(key)
+        if token is None:
+            shape = (answer, vocab, pick.temperature, pick.top_p, pick.top_k, pick.min_p, pick.mask_eos, eos_ids)
+            weights = _WEIGHED.get(shape)
+            if weights is None:
+                logits = [0.0] * vocab
+                if 0 <= answer < vocab:
+                    logits[answer] = 30.0
+                if len(_WEIGHED) >= 4096:
+                    _WEIGHED.clear()
+                weights = _WEIGHED[shape] = pick_weights(logits, pick, eos_ids)
+            if len(_PICKED) >= 65536:
+                _PICKED.clear()
+            token = _PICKED[key] = weights if isinstance(weights, int) else draw(weights, pick.seed)
+        return token
+
+    def sample_verify(self, picks, eos_ids) -> list[int]:
+        """The last verify's rows under their picks (specs/speculation.md §6.16): a row whose pick
+        masks EOS (its output position is below ``min_tokens``) and whose scripted answer is EOS
+        answers what the pick draws instead, as a plain decode's host pick does; every other row
+        keeps its answer (the scripted logits put all the mass on it, so a rejection-sampled
+        verify keeps exactly the greedy verify's drafts). The accepted-draft count follows."""
+        rows = list(self.rows)
+        if len(picks) != len(rows):
+            raise self._bad("sample_verify", f"{len(picks)} picks for the {len(rows)} rows of the last verify")
+        offset = 0
+        for seq_id, counted in self.verify_order:
+            inputs, old = self.verify_io[seq_id]
+            new = list(old)
+            for i in range(len(new)):
+                pick = picks[offset + i]
+                if pick.mask_eos and new[i] in eos_ids:
+                    new[i] = self._pick(new[i], pick, eos_ids)
+            if new != list(old):
+                if counted and self.count_accepted:
+                    rid = self.live[seq_id].request_id
+                    self.accepted[rid] = self.accepted.get(rid, 0) - _agreed(inputs, old) + _agreed(inputs, new)
+                self.verify_io[seq_id] = (inputs, tuple(new))
+                rows[offset:offset + len(new)] = new
+            offset += len(new)
+        self.rows = rows
+        return rows
 
     def adapter_id_for(self, slot: int) -> int:
         return self.adapters.get(slot, -1)
