@@ -789,6 +789,7 @@ class Monitor:
         self.prev_active: dict[int, tuple] = {}  # seq -> (output length, slot, request id, seq) after the last step
         self.evicted: set[int] = set()  # requests preempted (requeued), not yet resumed
         self.moved: set[int] = set()  # requests ever spilled or requeued
+        self.flagless: set[int] = set()  # requests spilled: no cancel reaches them any more
         self.first_token_owed: set[int] = set()  # cancelled before they were active: the first token may stream
         self.immune: dict[int, int] = {}  # request id -> the output length its immunity lasts to
         self.blamed = None
@@ -834,9 +835,10 @@ class Monitor:
             self.now_ms = event.now_ms
         elif kind & CANCEL:
             rid = event.request_id
-            if rid not in self.cancelled and rid in self.streamed and not self.streamed[rid]:
-                self.first_token_owed.add(rid)
-            self.cancelled.add(rid)
+            if self._cancel_lands(rid):
+                if rid not in self.cancelled and rid in self.streamed and not self.streamed[rid]:
+                    self.first_token_owed.add(rid)
+                self.cancelled.add(rid)
         elif kind & ARRIVAL:
             self.arrived.add(event.request.id)
             self.queue.append(event.request)
@@ -846,6 +848,26 @@ class Monitor:
             self.kv_fault = event.kv_exhausted
             take = getattr(self.device, "take_blame", None)
             self.blamed = take() if take is not None else None
+
+    def _cancel_lands(self, rid: int) -> bool:
+        """Whether a cancel of ``rid`` can stop it (specs/scheduler.md §5.2, §5.12, §5.19 step 4): an
+        active sequence takes it only with its cancel flag (streaming, and never swapped in since,
+        for a swap-in comes back without one); a request not yet active has it remembered and set at
+        activation; a swapped or preempted sequence is not active, and its remembered cancel is never
+        read again (it comes back by swap-in or resume, not by activation)."""
+        request = self.requests.get(rid)
+        state = self.seen_state
+        if request is None or state is None:
+            return True
+        if rid in self.flagless:
+            return False
+        for seq in state.rows:
+            if seq.request.id == rid:
+                return bool(getattr(request, "streaming", True))
+        if any(x.sequence.request.id == rid for x in state.swapped) or any(
+                q.sequence.request.id == rid for q in state.preempted):
+            return False
+        return True
 
     def on_effects(self, effects, kinds: Optional[tuple] = None) -> None:
         """A batch of effects, before it is carried out (``kinds``: their types in order, when the
@@ -944,6 +966,9 @@ class Monitor:
                 if rid is not None:
                     self.moved.add(rid)
                     self.progress.let_go(rid)
+                    if str(effect.reason) == "spill_out_sequence":  # it comes back without its cancel flag
+                        self.flagless.add(rid)
+                        self.cancelled.discard(rid)
                     if str(effect.reason) == "preempt_requeue":
                         self.evicted.add(rid)
                         held = self.device.live.get(effect.seq)
