@@ -64,6 +64,7 @@ def full_batch(rng: random.Random) -> Episode:
     for i, r in enumerate(requests):  # late client cancels: after a swap-in, or of a blocking request
         if rng.random() < 0.3:
             requests[i] = attrs.evolve(r, host_cancel_tick=rng.randint(3, 14))
+    exhaust: tuple[int, ...] = ()
     if rng.random() < 0.5:  # KV exhaustion injected on a large pool: the seat frees, the blocks are there
         first = rng.randint(0, 3)
         total, exhaust, watermark = 1000, (first, first + 1, first + rng.randint(3, 6)), 4096
