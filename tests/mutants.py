@@ -580,6 +580,14 @@ MUTANTS: tuple[Mutant, ...] = (
        "    out.append(dc.EpBroadcastCmd(start))\n",
        "    out.append(dc.EpBroadcastCmd(0))\n",
        "the EP prefill preamble announces every chunk from the prompt's start"),
+    _m("table_gate_fails_batchable_only", "table",
+       "    ph.AwaitDflashGate: Phase((ev.BatchVerifyAllowed,), FailSeqs((\"batchable\", \"rest\")), dflash.gate_answer),\n",
+       "    ph.AwaitDflashGate: Phase((ev.BatchVerifyAllowed,), FailSeqs((\"batchable\",)), dflash.gate_answer),\n",
+       "a fault of the DFlash gate fails only its batchable sequences; the rest are verified on as if nothing failed"),
+    _m("table_capacity_fault_fails_nobody", "table",
+       "    ph.AwaitCapacity: Phase((ev.DraftCapacity,), FailActive(), spec_step.capacity),\n",
+       "    ph.AwaitCapacity: Phase((ev.DraftCapacity,), RuleTakesFault(), spec_step.capacity),\n",
+       "a fault of the draft-capacity query is left to a rule that does not take it: nobody is failed"),
 )
 
 BY_ID = {m.id: m for m in MUTANTS}

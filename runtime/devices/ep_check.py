@@ -8,11 +8,22 @@ so wrong words leave it holding another chunk than the leader's KV.
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import NamedTuple, Optional, Union, cast
 
 from fxsched.runtime.ep.protocol import CommandParser, Decode, Kind, Message, Prefill, ProtocolError, Release, Verify
 
 Announced = Union[Prefill, Decode, Verify]
+
+
+class _Word(NamedTuple):
+    """A message as the parser reads it, without ``Message``'s field conversion (the simulated
+    device sends a word per call, hot in the model checker)."""
+
+    kind: Kind
+    a: int
+    b: int
+    payload: tuple[int, ...]
+    number: int
 
 
 class EpWordCheck:
@@ -29,7 +40,7 @@ class EpWordCheck:
         may replace one whose forward never ran: its sequence failed, finished or left the step.)"""
         self.number += 1
         try:
-            command = self.parser.feed(Message(kind, a, b, payload, self.number))
+            command = self.parser.feed(cast(Message, _Word(kind, a, b, tuple(payload), self.number)))
         except ProtocolError as err:
             return str(err)
         if isinstance(command, (Prefill, Decode, Verify)):
