@@ -1,8 +1,9 @@
 """A ``DeviceFault`` in every waiting phase gives the outcome the rule book declares for it
 (specs/faults.md §8.1, §8.3): the affected requests get exactly one ``Error`` each, device-held ones
 give their slot back without caching, they are gone from every collection, and everyone else goes
-on. The expected scope of each phase is ``RULE_BOOK``, copied from the table of §8.3 by hand, not
-read from ``core/table.py`` (the code under test): a wrong scope there fails here.
+on. The expected scope of each phase is the checker's ``RULE_BOOK`` (runtime/check/fault_scope.py),
+copied from the table of §8.3 by hand, not read from ``core/table.py`` (the code under test): a wrong
+scope there fails here.
 
 The states come from real runs: every reference scenario on the recording device and random-walk
 episodes on the simulated device, snapshotted the first time each phase is entered.
@@ -22,6 +23,7 @@ from fxsched.core.state import SchedulerState, initial_state
 from fxsched.core.table import ANSWERS
 from fxsched.effects.client import DoneOut, ErrorOut, ResponseOut, RotationAck
 from fxsched.effects.lifecycle import ReleaseReason, ReleaseSeq
+from fxsched.runtime.check.fault_scope import RULE_BOOK, declared, requests_held
 from fxsched.runtime.check.walk import WalkHost, random_episode
 from fxsched.runtime.devices.simulated import SimDevice
 from fxsched.runtime.interpreter import Interpreter, Observer, check_batch
@@ -29,43 +31,6 @@ from fxsched.runtime.scenarios.loader import load_scenario, scenario_names
 from fxsched.runtime.scenarios.runner import prepare_scenario
 
 MESSAGE = "device fault: injected"
-
-_NO_COUNT = "the device cannot count its free blocks"
-_NO_RECLAIM = "the device cannot reclaim prefix-cache blocks"
-
-RULE_BOOK: dict[str, tuple] = {
-    # specs/faults.md §8.3, row by row: ("halt", reason or None), ("requests", field of the waiting
-    # record), ("rotation",), ("active",), ("rule",) for a fault the phase's rule takes (§8.4), or
-    # ("seqs", fields naming the sequences, the field of a request not yet held or None, whether
-    # every prefilling prompt fails too)
-    "AwaitStream": ("halt", None), "AwaitEvent": ("halt", None), "AwaitInput": ("halt", None),
-    "AwaitPublishBlocks": ("halt", _NO_COUNT), "AwaitSwapOutFree": ("halt", _NO_COUNT),
-    "AwaitSwapInFree": ("halt", _NO_COUNT), "AwaitSwapOutReclaim": ("halt", _NO_RECLAIM),
-    "AwaitSwapInReclaim": ("halt", _NO_RECLAIM),
-    "AwaitAdapterIds": ("requests", "new"),
-    "AwaitRotation": ("rotation",),
-    "AwaitForward": ("seqs", ("seq_ids",), "request", False),
-    "AwaitSlot": ("seqs", ("seq_id",), "request", False),
-    "AwaitLaneAdapter": ("seqs", ("seq_id",), "request", False),
-    "AwaitFirstToken": ("seqs", ("seq_id",), "request", False),
-    "AwaitBeam": ("seqs", ("seq_id",), "request", False),
-    "AwaitBeamGroup": ("requests", "requests"),
-    "AwaitPrefillToken": ("seqs", ("seq_id",), None, False),
-    "AwaitMixedReadback": ("seqs", ("seq_ids",), None, True),
-    "AwaitDecode": ("rule",),
-    "AwaitCapacity": ("active",), "AwaitSelfCapacity": ("active",),
-    **{name: ("seqs", ("seq_id",), None, False) for name in (
-        "AwaitProposal", "AwaitKVerify", "AwaitMtpDecode", "AwaitDflashDrafts", "AwaitDflashVerify",
-        "AwaitNgramDecode", "AwaitNgramVerify", "AwaitSelfToken", "AwaitSelfVerify")},
-    **{name: ("seqs", ("seq_ids",), None, False) for name in ("AwaitBatchedProposal", "AwaitBatchedDflash",
-                                                               "AwaitMtpBatch")},
-    "AwaitDflashGate": ("seqs", ("batchable", "rest"), None, False),
-    "AwaitMtpGate": ("seqs", ("batch.seq_ids",), None, False),
-    "AwaitSwapInSlot": ("seqs", ("seq_id",), None, False),
-    "AwaitRestore": ("rule",),
-    "AwaitResumeFree": ("seqs", ("seq_id",), None, False), "AwaitResumeReclaim": ("seqs", ("seq_id",), None, False),
-    "AwaitResumeSlot": ("seqs", ("seq_id",), None, False),
-}
 
 
 class FirstOfEachPhase(Observer):
@@ -120,49 +85,6 @@ def test_the_runs_reach_every_waiting_phase():
     assert sorted(t.__name__ for t in set(ANSWERS) - set(STATES)) == []
 
 
-def _requests_of(state: SchedulerState) -> dict[int, int]:
-    """seq id -> request id of everything the scheduler holds."""
-    held = {s.seq_id: s.request_id for s in state.active}
-    held.update({e.seq_id: e.request.id for e in state.prefilling})
-    held.update({s.seq_id: s.request_id for s in state.restoring})
-    held.update({p.sequence.seq_id: p.sequence.request_id for p in state.preempted})
-    return held
-
-
-def _get(record, path: str):
-    for name in path.split("."):
-        record = getattr(record, name)
-    return record
-
-
-def _declared(state: SchedulerState) -> tuple[set[int], set[int]]:
-    """(request ids that must get an Error, seq ids that must be gone) for a fault in ``state``, by
-    the rule book (``RULE_BOOK``)."""
-    waiting, scope = state.waiting, RULE_BOOK[type(state.waiting).__name__]
-    held = _requests_of(state)
-    if scope[0] == "seqs":
-        _, fields, request_field, all_prefilling = scope
-        ids: list[int] = []
-        for path in fields:
-            value = _get(waiting, path)
-            ids.extend(value if isinstance(value, tuple) else (value,))
-        request = _get(waiting, request_field) if request_field else None
-        if request is not None and not set(ids) & set(held):
-            return {request.id}, set()
-        gone = set(ids) & set(held)
-        if all_prefilling:
-            gone |= {e.seq_id for e in state.prefilling}
-        return {held[i] for i in gone}, gone
-    if scope[0] == "requests":
-        return {r.id for r in _get(waiting, scope[1])}, set()
-    if scope[0] == "active":
-        return {s.request_id for s in state.active}, {s.seq_id for s in state.active}
-    if scope[0] == "rule":
-        seqs = getattr(waiting, "seq_ids", None) or (waiting.seq_id,)
-        return {held[i] for i in seqs if i in held}, set(seqs)
-    return set(), set()
-
-
 def test_the_rule_book_names_every_waiting_phase():
     assert sorted(RULE_BOOK) == sorted(t.__name__ for t in ANSWERS)
 
@@ -181,7 +103,7 @@ def test_a_device_fault_gives_the_declared_outcome(phase):
         assert RotationAck(state.waiting.name, MESSAGE) in effects
         return
     errors = [e.request_id for e in effects if isinstance(e, ErrorOut)]
-    failed, gone = _declared(state)
+    failed, gone = declared(state)
     assert sorted(errors) == sorted(failed), "every affected request gets exactly one Error"
     assert all(e.message == MESSAGE for e in effects if isinstance(e, ErrorOut))
     held_before = {s.seq_id: s.slot for s in state.active} | {e.seq_id: e.slot for e in state.prefilling}
@@ -190,7 +112,7 @@ def test_a_device_fault_gives_the_declared_outcome(phase):
         if seq_id in held_before:
             assert (seq_id, held_before[seq_id]) in releases, f"sequence {seq_id} gives its slot back"
     assert not (gone & held_ids(after)), "failed sequences are gone from every collection"
-    for seq_id, request_id in _requests_of(state).items():
+    for seq_id, request_id in requests_held(state).items():
         if seq_id in gone:
             continue
         finished = any(isinstance(e, (DoneOut, ResponseOut)) and e.request_id == request_id for e in effects)

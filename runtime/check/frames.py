@@ -1,14 +1,23 @@
 """Client frames against the device-call stream (specs/checker.md §11.2): what a client is sent
 must come after the device work it stands on.
 
+Two rules of order:
+
 The plain sink (specs/scheduler.md §5.17 step 4) checkpoints a sequence (``MarconiCheckpoint``,
 ``decode_marconi_checkpoint``) before it streams the token the checkpoint covers: a client that
 has a token must be able to resume from a state that includes it. So in a batch that checkpoints
 a sequence and streams its request's token, the frame comes after the checkpoint.
+
+A rejected verify cuts the sequence's KV back to the accepted prefix (the commit of the accepted
+prefix, a truncation or a rollback; specs/speculation.md §6.6, §6.14) before the correction is
+streamed: a client that has the correction must never be ahead of a KV still holding the rejected
+draft. So in a batch that cuts a sequence back after its last verify was rejected, its request's
+token frames come after the cut.
 """
 
 from __future__ import annotations
 
+from fxsched.effects import device_calls as dc
 from fxsched.effects.client import TokenOut, TokensOut
 from fxsched.effects.lifecycle import MarconiCheckpoint
 from fxsched.runtime.check.violation import Violation
@@ -33,3 +42,42 @@ def tokens_after_checkpoints(effects, device) -> None:
             if seq is not None and checkpointed[seq] > at:
                 raise Violation("token_after_checkpoint", f"request {effect.request_id}'s token frame comes before the "
                                                           f"checkpoint of its sequence {seq} in the same batch")
+
+
+CUTS_ONE = (dc.CommitAcceptedPrefix, dc.TruncateSequence, dc.StartRollbackAndCheckpointAsync, dc.RollbackSsmStates)
+CUTS_MANY = (dc.CommitAcceptedPrefixBatch, dc.TruncateSequences)
+"""The effects that cut a sequence's KV back after a verify: one sequence (``seq``), or several (``seqs``)."""
+
+
+def _rejected(device, seq: int) -> bool:
+    io = device.verify_io.get(seq)
+    if io is None:
+        return False
+    inputs, rows = io
+    a = 0
+    while a + 1 < len(inputs) and inputs[a + 1] == rows[a]:
+        a += 1
+    return a < len(inputs) - 1
+
+
+def tokens_after_cut(effects, device) -> None:
+    """correction after the cut: in one batch, no token frame of a request whose sequence's last
+    verify was rejected comes before the effect that cuts that sequence back."""
+    cut_at: dict[int, int] = {}
+    for at, effect in enumerate(effects):
+        if isinstance(effect, CUTS_ONE):
+            cut_at.setdefault(effect.seq, at)
+        elif isinstance(effect, CUTS_MANY):
+            for seq in effect.seqs:
+                cut_at.setdefault(seq, at)
+    if not cut_at:
+        return
+    rid = device._rid
+    live = device.live
+    seq_of = {rid(live[s]): s for s in cut_at if s in live}
+    for at, effect in enumerate(effects):
+        if isinstance(effect, (TokenOut, TokensOut)):
+            seq = seq_of.get(effect.request_id)
+            if seq is not None and cut_at[seq] > at and _rejected(device, seq):
+                raise Violation("correction_after_cut", f"request {effect.request_id}'s token frame comes before the "
+                                                        f"cut-back of its sequence {seq}, whose verify was rejected")

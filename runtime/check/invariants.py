@@ -29,7 +29,8 @@ from fxsched.effects import device_calls as dc
 from fxsched.effects import lifecycle as lc
 from fxsched.effects.base import expand_batched
 from fxsched.effects.client import DoneOut, ErrorOut, ResponseOut, TokenOut, TokensOut
-from fxsched.runtime.check.frames import tokens_after_checkpoints
+from fxsched.runtime.check.fault_scope import RULE_BOOK, declared, fault_scope
+from fxsched.runtime.check.frames import CUTS_MANY, CUTS_ONE, tokens_after_checkpoints, tokens_after_cut
 from fxsched.runtime.check.progress import Progress, check_blocks, no_idle_with_work, no_shutdown_with_work
 from fxsched.runtime.check.violation import Violation
 
@@ -600,6 +601,7 @@ PLAN = 1 << 11  # a plain decode plan
 BATCHED = 1 << 12  # a batched record standing for several effects (``split``: see ``expand_batched``)
 OUT = 1 << 13  # streams tokens to a client (``TokenOut``, ``TokensOut``)
 CHECKPOINT = 1 << 14  # a Marconi checkpoint of the plain sink
+CUT = 1 << 15  # cuts a sequence's KV back after a verify (``frames.CUTS_ONE``, ``frames.CUTS_MANY``)
 
 
 def effect_role(cls: type) -> int:
@@ -636,6 +638,8 @@ def effect_role(cls: type) -> int:
         role |= OUT
     if issubclass(cls, (lc.MarconiCheckpoint, lc.MarconiCheckpoints)):
         role |= CHECKPOINT
+    if issubclass(cls, CUTS_ONE + CUTS_MANY):
+        role |= CUT
     return role
 
 
@@ -793,6 +797,8 @@ class Monitor:
         self.first_token_owed: set[int] = set()  # cancelled before they were active: the first token may stream
         self.immune: dict[int, int] = {}  # request id -> the output length its immunity lasts to
         self.blamed = None
+        self.fault_expect: Optional[tuple[set[int], str]] = None  # who the fault being stepped must fail
+        self.fault_errors: set[int] = set()  # who the step that takes it failed
         # what the per-step checks of ``on_state`` last looked at (see there)
         self.seen_epoch: Optional[int] = None
         self.seen_config: Any = None
@@ -846,6 +852,10 @@ class Monitor:
             self.fault_step = True
             self.tick_fault = True
             self.kv_fault = event.kv_exhausted
+            state = self.seen_state
+            if state is not None and type(state.waiting).__name__ in RULE_BOOK:
+                self.fault_expect = (declared(state, event.kv_exhausted)[0], type(state.waiting).__name__)
+                self.fault_errors = set()
             take = getattr(self.device, "take_blame", None)
             self.blamed = take() if take is not None else None
 
@@ -897,6 +907,8 @@ class Monitor:
             compaction_target_free(effects, self.device)
         if roles & CHECKPOINT and roles & OUT and self.rids:  # (batched records are expanded by now)
             tokens_after_checkpoints(effects, self.device)
+        if roles & CUT and roles & OUT and self.rids:
+            tokens_after_cut(effects, self.device)
         if self.shutdown_tail or roles & SHUTDOWN:
             acts = 0  # the roles of the effects before the shutdown, for the rules below
             for effect in effects:  # the shutdown's order, and nothing after it
@@ -1076,7 +1088,9 @@ class Monitor:
                 if cached is not None and output.cached != cached.get(rid, 0):
                     raise Violation("prefix_cache", f"request {rid} reports cached={output.cached}, the device "
                                                     f"found {cached.get(rid, 0)} prompt tokens cached")
-            elif isinstance(output, ErrorOut) and self.config is not None and self.model is not None:
+            elif isinstance(output, ErrorOut) and self.fault_expect is not None:
+                self.fault_errors.add(rid)
+            if isinstance(output, ErrorOut) and self.config is not None and self.model is not None:
                 adapters = getattr(self.device, "adapters", {-1: 0})
                 slot = getattr(request, "adapter_slot", -1)
                 error_justified(request, output.message, in_fault_step=self.fault_step, blamed=self.blamed,
@@ -1110,6 +1124,10 @@ class Monitor:
         device = self.device
         repeat = self.nothing_new
         self.nothing_new = True  # until the next event is stepped
+        if self.fault_expect is not None:
+            expected, phase = self.fault_expect
+            self.fault_expect = None
+            fault_scope(expected, self.fault_errors, phase)
         if self.refusable and device.refused is not None:
             device_arguments(device)
         if self.evicted and self.config is not None:

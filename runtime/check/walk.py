@@ -106,9 +106,10 @@ def random_episode(rng: random.Random) -> Episode:
                           top_k=rng.choice([0, 1, 5]), min_p=rng.choice([0.0, 0.1]),
                           top_logprobs=rng.choice([0, 0, 2]), min_tokens=rng.choice([0, 0, 2, 5]))
         if beam or mode == "self_spec":
-            # a beam hypothesis is the device's, min_tokens or not; the self-speculative verify is
-            # greedy (specs/speculation.md §6.15), so an EOS below min_tokens reaches its sink, which
-            # keeps it unstreamed in the output (§6.1 step 4): the expected output does not model that
+            # a beam hypothesis is the device's, min_tokens or not. The self-speculative step picks its
+            # first token by the host pick (EOS masked below min_tokens) but verifies its drafts
+            # greedily (specs/speculation.md §6.15), so an EOS there may be masked or kept unstreamed in
+            # the output (§6.1 step 4) depending on which row it falls on: no fixed expected output
             fields.pop("min_tokens", None)
         if adapters:
             fields["adapter_slot"] = rng.choice([-1, -1, -1, 1, 2, 3])
