@@ -18,6 +18,9 @@ uniformly. The states they are for, and why each matters:
 - ``rejected_cross``: speculation with many wrong drafts and draft capacities that fall to 0 every
   other step, prompts just short of a block boundary: a verify that crossed the boundary and was
   rejected is followed by a plain decode, whose block count must not fall (§5.2, §5.16).
+- ``gate_fault``: a batching gate (DFlash or MTP) over sequences holding uneven drafts, so some
+  are batchable and the rest go serial, with a fault answering the gate: every verify sequence of
+  the gate fails, the rest included (specs/faults.md §8.3).
 - ``waiting_work``: one long request and a late arrival far behind it, KV exhaustion injected
   twice in a row (a preemption, then the survivor alone fails), with the inbox open or closed: the
   loop must resume the preempted sequence, neither wait for input nor shut down (§5.4, §5.8).
@@ -110,9 +113,19 @@ def waiting_work(rng: random.Random) -> Episode:
                    close_tick=late + rng.choice((0, 30)), aim="waiting_work")
 
 
+def gate_fault(rng: random.Random) -> Episode:
+    n = rng.randint(3, 5)
+    mode = rng.choice(("dflash", "dflash", "mtp2", "mtp3"))
+    requests = _requests(rng, n, prompt=(2, 30), budget=(14, 30), wrong=(0, 2, 3))
+    return Episode(mode=mode, max_batch_size=n, max_prefill_tokens=0, spill=False, total_blocks=1000, held_blocks=0,
+                   requests=tuple(requests), short_proposals=True, can_batch_verify=True,
+                   fault_phase="AwaitDflashGate" if mode == "dflash" else "AwaitMtpGate",
+                   fault_phase_at=rng.randint(0, 3), close_tick=0, aim="gate_fault")
+
+
 AIMS: dict[str, Callable[[random.Random], Episode]] = {
     "deadlines": deadlines, "full_batch": full_batch, "whole_pool": whole_pool, "rejected_cross": rejected_cross,
-    "waiting_work": waiting_work,
+    "waiting_work": waiting_work, "gate_fault": gate_fault,
 }
 
 

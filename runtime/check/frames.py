@@ -44,8 +44,9 @@ def tokens_after_checkpoints(effects, device) -> None:
                                                           f"checkpoint of its sequence {seq} in the same batch")
 
 
-CUTS_ONE = (dc.CommitAcceptedPrefix, dc.TruncateSequence, dc.StartRollbackAndCheckpointAsync, dc.RollbackSsmStates)
-CUTS_MANY = (dc.CommitAcceptedPrefixBatch, dc.TruncateSequences)
+CUTS_ONE = (dc.CommitAcceptedPrefix, dc.TruncateSequence, dc.StartRollbackAndCheckpointAsync, dc.RollbackSsmStates,
+            dc.TrimProposerState)
+CUTS_MANY = (dc.CommitAcceptedPrefixBatch, dc.TruncateSequences, dc.TrimProposerStateBatch)
 """The effects that cut a sequence's KV back after a verify: one sequence (``seq``), or several (``seqs``)."""
 
 
@@ -62,22 +63,31 @@ def _rejected(device, seq: int) -> bool:
 
 def tokens_after_cut(effects, device) -> None:
     """correction after the cut: in one batch, no token frame of a request whose sequence's last
-    verify was rejected comes before the effect that cuts that sequence back."""
-    cut_at: dict[int, int] = {}
+    verify was rejected comes before the truncation that cuts the sequence back; after a K = 2
+    verify (``decode_verify_graphed``: MTP K = 2, n-gram), before none of the effects that cut it back
+    (the commit of its accepted prefix, the trim, the rollback), which a reject orders first
+    (specs/speculation.md §6.6, §6.14; a DFlash or K = 3/4 verdict commits after it emits)."""
+    first: dict[int, int] = {}  # seq id -> index of the first effect that cuts it back
+    last: dict[int, int] = {}  # and of the last
     for at, effect in enumerate(effects):
         if isinstance(effect, CUTS_ONE):
-            cut_at.setdefault(effect.seq, at)
+            first.setdefault(effect.seq, at)
+            last[effect.seq] = at
         elif isinstance(effect, CUTS_MANY):
             for seq in effect.seqs:
-                cut_at.setdefault(seq, at)
-    if not cut_at:
+                first.setdefault(seq, at)
+                last[seq] = at
+    if not first:
         return
     rid = device._rid
     live = device.live
-    seq_of = {rid(live[s]): s for s in cut_at if s in live}
+    seq_of = {rid(live[s]): s for s in first if s in live}
     for at, effect in enumerate(effects):
         if isinstance(effect, (TokenOut, TokensOut)):
-            seq = seq_of.get(effect.request_id)
-            if seq is not None and cut_at[seq] > at and _rejected(device, seq):
+            cut = seq_of.get(effect.request_id)
+            if cut is None or not _rejected(device, cut):
+                continue
+            bound = last[cut] if device.last_forward.get(cut) == "decode_verify_graphed" else first[cut]
+            if bound > at:
                 raise Violation("correction_after_cut", f"request {effect.request_id}'s token frame comes before the "
-                                                        f"cut-back of its sequence {seq}, whose verify was rejected")
+                                                        f"cut-back of its sequence {cut}, whose verify was rejected")

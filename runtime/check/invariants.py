@@ -853,8 +853,9 @@ class Monitor:
             self.tick_fault = True
             self.kv_fault = event.kv_exhausted
             state = self.seen_state
-            if state is not None and type(state.waiting).__name__ in RULE_BOOK:
-                self.fault_expect = (declared(state, event.kv_exhausted)[0], type(state.waiting).__name__)
+            name = type(state.waiting).__name__ if state is not None else ""
+            if state is not None and name in RULE_BOOK:
+                self.fault_expect = (declared(state, event.kv_exhausted)[0], name)
                 self.fault_errors = set()
             take = getattr(self.device, "take_blame", None)
             self.blamed = take() if take is not None else None
@@ -1125,9 +1126,9 @@ class Monitor:
         repeat = self.nothing_new
         self.nothing_new = True  # until the next event is stepped
         if self.fault_expect is not None:
-            expected, phase = self.fault_expect
+            expected, faulted = self.fault_expect
             self.fault_expect = None
-            fault_scope(expected, self.fault_errors, phase)
+            fault_scope(expected, self.fault_errors, faulted)
         if self.refusable and device.refused is not None:
             device_arguments(device)
         if self.evicted and self.config is not None:
