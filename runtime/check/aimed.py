@@ -35,7 +35,7 @@ import attrs
 
 from fxsched.runtime.check.episode import TICK_MS, Episode, SimRequest, _randints
 
-AIMED_SHARE = 0.12
+AIMED_SHARE = 0.3
 
 
 def _requests(rng: random.Random, n: int, *, prompt: tuple[int, int], budget: tuple[int, int],
