@@ -220,7 +220,7 @@ PENALTIES = [
 
 @pytest.mark.parametrize("spec", ["none", "mtp", "ngram"])
 def test_penalties_and_logit_bias_equal_a_hand_rollout(tok, hf_model, spec, server):
-    prompt = tok.encode("the the the the cat the the the")
+    prompt = tok.encode("Explain why the ocean is salty.")  # its greedy output loops: penalties change it
     plain = _hand_rollout(hf_model, prompt, 10, presence=0.0, frequency=0.0, repetition=1.0, bias={})
     biased = {plain[1]: -30.0, plain[3]: -30.0}
     cases = [*PENALTIES, dict(presence=0.0, frequency=0.0, repetition=1.0, bias=biased)]
