@@ -287,3 +287,46 @@ def test_openapi_describes_the_routes_and_their_request_models(server):
         fields = doc["components"]["schemas"][model]["properties"]
         assert {"echo", "logit_bias", "ignore_eos", "min_tokens", "stop_token_ids", "prompt_logprobs"} <= set(fields)
     assert {"/health", "/metrics", "/v1/models"} <= set(doc["paths"])
+
+
+# --- a bounded schemathesis run against /openapi.json -----------------------------------------------
+
+FUZZ_EXAMPLES = 30  # per operation; derandomized, so every run sends the same requests
+BUDGETS = ("max_tokens", "max_completion_tokens", "min_tokens", "n", "best_of")
+
+
+def _bounded(body: Any) -> Any:
+    """Keep the fuzzed bodies cheap to serve: budgets above 4 become 4 (out-of-range values, negative
+    or beyond the context, stay as generated: they must get their 400)."""
+    if isinstance(body, dict):
+        for key in BUDGETS:
+            value = body.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and 4 < value < 10**6:
+                body[key] = 4
+    return body
+
+
+def test_schemathesis_finds_no_server_error(server):
+    """Requests generated from /openapi.json (schemathesis, in-process over ASGI): never a 5xx."""
+    schemathesis = pytest.importorskip("schemathesis")
+    hypothesis = pytest.importorskip("hypothesis")
+    schema = schemathesis.openapi.from_asgi("/openapi.json", server.serving.app)
+    seen: dict[str, set[int]] = {}
+    for result in schema.get_all_operations():
+        operation = result.ok()
+
+        @hypothesis.settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, derandomize=True,
+                             suppress_health_check=list(hypothesis.HealthCheck),
+                             phases=[hypothesis.Phase.explicit, hypothesis.Phase.generate])
+        @hypothesis.given(operation.as_strategy())
+        def check(case: Any) -> None:
+            case.body = _bounded(case.body)
+            response = case.call()
+            seen.setdefault(case.operation.label, set()).add(response.status_code)
+            assert response.status_code < 500, (case.operation.label, case.body, response.text[:300])
+
+        check()
+    assert {"POST /v1/completions", "POST /v1/chat/completions"} <= set(seen)
+    assert 200 in seen["POST /v1/completions"] and 400 in seen["POST /v1/completions"]
+    server.idle()
+    assert_free(server)
