@@ -1,4 +1,4 @@
-"""The request fields of ``fxsched serve`` beyond the sampling basics (specs/serve.md "Fields"),
+"""The request fields of ``fxsched serve`` beyond the sampling basics (specs/serve-fields.md §13.1–5),
 driven with the official ``openai`` client in the request shapes lm-eval and guidellm send.
 
 References are independent of the server: transformers' own Qwen3_5ForCausalLM on the embedded

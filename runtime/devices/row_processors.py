@@ -1,5 +1,6 @@
-"""Per-request logits processing before a pick: penalties and ``logit_bias`` (vLLM's semantics),
-and the hook a later per-row processor (a grammar's token mask) plugs into.
+"""Per-request logits processing before a pick: penalties and ``logit_bias`` (vLLM's semantics,
+specs/serve-fields.md §13.3), and the hook a later per-row processor (a grammar's token mask)
+plugs into.
 
 A ``RowProcessor`` changes one logits row in place, given the request's prompt length and the
 row's context (every token before the position the row fills: the prompt, then the output so

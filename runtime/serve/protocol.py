@@ -3,7 +3,7 @@ request becomes (the scheduler requests of its choices). No HTTP framework here:
 
 Requests. ``CompletionRequest`` (``POST /v1/completions``) and ``ChatCompletionRequest`` (``POST
 /v1/chat/completions``) take the fields the OpenAI API and vLLM accept (see the classes). The
-field policy (specs/serve.md "Fields"), in one place:
+field policy (specs/serve-fields.md §13.1), in one place:
 
 * a known field is type-checked strictly (``"max_tokens": "5"`` or ``true`` is refused, an
   integer is a number) and range-checked: a 400 naming it;
@@ -20,7 +20,7 @@ OpenAI return them, and ``max_tokens: 0`` for the prompt alone; chat: vLLM's, th
 content before the reply when it is the assistant's), ``prompt_logprobs`` (vLLM's extension),
 ``ignore_eos`` (EOS masked so the choice runs to its budget), ``min_tokens``, ``stop_token_ids``,
 ``include_stop_str_in_output``, ``skip_special_tokens``, presence / frequency / repetition
-penalties and ``logit_bias`` (vLLM's semantics, runtime/devices/row_processors.py).
+penalties and ``logit_bias`` (vLLM's semantics, specs/serve-fields.md §13.2–4).
 
 Defaults that differ from OpenAI's: ``temperature`` defaults to 0 (greedy: the scheduler's
 default), and ``model`` may be left out (the served model). With a speculative ``--spec`` mode (mtp,
