@@ -139,6 +139,33 @@ def test_echo_streamed_and_chat_echo(server, tok):
     assert len(chat.choices[0].message.content) > len("Once upon")
 
 
+def test_every_generated_token_has_a_logprob_the_first_included(server, tok, hf_model):
+    """Code that sums logprobs needs the first token's too: completions and chat, streamed and not,
+    greedy and sampled; the first token's equals transformers' logprob of it after the prompt."""
+    client = server.client()
+    ids = tok.encode(CONTEXT)
+    first = _log_softmax(_hf_logits(hf_model, ids)[-1])
+    for temperature in (0.0, 0.9):
+        whole = client.completions.create(model=MODEL, prompt=CONTEXT, max_tokens=5, logprobs=2,
+                                          temperature=temperature, seed=7).choices[0].logprobs
+        assert len(whole.token_logprobs) == 5 and None not in whole.token_logprobs
+        token = tok.encode(whole.tokens[0])[0]
+        assert whole.token_logprobs[0] == pytest.approx(first[token], abs=2e-4)
+        streamed = [c.choices[0].logprobs for c in client.completions.create(
+            model=MODEL, prompt=CONTEXT, max_tokens=5, logprobs=2, temperature=temperature, seed=7, stream=True)
+            if c.choices and c.choices[0].logprobs]
+        # (the second request reuses the first's prefix-cache blocks: equal up to float rounding)
+        assert [v for lp in streamed for v in lp.token_logprobs] == pytest.approx(whole.token_logprobs, abs=1e-4)
+        messages = [{"role": "user", "content": CONTEXT}]
+        chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, logprobs=True,
+                                              temperature=temperature, seed=7).choices[0].logprobs.content
+        assert len(chat) == 5 and all(e.logprob is not None and e.logprob <= 0 for e in chat)
+        chunks = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=5, logprobs=True,
+                                                temperature=temperature, seed=7, stream=True)
+        assert [e.logprob for c in chunks if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content] == pytest.approx([e.logprob for e in chat], abs=1e-4)
+
+
 # --- generate_until shape, EOS fields, stop token ids ----------------------------------------------
 
 
