@@ -97,6 +97,27 @@ def test_echo_with_logprobs_gives_the_prompt_logprobs_of_transformers(server, to
     assert choice.finish_reason == "length"
 
 
+def test_loglikelihood_batch_of_token_id_prompts(server, tok, hf_model):
+    """lm-eval's tokenized form: ``prompt`` a batch of token-id lists, echo, logprobs 1, max_tokens 1;
+    the continuation's summed logprob and its is-greedy flag, read as lm-eval reads them."""
+    context = tok.encode(CONTEXT)
+    batch = [context + tok.encode(CONTINUATION), context + tok.encode(" and fell asleep")]
+    done = server.client().completions.create(model=MODEL, prompt=batch, max_tokens=1, logprobs=1, temperature=0,
+                                              echo=True, seed=1234)
+    assert [c.index for c in done.choices] == [0, 1]
+    for ids, choice in zip(batch, done.choices, strict=True):
+        lp = choice.logprobs
+        assert len(lp.token_logprobs) == len(ids) + 1
+        want = [_log_softmax(row) for row in _hf_logits(hf_model, ids)]
+        ctxlen = len(context)
+        got_sum = sum(lp.token_logprobs[ctxlen:len(ids)])
+        assert got_sum == pytest.approx(sum(want[i - 1][ids[i]] for i in range(ctxlen, len(ids))), abs=1e-3)
+        greedy = all(max(top, key=top.get) == lp.tokens[i] for i, top in enumerate(lp.top_logprobs[ctxlen:len(ids)],
+                                                                                    start=ctxlen))
+        assert greedy == all(max(range(len(want[i - 1])), key=want[i - 1].__getitem__) == ids[i]
+                             for i in range(ctxlen, len(ids)))
+
+
 def test_prompt_logprobs_extension_for_completions_and_chat(server, tok, hf_model):
     ids = tok.encode(CONTEXT)
     want = [_log_softmax(row) for row in _hf_logits(hf_model, ids)]
@@ -197,6 +218,12 @@ def test_eos_fields_ignore_eos_min_tokens_and_stop_token_ids(server, tok):
     least = client.completions.create(model=MODEL, prompt=CONTEXT, max_tokens=8, logit_bias=bias,
                                       extra_body={"min_tokens": 3})
     assert least.choices[0].finish_reason == "stop" and least.usage.completion_tokens == 4  # 3 + the EOS
+    messages = [{"role": "user", "content": CONTEXT}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, logit_bias=bias)
+    assert chat.choices[0].finish_reason == "stop" and chat.usage.completion_tokens == 1
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, logit_bias=bias,
+                                          extra_body={"ignore_eos": True, "min_tokens": 2})
+    assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 6
     # stop_token_ids: the greedy output's third token (offline generate()) ends the choice; its text only when asked
     greedy = generate(load_engine(), [tok.encode(CONTEXT)], 8, text=TextOptions(tok), eos_ids=tok.eos_ids).results[0]
     third = greedy.tokens[2]
