@@ -69,9 +69,14 @@ def _log_softmax(row: list[float]) -> list[float]:
 # --- prompt logprobs: lm-eval's loglikelihood shape ------------------------------------------------
 
 
-@pytest.mark.parametrize("max_tokens", [0, 1])
-def test_echo_with_logprobs_gives_the_prompt_logprobs_of_transformers(server, tok, hf_model, max_tokens):
-    """lm-eval ``local-completions`` loglikelihood: echo + logprobs 1 + max_tokens 0/1, temperature 0."""
+@pytest.mark.parametrize("max_tokens,chunk", [(0, 512), (1, 512), (1, 3)])
+def test_echo_with_logprobs_gives_the_prompt_logprobs_of_transformers(server, tok, hf_model, max_tokens, chunk,
+                                                                      monkeypatch):
+    """lm-eval ``local-completions`` loglikelihood: echo + logprobs 1 + max_tokens 0/1, temperature 0
+    (and the prompt's forwards in chunks of 3 rows)."""
+    from fxsched.runtime.devices import torch as torch_device
+
+    monkeypatch.setattr(torch_device, "PROMPT_LOGPROBS_CHUNK", chunk)
     prompt = CONTEXT + CONTINUATION
     ids = tok.encode(prompt)
     want = [_log_softmax(row) for row in _hf_logits(hf_model, ids)]

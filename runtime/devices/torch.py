@@ -76,6 +76,8 @@ BEAM_MAX_TOKENS = 16
 Drafter = Callable[[list, int, int], list]
 
 
+PROMPT_LOGPROBS_CHUNK = 512  # rows of one prompt-logprobs forward (all of them get logits)
+
 class DeviceStateError(RuntimeError):
     """The scheduler's calls and the device's view of a sequence disagree (a bug, not a fault)."""
 
@@ -824,9 +826,9 @@ class TorchDevice:
 
     def prompt_logprobs(self, tokens: Seq[int], width: int) -> tuple[list[RowLogprobs], list[int]]:
         """The logprob record of each prompt token after the first (``tokens[i + 1]`` from the row
-        of ``tokens[i]``, with the ``width`` largest entries): one uncommitted forward over the
-        prompt in a scratch slot, freed before returning (the rows the scheduler's forwards never
-        compute, specs/scheduler.md §5.11), and each token's rank (1: the most likely). Raises
+        of ``tokens[i]``, with the ``width`` largest entries): forwards over the prompt (chunks of
+        ``PROMPT_LOGPROBS_CHUNK`` rows, each committed) in a scratch slot, freed before returning
+        (the rows the scheduler's forwards never compute, specs/scheduler.md §5.11), and each token's rank (1: the most likely). Raises
         ``DeviceError`` when no slot or blocks are free."""
         tokens = [int(t) for t in tokens]
         if len(tokens) < 2:
@@ -836,14 +838,18 @@ class TorchDevice:
             raise DeviceError("prompt_logprobs: no free slot for a scratch sequence")
         slot = free[-1]
         self._make_room(-(-len(tokens) // self.cfg.block_size), "prompt_logprobs")
+        parts = []
         with self._errors("prompt_logprobs"):
             self.engine.alloc(slot)
-            try:
-                logits = self.engine.verify(slot, tokens)
+            try:  # in chunks, each committed before the next: a chunk's rows bound the forward's memory
+                for start in range(0, len(tokens) - 1, PROMPT_LOGPROBS_CHUNK):
+                    chunk = tokens[start:start + PROMPT_LOGPROBS_CHUNK]
+                    parts.append(self.engine.verify(slot, chunk).float())
+                    self.engine.commit_accepted_prefix(slot, len(chunk))
             finally:
                 self.engine.free(slot)
         self._count("prefill", "prompt_logprobs")
-        rows = logits[:-1].float()
+        rows = torch.cat(parts)[:len(tokens) - 1]
         chosen = torch.tensor(tokens[1:], dtype=torch.int64, device=rows.device)[:, None]
         ranks = ((rows > rows.gather(-1, chosen)).sum(dim=-1) + 1).tolist()
         return logprob_records(rows, tokens[1:], [width] * (len(tokens) - 1)), ranks
