@@ -21,7 +21,15 @@ runs ``Interpreter.run`` with a ``ServeHost``, whose
   ``loop.call_soon_threadsafe``). Nothing in the HTTP layer decides scheduling.
 
 Ids. Each choice of an HTTP request is one scheduler ``Request`` with a fresh integer id from a
-counter (never reused), streaming (so a disconnect can cancel it), with the choice's sampling fields.
+counter (never reused), streaming (so a disconnect can cancel it), with the choice's sampling fields
+(``ignore_eos`` as ``min_tokens`` = ``max_tokens``: EOS masked throughout).
+
+Per-choice extras (specs/serve-fields.md §13.2–4), all on the engine thread when a choice is taken:
+its penalties and ``logit_bias`` become a row processor under its id (``ServeHost.processors``,
+read by the device at every pick, dropped with the final frame); ``prompt_logprobs`` are computed
+by the device in a scratch slot and sent as the choice's first event; a choice with
+``max_tokens`` 0 (echo alone) ends there without reaching the scheduler. Stop token ids end a
+choice on the host like a stop string (a ``Cancel``), reported as its ``stop_reason``.
 
 Backpressure. ``submit`` refuses (``Overloaded``) when the choices accepted but not yet started
 (no token or final frame yet) plus the new ones would exceed ``max_waiting``, and (``Draining``)
