@@ -329,7 +329,7 @@ REFUSED: tuple[tuple[str, Any], ...] = (
     ("suffix", None), ("use_beam_search", False), ("length_penalty", 1.0), ("guided_json", None),
     ("guided_regex", None), ("guided_choice", None), ("guided_grammar", None), ("structured_outputs", None),
     ("bad_words", None), ("allowed_token_ids", None), ("truncate_prompt_tokens", None), ("functions", None),
-    ("function_call", None), ("parallel_tool_calls", None), ("continue_final_message", False),
+    ("function_call", None), ("continue_final_message", False),
 )
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGIT_BIAS = 1024
