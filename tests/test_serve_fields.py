@@ -137,6 +137,13 @@ def test_prompt_logprobs_extension_for_completions_and_chat(server, tok, hf_mode
         ranked = sorted(range(len(want[i - 1])), key=lambda t: -want[i - 1][t])[:2]
         assert {str(t) for t in ranked} <= set(got[i])
     assert body["choices"][0]["text"] and body["choices"][0]["logprobs"] is None
+    # n choices of one prompt share one prompt forward
+    device = server.engine._device
+    before = device.stats.calls["prompt_logprobs"]
+    many = server.post("/v1/completions", json={"prompt": CONTEXT, "max_tokens": 1, "n": 3, "temperature": 1.0,
+                                                "prompt_logprobs": 2}).json()
+    assert [c["prompt_logprobs"] for c in many["choices"]] == [got] * 3
+    assert server.engine._device.stats.calls["prompt_logprobs"] == before + 1
     messages = [{"role": "user", "content": CONTEXT}]
     chat_ids = tok.encode_chat(messages)
     want_chat = [_log_softmax(row) for row in _hf_logits(hf_model, chat_ids)]

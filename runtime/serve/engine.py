@@ -224,7 +224,8 @@ class ServeHost(GenerateHost):
         events: list[Optional[ev.Event]] = [ev.Clock(self.owner.now_ms())]
         for item in items:
             if isinstance(item, _Submit):
-                events.extend(self._register(c) for c in item.choices)
+                memo: dict[tuple[tuple[int, ...], int], tuple[Optional[dict[str, Any]], ...]] = {}
+                events.extend(self._register(c, memo) for c in item.choices)
             elif isinstance(item, _Cancel):
                 events.extend(self._cancel(rid) for rid in item.ids if self._cancellable(rid))
             elif item == _CANCEL_ALL:
@@ -233,7 +234,11 @@ class ServeHost(GenerateHost):
                 events.append(ev.InboxClosed())
         return [e for e in events if e is not None]
 
-    def _register(self, choice: _Choice) -> Optional[ev.Event]:
+    def _register(self, choice: _Choice,
+                  memo: Optional[dict[tuple[tuple[int, ...], int], tuple[Optional[dict[str, Any]], ...]]] = None
+                  ) -> Optional[ev.Event]:
+        """The ``Arrival`` of a submitted choice (None when it ends here); ``memo`` shares prompt
+        logprobs among the choices of one request (n choices of a prompt: one forward)."""
         s = choice.spec
         try:
             request = Request(id=choice.id, prompt=s.prompt, max_tokens=max(s.max_tokens, 1), streaming=True,
@@ -245,11 +250,14 @@ class ServeHost(GenerateHost):
         self.choices[choice.id] = choice
         self.results[choice.id] = RequestResult(choice.id, list(s.prompt))
         if s.prompt_logprobs is not None:
+            key = (s.prompt, s.prompt_logprobs)
             try:
-                records = self._prompt_records(s.prompt, s.prompt_logprobs)
+                records = memo[key] if memo is not None and key in memo else self._prompt_records(*key)
             except DeviceError as err:
                 self._refuse(choice, f"prompt logprobs: {err}")
                 return None
+            if memo is not None:
+                memo[key] = records
             choice.deliver(ChoiceEvent(choice.index, "", (), prompt_logprobs=records))
         if s.max_tokens == 0:  # echo alone: nothing to generate
             self.results[choice.id].reason = "length"
