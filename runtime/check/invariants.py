@@ -24,6 +24,7 @@ import attrs
 from fxsched.core import events as ev
 from fxsched.core.config import SCRIPTED_EOS as EOS
 from fxsched.core.state import SchedulerState
+from fxsched.core import phases
 from fxsched.core.phases import AwaitAdapterIds, AwaitInput, AwaitPublishBlocks
 from fxsched.effects import device_calls as dc
 from fxsched.effects import lifecycle as lc
@@ -328,6 +329,17 @@ def acc_accounting(rid: int, acc: int, n: int, counted: Optional[int]) -> None:
     want = 0 if counted is None else min(counted, max(n - 1, 0))
     if acc != want:
         raise Violation("acc_accounting", f"request {rid} reports acc={acc}, the device counted {want}")
+
+
+SETTLED_PHASES = frozenset(getattr(phases, name) for name in (
+    "AwaitCapacity", "AwaitSelfCapacity", "AwaitProposal", "AwaitBatchedProposal", "AwaitDflashDrafts",
+    "AwaitDflashGate", "AwaitMtpGate", "AwaitSlot", "AwaitLaneAdapter", "AwaitFirstToken", "AwaitPrefillToken",
+    "AwaitSwapOutFree", "AwaitSwapOutReclaim", "AwaitSwapInFree", "AwaitSwapInReclaim", "AwaitSwapInSlot",
+    "AwaitRestore", "AwaitResumeFree", "AwaitResumeReclaim", "AwaitResumeSlot", "AwaitRotation", "AwaitInput"))
+"""The queries that wait on no forward over active sequences (draft capacities, gates, proposals,
+slots, adapters, free counts, restores, rotations, the inbox): when the scheduler parks on one, every
+answer before it has been settled, so its view of each active sequence's KV is the device's
+(``kv_mirror`` runs there as well as at every tick start)."""
 
 
 def kv_mirror(state: SchedulerState, device) -> None:
@@ -807,6 +819,8 @@ class Monitor:
         self.seen_prefilling: Any = None
         self.seen_settled: Any = None  # the hot columns and records the block check last read
         self.seen_rows: Any = None
+        self.mirrored: Any = None  # the records kv_mirror last compared
+        self.mirrored_settled: Any = None  # and their hot columns
         self.seen_restoring: Any = None
         self.seen_new: Any = None
         self.seen_slots: list[int] = []  # the slots of ``seen_active``, in order
@@ -1175,6 +1189,9 @@ class Monitor:
             for request in new:
                 self.admitted_by.setdefault(request.id, state.tick + self.work)
         phase = type(state.waiting)  # (no phase record is subclassed)
+        if phase in SETTLED_PHASES and (device_new or rows is not self.mirrored or settled is not self.mirrored_settled):
+            kv_mirror(state, device)  # (the answers before this query are settled)
+            self.mirrored, self.mirrored_settled = rows, settled
         if self.progress.deadlines:
             self.progress.on_state(state, self.now_ms)
         if phase is AwaitInput and not repeat:  # (input events while it waits fill the inbox)
