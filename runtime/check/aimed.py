@@ -21,6 +21,9 @@ uniformly. The states they are for, and why each matters:
 - ``gate_fault``: a batching gate (DFlash or MTP) over sequences holding uneven drafts, so some
   are batchable and the rest go serial, with a fault answering the gate: every verify sequence of
   the gate fails, the rest included (specs/faults.md §8.3).
+- ``spilled_alone``: a long request spilled to make room for a newcomer that is done at its first
+  token, so nothing runs while the spilled one waits: it must come back at once (§5.9, §5.14),
+  neither wait for input nor be shut down, whether or not more input comes.
 - ``waiting_work``: one long request and a late arrival far behind it, KV exhaustion injected
   twice in a row (a preemption, then the survivor alone fails), with the inbox open or closed: the
   loop must resume the preempted sequence, neither wait for input nor shut down (§5.4, §5.8).
@@ -123,9 +126,24 @@ def gate_fault(rng: random.Random) -> Episode:
                    fault_phase_at=rng.randint(0, 3), close_tick=0, aim="gate_fault")
 
 
+def spilled_alone(rng: random.Random) -> Episode:
+    # the KV reservation counts the whole pool, the device's free count leaves out the blocks a cache
+    # holds: the newcomer is admitted, and its prompt needs the long request's blocks
+    long = SimRequest(id=1, prompt_len=rng.randint(32, 44), tokens=tuple(_randints(rng, 2, 40, 30)),
+                      max_tokens=rng.randint(20, 30), streaming=rng.random() < 0.7)
+    short = SimRequest(id=2, prompt_len=rng.randint(32, 47), tokens=tuple(_randints(rng, 2, 40, 3)),
+                       max_tokens=1, streaming=rng.random() < 0.5, arrive_tick=rng.randint(2, 5))
+    late = [SimRequest(id=3, prompt_len=4, tokens=(5, 6), max_tokens=2, arrive_tick=rng.randint(30, 60))] \
+        if rng.random() < 0.5 else []
+    return Episode(mode="plain", max_batch_size=rng.choice((1, 2)), max_prefill_tokens=0, spill=True,
+                   total_blocks=8, held_blocks=3, requests=(long, short, *late), admission_watermark=0,
+                   close_tick=(late[0].arrive_tick if late else short.arrive_tick) + rng.choice((0, 40)),
+                   aim="spilled_alone")
+
+
 AIMS: dict[str, Callable[[random.Random], Episode]] = {
     "deadlines": deadlines, "full_batch": full_batch, "whole_pool": whole_pool, "rejected_cross": rejected_cross,
-    "waiting_work": waiting_work, "gate_fault": gate_fault,
+    "waiting_work": waiting_work, "gate_fault": gate_fault, "spilled_alone": spilled_alone,
 }
 
 
