@@ -30,6 +30,7 @@ from fxsched.effects import device_calls as dc
 from fxsched.effects import lifecycle as lc
 from fxsched.effects.base import expand_batched
 from fxsched.effects.client import DoneOut, ErrorOut, ResponseOut, TokenOut, TokensOut
+from fxsched.runtime.check.clients import client_final, predicted_final
 from fxsched.runtime.check.fault_scope import RULE_BOOK, declared, fault_scope
 from fxsched.runtime.check.frames import CUTS_MANY, CUTS_ONE, tokens_after_checkpoints, tokens_after_cut
 from fxsched.runtime.check.progress import Progress, check_blocks, no_idle_with_work, no_shutdown_with_work
@@ -806,6 +807,7 @@ class Monitor:
         self.evicted: set[int] = set()  # requests preempted (requeued), not yet resumed
         self.moved: set[int] = set()  # requests ever spilled or requeued
         self.flagless: set[int] = set()  # requests spilled: no cancel reaches them any more
+        self.disturbed: set[int] = set()  # requests a cancel or a fault reached (client_final leaves them)
         self.first_token_owed: set[int] = set()  # cancelled before they were active: the first token may stream
         self.immune: dict[int, int] = {}  # request id -> the output length its immunity lasts to
         self.blamed = None
@@ -855,6 +857,7 @@ class Monitor:
             self.now_ms = event.now_ms
         elif kind & CANCEL:
             rid = event.request_id
+            self.disturbed.add(rid)
             if self._cancel_lands(rid):
                 if rid not in self.cancelled and rid in self.streamed and not self.streamed[rid]:
                     self.first_token_owed.add(rid)
@@ -1099,6 +1102,11 @@ class Monitor:
                                          now_ms=self.now_ms, max_seq_len=self.config.max_seq_len,
                                          armed=self.config.loop_watchdog,
                                          reach=getattr(self.device, "reach", {}).get(rid, 0))
+                    if (rid not in self.disturbed and request.prompt_len < self.config.max_seq_len
+                            and not self.config.loop_watchdog and getattr(request, "deadline_ms", None) is None
+                            and plain_path_only(self.config, self.model, request)):
+                        client_final(rid, predicted_final(expected, request.prompt_len, self.config.max_seq_len, EOS),
+                                     n, str(output.reason))
                 cached = getattr(self.device, "cached", None)
                 if cached is not None and output.cached != cached.get(rid, 0):
                     raise Violation("prefix_cache", f"request {rid} reports cached={output.cached}, the device "
