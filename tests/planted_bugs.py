@@ -73,6 +73,9 @@ PLANTED_BUGS: tuple[PlantedBug, ...] = (
                  "        if na < len(drafts):\n"
                  "            na += 1\n"),
         ),
+        # seed 7 first meets it in a batched DFlash verify, which streams before it commits
+        # (specs/speculation.md §6.12): the kept draft reaches the client first (lossless)
+        seed=5,
     ),
     PlantedBug(
         "commit_before_fold",
