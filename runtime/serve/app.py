@@ -39,6 +39,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fxsched.runtime.serve.engine import ChoiceEvent, Draining, Overloaded, ServeEngine
+from fxsched.runtime.serve.guard import Policy, Screen, install, scrub_paths
 from fxsched.runtime.serve.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -47,7 +48,7 @@ from fxsched.runtime.serve.protocol import (
     Plan,
     chat_plan,
     completion_plan,
-    parse_request,
+    request_from_data,
 )
 
 log = structlog.get_logger("fxsched.serve.http")
@@ -214,14 +215,20 @@ def _engine_failed(message: str) -> APIError:
 
 
 def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] = None,
-               lifespan: Optional[Callable[[Any], Any]] = None) -> FastAPI:
+               lifespan: Optional[Callable[[Any], Any]] = None, policy: Optional[Policy] = None,
+               server_paths: tuple[str, ...] = ()) -> FastAPI:
     """The app serving ``engine`` (which the caller, or ``lifespan``, starts and stops); ``state``
-    is shared with the server's drain."""
+    is shared with the server's drain; ``policy`` is the front door's (runtime/serve/guard.py);
+    ``server_paths`` never appear in an error message."""
     state = state if state is not None else ServeState()
+    policy = policy if policy is not None else Policy()
     app = FastAPI(title="fxsched", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.serve = state
     app.state.engine = engine
+    install(app, policy)
     tokenizer = engine.tokenizer
+    screen = Screen(policy, tokenizer, limits.max_prompt_len)
+    hidden = tuple(p for p in (*server_paths, getattr(tokenizer, "source", "")) if p)
 
     @functools.lru_cache(maxsize=65536)
     def token_text(token: int) -> str:
@@ -229,6 +236,7 @@ def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] 
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, err: APIError) -> JSONResponse:
+        err.message = scrub_paths(err.message, hidden)
         return _error(err)
 
     @app.exception_handler(StarletteHTTPException)
@@ -282,6 +290,7 @@ def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] 
         return ids, q
 
     async def _serve(request: Request, plan: Plan) -> Response:
+        screen.check_fits(plan, engine.max_waiting)
         loop = asyncio.get_running_loop()
         ids, q = _submit(plan, loop)
         state.active += 1
@@ -347,13 +356,15 @@ def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] 
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        req = parse_request(CompletionRequest, await request.body())
-        return await _serve(request, completion_plan(req, tokenizer, limits))
+        plan = await screen.plan(await request.body(), False, lambda data, tok: completion_plan(
+            request_from_data(CompletionRequest, data), tok, limits))
+        return await _serve(request, plan)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        req = parse_request(ChatCompletionRequest, await request.body())
-        return await _serve(request, chat_plan(req, tokenizer, limits))
+        plan = await screen.plan(await request.body(), True, lambda data, tok: chat_plan(
+            request_from_data(ChatCompletionRequest, data), tok, limits))
+        return await _serve(request, plan)
 
     return app
 

@@ -181,6 +181,11 @@ def parse_request(cls: type[_Common], body: bytes) -> Any:
         where = f", line {err.lineno} column {err.colno}" if isinstance(err, json.JSONDecodeError) else ""
         reason = err.msg if isinstance(err, json.JSONDecodeError) else "not UTF-8"
         raise APIError(400, f"the request body is not valid JSON ({reason}{where})") from None
+    return request_from_data(cls, data)
+
+
+def request_from_data(cls: type[_Common], data: Any) -> Any:
+    """The request of a decoded JSON body; ``APIError`` (400) for a bad field."""
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
     try:
