@@ -31,7 +31,7 @@ import re
 import sys
 from typing import Callable
 
-from fxsched.runtime.ep.run import DEFAULT_TIMEOUT_S
+from fxsched.runtime.ep import DEFAULT_TIMEOUT_S
 
 
 MAX_RANKS = 64

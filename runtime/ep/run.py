@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional
 import attrs
 import structlog
 
+from fxsched.runtime.ep import DEFAULT_TIMEOUT_S
 from fxsched.runtime.ep.leader import EpLeaderDevice
 from fxsched.runtime.ep.link import LinkError, LoopbackLink, TorchLeaderLink, await_key, ready_key
 from fxsched.runtime.ep.mirror import Snapshot
@@ -53,7 +54,6 @@ from fxsched.runtime.scenarios.loader import Scenario, load_scenario
 
 log = structlog.get_logger("fxsched.ep")
 
-DEFAULT_TIMEOUT_S = 30.0
 JOIN_S = 10.0  # how long a worker that acknowledged the shutdown may take to exit
 TERM_S = 0.5  # how long a terminated worker may take to exit before it is killed (a stopped one never does)
 

@@ -148,10 +148,10 @@ class RequestGuard:
         refusal = self._check(scope, headers)
         if refusal is None and scope["method"] in BODY_METHODS:
             body, refusal = await self._read(receive, headers)
-            if body is None and refusal is None:
-                return  # the client went away
-            if refusal is None:
+            if body is not None:
                 return await self.app(scope, _replay(body, receive), send)
+            if refusal is None:
+                return  # the client went away
         if refusal is not None:
             return await refusal(scope, receive, send)
         await self.app(scope, receive, send)

@@ -68,8 +68,9 @@ class ServeSettings:
     api_key: Optional[str] = None
     metrics_open: bool = False
     allowed_origins: tuple[str, ...] = ()
-    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_request_bytes: Optional[int] = None  # None: DEFAULT_MAX_REQUEST_BYTES
     seed: Optional[int] = None
+    max_batch_tokens: Optional[int] = None  # the most rows of one forward (None: the scheduler's budget)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -193,12 +194,13 @@ class Serving:
         self.sock = sock
         self.engine = ServeEngine(engine, tokenizer, settings.spec, settings.max_batch, settings.max_waiting,
                                   drafter=drafter, wrap_device=wrap_device, record=settings.record,
-                                  record_meta=record_meta)
+                                  record_meta=record_meta, max_batch_tokens=settings.max_batch_tokens)
         self.limits = Limits((settings.model_name,), cfg.vocab_size, max_prompt_len(cfg), context_limit(cfg),
                              self.engine.speculative)
         self.state = ServeState()
         policy = Policy(api_key=settings.api_key, metrics_open=settings.metrics_open,
-                        allowed_origins=settings.allowed_origins, max_request_bytes=settings.max_request_bytes,
+                        allowed_origins=settings.allowed_origins,
+                        max_request_bytes=settings.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
                         check_host=is_loopback(str(sock.getsockname()[0])), seed=settings.seed)
         paths = tuple(str(v) for k, v in (record_meta or {}).items() if k == "model" and v)
         self.app = create_app(self.engine, self.limits, self.state, lifespan=self._lifespan, policy=policy,
