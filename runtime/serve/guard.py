@@ -161,7 +161,7 @@ class RequestGuard:
             return _refusal(401, "a valid API key is needed: send the header 'Authorization: Bearer KEY'",
                             "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
         origin = headers.get("origin")
-        if origin is not None and origin not in self.policy.allowed_origins:
+        if origin is not None and origin not in self.policy.allowed_origins and "*" not in self.policy.allowed_origins:
             return _refusal(403, f"Origin {origin[:100]!r}: cross-origin requests are refused (start the server "
                                  f"with --allowed-origins to let a web page call it)", "origin_not_allowed")
         if scope["method"] in BODY_METHODS:
