@@ -32,7 +32,6 @@ stream waits for it.
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import hmac
 import ipaddress
@@ -58,7 +57,6 @@ MAX_INT_DIGITS = 100  # a JSON integer longer than this is refused (Python refus
 MAX_JSON_DEPTH = 64  # levels of nesting of a request body
 CHUNK_CHARS = 8192  # a text longer than this is counted in chunks before it is tokenized whole
 PLANNERS = 4  # bodies decoded and tokenized at once (each holds up to max_request_bytes)
-BIG_BODY = 1024 * 1024  # after refusing a body this large, collect garbage (the memory goes back)
 OPEN_PATHS = ("/health",)
 BODY_METHODS = ("POST", "PUT", "PATCH")
 RESERVED_TEMPLATE_KWARGS = ("messages", "add_generation_prompt")
@@ -408,12 +406,9 @@ class Screen:
     async def plan(self, body: bytes, chat: bool, build: Callable[[dict[str, Any], Any], T]) -> T:
         """``build(data, tokenizer)`` of the decoded body, on a worker thread, after the checks;
         an ``APIError`` of the checks or of ``build`` is raised here without the request's data."""
-        size = len(body)
         outcome = await anyio.to_thread.run_sync(self._plan, body, chat, build, limiter=self._limiter)
         del body
         if isinstance(outcome, _Refused):
-            if size >= BIG_BODY:
-                await anyio.to_thread.run_sync(gc.collect, limiter=self._limiter)
             raise APIError(outcome.status, outcome.message, outcome.type, outcome.param, outcome.code)
         return outcome
 
