@@ -69,11 +69,14 @@ def add_ep_ranks_argument(parser: argparse.ArgumentParser) -> None:
 def run_with_ep(args, scenario=None) -> str:
     """The trace of ``fxsched run NAME --ep-ranks N`` (byte for byte the single-rank trace).
     Raises ScenarioError for a bad name and RunError (EpRunError) when the run or the group fails."""
-    from fxsched.runtime.ep.run import run_scenario_ep
+    from fxsched.runtime.ep.run import run_scenario_ep, stop_launcher
     from fxsched.runtime.scenarios.loader import load_scenario
 
-    return run_scenario_ep(scenario if scenario is not None else load_scenario(args.name), args.ep_ranks,
-                           args.ep_timeout)
+    try:
+        return run_scenario_ep(scenario if scenario is not None else load_scenario(args.name), args.ep_ranks,
+                               args.ep_timeout)
+    finally:
+        stop_launcher()
 
 
 def generate_function(args) -> Callable:
@@ -87,10 +90,20 @@ def generate_function(args) -> Callable:
 
     from fxsched.runtime.ep.generate import generate_ep
 
+    from fxsched.runtime.ep.run import stop_launcher
+
     model = getattr(args, "model", None)
     extra = {"model_dir": model, "on_weights": print_weights} if model is not None else {}
-    return partial(generate_ep, ep_ranks=args.ep_ranks, weights=getattr(args, "weights", None),
-                   timeout_s=args.ep_timeout, **extra)
+    run = partial(generate_ep, ep_ranks=args.ep_ranks, weights=getattr(args, "weights", None),
+                  timeout_s=args.ep_timeout, **extra)
+
+    def generate_then_stop(*a, **kw):  # no EP process outlives the command (runtime/ep/run.py)
+        try:
+            return run(*a, **kw)
+        finally:
+            stop_launcher()
+
+    return generate_then_stop
 
 
 def print_weights(report) -> None:
