@@ -22,6 +22,7 @@ the ``serve`` extra not installed) is one line on stderr and exit 2, before anyt
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -86,6 +87,9 @@ def add_serve_command(sub) -> None:
                         "model; after an engine fault the next scheduler life writes FILE.1, ...); an existing FILE "
                         "is refused unless --force")
     p.add_argument("--force", action="store_true", help="let --record overwrite an existing file")
+    from fxsched.runtime.cli.ep import add_ep_ranks_argument
+
+    add_ep_ranks_argument(p)
     sec = p.add_argument_group("security (specs/serve.md, the front door)")
     sec.add_argument("--api-key", metavar="KEY", default=None,
                      help=f"require 'Authorization: Bearer KEY' on every route but /health (default: the "
@@ -234,6 +238,9 @@ def run_serve(args) -> int:
     from fxsched.runtime.generate import GenerateError
 
     args.weights = None
+    if args.ep_ranks > 1 and args.model is None:
+        raise UsageError(f"--ep-ranks {args.ep_ranks}: needs a --model directory (the server speaks text, and the "
+                         f"internal model EP runs without one has no tokenizer)")
     choice = _model_choice(args)
     device = _torch_device(args.device)
     tokenizer = _tokenizer(args, choice)
@@ -277,19 +284,27 @@ def run_serve(args) -> int:
             print(f"fxsched serve: listening on {serving.url} (model {name}, spec {spec}"
                   f"{', API key required' if api_key else ''}); SIGTERM or Ctrl-C drains", file=sys.stderr, flush=True)
 
-        try:
-            serving = Serving(engine, tokenizer, settings, sock, on_started=listening,
-                              record_meta={"model": choice.model or "", "served_model_name": name})
-        except GenerateError as err:
-            raise UsageError(str(err)) from None
-    except BaseException:
-        sock.close()
-        raise
-    if args.access_log:
-        from fxsched.runtime.logs import configure_logging
+        with contextlib.ExitStack() as stack:
+            wrap = None
+            if args.ep_ranks > 1:
+                from fxsched.runtime.cli.ep import print_weights
+                from fxsched.runtime.ep.serve import ep_serving
 
-        configure_logging(True)
-    serving.run()
+                wrap = stack.enter_context(ep_serving(engine, args.ep_ranks, model_dir=args.model,
+                                                      timeout_s=args.ep_timeout,
+                                                      on_weights=print_weights if args.model else None))
+            try:
+                serving = Serving(engine, tokenizer, settings, sock, on_started=listening, wrap_device=wrap,
+                                  record_meta={"model": choice.model or "", "served_model_name": name})
+            except GenerateError as err:
+                raise UsageError(str(err)) from None
+            if args.access_log:
+                from fxsched.runtime.logs import configure_logging
+
+                configure_logging(True)
+            serving.run()
+    finally:
+        sock.close()
     print("fxsched serve: drained and stopped", file=sys.stderr, flush=True)
     return 0
 
