@@ -88,22 +88,22 @@ def generate_function(args) -> Callable:
         return generate
     from functools import partial
 
-    from fxsched.runtime.ep.generate import generate_ep
-
-    from fxsched.runtime.ep.run import stop_launcher
-
     model = getattr(args, "model", None)
     extra = {"model_dir": model, "on_weights": print_weights} if model is not None else {}
-    run = partial(generate_ep, ep_ranks=args.ep_ranks, weights=getattr(args, "weights", None),
-                  timeout_s=args.ep_timeout, **extra)
+    return partial(generate_ep_then_stop, ep_ranks=args.ep_ranks, weights=getattr(args, "weights", None),
+                   timeout_s=args.ep_timeout, **extra)
 
-    def generate_then_stop(*a, **kw):  # no EP process outlives the command (runtime/ep/run.py)
-        try:
-            return run(*a, **kw)
-        finally:
-            stop_launcher()
 
-    return generate_then_stop
+def generate_ep_then_stop(*args, **kwargs):
+    """``generate_ep``, then the launcher stopped: no EP process outlives the command
+    (runtime/ep/run.py ``stop_launcher``)."""
+    from fxsched.runtime.ep.generate import generate_ep
+    from fxsched.runtime.ep.run import stop_launcher
+
+    try:
+        return generate_ep(*args, **kwargs)
+    finally:
+        stop_launcher()
 
 
 def print_weights(report) -> None:
