@@ -377,3 +377,47 @@ def test_record_with_force_overwrites(tmp_path):
     assert done.returncode == 0, done.stderr
     assert log.read_text() != "old\n"
     os.remove(log)
+
+
+# --- vLLM's flags ---------------------------------------------------------------------------------
+
+
+def test_vllm_flag_names_reach_the_server(tmp_path):
+    """``fxsched serve MODEL --max-model-len --max-num-seqs --speculative-config --chat-template --dtype
+    --seed`` as vLLM users type them: the context, the mode and the template are the ones served."""
+    tok = load_tokenizer(default_model_dir())
+    template = tmp_path / "plain.jinja"
+    template.write_text("{% for m in messages %}<<{{ m['role'] }}: {{ m['content'] }}>>{% endfor %}ASSISTANT:")
+    proc, url = start(str(default_model_dir()), "--port", "0", "--max-model-len", "256", "--max-num-seqs", "2",
+                      "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 3}',
+                      "--chat-template", str(template), "--dtype", "bf16", "--seed", "5",
+                      "--served-model-name", MODEL)
+    try:
+        model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]
+        assert model["spec"] == "mtp" and model["max_model_len"] < 256
+        client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+        out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi there"}],
+                                             max_tokens=3)
+        rendered = "<<user: hi there>>ASSISTANT:"
+        assert out.usage.prompt_tokens == len(tok.encode(rendered, add_special_tokens=False))
+        with pytest.raises(openai.BadRequestError):  # the context is the one asked for
+            client.completions.create(model=MODEL, prompt=[1] * 300, max_tokens=2)
+    finally:
+        proc.terminate()
+        proc.wait(60)
+
+
+def test_speculative_config_asking_for_drafts_the_mode_does_not_run_is_one_line(tmp_path):
+    done = cli("serve", "--port", "0", "--speculative-config", '{"method": "mtp", "num_speculative_tokens": 5}')
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1
+    assert "num_speculative_tokens 5: the mtp mode of this model runs 3" in lines[0]
+
+
+def test_vllm_aliases_parse_to_the_same_options():
+    from fxsched.runtime.cli.app import build_parser
+
+    parser = build_parser()
+    vllm = parser.parse_args(["serve", "some/dir", "--max-model-len", "512", "--max-num-seqs", "4"])
+    own = parser.parse_args(["serve", "--model", "some/dir", "--max-seq-len", "512", "--max-batch", "4"])
+    assert (vllm.model_tag, vllm.max_seq_len, vllm.max_batch) == (own.model, own.max_seq_len, own.max_batch)

@@ -3,8 +3,11 @@
 Why FastAPI on uvicorn: it is the stack vLLM and SGLang serve the same API with, well kept, and
 asyncio-native (Starlette's ``StreamingResponse`` gives SSE and tells a disconnect); uvicorn is its
 reference ASGI server and lets ``fxsched serve`` own the signal handling (runtime/serve/server.py).
-Bodies are parsed by ``protocol.parse_request`` rather than FastAPI's own validation, so a bad field
-is a 400 with an OpenAI error body naming it, not FastAPI's 422.
+Bodies are decoded by ``guard.Screen`` (bounded JSON, prompts measured before they are tokenized,
+on a worker thread) and validated by ``protocol.request_from_data`` rather than FastAPI's own
+validation, so a bad field is a 400 with an OpenAI error body naming it, not FastAPI's 422. The
+front door (API key, Host, Origin, Content-Type, body size: runtime/serve/guard.py, serve.md
+§12.1) wraps the app as ASGI middleware.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream``: server-sent events,
 one ``data: {chunk}`` per frame that brings text, a final chunk with ``finish_reason``, a usage
@@ -18,7 +21,9 @@ onto the request's asyncio queue (``loop.call_soon_threadsafe``), and the events
 response. A client that goes away (a stream closed early, a non-streaming client that hangs up) has
 its unfinished choices cancelled: ``ServeEngine.cancel``, a ``Cancel`` event for the scheduler.
 
-Errors: ``APIError`` as its status and body; a full waiting queue 429, a draining server 503; a
+Errors: ``APIError`` as its status and body (the server's paths cut out of the message); the
+front door's 400 / 401 / 403 / 413 / 415; a request of more choices than ``--max-waiting`` 400, a
+full waiting queue 429, a draining server 503; a
 choice the engine failed (an engine fault) 500, or, once a stream has started, an SSE ``data:
 {"error": ...}`` event followed by ``data: [DONE]``. Unknown routes get the OpenAI error body too.
 """
