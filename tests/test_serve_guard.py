@@ -358,6 +358,9 @@ def cli(*argv: str, cwd=None) -> subprocess.CompletedProcess:
     (["serve", "--max-request-bytes", "lots"], "--max-request-bytes lots: not a size"),
     (["serve", "--chat-template", "/no/such/template.jinja"], "--chat-template /no/such/template.jinja: no such file"),
     (["serve", "a/model", "--model", "b/model"], "MODEL a/model and --model b/model: give one of them"),
+    (["serve", "/no/such/model"], "--model /no/such/model: no such directory"),
+    (["generate", "--prompt-ids", "1", "--model", "/no/such/model"], "--model /no/such/model: no such directory"),
+    (["serve", "--ep-ranks", "2"], "--ep-ranks 2: needs a --model directory"),
 ])
 def test_cli_refuses_bad_files_and_arguments_before_importing_torch(tmp_path, argv, message):
     exists = tmp_path / "run.log"

@@ -235,7 +235,6 @@ def run_serve(args) -> int:
     except ImportError as err:
         raise UsageError(f"needs the serve extra (pip install 'fxsched[serve]'): {err}") from None
     from fxsched.runtime.cli.generate import _engine, _model_choice, _set_threads, _tokenizer, _torch_device
-    from fxsched.runtime.generate import GenerateError
 
     args.weights = None
     if args.ep_ranks > 1 and args.model is None:
@@ -283,6 +282,8 @@ def run_serve(args) -> int:
         def listening(serving: Serving) -> None:
             print(f"fxsched serve: listening on {serving.url} (model {name}, spec {spec}"
                   f"{', API key required' if api_key else ''}); SIGTERM or Ctrl-C drains", file=sys.stderr, flush=True)
+
+        from fxsched.runtime.generate import GenerateError
 
         with contextlib.ExitStack() as stack:
             wrap = None
