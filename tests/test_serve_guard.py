@@ -424,3 +424,20 @@ def test_vllm_aliases_parse_to_the_same_options():
     vllm = parser.parse_args(["serve", "some/dir", "--max-model-len", "512", "--max-num-seqs", "4"])
     own = parser.parse_args(["serve", "--model", "some/dir", "--max-seq-len", "512", "--max-batch", "4"])
     assert (vllm.model_tag, vllm.max_seq_len, vllm.max_batch) == (own.model, own.max_seq_len, own.max_batch)
+
+
+def test_max_num_batched_tokens_cuts_prompt_chunks_and_keeps_the_text(tok):
+    """``--max-num-batched-tokens 64``: the scheduler's forward budget is 64 rows (a prompt chunk
+    too), and a 200-token prompt still gets the offline greedy text."""
+    from test_serve import references
+
+    s = Server(tok, max_batch_tokens=64)
+    try:
+        config = s.engine.config
+        assert config.max_batch_tokens == 64 and 0 < config.max_prefill_tokens <= 64
+        prompt = tok.encode("the lighthouse keeper counted the waves " * 30)[:200]
+        want = references(tok, [prompt], 8)
+        got = s.client().completions.create(model=MODEL, prompt=prompt, max_tokens=8).choices[0].text
+        assert got == want[0]
+    finally:
+        s.close()

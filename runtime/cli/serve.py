@@ -228,12 +228,6 @@ def run_serve(args) -> int:
         problem = record_problem(args.record, args.force)
         if problem:
             raise UsageError(f"--record {args.record}: {problem}")
-    try:
-        import fastapi  # noqa: F401
-        import prometheus_client  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError as err:
-        raise UsageError(f"needs the serve extra (pip install 'fxsched[serve]'): {err}") from None
     from fxsched.runtime.cli.generate import _engine, _model_choice, _set_threads, _tokenizer, _torch_device
 
     args.weights = None
@@ -241,6 +235,12 @@ def run_serve(args) -> int:
         raise UsageError(f"--ep-ranks {args.ep_ranks}: needs a --model directory (the server speaks text, and the "
                          f"internal model EP runs without one has no tokenizer)")
     choice = _model_choice(args)
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as err:
+        raise UsageError(f"needs the serve extra (pip install 'fxsched[serve]'): {err}") from None
     device = _torch_device(args.device)
     tokenizer = _tokenizer(args, choice)
     if tokenizer is None:
