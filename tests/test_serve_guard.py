@@ -441,3 +441,20 @@ def test_max_num_batched_tokens_cuts_prompt_chunks_and_keeps_the_text(tok):
         assert got == want[0]
     finally:
         s.close()
+
+
+def test_api_key_from_the_environment():
+    env = {**child_env(), "FXSCHED_API_KEY": KEY}
+    proc = subprocess.Popen([sys.executable, "-m", "fxsched.runtime.cli", "serve", "--port", "0"],
+                            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=env)
+    try:
+        assert proc.stderr is not None
+        line = next((ln for ln in proc.stderr if "listening on " in ln), "")
+        assert "API key required" in line, line
+        url = line.split("listening on ", 1)[1].split()[0]
+        assert httpx.get(url + "/v1/models", timeout=10).status_code == 401
+        assert httpx.get(url + "/v1/models", headers=auth(), timeout=10).status_code == 200
+    finally:
+        proc.terminate()
+        proc.wait(60)
