@@ -44,7 +44,11 @@ line on stderr naming the input and what is wrong. Numbers are written in ASCII 
 
 ``--record FILE`` writes the run's event log (``fxsched.runtime.eventlog``, specs/event-log.md):
 ``fxsched replay FILE`` re-runs the scheduler over it without the model. A path that cannot be
-written is refused before the model loads, and the file is only created once the input is checked.
+written, or an existing file without ``--force``, is refused before the model loads, and the file
+is only created once the input is checked.
+
+Prompt files are read with a bound (runtime/cli/bounds.py: at most 64 MiB, so ``/dev/zero`` is one
+line), and they, the numbers and the paths are checked before torch is imported.
 
 Ctrl-C during a run prints what was generated so far (each unfinished request with finish reason
 "interrupted", then the summary), one line on stderr, and exits 130; with ``--ep-ranks`` the

@@ -14,9 +14,18 @@ stderr once it listens: ``fxsched serve: listening on http://HOST:PORT (model NA
 SIGTERM (or Ctrl-C) drains: no new requests, the ones in flight finish (at most
 ``--drain-timeout`` seconds, then they are cancelled with a final chunk), exit 0.
 
+vLLM's names work too (serve.md §12.2): the model as the positional ``MODEL``, ``--max-model-len``
+(``--max-seq-len``), ``--max-num-seqs`` (``--max-batch``), ``--max-num-batched-tokens``,
+``--speculative-config JSON`` (``--spec``), ``--seed``, ``--chat-template``, ``--dtype
+auto|bf16|half|float``; ``--ep-ranks N`` runs the engine on expert-parallel ranks
+(runtime/ep/serve.py). The front door's flags (serve.md §12.1): ``--api-key`` (or
+``FXSCHED_API_KEY``), ``--metrics-open``, ``--allowed-origins``, ``--max-request-bytes``.
+
 Bad input (an unknown ``--spec`` or one the model cannot run, a missing model directory, a model
-without a tokenizer, a port in use or a host that cannot be bound, an unwritable ``--record`` path,
-the ``serve`` extra not installed) is one line on stderr and exit 2, before anything listens.
+without a tokenizer, a port in use or a host that cannot be bound, an unwritable or existing
+``--record`` path without ``--force``, the ``serve`` extra not installed) is one line on stderr and
+exit 2, before anything listens; what needs no model (numbers, JSON, origins, sizes, files) before
+torch is imported.
 """
 
 from __future__ import annotations
