@@ -1,6 +1,9 @@
-"""A ``DeviceFault`` in every waiting phase gives the outcome the transition table declares for it
-(specs/faults.md §8.1): the affected requests get exactly one ``Error`` each, device-held ones give
-their slot back without caching, they are gone from every collection, and everyone else goes on.
+"""A ``DeviceFault`` in every waiting phase gives the outcome the rule book declares for it
+(specs/faults.md §8.1, §8.3): the affected requests get exactly one ``Error`` each, device-held ones
+give their slot back without caching, they are gone from every collection, and everyone else goes
+on. The expected scope of each phase is the checker's ``RULE_BOOK`` (runtime/check/fault_scope.py),
+copied from the table of §8.3 by hand, not read from ``core/table.py`` (the code under test): a wrong
+scope there fails here.
 
 The states come from real runs: every reference scenario on the recording device and random-walk
 episodes on the simulated device, snapshotted the first time each phase is entered.
@@ -14,12 +17,13 @@ import pytest
 
 from fxsched.core import events as ev
 from fxsched.core.agenda import PhaseError
-from fxsched.core.faults import FailActive, FailRequests, FailRotation, FailSeqs, Halt, RuleTakesFault, held_ids
+from fxsched.core.faults import held_ids
 from fxsched.core.machine import step
 from fxsched.core.state import SchedulerState, initial_state
 from fxsched.core.table import ANSWERS
 from fxsched.effects.client import DoneOut, ErrorOut, ResponseOut, RotationAck
 from fxsched.effects.lifecycle import ReleaseReason, ReleaseSeq
+from fxsched.runtime.check.fault_scope import RULE_BOOK, declared, requests_held
 from fxsched.runtime.check.walk import WalkHost, random_episode
 from fxsched.runtime.devices.simulated import SimDevice
 from fxsched.runtime.interpreter import Interpreter, Observer, check_batch
@@ -81,62 +85,25 @@ def test_the_runs_reach_every_waiting_phase():
     assert sorted(t.__name__ for t in set(ANSWERS) - set(STATES)) == []
 
 
-def _requests_of(state: SchedulerState) -> dict[int, int]:
-    """seq id -> request id of everything the scheduler holds."""
-    held = {s.seq_id: s.request_id for s in state.active}
-    held.update({e.seq_id: e.request.id for e in state.prefilling})
-    held.update({s.seq_id: s.request_id for s in state.restoring})
-    held.update({p.sequence.seq_id: p.sequence.request_id for p in state.preempted})
-    return held
-
-
-def _get(record, path: str):
-    for name in path.split("."):
-        record = getattr(record, name)
-    return record
-
-
-def _declared(state: SchedulerState) -> tuple[set[int], set[int]]:
-    """(request ids that must get an Error, seq ids that must be gone) for a fault in ``state``."""
-    waiting, scope = state.waiting, ANSWERS[type(state.waiting)].fault
-    held = _requests_of(state)
-    if isinstance(scope, FailSeqs):
-        ids: list[int] = []
-        for path in scope.fields:
-            value = _get(waiting, path)
-            ids.extend(value if isinstance(value, tuple) else (value,))
-        request = _get(waiting, scope.request) if scope.request else None
-        if request is not None and not set(ids) & set(held):
-            return {request.id}, set()
-        gone = set(ids) & set(held)
-        if scope.all_prefilling:
-            gone |= {e.seq_id for e in state.prefilling}
-        return {held[i] for i in gone}, gone
-    if isinstance(scope, FailRequests):
-        return {r.id for r in _get(waiting, scope.field)}, set()
-    if isinstance(scope, FailActive):
-        return {s.request_id for s in state.active}, {s.seq_id for s in state.active}
-    if isinstance(scope, RuleTakesFault):
-        seqs = getattr(waiting, "seq_ids", None) or (waiting.seq_id,)
-        return {held[i] for i in seqs if i in held}, set(seqs)
-    return set(), set()
+def test_the_rule_book_names_every_waiting_phase():
+    assert sorted(RULE_BOOK) == sorted(t.__name__ for t in ANSWERS)
 
 
 @pytest.mark.parametrize("phase", PHASES, ids=[p.__name__ for p in PHASES])
 def test_a_device_fault_gives_the_declared_outcome(phase):
     state = STATES[phase]
-    scope = ANSWERS[phase].fault
-    if isinstance(scope, Halt):
-        with pytest.raises(PhaseError, match=scope.reason):
+    scope = RULE_BOOK[phase.__name__]
+    if scope[0] == "halt":
+        with pytest.raises(PhaseError, match=scope[1] or ""):
             step(state, ev.DeviceFault(MESSAGE))
         return
     after, effects = step(state, ev.DeviceFault(MESSAGE))
     check_batch(ev.DeviceFault(MESSAGE), effects, after.stopped)
-    if isinstance(scope, FailRotation):
+    if scope[0] == "rotation":
         assert RotationAck(state.waiting.name, MESSAGE) in effects
         return
     errors = [e.request_id for e in effects if isinstance(e, ErrorOut)]
-    failed, gone = _declared(state)
+    failed, gone = declared(state)
     assert sorted(errors) == sorted(failed), "every affected request gets exactly one Error"
     assert all(e.message == MESSAGE for e in effects if isinstance(e, ErrorOut))
     held_before = {s.seq_id: s.slot for s in state.active} | {e.seq_id: e.slot for e in state.prefilling}
@@ -145,7 +112,7 @@ def test_a_device_fault_gives_the_declared_outcome(phase):
         if seq_id in held_before:
             assert (seq_id, held_before[seq_id]) in releases, f"sequence {seq_id} gives its slot back"
     assert not (gone & held_ids(after)), "failed sequences are gone from every collection"
-    for seq_id, request_id in _requests_of(state).items():
+    for seq_id, request_id in requests_held(state).items():
         if seq_id in gone:
             continue
         finished = any(isinstance(e, (DoneOut, ResponseOut)) and e.request_id == request_id for e in effects)

@@ -293,7 +293,7 @@ def _error_body(response, status: int, param):
     ("/v1/completions", {"prompt": "hi", "stream": "yes"}, "stream"),
     ("/v1/completions", {"prompt": "hi", "n": 0}, "n"),
     ("/v1/completions", {"prompt": "hi", "stop": [""]}, "stop"),
-    ("/v1/completions", {"prompt": "hi", "echo": True}, "echo"),
+    ("/v1/completions", {"prompt": "hi", "suffix": "!"}, "suffix"),
     ("/v1/completions", {"prompt": 7}, "prompt"),
     ("/v1/completions", {"prompt": [1, 2, 99999]}, "prompt"),
     ("/v1/completions", {"prompt": "word " * 3000}, "prompt"),

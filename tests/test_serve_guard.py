@@ -1,4 +1,4 @@
-"""The front door of ``fxsched serve`` (runtime/serve/guard.py, serve.md §12.1): the API
+"""The front door of ``fxsched serve`` (runtime/serve/guard.py, serve-security.md §14.1): the API
 key, the Host and Origin checks, JSON-only bodies under a size limit, the bad inputs that were 500s,
 and a 10 MB prompt that neither stalls ``/health`` and a running stream nor keeps its memory.
 

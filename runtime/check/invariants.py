@@ -24,21 +24,17 @@ import attrs
 from fxsched.core import events as ev
 from fxsched.core.config import SCRIPTED_EOS as EOS
 from fxsched.core.state import SchedulerState
-from fxsched.core.phases import AwaitAdapterIds, AwaitPublishBlocks
+from fxsched.core import phases
+from fxsched.core.phases import AwaitAdapterIds, AwaitInput, AwaitPublishBlocks
 from fxsched.effects import device_calls as dc
 from fxsched.effects import lifecycle as lc
 from fxsched.effects.base import expand_batched
 from fxsched.effects.client import DoneOut, ErrorOut, ResponseOut, TokenOut, TokensOut
+from fxsched.runtime.check.fault_scope import RULE_BOOK, declared, fault_scope
+from fxsched.runtime.check.frames import CUTS_MANY, CUTS_ONE, tokens_after_checkpoints, tokens_after_cut
+from fxsched.runtime.check.progress import Progress, check_blocks, no_idle_with_work, no_shutdown_with_work
+from fxsched.runtime.check.violation import Violation
 
-
-
-class Violation(Exception):
-    """An invariant does not hold; ``invariant`` names it."""
-
-    def __init__(self, invariant: str, message: str):
-        super().__init__(f"{invariant}: {message}")
-        self.invariant = invariant
-        self.message = message
 
 
 WILD = -1
@@ -335,6 +331,17 @@ def acc_accounting(rid: int, acc: int, n: int, counted: Optional[int]) -> None:
         raise Violation("acc_accounting", f"request {rid} reports acc={acc}, the device counted {want}")
 
 
+SETTLED_PHASES = frozenset(getattr(phases, name) for name in (
+    "AwaitCapacity", "AwaitSelfCapacity", "AwaitProposal", "AwaitBatchedProposal", "AwaitDflashDrafts",
+    "AwaitDflashGate", "AwaitMtpGate", "AwaitSlot", "AwaitLaneAdapter", "AwaitFirstToken", "AwaitPrefillToken",
+    "AwaitSwapOutFree", "AwaitSwapOutReclaim", "AwaitSwapInFree", "AwaitSwapInReclaim", "AwaitSwapInSlot",
+    "AwaitRestore", "AwaitResumeFree", "AwaitResumeReclaim", "AwaitResumeSlot", "AwaitRotation", "AwaitInput"))
+"""The queries that wait on no forward over active sequences (draft capacities, gates, proposals,
+slots, adapters, free counts, restores, rotations, the inbox): when the scheduler parks on one, every
+answer before it has been settled, so its view of each active sequence's KV is the device's
+(``kv_mirror`` runs there as well as at every tick start)."""
+
+
 def kv_mirror(state: SchedulerState, device) -> None:
     """the scheduler's view of each active sequence's KV (length, blocks) equals the device's."""
     for seq in state.active:
@@ -605,6 +612,8 @@ DECODE = 1 << 10  # one of ``DECODE_LANE``
 PLAN = 1 << 11  # a plain decode plan
 BATCHED = 1 << 12  # a batched record standing for several effects (``split``: see ``expand_batched``)
 OUT = 1 << 13  # streams tokens to a client (``TokenOut``, ``TokensOut``)
+CHECKPOINT = 1 << 14  # a Marconi checkpoint of the plain sink
+CUT = 1 << 15  # cuts a sequence's KV back after a verify (``frames.CUTS_ONE``, ``frames.CUTS_MANY``)
 
 
 def effect_role(cls: type) -> int:
@@ -639,6 +648,10 @@ def effect_role(cls: type) -> int:
         role |= BATCHED
     if issubclass(cls, (TokenOut, TokensOut)):
         role |= OUT
+    if issubclass(cls, (lc.MarconiCheckpoint, lc.MarconiCheckpoints)):
+        role |= CHECKPOINT
+    if issubclass(cls, CUTS_ONE + CUTS_MANY):
+        role |= CUT
     return role
 
 
@@ -760,6 +773,7 @@ class Monitor:
         self.expected: dict[int, tuple[int, ...]] = {}
         self.streamed: dict[int, list[int]] = {}
         self.work = 16
+        self.progress = Progress()
         for r in requests:
             self.add_request(r)
         self.final: dict[int, object] = {}
@@ -791,15 +805,22 @@ class Monitor:
         self.prev_active: dict[int, tuple] = {}  # seq -> (output length, slot, request id, seq) after the last step
         self.evicted: set[int] = set()  # requests preempted (requeued), not yet resumed
         self.moved: set[int] = set()  # requests ever spilled or requeued
+        self.flagless: set[int] = set()  # requests spilled: no cancel reaches them any more
         self.first_token_owed: set[int] = set()  # cancelled before they were active: the first token may stream
         self.immune: dict[int, int] = {}  # request id -> the output length its immunity lasts to
         self.blamed = None
+        self.fault_expect: Optional[tuple[set[int], str]] = None  # who the fault being stepped must fail
+        self.fault_errors: set[int] = set()  # who the step that takes it failed
         # what the per-step checks of ``on_state`` last looked at (see there)
         self.seen_epoch: Optional[int] = None
         self.seen_config: Any = None
         self.seen_active: Any = None  # the active records (``rows``) after the last step
         self.seen_state: Optional[SchedulerState] = None  # the last state seen
         self.seen_prefilling: Any = None
+        self.seen_settled: Any = None  # the hot columns and records the block check last read
+        self.seen_rows: Any = None
+        self.mirrored: Any = None  # the records kv_mirror last compared
+        self.mirrored_settled: Any = None  # and their hot columns
         self.seen_restoring: Any = None
         self.seen_new: Any = None
         self.seen_slots: list[int] = []  # the slots of ``seen_active``, in order
@@ -816,6 +837,7 @@ class Monitor:
         self.expected[request.id] = expected_output(request.tokens, request.max_tokens,
                                                     min_tokens=getattr(request, "min_tokens", 0))
         self.streamed[request.id] = []
+        self.progress.add_request(request)
         self.work += request.prompt_len + request.max_tokens * self.replays + 4
 
     def on_event(self, event, kind: Optional[int] = None) -> None:
@@ -829,12 +851,14 @@ class Monitor:
         if kind & INPUT:
             self.nothing_new = True
         if kind & CLOCK:
+            self.progress.on_clock(self.final, self.seen_state.tick if self.seen_state is not None else 0)
             self.now_ms = event.now_ms
         elif kind & CANCEL:
             rid = event.request_id
-            if rid not in self.cancelled and rid in self.streamed and not self.streamed[rid]:
-                self.first_token_owed.add(rid)
-            self.cancelled.add(rid)
+            if self._cancel_lands(rid):
+                if rid not in self.cancelled and rid in self.streamed and not self.streamed[rid]:
+                    self.first_token_owed.add(rid)
+                self.cancelled.add(rid)
         elif kind & ARRIVAL:
             self.arrived.add(event.request.id)
             self.queue.append(event.request)
@@ -842,8 +866,33 @@ class Monitor:
             self.fault_step = True
             self.tick_fault = True
             self.kv_fault = event.kv_exhausted
+            state = self.seen_state
+            name = type(state.waiting).__name__ if state is not None else ""
+            if state is not None and name in RULE_BOOK:
+                self.fault_expect = (declared(state, event.kv_exhausted)[0], name)
+                self.fault_errors = set()
             take = getattr(self.device, "take_blame", None)
             self.blamed = take() if take is not None else None
+
+    def _cancel_lands(self, rid: int) -> bool:
+        """Whether a cancel of ``rid`` can stop it (specs/scheduler.md §5.2, §5.12, §5.19 step 4): an
+        active sequence takes it only with its cancel flag (streaming, and never swapped in since,
+        for a swap-in comes back without one); a request not yet active has it remembered and set at
+        activation; a swapped or preempted sequence is not active, and its remembered cancel is never
+        read again (it comes back by swap-in or resume, not by activation)."""
+        request = self.requests.get(rid)
+        state = self.seen_state
+        if request is None or state is None:
+            return True
+        if rid in self.flagless:
+            return False
+        for seq in state.rows:
+            if seq.request.id == rid:
+                return bool(getattr(request, "streaming", True))
+        if any(x.sequence.request.id == rid for x in state.swapped) or any(
+                q.sequence.request.id == rid for q in state.preempted):
+            return False
+        return True
 
     def on_effects(self, effects, kinds: Optional[tuple] = None) -> None:
         """A batch of effects, before it is carried out (``kinds``: their types in order, when the
@@ -863,14 +912,24 @@ class Monitor:
             roles = batch_roles(kinds)
         if roles & (ALLOC | RELEASE) or (roles & NAMES and self.released):
             no_effect_on_released(effects, self.released, self.live, kinds)
+            if roles & RELEASE:
+                for effect in effects:
+                    if type(effect) is lc.ReleaseSeq:
+                        self.progress.released(effect.seq)
         if roles & COMMIT and roles & FOLD:
             fold_before_commit(effects)
         if roles & COMPACT:
             compaction_target_free(effects, self.device)
+        if roles & CHECKPOINT and roles & OUT and self.rids:  # (batched records are expanded by now)
+            tokens_after_checkpoints(effects, self.device)
+        if roles & CUT and roles & OUT and self.rids:
+            tokens_after_cut(effects, self.device)
         if self.shutdown_tail or roles & SHUTDOWN:
             acts = 0  # the roles of the effects before the shutdown, for the rules below
             for effect in effects:  # the shutdown's order, and nothing after it
                 if self.shutdown_tail or isinstance(effect, (lc.EpShutdown, lc.Quiesce, lc.Teardown)):
+                    if not self.shutdown_tail and self.seen_state is not None and not self.tick_fault:
+                        no_shutdown_with_work(self.seen_state)
                     shutdown_order(self.shutdown_tail, effect)
                 elif isinstance(effect, (dc.AllocSequence, dc.AllocSequenceFor)) and effect.session:
                     self.served.add(effect.session)
@@ -933,6 +992,10 @@ class Monitor:
                 rid = self.prev_active.get(effect.seq, (0, 0, None, 0))[2]
                 if rid is not None:
                     self.moved.add(rid)
+                    self.progress.let_go(rid)
+                    if str(effect.reason) == "spill_out_sequence":  # it comes back without its cancel flag
+                        self.flagless.add(rid)
+                        self.cancelled.discard(rid)
                     if str(effect.reason) == "preempt_requeue":
                         self.evicted.add(rid)
                         held = self.device.live.get(effect.seq)
@@ -1014,6 +1077,7 @@ class Monitor:
         else:
             self.final[rid] = output
             self.served.add(rid)
+            self.progress.finished(rid)
             request = self.requests[rid]
             expected = self.expected[rid]
             final_frame_matches(expected, output, self.streamed[rid], request.max_tokens,
@@ -1039,7 +1103,9 @@ class Monitor:
                 if cached is not None and output.cached != cached.get(rid, 0):
                     raise Violation("prefix_cache", f"request {rid} reports cached={output.cached}, the device "
                                                     f"found {cached.get(rid, 0)} prompt tokens cached")
-            elif isinstance(output, ErrorOut) and self.config is not None and self.model is not None:
+            elif isinstance(output, ErrorOut) and self.fault_expect is not None:
+                self.fault_errors.add(rid)
+            if isinstance(output, ErrorOut) and self.config is not None and self.model is not None:
                 adapters = getattr(self.device, "adapters", {-1: 0})
                 slot = getattr(request, "adapter_slot", -1)
                 error_justified(request, output.message, in_fault_step=self.fault_step, blamed=self.blamed,
@@ -1073,6 +1139,10 @@ class Monitor:
         device = self.device
         repeat = self.nothing_new
         self.nothing_new = True  # until the next event is stepped
+        if self.fault_expect is not None:
+            expected, faulted = self.fault_expect
+            self.fault_expect = None
+            fault_scope(expected, self.fault_errors, faulted)
         if self.refusable and device.refused is not None:
             device_arguments(device)
         if self.evicted and self.config is not None:
@@ -1103,6 +1173,10 @@ class Monitor:
                 running = self._running(state)
         elif restoring is not self.seen_restoring:
             running = self._running(state)
+        settled = state.settled
+        if settled is not self.seen_settled or rows is not self.seen_rows:
+            check_blocks(self.progress, rows, settled)
+            self.seen_settled, self.seen_rows = settled, rows
         if state.config is not self.seen_config:
             batch_bound(state)
             self.seen_config = state.config
@@ -1115,6 +1189,13 @@ class Monitor:
             for request in new:
                 self.admitted_by.setdefault(request.id, state.tick + self.work)
         phase = type(state.waiting)  # (no phase record is subclassed)
+        if phase in SETTLED_PHASES and (device_new or rows is not self.mirrored or settled is not self.mirrored_settled):
+            kv_mirror(state, device)  # (the answers before this query are settled)
+            self.mirrored, self.mirrored_settled = rows, settled
+        if self.progress.deadlines:
+            self.progress.on_state(state, self.now_ms)
+        if phase is AwaitInput and not repeat:  # (input events while it waits fill the inbox)
+            no_idle_with_work(state)
         if phase is AwaitPublishBlocks:
             if not repeat and self.config is not None:
                 admission_ran(state, self.now_ms, self.last_decode_ms, self.selected_in_tick)

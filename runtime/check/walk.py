@@ -39,145 +39,22 @@ import attrs
 
 from fxsched.core.config import SCRIPTED_EOS as EOS
 from fxsched.core import events as ev
-from fxsched.core.config import ModelInfo, SchedulerConfig
-from fxsched.core.faults import Halt
-from fxsched.core.request import Request
 from fxsched.core.phases import AwaitPublishBlocks
 from fxsched.core.state import initial_state
-from fxsched.core.table import ANSWERS
 from fxsched.effects import device_calls as dc
+from fxsched.effects import plans
 from fxsched.effects.client import DoneOut, ErrorOut, ResponseOut, RotationAck
 from fxsched.runtime.interpreter import BatchError, Host, Interpreter, Observer
-from fxsched.runtime.check.invariants import CANCEL, EVENT_KINDS, FAULT, Monitor, Violation, expected_output
-from fxsched.runtime.devices.scripted import Script
+from fxsched.runtime.check.aimed import AIMED_SHARE, aimed_episode
+from fxsched.runtime.check.episode import (ADAPTERS, BOUNDARY, FAULT_PHASES, MODES, TICK_MS, Episode, SimRequest,
+                                           _randints)
+from fxsched.runtime.check.invariants import CANCEL, EVENT_KINDS, FAULT, Monitor, Violation
 from fxsched.runtime.devices.simulated import SimDevice
 
 try:
     import resource
 except ImportError:  # not on Windows, where the walk runs in one process
     resource = None  # type: ignore[assignment]
-
-MODES = ("plain", "mtp1", "mtp2", "mtp3", "dflash", "ngram", "self_spec")
-TICK_MS = 10.0
-BOUNDARY = 41  # the watchdog episodes' boundary token: outside the random scripts' 2 .. 40
-ADAPTERS = {-1: 0, 1: 1, 2: 1}  # adapter slot -> id on the simulated device; slot 3 is unknown
-FAULT_PHASES = tuple(sorted(t.__name__ for t, phase in ANSWERS.items() if not isinstance(phase.fault, Halt)))
-"""The waiting phases a ``DeviceFault`` may answer without halting the loop (specs/faults.md §8.3)."""
-
-
-_PROMPT_BODY = tuple(2 + (i % 7) for i in range(1, 8))
-"""A request's prompt after its id: token i is 2 + (i mod 7), i = 1, 2, ..."""
-
-
-@attrs.frozen
-class SimRequest:
-    id: int
-    prompt_len: int
-    tokens: tuple[int, ...]
-    max_tokens: int
-    streaming: bool = True
-    wrong_every: int = 0
-    cancel_at: Optional[int] = None
-    deadline_ms: Optional[float] = None
-    arrive_tick: int = 0
-    num_beams: int = 1
-    min_tokens: int = 0
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    top_logprobs: int = 0
-    adapter_slot: int = -1
-    host_cancel_tick: Optional[int] = None  # the client cancels at this tick (whatever the request is doing)
-
-    def request(self) -> Request:
-        n = self.prompt_len - 1
-        prompt = (self.id,) + (_PROMPT_BODY * (n // len(_PROMPT_BODY) + 1))[:n]
-        return Request(id=self.id, prompt=prompt, max_tokens=self.max_tokens, streaming=self.streaming,
-                       deadline_ms=self.deadline_ms, num_beams=self.num_beams, min_tokens=self.min_tokens,
-                       temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-                       top_logprobs=self.top_logprobs, adapter_slot=self.adapter_slot)
-
-    def script(self) -> Script:
-        beam = expected_output(self.tokens, self.max_tokens) if self.num_beams > 1 else ()
-        return Script(self.prompt_len, self.tokens, self.wrong_every, beam, self.cancel_at)
-
-
-@attrs.frozen
-class Episode:
-    mode: str
-    max_batch_size: int
-    max_prefill_tokens: int
-    spill: bool
-    total_blocks: int
-    held_blocks: int
-    requests: tuple[SimRequest, ...]
-    kv_exhaust_at: tuple[int, ...] = ()
-    decode_fault_at: tuple[int, ...] = ()
-    verify_fault_at: tuple[int, ...] = ()
-    spill_corrupt_for: tuple[int, ...] = ()
-    can_batch_verify: bool = True
-    rotation_tick: Optional[int] = None
-    close_tick: int = 0
-    policy: str = "fifo"
-    slai_deadline_ms: float = 1_000_000.0
-    watchdog: bool = False
-    max_seq_len: int = 4096
-    prefix_cache: bool = False
-    reclaimable: int = 0
-    spill_missing_for: tuple[int, ...] = ()
-    fault_phase: str = ""
-    fault_phase_at: int = 0
-    short_proposals: bool = False
-    capacities: tuple[int, ...] = ()
-    ssm_ring: int = 0  # > 0: the model has SSM layers and a snapshot ring of this many slots
-
-    def to_json(self) -> dict:
-        return attrs.asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict) -> "Episode":
-        """The episode of a replay file. Files from before planted bugs left the checker carry an
-        empty ``planted`` list, which is dropped; a file that planted a bug cannot be replayed."""
-        data = dict(data)
-        if data.pop("planted", None):
-            raise ValueError("the episode plants bugs, which the checker no longer does "
-                             "(planted bugs are source mutations run by the tests)")
-        requests = tuple(SimRequest(**_lists_as_tuples(r)) for r in data.pop("requests"))
-        return cls(requests=requests, **_lists_as_tuples(data))
-
-    def config(self) -> SchedulerConfig:
-        modes: dict[str, dict[str, Any]] = dict(
-            plain={}, mtp1=dict(use_speculative=True, num_drafts=1), mtp2=dict(use_speculative=True, num_drafts=2),
-            mtp3=dict(use_speculative=True, num_drafts=3), dflash=dict(use_speculative=True, dflash=True, num_drafts=5),
-            ngram=dict(ngram_speculative=True), self_spec=dict(self_speculative=True, num_drafts=2))
-        spec = modes[self.mode]
-        return SchedulerConfig(max_batch_size=self.max_batch_size, max_prefill_tokens=self.max_prefill_tokens,
-                               swap_space_gb=1.0 if self.spill else 0.0, policy=self.policy,
-                               slai_deadline_ms=self.slai_deadline_ms, loop_watchdog=self.watchdog,
-                               boundary_tokens=(BOUNDARY,) if self.watchdog else (), max_seq_len=self.max_seq_len,
-                               **spec)
-
-    def model(self) -> ModelInfo:
-        return ModelInfo(total_blocks=self.total_blocks, has_proposer=self.mode.startswith(("mtp", "dflash")),
-                         dflash_gamma=6 if self.mode == "dflash" else None,
-                         has_self_speculative=self.mode == "self_spec",
-                         has_ssm_layers=self.ssm_ring > 0, ring_slots=self.ssm_ring,
-                         supports_beam=any(r.num_beams > 1 for r in self.requests))
-
-
-def _lists_as_tuples(data: dict[str, Any]) -> dict[str, Any]:
-    """A record's fields from JSON: lists back to the tuples of the frozen records."""
-    return {k: tuple(v) if isinstance(v, list) else v for k, v in data.items()}
-
-
-def _randints(rng: random.Random, low: int, high: int, n: int) -> list[int]:
-    """``n`` draws of ``rng.randint(low, high)``, the very numbers it gives, without its two Python
-    frames per draw (``randint(a, b)`` is ``a + _randbelow(b - a + 1)``; a script token is most of
-    the draws of an episode)."""
-    below, width = rng._randbelow, high - low + 1  # type: ignore[attr-defined]
-    return [low + below(width) for _ in range(n)]
-
 
 def _looping_script(rng: random.Random) -> list[int]:
     """A long script for the watchdogs: a lead-in holding the boundary token, then a block repeated
@@ -197,6 +74,8 @@ def _looping_script(rng: random.Random) -> list[int]:
 
 
 def random_episode(rng: random.Random) -> Episode:
+    if rng.random() < AIMED_SHARE:
+        return aimed_episode(rng)
     mode = rng.choice(MODES)
     watchdog = rng.random() < 0.06
     n = rng.randint(1, 6) if rng.random() < 0.8 else rng.randint(7, 12)
@@ -226,10 +105,11 @@ def random_episode(rng: random.Random) -> Episode:
             fields = dict(temperature=rng.choice([0.0, 0.5, 1.0]), top_p=rng.choice([1.0, 0.9, 0.5]),
                           top_k=rng.choice([0, 1, 5]), min_p=rng.choice([0.0, 0.1]),
                           top_logprobs=rng.choice([0, 0, 2]), min_tokens=rng.choice([0, 0, 2, 5]))
-        if beam or mode != "plain":
-            # a beam hypothesis is the device's, min_tokens or not; a speculative sink keeps an early
-            # EOS unstreamed in the output (specs/speculation.md §6.1 step 4), which the expected
-            # output does not model: min_tokens runs on the plain path only
+        if beam or mode == "self_spec":
+            # a beam hypothesis is the device's, min_tokens or not. The self-speculative step picks its
+            # first token by the host pick (EOS masked below min_tokens) but verifies its drafts
+            # greedily (specs/speculation.md §6.15), so an EOS there may be masked or kept unstreamed in
+            # the output (§6.1 step 4) depending on which row it falls on: no fixed expected output
             fields.pop("min_tokens", None)
         if adapters:
             fields["adapter_slot"] = rng.choice([-1, -1, -1, 1, 2, 3])
@@ -307,7 +187,7 @@ def _proposer_quirks(episode: Episode, rng: random.Random) -> Episode:
         changes.update(requests=requests[:8], max_batch_size=rng.choice((2, 3)), spill=rng.random() < 0.5,
                        total_blocks=rng.choice((10, 12, 16)), held_blocks=0, reclaimable=0,
                        kv_exhaust_at=(1, 3, 6), max_seq_len=4096, spill_corrupt_for=(), spill_missing_for=())
-    if episode.mode == "plain" and rng.random() < 0.1:
+    if episode.mode != "self_spec" and rng.random() < 0.1:
         # greedy rows below min_tokens whose script says EOS early: the EOS must be masked
         rs: list[SimRequest] = list(changes.get("requests", episode.requests))
         i = rng.randrange(len(rs))
@@ -378,7 +258,7 @@ def _suited_to_fault(episode: Episode, rng: random.Random) -> Episode:
         changes["requests"] = tuple(changes["requests"]) + tuple(
             attrs.evolve(r, id=r.id + len(episode.requests)) for r in changes["requests"][:len(extra)])
     episode = attrs.evolve(episode, **changes)
-    if episode.mode != "plain":  # min_tokens runs on the plain path only (see random_episode)
+    if episode.mode == "self_spec":  # no min_tokens there (see random_episode)
         episode = attrs.evolve(episode, requests=tuple(attrs.evolve(r, min_tokens=0) for r in episode.requests))
     return episode
 
@@ -423,7 +303,7 @@ class WalkHost(Host):
         return events
 
 
-_NOTED = frozenset((dc.GenerateBeamBatch, dc.DecodeVerifyBatched, dc.TruncateSequence, dc.AdapterIdFor))
+_NOTED = frozenset((dc.GenerateBeamBatch, dc.DecodeVerifyBatched, dc.TruncateSequence, dc.AdapterIdFor, plans.Decode))
 """The effect types ``WalkObserver._note_features`` looks into."""
 
 
@@ -478,6 +358,8 @@ class WalkObserver(MonitorObserver):
                 self.coverage["fault:kv_exhausted" if event.kv_exhausted else "fault:fatal"] += 1
             else:
                 self.coverage["fault:cancel"] += 1
+                if event.request_id in self.monitor.requests and not self.monitor._cancel_lands(event.request_id):
+                    self.coverage["rare:cancel_without_flag"] += 1
         self.monitor.on_event(event, kind)
 
     def stepped(self, event, state, effects) -> None:
@@ -504,6 +386,12 @@ class WalkObserver(MonitorObserver):
                 coverage["feature:watchdog_rollback"] += 1
             elif kind is dc.AdapterIdFor and any(slot != -1 for slot in effect.slots):
                 coverage["feature:adapters"] += 1
+            elif kind is plans.Decode:
+                # a plain decode of a sequence whose table is larger than its length needs: a verify
+                # that crossed a block boundary was rejected before it (the count must not fall)
+                live, bs = self.monitor.device.live, self.monitor.device.block_size
+                if any(s in live and live[s].blocks > live[s].seq_len // bs + 1 for s in effect.seqs):
+                    coverage["rare:plain_after_rejected_cross"] += 1
 
     def count_effects(self) -> None:
         """Add the effects stepped so far to the coverage, one count per effect under its type's name."""
@@ -518,6 +406,11 @@ class WalkObserver(MonitorObserver):
             if (len(state.active) + len(state.prefilling) + len(state.new_requests) >= state.config.max_batch_size
                     and self.monitor.device.free_count() > 0):
                 self.coverage["feature:full_batch_while_waiting"] += 1
+            if not state.rows and not state.prefilling:
+                self.coverage["rare:nothing_runs_while_work_waits"] += 1
+            bs, total = state.model.block_size, state.model.total_blocks
+            if any(len(q.tokens) // bs + 2 == total for q in state.preempted):
+                self.coverage["rare:requeue_needs_whole_pool"] += 1
         if state.stopped:
             self.monitor.at_end(state)
         elif self.steps >= self.step_limit:
@@ -535,6 +428,9 @@ class WalkObserver(MonitorObserver):
                 self.coverage[f"guard:{guard}"] += 1
             if output.cached:
                 self.coverage["feature:prefix_hit"] += 1
+            due = getattr(self.monitor.requests.get(output.request_id), "deadline_ms", None)
+            if str(output.reason) == "timeout" and due is not None and due == self.monitor.now_ms:
+                self.coverage["rare:deadline_on_the_clock"] += 1
             if isinstance(output, ResponseOut) and output.logprobs:
                 self.coverage["feature:logprobs"] += 1
             request = self.monitor.requests[output.request_id]
@@ -661,6 +557,10 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "spill file fault": ("feature:spill_fault",), "kv exhaustion": ("fault:kv_exhausted",),
     "device fault": ("fault:fatal",), "cancel": ("fault:cancel",), "deadline": ("finish:timeout",),
     "full batch while preempted/swapped wait": ("feature:full_batch_while_waiting",),
+    "rare: timeout with the deadline on the clock": ("rare:deadline_on_the_clock",),
+    "rare: plain decode after a rejected verify crossed a block": ("rare:plain_after_rejected_cross",),
+    "rare: a preempted sequence needing the whole pool": ("rare:requeue_needs_whole_pool",),
+    "rare: cancel of a request without a cancel flag": ("rare:cancel_without_flag",),
 }
 FEATURES.update({f"fault in {name}": (f"fault_phase:{name}",) for name in FAULT_PHASES})
 """Every feature the walk must reach, with the coverage keys whose sum counts it."""

@@ -14,11 +14,11 @@ stderr once it listens: ``fxsched serve: listening on http://HOST:PORT (model NA
 SIGTERM (or Ctrl-C) drains: no new requests, the ones in flight finish (at most
 ``--drain-timeout`` seconds, then they are cancelled with a final chunk), exit 0.
 
-vLLM's names work too (serve.md §12.2): the model as the positional ``MODEL``, ``--max-model-len``
+vLLM's names work too (serve-security.md §14.2): the model as the positional ``MODEL``, ``--max-model-len``
 (``--max-seq-len``), ``--max-num-seqs`` (``--max-batch``), ``--max-num-batched-tokens``,
 ``--speculative-config JSON`` (``--spec``), ``--seed``, ``--chat-template``, ``--dtype
 auto|bf16|half|float``; ``--ep-ranks N`` runs the engine on expert-parallel ranks
-(runtime/ep/serve.py). The front door's flags (serve.md §12.1): ``--api-key`` (or
+(runtime/ep/serve.py). The front door's flags (serve-security.md §14.1): ``--api-key`` (or
 ``FXSCHED_API_KEY``), ``--metrics-open``, ``--allowed-origins``, ``--max-request-bytes``.
 
 Bad input (an unknown ``--spec`` or one the model cannot run, a missing model directory, a model
@@ -99,7 +99,7 @@ def add_serve_command(sub) -> None:
     from fxsched.runtime.cli.ep import add_ep_ranks_argument
 
     add_ep_ranks_argument(p)
-    sec = p.add_argument_group("security (specs/serve.md, the front door)")
+    sec = p.add_argument_group("security (specs/serve-security.md, the front door)")
     sec.add_argument("--api-key", metavar="KEY", default=None,
                      help=f"require 'Authorization: Bearer KEY' on every route but /health (default: the "
                           f"{API_KEY_ENV} environment variable; none: no key)")

@@ -78,7 +78,12 @@ from typing import NamedTuple, Optional
 
 from fxsched.runtime.devices.device import DeviceError
 from fxsched.runtime.devices.sampling import draw, pick_weights
+from fxsched.runtime.devices.ep_check import EpWordCheck
 from fxsched.runtime.devices.scripted import Script, ScriptedDevice, ScriptedSequence
+from fxsched.runtime.ep.protocol import Decode as EpDecode
+from fxsched.runtime.ep.protocol import Kind
+from fxsched.runtime.ep.protocol import Prefill as EpPrefill
+from fxsched.runtime.ep.protocol import Verify as EpVerify
 
 
 class ArgumentError(DeviceError):
@@ -96,6 +101,23 @@ _PICKED: dict[tuple, int] = {}
 _WEIGHED: dict[tuple, int | list[float]] = {}
 """(scripted answer, vocabulary size, the pick's temperature, filters and EOS mask, EOS ids) -> what
 ``sampling.pick_weights`` makes of that row: picks that differ in their seed alone share it."""
+
+
+def _agreed(inputs, rows) -> int:
+    """The drafts of a verify's ``inputs`` (after the anchor) that its ``rows`` agree with, in a row."""
+    a = 0
+    while a + 1 < len(inputs) and inputs[a + 1] == rows[a]:
+        a += 1
+    return a
+
+
+class _Slice(NamedTuple):
+    """A prefill's rows in the shape of a batched call's slice (for the EP word check)."""
+
+    seq: int
+    prompt: tuple[int, ...]
+    start: int
+    length: int
 
 
 class SimDevice(ScriptedDevice):
@@ -150,6 +172,8 @@ class SimDevice(ScriptedDevice):
         self.ring_slots = 0  # the SSM snapshot ring's slots (0: no ring)
         self.rings: dict[int, tuple[dict[int, int], int]] = {}  # request id -> (ring slot -> position, cursor)
         self.epoch = 0  # changes to the pool and the slots so far (see the module docstring)
+        self.verify_order: tuple[tuple[int, bool], ...] = ()  # the last verify's sequences (counted?) in row order
+        self.ep_words = EpWordCheck()  # the EP words as a worker reads them, against the forwards that run
 
     # --- strict bookkeeping ---------------------------------------------------------------------------
 
@@ -166,6 +190,40 @@ class SimDevice(ScriptedDevice):
         if self.refused is None:
             self.refused = error.message
         return error
+
+    # --- EP words: each announced forward is the one that runs next ------------------------------------
+
+    def _ep(self, call: str, error: Optional[str]) -> None:
+        if error is not None:
+            raise self._bad(call, error)
+
+    def ep_broadcast_cmd_for_seq(self, seq_slot: int, cmd: int) -> None:
+        super().ep_broadcast_cmd_for_seq(seq_slot, cmd)
+        self._ep("ep_broadcast_cmd_for_seq", self.ep_words.feed(Kind.CMD_FOR_SEQ, seq_slot, cmd))
+
+    def ep_broadcast_cmd(self, cmd: int) -> None:
+        super().ep_broadcast_cmd(cmd)
+        self._ep("ep_broadcast_cmd", self.ep_words.feed(Kind.CMD, 0, cmd))
+
+    def ep_broadcast_tokens(self, tokens) -> None:
+        super().ep_broadcast_tokens(tokens)
+        self._ep("ep_broadcast_tokens", self.ep_words.feed(Kind.TOKENS, 0, 0, tokens))
+
+    def ep_sync_vision_embeds(self, n: int) -> None:
+        super().ep_sync_vision_embeds(n)
+        self._ep("ep_sync_vision_embeds", self.ep_words.feed(Kind.VISION, n))
+
+    def _runs(self, call: str, decodes=(), prefills=(), verifies=()) -> None:
+        """The forward ``call`` feeds ``decodes`` ((token, seq) pairs), prefill slices and
+        ``verifies`` ((seq, tokens) pairs): what the EP words announced must be one of them."""
+        if not self.ep_words.announced:
+            return
+        live = self.live
+        runs = tuple([EpDecode(live[q].slot, t) for t, q in decodes if q in live]
+                     + [EpPrefill(live[sl.seq].slot, sl.start, sl.length, tuple(sl.prompt))
+                        for sl in prefills if sl.seq in live]
+                     + [EpVerify(live[q].slot, tuple(tokens)) for q, tokens in verifies if q in live])
+        self._ep(call, self.ep_words.take(call, runs))
 
     def _blame(self, seqs) -> None:
         self.blamed = frozenset(self._rid(self.live[i]) for i in seqs if i in self.live)
@@ -254,6 +312,7 @@ class SimDevice(ScriptedDevice):
         s = self._seq(seq)
         if s.seq_len or not tokens:
             raise self._bad("prefill", f"{len(tokens)} tokens into sequence {seq}, which holds {s.seq_len}")
+        self._runs("prefill", prefills=(_Slice(seq, tuple(tokens), 0, len(tokens)),))
         super().prefill(seq, tokens, stream)
         self._ring_reset(s)
         return self._first_prefill(s, tokens)
@@ -261,15 +320,17 @@ class SimDevice(ScriptedDevice):
     def prefill_chunk(self, seq: int, prompt, start: int, length: int, last: bool, stream: int):
         s = self._seq(seq)
         self._check_slice("prefill_chunk", s, prompt, start, length, last)
+        self._runs("prefill_chunk", prefills=(_Slice(seq, tuple(prompt), start, length),))
         if start == 0:
             self._ring_reset(s)
         super().prefill_chunk(seq, prompt, start, length, last, stream)
         return self._first_prefill(s, prompt) if start == 0 else 0
 
-    def _check_slices(self, call: str, decode_seqs, prefills) -> None:
+    def _check_slices(self, call: str, decode_seqs, prefills, decode_tokens=()) -> None:
         names = list(decode_seqs) + [sl.seq for sl in prefills]
         if len(names) != len(set(names)):
             raise self._bad(call, f"a sequence appears twice in {names}")
+        self._runs(call, decodes=tuple(zip(decode_tokens, decode_seqs, strict=False)), prefills=prefills)
         for sl in prefills:
             self._check_slice(call, self._seq(sl.seq), sl.prompt, sl.start, sl.length, sl.last)
             if sl.start == 0:
@@ -278,13 +339,13 @@ class SimDevice(ScriptedDevice):
 
     def mixed_forward(self, decode_tokens, decode_seqs, prefill, stream: int) -> None:
         self._blame(list(decode_seqs) + [prefill.seq])
-        self._check_slices("mixed_forward", decode_seqs, (prefill,))
+        self._check_slices("mixed_forward", decode_seqs, (prefill,), decode_tokens)
         super().mixed_forward(decode_tokens, decode_seqs, prefill, stream)
         self.blamed = None
 
     def mixed_forward_batch(self, decode_tokens, decode_seqs, prefills, stream: int) -> None:
         self._blame(list(decode_seqs) + [sl.seq for sl in prefills])
-        self._check_slices("mixed_forward_batch", decode_seqs, prefills)
+        self._check_slices("mixed_forward_batch", decode_seqs, prefills, decode_tokens)
         super().mixed_forward_batch(decode_tokens, decode_seqs, prefills, stream)
         self.blamed = None
 
@@ -297,6 +358,7 @@ class SimDevice(ScriptedDevice):
     def decode_batch(self, tokens, seqs, stream: int) -> None:
         if len(set(seqs)) != len(seqs):
             raise self._bad("decode_batch", f"a sequence appears twice in {list(seqs)}")
+        self._runs("decode_batch", decodes=tuple(zip(tokens, seqs, strict=False)))
         self._blame(seqs)
         before = [(i, self._seq(i).seq_len) for i in seqs]
         super().decode_batch(tokens, seqs, stream)
@@ -306,6 +368,7 @@ class SimDevice(ScriptedDevice):
         self.blamed = None
 
     def _single_decode(self, name: str, token: int, seq: int, stream: int, cancel: bool) -> None:
+        self._runs(name, decodes=((token, seq),))
         super()._single_decode(name, token, seq, stream, cancel)
         self.last_forward[seq] = name
         self.hidden_saved = False
@@ -361,12 +424,14 @@ class SimDevice(ScriptedDevice):
             raise self._bad(name, f"{len(tokens)} tokens for a width-{width} verify")
         if name == "decode_verify_dflash" and len(tokens) < 5:  # keep >= 4 (specs/speculation.md §6.5)
             raise self._bad(name, f"a block verify of {len(tokens) - 1} drafts (four or more take it)")
+        self._runs(name, verifies=((seq, tokens),))
         if name != "decode_verify":
             self._check_drafts(name, seq, tokens)
         self.blamed = frozenset((self._rid(s),))
         self.verified[seq] = (len(tokens), s.seq_len)
         rows = super()._verify(name, seq, tokens)
         self.verify_io[seq] = (tuple(tokens), tuple(rows))
+        self.verify_order = ((seq, name != "decode_verify"),)
         self.blamed = None
         return rows
 
@@ -374,18 +439,17 @@ class SimDevice(ScriptedDevice):
         """The drafts the last verify of ``seq`` accepted, from its own inputs and rows (None: no
         verify since the last plain decode)."""
         io = self.verify_io.get(seq)
-        if io is None:
-            return None
-        inputs, rows = io
-        a = 0
-        while a + 1 < len(inputs) and inputs[a + 1] == rows[a]:
-            a += 1
-        return a
+        return None if io is None else _agreed(*io)
 
     def decode_verify_batched(self, tokens, ks, seqs, stream: int, woa: bool) -> list[int]:
         if len(set(seqs)) != len(seqs) or len(ks) != len(seqs) or sum(ks) != len(tokens):
             raise self._bad("decode_verify_batched", f"ks={list(ks)} seqs={list(seqs)} for {len(tokens)} tokens")
         self._blame(seqs)
+        verifies, offset = [], 0
+        for k, seq_id in zip(ks, seqs, strict=True):
+            verifies.append((seq_id, tokens[offset:offset + k]))
+            offset += k
+        self._runs("decode_verify_batched", verifies=tuple(verifies))
         offset = 0
         for k, seq_id in zip(ks, seqs, strict=True):
             self.verified[seq_id] = (k, self._seq(seq_id).seq_len)
@@ -397,6 +461,7 @@ class SimDevice(ScriptedDevice):
             self.verify_io[seq_id] = (tuple(tokens[offset:offset + k]), tuple(rows[offset:offset + k]))
             offset += k
         self.batch_seqs = tuple(seqs)
+        self.verify_order = tuple((seq_id, True) for seq_id in seqs)
         self.blamed = None
         return rows
 
@@ -644,27 +709,55 @@ class SimDevice(ScriptedDevice):
         copy. A pick is a function of the answer, the pick and the EOS ids alone, so each one is
         worked out once (``_PICKED``: the walk's seeds and answers repeat across episodes), and
         the row's weights once for all the seeds (``_WEIGHED``): only the draw is the seed's."""
+        return Picked([self._pick(self._row(r), pick, eos_ids) for r, pick in zip(range(row, row + n), picks,
+                                                                                   strict=True)])
+
+    def _pick(self, answer: int, pick, eos_ids) -> int:
+        """The token ``pick`` draws from a row whose scripted answer is ``answer``."""
         vocab = self.vocab
-        tokens = []
-        for r, pick in zip(range(row, row + n), picks, strict=True):
-            answer = self._row(r)
-            key = (answer, vocab, pick, eos_ids)
-            token = _PICKED.get(key)
-            if token is None:
-                shape = (answer, vocab, pick.temperature, pick.top_p, pick.top_k, pick.min_p, pick.mask_eos, eos_ids)
-                weights = _WEIGHED.get(shape)
-                if weights is None:
-                    logits = [0.0] * vocab
-                    if 0 <= answer < vocab:
-                        logits[answer] = 30.0
-                    if len(_WEIGHED) >= 4096:
-                        _WEIGHED.clear()
-                    weights = _WEIGHED[shape] = pick_weights(logits, pick, eos_ids)
-                if len(_PICKED) >= 65536:
-                    _PICKED.clear()
-                token = _PICKED[key] = weights if isinstance(weights, int) else draw(weights, pick.seed)
-            tokens.append(token)
-        return Picked(tokens)
+        key = (answer, vocab, pick, eos_ids)
+        token = _PICKED.get(key)
+        if token is None:
+            shape = (answer, vocab, pick.temperature, pick.top_p, pick.top_k, pick.min_p, pick.mask_eos, eos_ids)
+            weights = _WEIGHED.get(shape)
+            if weights is None:
+                logits = [0.0] * vocab
+                if 0 <= answer < vocab:
+                    logits[answer] = 30.0
+                if len(_WEIGHED) >= 4096:
+                    _WEIGHED.clear()
+                weights = _WEIGHED[shape] = pick_weights(logits, pick, eos_ids)
+            if len(_PICKED) >= 65536:
+                _PICKED.clear()
+            token = _PICKED[key] = weights if isinstance(weights, int) else draw(weights, pick.seed)
+        return token
+
+    def sample_verify(self, picks, eos_ids) -> list[int]:
+        """The last verify's rows under their picks (specs/speculation.md §6.16): a row whose pick
+        masks EOS (its output position is below ``min_tokens``) and whose scripted answer is EOS
+        answers what the pick draws instead, as a plain decode's host pick does; every other row
+        keeps its answer (the scripted logits put all the mass on it, so a rejection-sampled
+        verify keeps exactly the greedy verify's drafts). The accepted-draft count follows."""
+        rows = list(self.rows)
+        if len(picks) != len(rows):
+            raise self._bad("sample_verify", f"{len(picks)} picks for the {len(rows)} rows of the last verify")
+        offset = 0
+        for seq_id, counted in self.verify_order:
+            inputs, old = self.verify_io[seq_id]
+            new = list(old)
+            for i in range(len(new)):
+                pick = picks[offset + i]
+                if pick.mask_eos and new[i] in eos_ids:
+                    new[i] = self._pick(new[i], pick, eos_ids)
+            if new != list(old):
+                if counted and self.count_accepted:
+                    rid = self.live[seq_id].request_id
+                    self.accepted[rid] = self.accepted.get(rid, 0) - _agreed(inputs, old) + _agreed(inputs, new)
+                self.verify_io[seq_id] = (inputs, tuple(new))
+                rows[offset:offset + len(new)] = new
+            offset += len(new)
+        self.rows = rows
+        return rows
 
     def adapter_id_for(self, slot: int) -> int:
         return self.adapters.get(slot, -1)

@@ -9,6 +9,8 @@ scheduler's ``accepted_prefix(drafts, rows)`` is the number of drafts accepted a
 ``HostPick``: temperature, filters, EOS mask, ``seed`` = the request's seed + the output position
 the row fills):
 
+* the rows a request's processors change (``row_processors``: penalties, ``logit_bias``) are
+  taken processed, for every rule below: ``p`` is the processed distribution;
 * temperature 0: the argmax of the (EOS-masked) logits, the greedy verify's row: a draft is
   accepted exactly when it is the argmax, whatever the batch-mates ask for;
 * temperature T > 0: ``p`` is the filtered distribution a non-speculative pick draws from
@@ -70,15 +72,18 @@ def accepted_counts(inputs: Seq[Seq[int]], rows: Seq[int]) -> list[int]:
 
 
 def verify_sample(logits: torch.Tensor, inputs: Seq[Seq[int]], picks: Seq[HostPick], eos_ids: Seq[int],
-                  q: Optional[torch.Tensor] = None) -> tuple[list[int], list[int]]:
-    """The rows of a sampled verify and the drafts each sequence accepted (see the module docstring)."""
+                  q: Optional[torch.Tensor] = None, processed: Optional[torch.Tensor] = None
+                  ) -> tuple[list[int], list[int]]:
+    """The rows of a sampled verify and the drafts each sequence accepted (see the module docstring).
+    ``processed``: the rows after per-request processing (penalties, ``logit_bias``), the target
+    distribution the test keeps (None: the raw rows)."""
     total_rows = sum(len(t) for t in inputs)
     if logits.dim() != 2 or logits.shape[0] != total_rows or len(picks) != total_rows:
         raise ValueError(f"verify_sample: logits of shape {tuple(logits.shape)} for {total_rows} verify rows "
                          f"and {len(picks)} picks")
     device = logits.device
     vocab = logits.shape[1]
-    x = logits.to(torch.float32, copy=True)
+    x = (logits if processed is None else processed).to(torch.float32, copy=True)
     eos = [e for e in dict.fromkeys(eos_ids) if 0 <= e < vocab]
     masked = [r for r, p in enumerate(picks) if p.mask_eos]
     if eos and masked:

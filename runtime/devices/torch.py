@@ -60,6 +60,7 @@ from fxsched.runtime.devices.device import DeviceError
 from fxsched.runtime.logs import ensure_configured
 from fxsched.runtime.devices.streams import StreamError, StreamSet
 from fxsched.runtime.devices.spec_sampling import verify_sample
+from fxsched.runtime.devices.row_processors import RowProcessors
 from fxsched.runtime.devices.torch_sampling import RowLogprobs, SampledRows, logprob_records, sample_rows
 from fxsched.runtime.torch_model import HybridEngine
 from fxsched.runtime.torch_model.errors import OutOfBlocksError, SpillError, TorchModelError
@@ -74,6 +75,8 @@ BEAM_MAX_TOKENS = 16
 # A drafter override (tests, benchmarks): (committed tokens of the sequence, its last token, n) -> drafts.
 Drafter = Callable[[list, int, int], list]
 
+
+PROMPT_LOGPROBS_CHUNK = 512  # rows of one prompt-logprobs forward (all of them get logits)
 
 class DeviceStateError(RuntimeError):
     """The scheduler's calls and the device's view of a sequence disagree (a bug, not a fault)."""
@@ -718,7 +721,8 @@ class TorchDevice:
                 raise DeviceError(f"sample_verify: sequence {s.seq_id} has no pending verify")
             inputs.append(s.pending.tokens)
         self.stats.calls["sample_verify"] += 1
-        rows, accepted = verify_sample(self._logits, inputs, picks, eos_ids)
+        rows, accepted = verify_sample(self._logits, inputs, picks, eos_ids,
+                                       processed=self._processed(0, self._logits.shape[0]))
         records: list[tuple[int, list[RowLogprobs]]] = []
         offset = 0
         for s, n, toks in zip(seqs, accepted, inputs, strict=True):
@@ -820,6 +824,36 @@ class TorchDevice:
         self._count("prefill", "beam_prefill")
         return torch.log_softmax(logits.float(), -1)
 
+    def prompt_logprobs(self, tokens: Seq[int], width: int) -> tuple[list[RowLogprobs], list[int]]:
+        """The logprob record of each prompt token after the first (``tokens[i + 1]`` from the row
+        of ``tokens[i]``, with the ``width`` largest entries): forwards over the prompt (chunks of
+        ``PROMPT_LOGPROBS_CHUNK`` rows, each committed) in a scratch slot, freed before returning
+        (the rows the scheduler's forwards never compute, specs/scheduler.md §5.11), and each token's rank (1: the most likely). Raises
+        ``DeviceError`` when no slot or blocks are free."""
+        tokens = [int(t) for t in tokens]
+        if len(tokens) < 2:
+            return [], []
+        free = self.engine.free_slots()
+        if not free:
+            raise DeviceError("prompt_logprobs: no free slot for a scratch sequence")
+        slot = free[-1]
+        self._make_room(-(-len(tokens) // self.cfg.block_size), "prompt_logprobs")
+        parts = []
+        with self._errors("prompt_logprobs"):
+            self.engine.alloc(slot)
+            try:  # in chunks, each committed before the next: a chunk's rows bound the forward's memory
+                for start in range(0, len(tokens) - 1, PROMPT_LOGPROBS_CHUNK):
+                    chunk = tokens[start:start + PROMPT_LOGPROBS_CHUNK]
+                    parts.append(self.engine.verify(slot, chunk).float())
+                    self.engine.commit_accepted_prefix(slot, len(chunk))
+            finally:
+                self.engine.free(slot)
+        self._count("prefill", "prompt_logprobs")
+        rows = torch.cat(parts)[:len(tokens) - 1]
+        chosen = torch.tensor(tokens[1:], dtype=torch.int64, device=rows.device)[:, None]
+        ranks = ((rows > rows.gather(-1, chosen)).sum(dim=-1) + 1).tolist()
+        return logprob_records(rows, tokens[1:], [width] * (len(tokens) - 1)), ranks
+
     def _beam(self, prompt: list[int], beams: int) -> list[int]:
         eos = self.cfg.eos_id
         limit = min(BEAM_MAX_TOKENS, self.cfg.max_seq_len - len(prompt))
@@ -871,6 +905,26 @@ class TorchDevice:
         return slab[off:off + nbytes]
 
     last_sample: Optional[SampledRows] = None  # the last sample_rows answer, logprob records included
+    row_processors: Optional[RowProcessors] = None  # per-request logits processing (penalties, logit_bias)
+
+    def _processed(self, row: int, n: int) -> Optional[torch.Tensor]:
+        """Rows ``row``.. of the last forward after their requests' processors (None: none has any).
+        A row's context is its sequence's committed tokens, then (a verify or draft row) the
+        pending inputs up to and including the row's own."""
+        processors = self.row_processors
+        if not processors or self._logits is None:
+            return None
+        owners = self._owners[row:row + n]
+        seqs = [self._seqs.get(seq_id) for seq_id, _ in owners]
+
+        def context(r: int) -> list[int]:
+            s = seqs[r]
+            assert s is not None
+            committed = self.engine.tokens(s.slot)
+            return committed + (s.pending.tokens[:owners[r][1] + 1] if s.pending is not None else [])
+
+        sessions = [s.session if s is not None else None for s in seqs] + [None] * (n - len(seqs))
+        return processors.process(self._logits[row:row + n], sessions, context)
 
     def sample_rows(self, row: int, n: int, picks, eos_ids) -> SampledRows:
         """Pick rows ``row``.. ``row + n - 1`` on the device by their ``HostPick`` (batched, in torch:
@@ -879,7 +933,7 @@ class TorchDevice:
         if self._logits is None:
             raise DeviceError("no forward has produced logits rows yet")
         self.stats.calls["sample_rows"] += 1
-        self.last_sample = sample_rows(self._logits[row:row + n], picks, eos_ids)
+        self.last_sample = sample_rows(self._logits[row:row + n], picks, eos_ids, self._processed(row, n))
         self.last_sample_row = row
         return self.last_sample
 

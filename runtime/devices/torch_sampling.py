@@ -20,6 +20,9 @@ Invariant: nothing crosses rows and every draw has its own generator, so a row's
 only on its logits, its pick and the EOS ids, never on the batch, the row's position in it, or
 the device the logits live on (the uniform is drawn on the CPU everywhere).
 
+Rows a request's processors changed (penalties, ``logit_bias``: ``row_processors``) come as
+``processed`` and are picked from instead of the raw rows (step 0, before the EOS mask).
+
 Logprobs follow vLLM's default: the model's raw distribution, ``log_softmax`` of the logits
 before the EOS mask and the temperature. A row with ``top_logprobs = k > 0`` gets the chosen
 token's logprob and the k largest entries (ties: the lower id first); other rows get ``None``.
@@ -113,8 +116,11 @@ def _top_k_top_p(probs: torch.Tensor, picks: Seq[HostPick]) -> torch.Tensor:
     return torch.where(kept, probs, 0.0)
 
 
-def sample_rows(logits: torch.Tensor, picks: Seq[HostPick], eos_ids: Seq[int]) -> SampledRows:
-    """One token per row of ``logits [N, V]`` by ``picks[r]``, batched (see the module docstring)."""
+def sample_rows(logits: torch.Tensor, picks: Seq[HostPick], eos_ids: Seq[int],
+                processed: Optional[torch.Tensor] = None) -> SampledRows:
+    """One token per row of ``logits [N, V]`` by ``picks[r]``, batched (see the module docstring).
+    ``processed`` (``[N, V]``, float32): the rows after per-request processing
+    (``row_processors``), which the picks draw from; the logprob records stay ``logits``'."""
     if logits.dim() != 2 or logits.shape[0] != len(picks):
         raise ValueError(f"sample_rows: logits of shape {tuple(logits.shape)} for {len(picks)} picks")
     device = logits.device
@@ -122,6 +128,8 @@ def sample_rows(logits: torch.Tensor, picks: Seq[HostPick], eos_ids: Seq[int]) -
     x = logits.to(torch.float32, copy=True)
     asked = [r for r, p in enumerate(picks) if p.top_logprobs > 0]
     raw = torch.log_softmax(x[asked], dim=-1) if asked else None
+    if processed is not None:
+        x = processed.to(torch.float32, copy=True)
     eos = [e for e in dict.fromkeys(eos_ids) if 0 <= e < vocab]
     masked = [r for r, p in enumerate(picks) if p.mask_eos]
     if eos and masked:

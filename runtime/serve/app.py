@@ -6,14 +6,16 @@ reference ASGI server and lets ``fxsched serve`` own the signal handling (runtim
 Bodies are decoded by ``guard.Screen`` (bounded JSON, prompts measured before they are tokenized,
 on a worker thread) and validated by ``protocol.request_from_data`` rather than FastAPI's own
 validation, so a bad field is a 400 with an OpenAI error body naming it, not FastAPI's 422. The
-front door (API key, Host, Origin, Content-Type, body size: runtime/serve/guard.py, serve.md
-§12.1) wraps the app as ASGI middleware.
+front door (API key, Host, Origin, Content-Type, body size: runtime/serve/guard.py,
+serve-security.md §14.1) wraps the app as ASGI middleware.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream``: server-sent events,
 one ``data: {chunk}`` per frame that brings text, a final chunk with ``finish_reason``, a usage
 chunk with ``stream_options.include_usage``, then ``data: [DONE]``), ``GET /v1/models``, ``GET
 /health`` (200 while serving, 503 while draining or when the engine thread has stopped), ``GET
-/metrics`` (Prometheus text, runtime/serve/metrics.py).
+/metrics`` (Prometheus text, runtime/serve/metrics.py), ``GET /openapi.json`` (the routes and
+their request models; the bodies are still parsed by ``guard.Screen``). Unknown request fields
+are ignored and counted (``fxsched_unknown_fields_total``).
 
 What the layer does, and nothing more (scheduling is the scheduler's): a request becomes a plan
 (protocol.py), its choices are submitted to the engine with a sink that moves each ``ChoiceEvent``
@@ -35,7 +37,7 @@ import functools
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any, AsyncIterator, Callable, Optional, Sequence as Seq
 
 import structlog
 from fastapi import FastAPI, Request
@@ -105,8 +107,12 @@ class _Choice:
         self.pending_records: list[Optional[dict[str, Any]]] = []
         self.offset = 0  # completions logprobs: characters of the tokens already reported
         self.final: Optional[ChoiceEvent] = None
+        self.prompt_records: Optional[tuple[Optional[dict[str, Any]], ...]] = None
+        self.started = False  # a stream has sent this choice's first chunk (its echo)
 
     def take(self, event: ChoiceEvent) -> None:
+        if event.prompt_logprobs is not None:
+            self.prompt_records = event.prompt_logprobs
         self.parts.append(event.text)
         self.tokens.extend(event.tokens)
         self.pending_tokens.extend(event.tokens)
@@ -170,6 +176,35 @@ class _Formatter:
             "text_offset": offsets,
         }
 
+    def echo_logprobs(self, choice: _Choice, prompt: Seq[int]) -> Optional[dict[str, Any]]:
+        """Completions ``echo`` + ``logprobs``: the prompt tokens' entries (the first one null)."""
+        records = list(choice.prompt_records or ())
+        return self.logprobs(choice, list(prompt), records + [None] * (len(prompt) - len(records)))
+
+    def prompt_logprobs(self, choice: _Choice) -> Optional[list[Optional[dict[str, Any]]]]:
+        """vLLM's ``prompt_logprobs``: per prompt token None (the first) or {id: {logprob, rank,
+        decoded_token}} for the token itself and the top entries."""
+        width = self.plan.prompt_logprobs
+        if width is None or choice.prompt_records is None:
+            return None
+        out: list[Optional[dict[str, Any]]] = []
+        for r in choice.prompt_records:
+            if r is None:
+                out.append(None)
+                continue
+            entry = {str(r["token_id"]): {"logprob": r["logprob"], "rank": r["rank"],
+                                          "decoded_token": self.token_text(r["token_id"])}}
+            for rank, e in enumerate(r["top_logprobs"][:width], start=1):
+                entry.setdefault(str(e["token_id"]), {"logprob": e["logprob"], "rank": rank,
+                                                      "decoded_token": self.token_text(e["token_id"])})
+            out.append(entry)
+        return out
+
+    def _merge(self, head: Optional[dict[str, Any]], tail: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+        if head is None or tail is None:
+            return head or tail
+        return {k: head[k] + tail[k] for k in head}
+
     def _chat_entry(self, token: int, record: Optional[dict[str, Any]], top: int) -> dict[str, Any]:
         text = self.token_text(token)
         entries = record["top_logprobs"][:top] if record else []
@@ -179,23 +214,34 @@ class _Formatter:
 
     # whole responses ------------------------------------------------------------------------
 
+    def echo(self, index: int) -> str:
+        return self.plan.echo[index] if self.plan.echo is not None else ""
+
     def response(self, choices: list[_Choice]) -> dict[str, Any]:
         out = []
         for index, c in enumerate(choices):
             assert c.final is not None
-            lp = self.logprobs(c, c.tokens, c.records)
+            head = self.echo_logprobs(c, self.plan.choices[index].prompt) if self.plan.echo_logprobs else None
+            lp = self._merge(head, self.logprobs(c, c.tokens, c.records))
+            text = self.echo(index) + c.text
             if self.chat:
-                out.append({"index": index, "message": {"role": "assistant", "content": c.text},
-                            "logprobs": lp, "finish_reason": c.final.finish_reason})
+                entry = {"index": index, "message": {"role": "assistant", "content": text},
+                         "logprobs": lp, "finish_reason": c.final.finish_reason}
             else:
-                out.append({"index": index, "text": c.text, "logprobs": lp, "finish_reason": c.final.finish_reason})
-        head = self._head("chat.completion" if self.chat else "text_completion")
-        return {**head, "choices": out, "usage": self.usage(choices)}
+                entry = {"index": index, "text": text, "logprobs": lp, "finish_reason": c.final.finish_reason}
+            entry["stop_reason"] = c.final.stop_reason
+            if self.plan.prompt_logprobs is not None and not self.chat:
+                entry["prompt_logprobs"] = self.prompt_logprobs(c)
+            out.append(entry)
+        body = {**self._head("chat.completion" if self.chat else "text_completion"), "choices": out}
+        if self.plan.prompt_logprobs is not None and self.chat:
+            body["prompt_logprobs"] = self.prompt_logprobs(choices[0])
+        return {**body, "usage": self.usage(choices)}
 
     # chunks ----------------------------------------------------------------------------------
 
     def chunk(self, index: int, text: Optional[str], logprobs: Optional[dict[str, Any]],
-              finish_reason: Optional[str] = None, role: bool = False) -> dict[str, Any]:
+              finish_reason: Optional[str] = None, role: bool = False, **extra: Any) -> dict[str, Any]:
         if self.chat:
             delta: dict[str, Any] = {}
             if role:
@@ -205,6 +251,7 @@ class _Formatter:
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
             choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
+        choice.update(extra)
         out = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
         if self.plan.include_usage:
             out["usage"] = None
@@ -227,7 +274,7 @@ def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] 
     ``server_paths`` never appear in an error message."""
     state = state if state is not None else ServeState()
     policy = policy if policy is not None else Policy()
-    app = FastAPI(title="fxsched", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app = FastAPI(title="fxsched", docs_url=None, redoc_url=None, openapi_url="/openapi.json", lifespan=lifespan)
     app.state.serve = state
     app.state.engine = engine
     install(app, policy)
@@ -343,6 +390,11 @@ def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] 
             event = await q.get()
             choice = choices[event.index]
             choice.take(event)
+            if not choice.started and event.error is None:
+                choice.started = True
+                first = _first_chunk(fmt, choice, event.index)
+                if first is not None:
+                    yield _sse(first)
             if event.error is not None:
                 yield _sse(_engine_failed(event.error).body())
                 yield "data: [DONE]\n\n"
@@ -354,24 +406,71 @@ def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] 
                 remaining -= 1
                 tokens, records = choice.flush_pending()
                 lp = fmt.logprobs(choice, tokens, records) if tokens else None
-                yield _sse(fmt.chunk(event.index, None if fmt.chat else "", lp, event.finish_reason))
+                yield _sse(fmt.chunk(event.index, None if fmt.chat else "", lp, event.finish_reason,
+                                     stop_reason=event.stop_reason))
         if fmt.plan.include_usage:
             yield _sse(fmt.usage_chunk(choices))
         yield "data: [DONE]\n\n"
 
-    @app.post("/v1/completions")
+    def _unknown(endpoint: str) -> Callable[[list[str]], None]:
+        def count(names: list[str]) -> None:
+            engine.metrics.unknown_fields.labels(endpoint).inc(len(names))
+            log.debug("unknown_fields_ignored", endpoint=endpoint, fields=[n[:40] for n in names[:8]])
+        return count
+
+    @app.post("/v1/completions", openapi_extra=_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         plan = await screen.plan(await request.body(), False, lambda data, tok: completion_plan(
-            request_from_data(CompletionRequest, data), tok, limits))
+            request_from_data(CompletionRequest, data, _unknown("completions")), tok, limits))
         return await _serve(request, plan)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         plan = await screen.plan(await request.body(), True, lambda data, tok: chat_plan(
-            request_from_data(ChatCompletionRequest, data), tok, limits))
+            request_from_data(ChatCompletionRequest, data, _unknown("chat_completions")), tok, limits))
         return await _serve(request, plan)
 
+    app.openapi = functools.partial(_openapi, app)  # type: ignore[method-assign]
     return app
+
+
+_SCHEMAS = (CompletionRequest, ChatCompletionRequest)
+
+
+def _body(model: type) -> dict[str, Any]:
+    """The route's request body in the OpenAPI document (the body is parsed by ``parse_request``,
+    so FastAPI does not see it from the signature)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}},
+        "responses": {"400": {"description": "A bad field: the OpenAI error body, ``param`` names it"}}}
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    """FastAPI's document with the request models' schemas added under ``components``."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+        for model in _SCHEMAS:
+            schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(schema.pop("$defs", {}))
+            schemas[model.__name__] = schema
+        app.openapi_schema = doc
+    return app.openapi_schema
+
+
+def _first_chunk(fmt: _Formatter, choice: _Choice, index: int) -> Optional[dict[str, Any]]:
+    """A stream's first chunk of a choice with ``echo`` or ``prompt_logprobs``: the echoed text
+    (with its prompt logprobs) and vLLM's ``prompt_logprobs``; None without either."""
+    plan = fmt.plan
+    if plan.echo is None and plan.prompt_logprobs is None:
+        return None
+    extra: dict[str, Any] = {}
+    if plan.prompt_logprobs is not None:
+        extra["prompt_logprobs"] = fmt.prompt_logprobs(choice)
+    lp = fmt.echo_logprobs(choice, plan.choices[index].prompt) if plan.echo_logprobs else None
+    return fmt.chunk(index, fmt.echo(index), lp, **extra)
 
 
 async def _disconnected(request: Request) -> None:

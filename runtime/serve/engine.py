@@ -21,7 +21,15 @@ runs ``Interpreter.run`` with a ``ServeHost``, whose
   ``loop.call_soon_threadsafe``). Nothing in the HTTP layer decides scheduling.
 
 Ids. Each choice of an HTTP request is one scheduler ``Request`` with a fresh integer id from a
-counter (never reused), streaming (so a disconnect can cancel it), with the choice's sampling fields.
+counter (never reused), streaming (so a disconnect can cancel it), with the choice's sampling fields
+(``ignore_eos`` as ``min_tokens`` = ``max_tokens``: EOS masked throughout).
+
+Per-choice extras (specs/serve-fields.md §13.2–4), all on the engine thread when a choice is taken:
+its penalties and ``logit_bias`` become a row processor under its id (``ServeHost.processors``,
+read by the device at every pick, dropped with the final frame); ``prompt_logprobs`` are computed
+by the device in a scratch slot and sent as the choice's first event; a choice with
+``max_tokens`` 0 (echo alone) ends there without reaching the scheduler. Stop token ids end a
+choice on the host like a stop string (a ``Cancel``), reported as its ``stop_reason``.
 
 Backpressure. ``submit`` refuses (``Overloaded``) when the choices accepted but not yet started
 (no token or final frame yet) plus the new ones would exceed ``max_waiting``, and (``Draining``)
@@ -51,7 +59,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence as Seq
+from typing import Any, Callable, Optional, Sequence as Seq, Union
 
 import attrs
 import structlog
@@ -60,7 +68,8 @@ import torch
 from fxsched.core import events as ev
 from fxsched.core.request import Request
 from fxsched.core.state import SchedulerState, initial_state
-from fxsched.runtime.devices.device import Device
+from fxsched.runtime.devices.device import Device, DeviceError
+from fxsched.runtime.devices.row_processors import Penalties, RowProcessors
 from fxsched.runtime.devices.torch import Drafter, TorchDevice
 from fxsched.runtime.generate import (
     SPECS,
@@ -109,6 +118,8 @@ class ChoiceEvent:
     error: Optional[str] = None
     completion_tokens: int = 0
     cached_tokens: int = 0
+    prompt_logprobs: Optional[tuple[Optional[dict[str, Any]], ...]] = None  # the first event, when asked
+    stop_reason: Union[str, int, None] = None  # the stop string or stop token id that ended the choice
 
     @property
     def final(self) -> bool:
@@ -178,6 +189,8 @@ class ServeHost(GenerateHost):
         self.owner = owner
         self.choices: dict[int, _Choice] = {}
         self._pieces: list[str] = []
+        self.processors = RowProcessors()  # the device reads it at every pick
+        self.stop_tokens: dict[int, int] = {}  # choice id -> the stop token id that ended it
 
     def _piece(self, request_id: int, piece: str) -> None:
         self._pieces.append(piece)
@@ -212,7 +225,8 @@ class ServeHost(GenerateHost):
         events: list[Optional[ev.Event]] = [ev.Clock(self.owner.now_ms())]
         for item in items:
             if isinstance(item, _Submit):
-                events.extend(self._register(c) for c in item.choices)
+                memo: dict[tuple[tuple[int, ...], int], tuple[Optional[dict[str, Any]], ...]] = {}
+                events.extend(self._register(c, memo) for c in item.choices)
             elif isinstance(item, _Cancel):
                 events.extend(self._cancel(rid) for rid in item.ids if self._cancellable(rid))
             elif item == _CANCEL_ALL:
@@ -221,21 +235,86 @@ class ServeHost(GenerateHost):
                 events.append(ev.InboxClosed())
         return [e for e in events if e is not None]
 
-    def _register(self, choice: _Choice) -> Optional[ev.Event]:
+    def _register(self, choice: _Choice,
+                  memo: Optional[dict[tuple[tuple[int, ...], int], tuple[Optional[dict[str, Any]], ...]]] = None
+                  ) -> Optional[ev.Event]:
+        """The ``Arrival`` of a submitted choice (None when it ends here); ``memo`` shares prompt
+        logprobs among the choices of one request (n choices of a prompt: one forward)."""
         s = choice.spec
         try:
-            request = Request(id=choice.id, prompt=s.prompt, max_tokens=s.max_tokens, streaming=True,
+            request = Request(id=choice.id, prompt=s.prompt, max_tokens=max(s.max_tokens, 1), streaming=True,
                               temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, seed=s.seed,
-                              top_logprobs=s.top_logprobs)
+                              top_logprobs=s.top_logprobs, min_tokens=s.scheduler_min_tokens)
         except ValueError as err:  # the protocol checks every field first; this is a last guard
-            self.choices[choice.id] = choice
-            self.results[choice.id] = RequestResult(choice.id, list(s.prompt), error=str(err))
-            self._final(choice, self.results[choice.id], "")
+            self._refuse(choice, str(err))
             return None
         self.choices[choice.id] = choice
         self.results[choice.id] = RequestResult(choice.id, list(s.prompt))
+        if s.prompt_logprobs is not None:
+            key = (s.prompt, s.prompt_logprobs)
+            try:
+                records = memo[key] if memo is not None and key in memo else self._prompt_records(*key)
+            except DeviceError as err:
+                self._refuse(choice, f"prompt logprobs: {err}")
+                return None
+            if memo is not None:
+                memo[key] = records
+            choice.deliver(ChoiceEvent(choice.index, "", (), prompt_logprobs=records))
+        if s.max_tokens == 0:  # echo alone: nothing to generate
+            self.results[choice.id].reason = "length"
+            self._final(choice, self.results[choice.id], "")
+            return None
         self.streams[choice.id] = TextStream(TextOptions(self.owner.tokenizer, s.stop, s.skip_special_tokens))
+        if s.processed:
+            self.processors.set(choice.id, len(s.prompt), [Penalties(s.presence_penalty, s.frequency_penalty,
+                                                                     s.repetition_penalty, s.logit_bias)])
         return ev.Arrival(request)
+
+    def _refuse(self, choice: _Choice, message: str) -> None:
+        self.choices[choice.id] = choice
+        self.results[choice.id] = RequestResult(choice.id, list(choice.spec.prompt), error=message)
+        self._final(choice, self.results[choice.id], "")
+
+    def _prompt_records(self, prompt: Seq[int], width: int) -> tuple[Optional[dict[str, Any]], ...]:
+        """vLLM's prompt logprobs: None for the first token, then each token's record and rank."""
+        device = self.owner._device
+        if device is None:
+            raise DeviceError("the engine has no device")
+        records, ranks = device.prompt_logprobs(prompt, width)
+        return (None,) + tuple({"token_id": r.token, "logprob": r.logprob, "rank": rank,
+                                "top_logprobs": [{"token_id": t, "logprob": lp} for t, lp in r.top]}
+                               for r, rank in zip(records, ranks, strict=True))
+
+    def _take(self, result: RequestResult, tokens: Seq[int]) -> None:
+        """``GenerateHost._take``, with the choice's stop token ids (the token ends the choice: kept
+        in its ids, its text shown only with ``include_stop_str_in_output``) and a stop string kept
+        in the text with ``include_stop_str_in_output``."""
+        choice = self.choices.get(result.id)
+        spec = choice.spec if choice is not None else None
+        stop_ids = spec.stop_token_ids if spec is not None else ()
+        cut = next((i for i, t in enumerate(tokens) if t in stop_ids), None) if result.stop is None else None
+        had_stop = result.stop is not None
+        super()._take(result, tokens if cut is None else tokens[:cut])
+        if spec is not None and spec.include_stop and not had_stop and result.stop:
+            self._pieces.append(result.stop)
+            self.streams[result.id].parts.append(result.stop)
+        if cut is None or result.stop is not None:
+            if cut is not None:
+                result.received += len(tokens) - cut
+            return
+        token = tokens[cut]
+        result.received += len(tokens) - cut
+        result.tokens.append(token)
+        if self.logprobs is not None:
+            result.logprobs = (result.logprobs or []) + [self.logprobs.take(result.id, token)]
+        stream = self.streams.get(result.id)
+        if stream is not None and spec is not None and spec.include_stop:
+            piece, _ = stream.push(token)
+            if piece:
+                self._pieces.append(piece)
+        result.stop = ""
+        self.stop_tokens[result.id] = token
+        self.inputs.append(ev.Cancel(result.id))
 
     def _cancellable(self, rid: int) -> bool:
         choice = self.choices.get(rid)
@@ -282,9 +361,10 @@ class ServeHost(GenerateHost):
             reason = ABORT
         self.owner._frame(choice, len(tokens))
         cached = self.owner._cached_tokens(choice.id)
+        stop_reason: Union[str, int, None] = self.stop_tokens.get(choice.id, result.stop or None)
         self._forget(choice.id)
         event = ChoiceEvent(choice.index, text, tokens, self._records(choice, result, before), reason, result.error,
-                            len(result.tokens), cached)
+                            len(result.tokens), cached, stop_reason=stop_reason)
         self.owner._finished(choice, event, len(result.tokens))
         choice.deliver(event)
 
@@ -293,6 +373,8 @@ class ServeHost(GenerateHost):
         self.streams.pop(rid, None)
         self.choices.pop(rid, None)
         self.finished.discard(rid)
+        self.processors.drop(rid)
+        self.stop_tokens.pop(rid, None)
         if self.logprobs is not None:
             self.logprobs.pending.pop(rid, None)
 
@@ -487,6 +569,7 @@ class ServeEngine:
     def _life(self, life: int) -> bool:
         """One scheduler life; True when it ended as asked (closed), False after a fault."""
         device = TorchDevice(self.engine, proposer=self.proposer, drafter=self.drafter, on_tick=self._tick)
+        device.row_processors = self.host.processors
         self._device = device
         self.metrics.reset_speculation()
         self.host.logprobs = LogprobWitness(device)

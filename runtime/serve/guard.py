@@ -1,6 +1,6 @@
 """The front door of ``fxsched serve``: who may call (API key, Host, Origin), what a body may be
 (JSON only, bounded in bytes), and what a request must not do to its neighbours (a prompt measured
-and tokenized off the event loop, under a bound in characters). The rules: serve.md §12.1.
+and tokenized off the event loop, under a bound in characters). The rules: serve-security.md §14.1.
 
 Two ASGI layers wrap the app (``install``):
 

@@ -29,7 +29,9 @@ What ``GET /metrics`` shows (names as exported):
   waits left out): histograms;
 * ``fxsched_requests_finished_total{finish_reason}`` (stop, length, abort: cancelled by a client
   disconnect or the drain timeout, error), ``fxsched_requests_rejected_total{status}`` (429, 503),
-  ``fxsched_engine_faults_total`` (exceptions out of the drive loop; the engine restarted).
+  ``fxsched_engine_faults_total`` (exceptions out of the drive loop; the engine restarted),
+  ``fxsched_unknown_fields_total{endpoint}`` (request fields ignored as unknown, one per field:
+  the field policy of runtime/serve/protocol.py; the names go to the debug log, never a label).
 """
 
 from __future__ import annotations
@@ -87,6 +89,9 @@ class ServeMetrics:
                                 registry=r)
         self.faults = Counter("fxsched_engine_faults", "Exceptions out of the drive loop (engine restarted)",
                               registry=r)
+        # labelled by route only: field names are the client's, an unbounded label set
+        self.unknown_fields = Counter("fxsched_unknown_fields", "Request fields ignored as unknown", ["endpoint"],
+                                      registry=r)
         self.drafts_at = Counter("fxsched_spec_drafts_per_position", "Verified drafts by draft position",
                                  ["mode", "position"], registry=r)
         self.accepted_at = Counter("fxsched_spec_accepted_per_position", "Kept drafts by draft position",

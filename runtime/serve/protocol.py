@@ -2,12 +2,25 @@
 request becomes (the scheduler requests of its choices). No HTTP framework here: pydantic only.
 
 Requests. ``CompletionRequest`` (``POST /v1/completions``) and ``ChatCompletionRequest`` (``POST
-/v1/chat/completions``) take the fields the OpenAI API and vLLM accept (see the classes). Known
-fields are type-checked strictly (``"max_tokens": "5"`` or ``true`` is refused, an integer is a
-number); unknown fields are allowed and ignored, as vLLM does. Fields the server cannot honour
-(``echo``, ``suffix``, penalties, ``logit_bias``, ``best_of`` > ``n``, ``tools``, a non-text
-``response_format``, ``ignore_eos``) are refused when set to anything but their neutral value,
-never silently dropped.
+/v1/chat/completions``) take the fields the OpenAI API and vLLM accept (see the classes). The
+field policy (specs/serve-fields.md §13.1), in one place:
+
+* a known field is type-checked strictly (``"max_tokens": "5"`` or ``true`` is refused, an
+  integer is a number) and range-checked: a 400 naming it;
+* a field the server declares but cannot honour (``REFUSED``: ``suffix``, ``best_of`` other than
+  ``n``, ``tools``, a non-text ``response_format``, the ``guided_*`` / ``structured_outputs``
+  fields, beam search...) is refused with a 400 naming it when set to anything but its neutral
+  value, never silently dropped;
+* an unknown field is ignored, as vLLM does (pydantic ``extra="ignore"``); ``unknown_fields``
+  names them so the HTTP layer counts them (``fxsched_unknown_fields_total``).
+
+Honoured beyond the sampling basics: ``echo`` (completions: the prompt's text before the
+completion, with ``logprobs`` the prompt tokens' records first, the first one null, as vLLM and
+OpenAI return them, and ``max_tokens: 0`` for the prompt alone; chat: vLLM's, the last message's
+content before the reply when it is the assistant's), ``prompt_logprobs`` (vLLM's extension),
+``ignore_eos`` (EOS masked so the choice runs to its budget), ``min_tokens``, ``stop_token_ids``,
+``include_stop_str_in_output``, ``skip_special_tokens``, presence / frequency / repetition
+penalties and ``logit_bias`` (vLLM's semantics, specs/serve-fields.md §13.2–4).
 
 Defaults that differ from OpenAI's: ``temperature`` defaults to 0 (greedy: the scheduler's
 default), and ``model`` may be left out (the served model). With a speculative ``--spec`` mode (mtp,
@@ -35,8 +48,8 @@ from __future__ import annotations
 import json
 import math
 import secrets
-from dataclasses import dataclass
-from typing import Any, Literal, Mapping, Optional, Sequence, Union
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Literal, Mapping, Optional, Sequence, Union
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
@@ -72,7 +85,7 @@ def bad_request(message: str, param: Optional[str] = None, code: Optional[str] =
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class StreamOptions(_Strict):
@@ -109,12 +122,28 @@ class _Common(_Strict):
     user: Optional[str] = None
     ignore_eos: Optional[bool] = None
     skip_special_tokens: Optional[bool] = None
+    min_tokens: Optional[int] = None
+    stop_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: Optional[bool] = None
+    prompt_logprobs: Optional[int] = None
+    echo: Optional[bool] = None
+    # declared so a client learns they are not honoured (REFUSED), never dropped silently
+    use_beam_search: Optional[bool] = None
+    length_penalty: Optional[float] = None
+    guided_json: Optional[Any] = None
+    guided_regex: Optional[Any] = None
+    guided_choice: Optional[Any] = None
+    guided_grammar: Optional[Any] = None
+    structured_outputs: Optional[Any] = None
+    bad_words: Optional[list[str]] = None
+    allowed_token_ids: Optional[list[int]] = None
+    truncate_prompt_tokens: Optional[int] = None
+    response_format: Optional[dict[str, Any]] = None
 
 
 class CompletionRequest(_Common):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     logprobs: Optional[int] = None
-    echo: Optional[bool] = None
     suffix: Optional[str] = None
     best_of: Optional[int] = None
 
@@ -126,9 +155,17 @@ class ChatCompletionRequest(_Common):
     top_logprobs: Optional[int] = None
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
-    response_format: Optional[dict[str, Any]] = None
+    parallel_tool_calls: Optional[bool] = None
+    functions: Optional[list[Any]] = None
+    function_call: Optional[Any] = None
     add_generation_prompt: Optional[bool] = None
+    continue_final_message: Optional[bool] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
+
+
+def unknown_fields(cls: type[BaseModel], data: Mapping[str, Any]) -> list[str]:
+    """The top-level keys of a request body its model does not declare (ignored, counted)."""
+    return [k for k in data if k not in cls.model_fields]
 
 
 # what a field of several shapes expects, for the error message
@@ -173,21 +210,28 @@ def _brief(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def parse_request(cls: type[_Common], body: bytes) -> Any:
-    """The request of a JSON body; ``APIError`` (400) for malformed JSON or a bad field."""
+def parse_request(cls: type[_Common], body: bytes, on_unknown: Optional[Callable[[list[str]], None]] = None
+                  ) -> Any:
+    """The request of a JSON body; ``APIError`` (400) for malformed JSON or a bad field;
+    ``on_unknown`` gets the names of the fields ignored (when there are any)."""
     try:
         data = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         where = f", line {err.lineno} column {err.colno}" if isinstance(err, json.JSONDecodeError) else ""
         reason = err.msg if isinstance(err, json.JSONDecodeError) else "not UTF-8"
         raise APIError(400, f"the request body is not valid JSON ({reason}{where})") from None
-    return request_from_data(cls, data)
+    return request_from_data(cls, data, on_unknown)
 
 
-def request_from_data(cls: type[_Common], data: Any) -> Any:
-    """The request of a decoded JSON body; ``APIError`` (400) for a bad field."""
+def request_from_data(cls: type[_Common], data: Any, on_unknown: Optional[Callable[[list[str]], None]] = None
+                      ) -> Any:
+    """The request of a decoded JSON body; ``APIError`` (400) for a bad field; ``on_unknown`` as
+    ``parse_request``'s."""
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
+    unknown = unknown_fields(cls, data)
+    if unknown and on_unknown is not None:
+        on_unknown(unknown)
     try:
         return cls.model_validate(data)
     except ValidationError as err:
@@ -210,7 +254,11 @@ class Limits:
 
 @dataclass(frozen=True)
 class ChoiceSpec:
-    """One choice: the fields of its scheduler ``Request`` and its text options."""
+    """One choice: the fields of its scheduler ``Request``, its per-request logits processing
+    (penalties, ``logit_bias``), its text options and what it reports of its prompt.
+
+    ``max_tokens`` 0 (``echo`` with ``max_tokens: 0``) generates nothing: the choice reports its
+    prompt only. ``prompt_logprobs``: the width of the prompt tokens' records (None: none)."""
 
     prompt: tuple[int, ...]
     max_tokens: int
@@ -222,12 +270,34 @@ class ChoiceSpec:
     top_logprobs: int = 0  # top entries asked of the scheduler (0: no records)
     stop: tuple[str, ...] = ()
     skip_special_tokens: bool = True
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    include_stop: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    prompt_logprobs: Optional[int] = None
+
+    @property
+    def processed(self) -> bool:
+        """Whether the rows of this choice go through a logits processor before the pick."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+                or bool(self.logit_bias))
+
+    @property
+    def scheduler_min_tokens(self) -> int:
+        """``ignore_eos``: EOS masked at every position (the scheduler's ``min_tokens`` rule)."""
+        return self.max_tokens if self.ignore_eos else self.min_tokens
 
 
 @dataclass(frozen=True)
 class Plan:
     """A request's choices and how to answer it. ``logprobs`` is the number of top entries to
-    report per token (None: no logprobs)."""
+    report per token (None: no logprobs); ``echo`` each choice's text shown before its completion
+    (None: no echo), with ``echo_logprobs`` its prompt tokens' records in ``logprobs`` too;
+    ``prompt_logprobs`` the width of vLLM's ``prompt_logprobs`` field (None: not asked)."""
 
     kind: Literal["completion", "chat"]
     model: str
@@ -236,6 +306,9 @@ class Plan:
     stream: bool
     include_usage: bool
     logprobs: Optional[int]
+    echo: Optional[tuple[str, ...]] = None
+    echo_logprobs: bool = False
+    prompt_logprobs: Optional[int] = None
 
 
 def _check_model(model: Optional[str], limits: Limits) -> str:
@@ -258,25 +331,28 @@ def _number(value: Optional[float], name: str, default: float, low: float, high:
     return float(value)
 
 
+# fields declared but not honoured: (name, neutral value); set to anything else they get a 400
+REFUSED: tuple[tuple[str, Any], ...] = (
+    ("suffix", None), ("use_beam_search", False), ("length_penalty", 1.0), ("guided_json", None),
+    ("guided_regex", None), ("guided_choice", None), ("guided_grammar", None), ("structured_outputs", None),
+    ("bad_words", None), ("allowed_token_ids", None), ("truncate_prompt_tokens", None), ("functions", None),
+    ("function_call", None), ("continue_final_message", False),
+)
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGIT_BIAS = 1024
+
+
 def _unsupported(req: _Common) -> None:
-    neutral: list[tuple[str, Any, Any]] = [
-        ("presence_penalty", req.presence_penalty, 0.0), ("frequency_penalty", req.frequency_penalty, 0.0),
-        ("repetition_penalty", req.repetition_penalty, 1.0), ("ignore_eos", req.ignore_eos, False),
-    ]
-    if isinstance(req, CompletionRequest):
-        neutral += [("echo", req.echo, False), ("suffix", req.suffix, None)]
-        if req.best_of is not None and req.best_of != (req.n or 1):
-            raise bad_request("is not supported (only best_of = n)", "best_of")
-    if isinstance(req, ChatCompletionRequest):
-        if req.tools:
-            raise bad_request("tool calling is not supported by this server", "tools")
-        if req.response_format is not None and req.response_format.get("type", "text") != "text":
-            raise bad_request("only {\"type\": \"text\"} is supported", "response_format")
-    for name, value, default in neutral:
-        if value is not None and value != default:
-            raise bad_request(f"is not supported by this server (only {json.dumps(default)})", name)
-    if req.logit_bias:
-        raise bad_request("is not supported by this server", "logit_bias")
+    for name, neutral in REFUSED:
+        value = getattr(req, name, None)
+        if value is not None and value != neutral and not (neutral is None and value in ([], {})):
+            raise bad_request(f"is not supported by this server (only {json.dumps(neutral)})", name)
+    if isinstance(req, CompletionRequest) and req.best_of is not None and req.best_of != (req.n or 1):
+        raise bad_request("is not supported (only best_of = n)", "best_of")
+    if isinstance(req, ChatCompletionRequest) and req.tools:
+        raise bad_request("tool calling is not supported by this server", "tools")
+    if req.response_format is not None and req.response_format.get("type", "text") != "text":
+        raise bad_request("only {\"type\": \"text\"} is supported", "response_format")
 
 
 def _stops(stop: Union[str, list[str], None]) -> tuple[str, ...]:
@@ -288,12 +364,42 @@ def _stops(stop: Union[str, list[str], None]) -> tuple[str, ...]:
     return stops
 
 
-def _choices(req: _Common, prompts: list[list[int]], max_tokens: int, top: int, limits: Limits
-             ) -> tuple[ChoiceSpec, ...]:
+def _token_ids(values: Optional[list[int]], name: str, limits: Limits, most: int) -> tuple[int, ...]:
+    ids = tuple(values or ())
+    if len(ids) > most:
+        raise bad_request(f"at most {most} token ids, got {len(ids)}", name)
+    bad = [t for t in ids if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise bad_request(f"token id {bad[0]} is outside the vocabulary [0, {limits.vocab_size})", name)
+    return ids
+
+
+def _logit_bias(bias: Optional[dict[str, float]], limits: Limits) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias``: token id (a decimal string) -> bias in [-100, 100]."""
+    if not bias:
+        return ()
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise bad_request(f"at most {MAX_LOGIT_BIAS} entries, got {len(bias)}", "logit_bias")
+    out = []
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit()) or not 0 <= int(key) < limits.vocab_size:
+            raise bad_request(f"keys are token ids in [0, {limits.vocab_size}), got {_brief(key)}", "logit_bias")
+        if not (math.isfinite(value) and -100 <= value <= 100):
+            raise bad_request(f"biases are between -100 and 100, got {value!r} for {key}", "logit_bias")
+        out.append((int(key), float(value)))
+    return tuple(sorted(out))
+
+
+def _choices(req: _Common, prompts: list[list[int]], max_tokens: int, top: int, limits: Limits,
+             prompt_logprobs: Optional[int]) -> tuple[ChoiceSpec, ...]:
     """The P x n choices (sampling fields checked)."""
     temperature = _number(req.temperature, "temperature", 0.0, 0.0, 2.0)
     top_p = _number(req.top_p, "top_p", 1.0, 0.0, 1.0, open_low=True)
     min_p = _number(req.min_p, "min_p", 0.0, 0.0, 1.0)
+    presence = _number(req.presence_penalty, "presence_penalty", 0.0, -2.0, 2.0)
+    frequency = _number(req.frequency_penalty, "frequency_penalty", 0.0, -2.0, 2.0)
+    repetition = _number(req.repetition_penalty, "repetition_penalty", 1.0, 0.0, 2.0, open_low=True)
+    bias = _logit_bias(req.logit_bias, limits)
     top_k = 0 if req.top_k is None or req.top_k == -1 else req.top_k
     if top_k < 0:
         raise bad_request(f"must be at least 0 (0 or -1: off), got {req.top_k}", "top_k")
@@ -302,24 +408,45 @@ def _choices(req: _Common, prompts: list[list[int]], max_tokens: int, top: int, 
         raise bad_request(f"must be between 1 and {MAX_N}, got {n}", "n")
     if req.seed is not None and not -MAX_SEED <= req.seed <= MAX_SEED:
         raise bad_request(f"must be between -2**62 and 2**62, got {req.seed}", "seed")
+    min_tokens = req.min_tokens or 0
+    if not 0 <= min_tokens <= max_tokens:
+        raise bad_request(f"must be between 0 and max_tokens ({max_tokens}), got {min_tokens}", "min_tokens")
+    stop_ids = _token_ids(req.stop_token_ids, "stop_token_ids", limits, MAX_STOP_TOKEN_IDS)
     seed = req.seed if req.seed is not None else secrets.randbits(40)
     stops = _stops(req.stop)
     skip = True if req.skip_special_tokens is None else req.skip_special_tokens
+    fields = dict(stop=stops, skip_special_tokens=skip, min_tokens=min_tokens, ignore_eos=bool(req.ignore_eos),
+                  stop_token_ids=stop_ids, include_stop=bool(req.include_stop_str_in_output),
+                  presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
+                  logit_bias=bias, prompt_logprobs=prompt_logprobs)
     out = []
     for p, prompt in enumerate(prompts):
         for j in range(n):
             k = p * n + j
-            out.append(ChoiceSpec(tuple(prompt), max_tokens, temperature, top_p, top_k, min_p,
-                                  seed + k * REQUEST_SEED_STRIDE, top, stops, skip))
+            spec = ChoiceSpec(tuple(prompt), max_tokens, temperature, top_p, top_k, min_p,
+                              seed + k * REQUEST_SEED_STRIDE, top, **fields)  # type: ignore[arg-type]
+            if spec.processed and not spec.top_logprobs:
+                # a processed row must be picked on the host path (a greedy row is the raw argmax)
+                spec = replace(spec, top_logprobs=1)
+            out.append(spec)
     return tuple(out)
 
 
-def _max_tokens(value: Optional[int], name: str, longest: int, default: Optional[int], limits: Limits) -> int:
+def _prompt_logprobs(value: Optional[int]) -> Optional[int]:
+    if value is None:
+        return None
+    if not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise bad_request(f"must be between 0 and {MAX_TOP_LOGPROBS}, got {value}", "prompt_logprobs")
+    return value
+
+
+def _max_tokens(value: Optional[int], name: str, longest: int, default: Optional[int], limits: Limits,
+                low: int = 1) -> int:
     room = limits.context - longest
     if value is None:
         return max(1, min(default, room) if default is not None else room)
-    if value < 1:
-        raise bad_request(f"must be at least 1, got {value}", name)
+    if value < low:
+        raise bad_request(f"must be at least {low}{' (0: with echo only)' if low == 1 else ''}, got {value}", name)
     if value > room:
         raise bad_request(f"{value} is more than the context leaves: the prompt has {longest} tokens and the "
                           f"model's context is {limits.context} tokens (prompt and completion)", name)
@@ -369,10 +496,21 @@ def completion_plan(req: CompletionRequest, tokenizer: Any, limits: Limits) -> P
         if not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
             raise bad_request(f"must be between 0 and {MAX_TOP_LOGPROBS}, got {req.logprobs}", "logprobs")
         top = req.logprobs
-    max_tokens = _max_tokens(req.max_tokens, "max_tokens", max(len(p) for p in prompts), 16, limits)
-    choices = _choices(req, prompts, max_tokens, 0 if top is None else max(top, 1), limits)
+    echo = bool(req.echo)
+    longest = max(len(p) for p in prompts)
+    max_tokens = _max_tokens(req.max_tokens, "max_tokens", longest, 16, limits, low=0 if echo else 1)
+    asked = _prompt_logprobs(req.prompt_logprobs)
+    width = None if asked is None and not (echo and top is not None) else max(asked or 0, top or 0)
+    choices = _choices(req, prompts, max_tokens, 0 if top is None else max(top, 1), limits, width)
     stream, usage = _stream_flags(req)
-    return Plan("completion", model, choices, sum(len(p) for p in prompts), stream, usage, top)
+    echoes = None
+    if echo:
+        n = len(choices) // len(prompts)
+        texts_of = [item if isinstance(item, str) else tokenizer.decode(list(item), skip_special_tokens=False)
+                    for item in texts]
+        echoes = tuple(texts_of[k // n] for k in range(len(choices)))
+    return Plan("completion", model, choices, sum(len(p) for p in prompts), stream, usage, top, echoes,
+                echo and top is not None, asked)
 
 
 def _message_text(message: ChatMessage, i: int) -> str:
@@ -429,6 +567,12 @@ def chat_plan(req: ChatCompletionRequest, tokenizer: Any, limits: Limits) -> Pla
     name = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     value = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = _max_tokens(value, name, len(tokens), None, limits)
-    choices = _choices(req, [tokens], max_tokens, 0 if top is None else max(top, 1), limits)
+    asked = _prompt_logprobs(req.prompt_logprobs)
+    choices = _choices(req, [tokens], max_tokens, 0 if top is None else max(top, 1), limits, asked)
     stream, usage = _stream_flags(req)
-    return Plan("chat", model, choices, len(tokens), stream, usage, top)
+    echoes = None
+    if req.echo:  # vLLM: the last message's content, when the reply continues the assistant's turn
+        last = messages[-1]
+        echoed = last["content"] if last["role"] == "assistant" else ""
+        echoes = (echoed,) * len(choices)
+    return Plan("chat", model, choices, len(tokens), stream, usage, top, echoes, False, asked)

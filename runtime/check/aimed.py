@@ -1,0 +1,151 @@
+"""Episodes aimed at rare states (specs/checker.md §11.3): set-ups the random draw of
+``walk.random_episode`` reaches seldom or never, built to reach them by construction.
+
+Each aim is a function of the seeded generator that returns an ``Episode`` whose ``aim`` names
+it; ``walk.random_episode`` draws one in ``AIMED_SHARE`` of its episodes, the aim chosen
+uniformly. The states they are for, and why each matters:
+
+- ``deadlines``: several requests with deadlines in one steady batch, some on a clock reading
+  exactly, the others spread; the earliest must decide each tick and an equal deadline expires in
+  its tick (specs/scheduler.md §5.19 step 1).
+- ``full_batch``: more requests than seats on a large pool with KV exhaustion injected early, so a
+  preempted or spilled sequence waits while new requests fill its seat; it may come back only into
+  a free seat (§5.19 steps 4-5). Some clients cancel late, after a swap-in or while blocking.
+- ``whole_pool``: prompts admitted on their own blocks (a small admission horizon) into a pool of
+  a few blocks, so the KV runs out for real and the sequence preempted needs exactly the whole
+  pool, or one block more, to come back, perhaps after reclaiming blocks a prefix cache holds
+  and perhaps with a fault in one of the resume's queries (§5.18, §5.19 step 5, faults.md §8.4).
+- ``rejected_cross``: speculation with many wrong drafts and draft capacities that fall to 0 every
+  other step, prompts just short of a block boundary: a verify that crossed the boundary and was
+  rejected is followed by a plain decode, whose block count must not fall (§5.2, §5.16).
+- ``gate_fault``: a batching gate (DFlash or MTP) over sequences holding uneven drafts, so some
+  are batchable and the rest go serial, with a fault answering the gate: every verify sequence of
+  the gate fails, the rest included (specs/faults.md §8.3).
+- ``spilled_alone``: a long request spilled to make room for a newcomer that is done at its first
+  token, so nothing runs while the spilled one waits: it must come back at once (§5.9, §5.14),
+  neither wait for input nor be shut down, whether or not more input comes.
+- ``waiting_work``: one long request and a late arrival far behind it, KV exhaustion injected
+  twice in a row (a preemption, then the survivor alone fails), with the inbox open or closed: the
+  loop must resume the preempted sequence, neither wait for input nor shut down (§5.4, §5.8).
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Callable
+
+import attrs
+
+from fxsched.runtime.check.episode import TICK_MS, Episode, SimRequest, _randints
+
+AIMED_SHARE = 0.3
+
+
+def _requests(rng: random.Random, n: int, *, prompt: tuple[int, int], budget: tuple[int, int],
+              streaming: float = 0.8, wrong: tuple[int, ...] = (0, 0, 2, 3, 4, 5)) -> list[SimRequest]:
+    """``n`` requests arriving at once with scripts that never say EOS (they run to their budget)."""
+    out = []
+    for i in range(n):
+        budget_n = rng.randint(*budget)
+        out.append(SimRequest(id=i + 1, prompt_len=rng.randint(*prompt), tokens=tuple(_randints(rng, 2, 40, budget_n)),
+                              max_tokens=budget_n, streaming=rng.random() < streaming, wrong_every=rng.choice(wrong)))
+    return out
+
+
+def deadlines(rng: random.Random) -> Episode:
+    n = rng.randint(2, 5)
+    mode = rng.choice(("plain", "plain", "dflash", "mtp2", "ngram"))
+    requests = []
+    for r in _requests(rng, n, prompt=(2, 30), budget=(12, 30)):
+        due = TICK_MS * rng.randint(2, 9) + (0.0 if rng.random() < 0.6 else rng.randint(1, 9))
+        requests.append(attrs.evolve(r, deadline_ms=due if rng.random() < 0.85 else None))
+    return Episode(mode=mode, max_batch_size=rng.choice((n, 4, 8)), max_prefill_tokens=rng.choice((0, 0, 8)),
+                   spill=False, total_blocks=1000, held_blocks=0, requests=tuple(requests), close_tick=0,
+                   aim="deadlines")
+
+
+def full_batch(rng: random.Random) -> Episode:
+    n = rng.randint(4, 7)
+    requests = _requests(rng, n, prompt=(6, 24), budget=(10, 24), streaming=0.7)
+    for i, r in enumerate(requests):  # late client cancels: after a swap-in, or of a blocking request
+        if rng.random() < 0.3:
+            requests[i] = attrs.evolve(r, host_cancel_tick=rng.randint(3, 14))
+    exhaust: tuple[int, ...] = ()
+    if rng.random() < 0.5:  # KV exhaustion injected on a large pool: the seat frees, the blocks are there
+        first = rng.randint(0, 3)
+        total, exhaust, watermark = 1000, (first, first + 1, first + rng.randint(3, 6)), 4096
+    else:  # a small pool the prompts are admitted into on their own blocks: new requests spill old ones
+        total, exhaust, watermark = rng.choice((6, 8, 10)), (), rng.choice((0, 4))
+    return Episode(mode=rng.choice(("plain", "plain", "mtp1", "ngram")), max_batch_size=rng.choice((2, 3)),
+                   max_prefill_tokens=0, spill=rng.random() < 0.7, total_blocks=total, held_blocks=0,
+                   requests=tuple(requests), kv_exhaust_at=exhaust, close_tick=rng.randint(0, 4),
+                   admission_watermark=watermark, aim="full_batch")
+
+
+def whole_pool(rng: random.Random) -> Episode:
+    total = rng.randint(3, 6)
+    room = 16 * (total - 2)  # a KV of room .. room + 15 tokens needs total - 1 blocks, and one more to resume
+    n = rng.randint(2, 3)
+    requests = _requests(rng, n, prompt=(max(1, room - 14), max(1, room - 2)), budget=(20, 40), streaming=0.8,
+                         wrong=(0,))
+    held = rng.choice((0, 0, 1, 2))  # blocks a prefix cache holds: a resume reclaims them
+    fault = rng.choice(("", "", "AwaitResumeFree", "AwaitResumeReclaim", "AwaitResumeSlot"))
+    return Episode(mode="plain", max_batch_size=n, max_prefill_tokens=0, spill=False, total_blocks=total + held,
+                   held_blocks=held, reclaimable=held, requests=tuple(requests), close_tick=0,
+                   admission_watermark=rng.choice((0, 1, 4)), fault_phase=fault, aim="whole_pool")
+
+
+def rejected_cross(rng: random.Random) -> Episode:
+    n = rng.randint(1, 3)
+    requests = [attrs.evolve(r, prompt_len=16 * rng.randint(1, 2) - rng.randint(1, 3))
+                for r in _requests(rng, n, prompt=(1, 1), budget=(12, 30), wrong=(2, 2, 3))]
+    caps = tuple(rng.choice(((3, 0), (2, 0), (3, 3, 0), (8, 0, 0))))
+    return Episode(mode=rng.choice(("mtp2", "mtp3", "dflash", "mtp3")), max_batch_size=4, max_prefill_tokens=0,
+                   spill=False, total_blocks=1000, held_blocks=0, requests=tuple(requests), capacities=caps,
+                   close_tick=0, aim="rejected_cross")
+
+
+def waiting_work(rng: random.Random) -> Episode:
+    requests = _requests(rng, 2, prompt=(4, 30), budget=(14, 30), wrong=(0,))
+    late = rng.randint(12, 30)
+    if rng.random() < 0.6:
+        requests.append(attrs.evolve(_requests(rng, 1, prompt=(2, 10), budget=(2, 6))[0], id=3, arrive_tick=late))
+    first = rng.randint(1, 4)
+    return Episode(mode="plain", max_batch_size=2, max_prefill_tokens=0, spill=rng.random() < 0.5, total_blocks=1000,
+                   held_blocks=0, requests=tuple(requests), kv_exhaust_at=(first, first + 1),
+                   close_tick=late + rng.choice((0, 30)), aim="waiting_work")
+
+
+def gate_fault(rng: random.Random) -> Episode:
+    n = rng.randint(3, 5)
+    mode = rng.choice(("dflash", "dflash", "mtp2", "mtp3"))
+    requests = _requests(rng, n, prompt=(2, 30), budget=(14, 30), wrong=(0, 2, 3))
+    return Episode(mode=mode, max_batch_size=n, max_prefill_tokens=0, spill=False, total_blocks=1000, held_blocks=0,
+                   requests=tuple(requests), short_proposals=True, can_batch_verify=True,
+                   fault_phase="AwaitDflashGate" if mode == "dflash" else "AwaitMtpGate",
+                   fault_phase_at=rng.randint(0, 3), close_tick=0, aim="gate_fault")
+
+
+def spilled_alone(rng: random.Random) -> Episode:
+    # the KV reservation counts the whole pool, the device's free count leaves out the blocks a cache
+    # holds: the newcomer is admitted, and its prompt needs the long request's blocks
+    long = SimRequest(id=1, prompt_len=rng.randint(32, 44), tokens=tuple(_randints(rng, 2, 40, 30)),
+                      max_tokens=rng.randint(20, 30), streaming=rng.random() < 0.7)
+    short = SimRequest(id=2, prompt_len=rng.randint(32, 47), tokens=tuple(_randints(rng, 2, 40, 3)),
+                       max_tokens=1, streaming=rng.random() < 0.5, arrive_tick=rng.randint(2, 5))
+    late = [SimRequest(id=3, prompt_len=4, tokens=(5, 6), max_tokens=2, arrive_tick=rng.randint(30, 60))] \
+        if rng.random() < 0.5 else []
+    return Episode(mode="plain", max_batch_size=rng.choice((1, 2)), max_prefill_tokens=0, spill=True,
+                   total_blocks=8, held_blocks=3, requests=(long, short, *late), admission_watermark=0,
+                   close_tick=(late[0].arrive_tick if late else short.arrive_tick) + rng.choice((0, 40)),
+                   aim="spilled_alone")
+
+
+AIMS: dict[str, Callable[[random.Random], Episode]] = {
+    "deadlines": deadlines, "full_batch": full_batch, "whole_pool": whole_pool, "rejected_cross": rejected_cross,
+    "waiting_work": waiting_work, "gate_fault": gate_fault, "spilled_alone": spilled_alone,
+}
+
+
+def aimed_episode(rng: random.Random) -> Episode:
+    return AIMS[rng.choice(sorted(AIMS))](rng)
