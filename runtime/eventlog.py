@@ -508,10 +508,21 @@ class EventLog:
     lines: int = 0
 
 
+MAX_LINE_BYTES = 64 * 1024 * 1024  # the longest line read (a bound on memory, far above any real record)
+
+
 def _lines(path: Path, fh: IO[bytes]) -> Iterator[tuple[int, Any, bool]]:
     """(line number, parsed record, complete) for each line; an unterminated last line is given as
     (number, None, False)."""
-    for number, raw in enumerate(fh, 1):
+    number = 0
+    while True:
+        raw = fh.readline(MAX_LINE_BYTES + 1)
+        if not raw:
+            return
+        number += 1
+        if len(raw) > MAX_LINE_BYTES:
+            raise EventLogError(f"{path}: line {number}: longer than {MAX_LINE_BYTES >> 20} MiB, more than any "
+                                f"event log line")
         if not raw.endswith(b"\n"):
             yield number, None, False
             return

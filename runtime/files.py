@@ -24,13 +24,19 @@ def open_binary(path: str | Path, what: str, error: Callable[[str], Exception]) 
         raise error(f"{path}: cannot read it ({err.strerror or err})") from None
 
 
-def read_text(path: str | Path, what: str, error: Callable[[str], Exception]) -> str:
-    """The whole file at ``path`` as UTF-8 text."""
+MAX_TEXT_BYTES = 64 * 1024 * 1024  # the largest scenario or replay file read (a bound, not a size seen)
+
+
+def read_text(path: str | Path, what: str, error: Callable[[str], Exception], limit: int = MAX_TEXT_BYTES) -> str:
+    """The whole file at ``path`` as UTF-8 text; at most ``limit`` bytes are read (a larger file,
+    or an endless one such as /dev/zero, is an error, not a process that grows)."""
     with open_binary(path, what, error) as fh:
         try:
-            data = fh.read()
+            data = fh.read(limit + 1)
         except OSError as err:
             raise error(f"{path}: cannot read it ({err.strerror or err})") from None
+    if len(data) > limit:
+        raise error(f"{path}: larger than {limit >> 20} MiB, the most a {what} may be")
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as err:

@@ -282,7 +282,8 @@ def bad_tokenizer_dir(tmp_path: Path) -> Path:
     (["--prompt-ids", "1 2", "--model", "/no/such/dir"], "--model /no/such/dir: no such directory"),
     (["--prompt-ids", "1 2", "--model", "/tmp", "--weights", "w"], "--weights and --model: give one of them"),
     (["--prompt-ids", "1 2", "--tokenizer", "/no/such/dir"], "--tokenizer: /no/such/dir: no such directory"),
-    (["--prompt-file", "/no/such/file"], "--prompt-file: the model has no tokenizer"),
+    (["--prompt-file", __file__], "--prompt-file: the model has no tokenizer"),  # a file that exists: read first
+    (["--prompt-file", "/no/such/file"], "--prompt-file /no/such/file: no such file"),
     (["--prompt", "a", "--prompt-ids", "1"], "--prompt and --prompt-ids: give one of them, not both"),
 ])
 def test_bad_input_exits_2_with_one_line(capsys, argv, message):

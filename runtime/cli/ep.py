@@ -31,7 +31,7 @@ import re
 import sys
 from typing import Callable
 
-from fxsched.runtime.ep.run import DEFAULT_TIMEOUT_S
+from fxsched.runtime.ep import DEFAULT_TIMEOUT_S
 
 
 MAX_RANKS = 64
@@ -69,11 +69,14 @@ def add_ep_ranks_argument(parser: argparse.ArgumentParser) -> None:
 def run_with_ep(args, scenario=None) -> str:
     """The trace of ``fxsched run NAME --ep-ranks N`` (byte for byte the single-rank trace).
     Raises ScenarioError for a bad name and RunError (EpRunError) when the run or the group fails."""
-    from fxsched.runtime.ep.run import run_scenario_ep
+    from fxsched.runtime.ep.run import run_scenario_ep, stop_launcher
     from fxsched.runtime.scenarios.loader import load_scenario
 
-    return run_scenario_ep(scenario if scenario is not None else load_scenario(args.name), args.ep_ranks,
-                           args.ep_timeout)
+    try:
+        return run_scenario_ep(scenario if scenario is not None else load_scenario(args.name), args.ep_ranks,
+                               args.ep_timeout)
+    finally:
+        stop_launcher()
 
 
 def generate_function(args) -> Callable:
@@ -85,12 +88,22 @@ def generate_function(args) -> Callable:
         return generate
     from functools import partial
 
-    from fxsched.runtime.ep.generate import generate_ep
-
     model = getattr(args, "model", None)
     extra = {"model_dir": model, "on_weights": print_weights} if model is not None else {}
-    return partial(generate_ep, ep_ranks=args.ep_ranks, weights=getattr(args, "weights", None),
+    return partial(generate_ep_then_stop, ep_ranks=args.ep_ranks, weights=getattr(args, "weights", None),
                    timeout_s=args.ep_timeout, **extra)
+
+
+def generate_ep_then_stop(*args, **kwargs):
+    """``generate_ep``, then the launcher stopped: no EP process outlives the command
+    (runtime/ep/run.py ``stop_launcher``)."""
+    from fxsched.runtime.ep.generate import generate_ep
+    from fxsched.runtime.ep.run import stop_launcher
+
+    try:
+        return generate_ep(*args, **kwargs)
+    finally:
+        stop_launcher()
 
 
 def print_weights(report) -> None:

@@ -44,7 +44,11 @@ line on stderr naming the input and what is wrong. Numbers are written in ASCII 
 
 ``--record FILE`` writes the run's event log (``fxsched.runtime.eventlog``, specs/event-log.md):
 ``fxsched replay FILE`` re-runs the scheduler over it without the model. A path that cannot be
-written is refused before the model loads, and the file is only created once the input is checked.
+written, or an existing file without ``--force``, is refused before the model loads, and the file
+is only created once the input is checked.
+
+Prompt files are read with a bound (runtime/cli/bounds.py: at most 64 MiB, so ``/dev/zero`` is one
+line), and they, the numbers and the paths are checked before torch is imported.
 
 Ctrl-C during a run prints what was generated so far (each unfinished request with finish reason
 "interrupted", then the summary), one line on stderr, and exits 130; with ``--ep-ranks`` the
@@ -68,6 +72,9 @@ _INTEGER = re.compile(r"[+-]?[0-9]{1,30}")
 _DECIMAL = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
 PROGRESS_MIN_TOKENS = 512  # show a progress bar when a run may produce this many tokens
 DTYPES = ("float32", "bfloat16", "float16")
+DTYPE_ALIASES = {"auto": None, "bf16": "bfloat16", "half": "float16", "fp16": "float16", "float": "float32",
+                 "fp32": "float32"}  # vLLM's names (auto: the checkpoint's)
+SPECS = ("none", "mtp", "dflash", "ngram")  # runtime/generate.py's SPECS, known here before torch is imported
 PROMPT_OPTIONS = ("--prompt", "--prompt-ids", "--prompt-file", "--prompt-ids-file")
 
 
@@ -82,8 +89,8 @@ def _add_model_arguments(p: argparse.ArgumentParser, what: str = "") -> None:
     p.add_argument("--weights", help=f"a safetensors weights file of the internal model{what}")
     p.add_argument("--model", metavar="DIR", help=f"a Hugging Face model directory (config.json, safetensors, "
                                                   f"tokenizer; default: the embedded default model){what}")
-    p.add_argument("--dtype", default=None, metavar="{" + ",".join(DTYPES) + "}",
-                   help=f"weights and compute dtype of a --model checkpoint (default: the checkpoint's){what}")
+    p.add_argument("--dtype", default=None, metavar="{auto," + ",".join(DTYPES) + ",bf16,half,float}",
+                   help=f"weights and compute dtype of a --model checkpoint (default, or auto: the checkpoint's){what}")
     p.add_argument("--max-seq-len", default=None, metavar="N",
                    help=f"context length to allocate for a --model checkpoint (default: the loader's){what}")
     p.add_argument("--draft-model", metavar="DIR", default=None,
@@ -150,7 +157,9 @@ def add_generate_command(sub) -> None:
     p.add_argument("--no-progress", action="store_true", help="never show the progress bar")
     p.add_argument("--record", metavar="FILE", default=None,
                    help="write the run's event log to FILE (every event step took and a digest of its effects); "
-                        "fxsched replay FILE re-runs it without the model")
+                        "fxsched replay FILE re-runs it without the model; an existing FILE is refused unless "
+                        "--force")
+    p.add_argument("--force", action="store_true", help="let --record overwrite an existing file")
     from fxsched.runtime.cli.ep import add_ep_ranks_argument
 
     add_ep_ranks_argument(p)
@@ -272,14 +281,22 @@ class ModelChoice:
         return f"the default model {self.model}" if self.default else f"--model {self.model}"
 
 
+def normalize_dtype(dtype: Optional[str]) -> Optional[str]:
+    """``--dtype`` in torch's spelling (vLLM's names accepted; auto: None, the checkpoint's)."""
+    if dtype is None or dtype in DTYPES:
+        return dtype
+    if dtype not in DTYPE_ALIASES:
+        raise UsageError(f"--dtype {dtype}: unknown dtype (choose auto, {', '.join(DTYPES)}, bf16, half or float)")
+    return DTYPE_ALIASES[dtype]
+
+
 def _model_choice(args) -> ModelChoice:
     weights, model = getattr(args, "weights", None), getattr(args, "model", None)
     dtype, max_seq_len = getattr(args, "dtype", None), getattr(args, "max_seq_len", None)
     draft_model = getattr(args, "draft_model", None)
     if weights is not None and model is not None:
         raise UsageError("--weights and --model: give one of them, not both")
-    if dtype is not None and dtype not in DTYPES:
-        raise UsageError(f"--dtype {dtype}: unknown dtype (choose {', '.join(DTYPES)})")
+    dtype = normalize_dtype(dtype)
     default = model is None and weights is None and getattr(args, "ep_ranks", 1) <= 1
     if default:
         from fxsched.runtime.torch_model.default_model import default_model_dir
@@ -418,15 +435,13 @@ def _prompt_option(args) -> tuple[str, str]:
 
 
 def _lines(option: str, name: str) -> list[tuple[str, str]]:
+    from fxsched.runtime.cli.bounds import MAX_PROMPT_FILE_BYTES, UserFileError, read_user_text
+
     path = Path(name)
     try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise UsageError(f"{option} {path}: no such file") from None
-    except UnicodeDecodeError as err:
-        raise UsageError(f"{option} {path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
-    except OSError as err:
-        raise UsageError(f"{option} {path}: {err.strerror or err}") from None
+        text = read_user_text(path, option, MAX_PROMPT_FILE_BYTES)
+    except UserFileError as err:
+        raise UsageError(str(err)) from None
     out = [(f"{option} {path} line {number}", line) for number, line in enumerate(text.splitlines(), 1)
            if line.strip()]
     if not out:
@@ -448,7 +463,10 @@ def _prompts(args, tokenizer=None) -> list[Prompt]:
         ids_option = "--prompt-ids" if option == "--prompt" else "--prompt-ids-file"
         raise UsageError(f"{option}: the model has no tokenizer (no tokenizer.json), so it takes token ids: "
                          f"use {ids_option} (or --tokenizer DIR)")
-    items = [(option, value)] if option in ("--prompt", "--prompt-ids") else _lines(option, value)
+    if option in ("--prompt", "--prompt-ids"):
+        items = [(option, value)]
+    else:
+        items = getattr(args, "prompt_lines", None) or _lines(option, value)
     out = []
     try:
         for source, item in items:
@@ -516,27 +534,37 @@ class Printer:
 def run_generate(args, out=None) -> int:
     """``fxsched generate``; raises UsageError for bad input."""
     out = out or sys.stdout
-    from fxsched.runtime.generate import SPECS, GenerateError, TextOptions, check_prompt, expand_prompts
-
+    # what can be checked without torch first (an error within a second): the numbers, the paths,
+    # the prompt files (read, bounded, now; tokenized once the tokenizer is loaded)
     if args.spec not in SPECS:
         raise UsageError(f"--spec {args.spec}: unknown speculation mode (choose from {', '.join(SPECS)})")
     max_tokens = _int(args.max_tokens, "--max-tokens", 1)
     batch = _int(args.batch, "--batch", 1)
-    sampling = _sampling(args)
-    if sampling.logprobs and not args.json:
+    for name, default in (("temperature", "0"), ("top_p", "1"), ("min_p", "0")):
+        _float(str(getattr(args, name, None) or default), "--" + name.replace("_", "-"))
+    for name, default in (("top_k", "0"), ("logprobs", "0")):
+        _int(str(getattr(args, name, None) or default), "--" + name.replace("_", "-"), 0)
+    _int(str(getattr(args, "seed", None) or "0"), "--seed", -(2**62), 2**62)
+    if _int(str(getattr(args, "logprobs", None) or "0"), "--logprobs", 0) and not args.json:
         raise UsageError(f"--logprobs {args.logprobs}: needs --json (the logprobs are written in its records)")
-    _prompt_option(args)
+    args.dtype = normalize_dtype(getattr(args, "dtype", None))
+    option, value = _prompt_option(args)
+    if option.endswith("-file"):
+        args.prompt_lines = _lines(option, value)
     stops = tuple(getattr(args, "stop", None) or ())
     if any(not s for s in stops):
         raise UsageError("--stop: a stop string must not be empty")
     record = getattr(args, "record", None)
     if record is not None:
-        from fxsched.runtime.cli.app import _unwritable
+        from fxsched.runtime.cli.bounds import record_problem
 
-        problem = "the path is empty" if not record else _unwritable(Path(record))
+        problem = record_problem(record, getattr(args, "force", False))
         if problem:
             raise UsageError(f"--record {record}: {problem}")
     choice = _model_choice(args)
+    from fxsched.runtime.generate import GenerateError, TextOptions, check_prompt, expand_prompts
+
+    sampling = _sampling(args)
     device = _torch_device(args.device)
     tokenizer = _tokenizer(args, choice)
     if stops and tokenizer is None:

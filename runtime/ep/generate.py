@@ -79,23 +79,9 @@ def generate_ep(engine: HybridEngine, prompts: Seq[Seq[int]], max_tokens: int, s
     ``generate``. Raises ``EpRunError`` (a RunError) if the group fails, never waiting longer than
     ``timeout_s`` on a worker (``options.startup_timeout_s`` while they load)."""
     ensure_configured()
-    shards = _sharded(engine, ep_ranks, model_dir)
-    device = engine.device.type
-    if shards:
-        options = attrs.evolve(options, replica=None,
-                               experts=ExpertShardSpec(str(model_dir), engine.cfg.dtype, device))
-    else:
-        options = attrs.evolve(options, replica=EngineReplicaSpec(
-            engine.cfg.to_dict(), weights, device, model_dir=str(model_dir) if model_dir is not None else None))
+    options, shards = group_options(engine, ep_ranks, weights, model_dir, options)
     with EpCluster(ep_ranks, timeout_s, options=options) as cluster:
-        group, report = None, None
-        if shards:
-            report = _weights(cluster, shards, engine, options.startup_timeout_s)
-            log.info("ep_weights", ranks=report.to_json())
-            if on_weights is not None:
-                on_weights(report)
-            group = ExpertGroup(cluster.link)  # type: ignore[arg-type]  # up inside the with
-            group.bind(shards)
+        group, report = bind_experts(cluster, shards, engine, options, on_weights)
         leaders: list = []
 
         def wrap(device: TorchDevice):
@@ -124,6 +110,35 @@ def generate_ep(engine: HybridEngine, prompts: Seq[Seq[int]], max_tokens: int, s
         if leader.failure is not None:
             raise EpRunError(leader.failure, result=out)
     return out
+
+
+def group_options(engine: HybridEngine, ep_ranks: int, weights: Optional[str], model_dir,
+                  options: WorkerOptions = DEFAULT_OPTIONS) -> tuple[WorkerOptions, list[ExpertShard]]:
+    """The workers' options for ``engine`` (see the module docstring) and its expert shards
+    (none: every worker runs a replica)."""
+    shards = _sharded(engine, ep_ranks, model_dir)
+    device = engine.device.type
+    if shards:
+        return attrs.evolve(options, replica=None,
+                            experts=ExpertShardSpec(str(model_dir), engine.cfg.dtype, device)), shards
+    return attrs.evolve(options, replica=EngineReplicaSpec(
+        engine.cfg.to_dict(), weights, device, model_dir=str(model_dir) if model_dir is not None else None)), shards
+
+
+def bind_experts(cluster: EpCluster, shards: list[ExpertShard], engine: HybridEngine, options: WorkerOptions,
+                 on_weights: Optional[Callable[[WeightsReport], None]] = None
+                 ) -> tuple[Optional[ExpertGroup], Optional[WeightsReport]]:
+    """For a sharded model (``cluster`` up): the workers' weights report, handed to ``on_weights``,
+    and the expert group bound to the engine's shards (unbind it after the run); (None, None) else."""
+    if not shards:
+        return None, None
+    report = _weights(cluster, shards, engine, options.startup_timeout_s)
+    log.info("ep_weights", ranks=report.to_json())
+    if on_weights is not None:
+        on_weights(report)
+    group = ExpertGroup(cluster.link)  # type: ignore[arg-type]  # the cluster is up
+    group.bind(shards)
+    return group, report
 
 
 def _weights(cluster: EpCluster, shards: list[ExpertShard], engine: HybridEngine, timeout_s: float) -> WeightsReport:

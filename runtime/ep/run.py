@@ -10,7 +10,9 @@ are joined, the others terminated, then killed.
 Start method: a forkserver where the platform has one (``_context``): it is started once per
 leader process, imports torch and the model code (``PRELOAD``) without running anything, and forks
 every worker of every later cluster from that state, so a worker starts in a fraction of a second
-instead of importing torch afresh (1-2 s each); it ends with the leader process. Elsewhere, spawn.
+instead of importing torch afresh (1-2 s each); it ends with the leader process, or earlier when
+the command that ran the clusters calls ``stop_launcher`` (the CLI does, before it returns).
+Elsewhere, spawn.
 Either way a worker is a fresh process that never shares the leader's threads or CUDA context.
 
 Ctrl-C: the workers are born ignoring SIGINT (``_sigint_ignored`` around their start: the
@@ -34,6 +36,7 @@ from typing import Any, Callable, Optional
 import attrs
 import structlog
 
+from fxsched.runtime.ep import DEFAULT_TIMEOUT_S
 from fxsched.runtime.ep.leader import EpLeaderDevice
 from fxsched.runtime.ep.link import LinkError, LoopbackLink, TorchLeaderLink, await_key, ready_key
 from fxsched.runtime.ep.mirror import Snapshot
@@ -53,7 +56,6 @@ from fxsched.runtime.scenarios.loader import Scenario, load_scenario
 
 log = structlog.get_logger("fxsched.ep")
 
-DEFAULT_TIMEOUT_S = 30.0
 JOIN_S = 10.0  # how long a worker that acknowledged the shutdown may take to exit
 TERM_S = 0.5  # how long a terminated worker may take to exit before it is killed (a stopped one never does)
 
@@ -88,6 +90,23 @@ def _sigint_ignored():
 # Modules a forkserver imports once, so that each worker it forks starts without importing them.
 PRELOAD = ("torch", "torch.distributed", "fxsched.runtime.ep.worker", "fxsched.runtime.ep.experts",
            "fxsched.runtime.ep.replica", "fxsched.runtime.torch_model")
+
+
+def stop_launcher() -> None:
+    """End this process's forkserver (the workers' launcher) and the resource tracker it started
+    now, rather than when the process exits: a command calls it once its clusters are done, so no
+    EP process outlives its return. A later cluster starts new ones."""
+    from multiprocessing import forkserver, resource_tracker
+
+    for server, running in ((getattr(forkserver, "_forkserver", None), "_forkserver_pid"),
+                            (getattr(resource_tracker, "_resource_tracker", None), "_pid")):
+        stop = getattr(server, "_stop", None)  # CPython's own way to stop them (its tests use it)
+        if stop is None or getattr(server, running, None) is None:
+            continue
+        try:
+            stop()
+        except OSError as err:
+            log.warning("ep_launcher_stop_failed", error=str(err))
 
 
 def _context(mp: Any) -> Any:

@@ -3,15 +3,18 @@
 Why FastAPI on uvicorn: it is the stack vLLM and SGLang serve the same API with, well kept, and
 asyncio-native (Starlette's ``StreamingResponse`` gives SSE and tells a disconnect); uvicorn is its
 reference ASGI server and lets ``fxsched serve`` own the signal handling (runtime/serve/server.py).
-Bodies are parsed by ``protocol.parse_request`` rather than FastAPI's own validation, so a bad field
-is a 400 with an OpenAI error body naming it, not FastAPI's 422.
+Bodies are decoded by ``guard.Screen`` (bounded JSON, prompts measured before they are tokenized,
+on a worker thread) and validated by ``protocol.request_from_data`` rather than FastAPI's own
+validation, so a bad field is a 400 with an OpenAI error body naming it, not FastAPI's 422. The
+front door (API key, Host, Origin, Content-Type, body size: runtime/serve/guard.py,
+serve-security.md §14.1) wraps the app as ASGI middleware.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream``: server-sent events,
 one ``data: {chunk}`` per frame that brings text, a final chunk with ``finish_reason``, a usage
 chunk with ``stream_options.include_usage``, then ``data: [DONE]``), ``GET /v1/models``, ``GET
 /health`` (200 while serving, 503 while draining or when the engine thread has stopped), ``GET
 /metrics`` (Prometheus text, runtime/serve/metrics.py), ``GET /openapi.json`` (the routes and
-their request models; the bodies are still parsed by ``parse_request``). Unknown request fields
+their request models; the bodies are still parsed by ``guard.Screen``). Unknown request fields
 are ignored and counted (``fxsched_unknown_fields_total``).
 
 What the layer does, and nothing more (scheduling is the scheduler's): a request becomes a plan
@@ -20,7 +23,9 @@ onto the request's asyncio queue (``loop.call_soon_threadsafe``), and the events
 response. A client that goes away (a stream closed early, a non-streaming client that hangs up) has
 its unfinished choices cancelled: ``ServeEngine.cancel``, a ``Cancel`` event for the scheduler.
 
-Errors: ``APIError`` as its status and body; a full waiting queue 429, a draining server 503; a
+Errors: ``APIError`` as its status and body (the server's paths cut out of the message); the
+front door's 400 / 401 / 403 / 413 / 415; a request of more choices than ``--max-waiting`` 400, a
+full waiting queue 429, a draining server 503; a
 choice the engine failed (an engine fault) 500, or, once a stream has started, an SSE ``data:
 {"error": ...}`` event followed by ``data: [DONE]``. Unknown routes get the OpenAI error body too.
 """
@@ -41,6 +46,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fxsched.runtime.serve.engine import ChoiceEvent, Draining, Overloaded, ServeEngine
+from fxsched.runtime.serve.guard import Policy, Screen, install, scrub_paths
 from fxsched.runtime.serve.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -49,7 +55,7 @@ from fxsched.runtime.serve.protocol import (
     Plan,
     chat_plan,
     completion_plan,
-    parse_request,
+    request_from_data,
 )
 
 log = structlog.get_logger("fxsched.serve.http")
@@ -261,14 +267,20 @@ def _engine_failed(message: str) -> APIError:
 
 
 def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] = None,
-               lifespan: Optional[Callable[[Any], Any]] = None) -> FastAPI:
+               lifespan: Optional[Callable[[Any], Any]] = None, policy: Optional[Policy] = None,
+               server_paths: tuple[str, ...] = ()) -> FastAPI:
     """The app serving ``engine`` (which the caller, or ``lifespan``, starts and stops); ``state``
-    is shared with the server's drain."""
+    is shared with the server's drain; ``policy`` is the front door's (runtime/serve/guard.py);
+    ``server_paths`` never appear in an error message."""
     state = state if state is not None else ServeState()
+    policy = policy if policy is not None else Policy()
     app = FastAPI(title="fxsched", docs_url=None, redoc_url=None, openapi_url="/openapi.json", lifespan=lifespan)
     app.state.serve = state
     app.state.engine = engine
+    install(app, policy)
     tokenizer = engine.tokenizer
+    screen = Screen(policy, tokenizer, limits.max_prompt_len)
+    hidden = tuple(p for p in (*server_paths, getattr(tokenizer, "source", "")) if p)
 
     @functools.lru_cache(maxsize=65536)
     def token_text(token: int) -> str:
@@ -276,6 +288,7 @@ def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] 
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, err: APIError) -> JSONResponse:
+        err.message = scrub_paths(err.message, hidden)
         return _error(err)
 
     @app.exception_handler(StarletteHTTPException)
@@ -329,6 +342,7 @@ def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] 
         return ids, q
 
     async def _serve(request: Request, plan: Plan) -> Response:
+        screen.check_fits(plan, engine.max_waiting)
         loop = asyncio.get_running_loop()
         ids, q = _submit(plan, loop)
         state.active += 1
@@ -406,13 +420,15 @@ def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] 
 
     @app.post("/v1/completions", openapi_extra=_body(CompletionRequest))
     async def completions(request: Request) -> Response:
-        req = parse_request(CompletionRequest, await request.body(), _unknown("completions"))
-        return await _serve(request, completion_plan(req, tokenizer, limits))
+        plan = await screen.plan(await request.body(), False, lambda data, tok: completion_plan(
+            request_from_data(CompletionRequest, data, _unknown("completions")), tok, limits))
+        return await _serve(request, plan)
 
     @app.post("/v1/chat/completions", openapi_extra=_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
-        req = parse_request(ChatCompletionRequest, await request.body(), _unknown("chat_completions"))
-        return await _serve(request, chat_plan(req, tokenizer, limits))
+        plan = await screen.plan(await request.body(), True, lambda data, tok: chat_plan(
+            request_from_data(ChatCompletionRequest, data, _unknown("chat_completions")), tok, limits))
+        return await _serve(request, plan)
 
     app.openapi = functools.partial(_openapi, app)  # type: ignore[method-assign]
     return app

@@ -61,6 +61,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence as Seq, Union
 
+import attrs
 import structlog
 import torch
 
@@ -403,7 +404,8 @@ class ServeEngine:
     """The engine of one server: the scheduler configuration, the inbox and the engine thread.
 
     ``engine`` and ``tokenizer`` are the model; ``spec`` one of ``SPECS``; ``max_batch`` caps the
-    sequences running at once (default: the model's slots); ``drafter`` replaces the model's
+    sequences running at once (default: the model's slots), ``max_batch_tokens`` the rows of one
+    forward (default: the scheduler's budget); ``drafter`` replaces the model's
     drafter; ``wrap_device`` puts a layer between the interpreter and the device (tests inject
     faults with it); ``record`` writes the event log (``fxsched.runtime.eventlog``).
     """
@@ -412,7 +414,8 @@ class ServeEngine:
                  max_batch: Optional[int] = None, max_waiting: int = 1024, drafter: Optional[Drafter] = None,
                  wrap_device: Optional[Callable[[TorchDevice], Device]] = None,
                  metrics: Optional[ServeMetrics] = None, record: Optional[str | Path] = None,
-                 record_meta: Optional[dict[str, Any]] = None, eos_ids: Optional[Seq[int]] = None):
+                 record_meta: Optional[dict[str, Any]] = None, eos_ids: Optional[Seq[int]] = None,
+                 max_batch_tokens: Optional[int] = None):
         ensure_configured()
         cfg = engine.cfg
         self.engine = engine
@@ -422,6 +425,9 @@ class ServeEngine:
         self.max_batch = max_batch if max_batch is not None else cfg.max_slots
         eos = tuple(eos_ids) if eos_ids is not None else (tokenizer.eos_ids or None)
         self.config, self.model_info, self.proposer = scheduler_setup(cfg, spec, self.max_batch, eos)
+        if max_batch_tokens is not None:  # --max-num-batched-tokens: a prompt chunk never exceeds the budget
+            self.config = attrs.evolve(self.config, max_batch_tokens=max_batch_tokens,
+                                       max_prefill_tokens=min(self.config.max_prefill_tokens, max_batch_tokens))
         self.max_waiting = max_waiting
         self.drafter = drafter
         self.wrap_device = wrap_device

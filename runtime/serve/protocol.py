@@ -220,6 +220,13 @@ def parse_request(cls: type[_Common], body: bytes, on_unknown: Optional[Callable
         where = f", line {err.lineno} column {err.colno}" if isinstance(err, json.JSONDecodeError) else ""
         reason = err.msg if isinstance(err, json.JSONDecodeError) else "not UTF-8"
         raise APIError(400, f"the request body is not valid JSON ({reason}{where})") from None
+    return request_from_data(cls, data, on_unknown)
+
+
+def request_from_data(cls: type[_Common], data: Any, on_unknown: Optional[Callable[[list[str]], None]] = None
+                      ) -> Any:
+    """The request of a decoded JSON body; ``APIError`` (400) for a bad field; ``on_unknown`` as
+    ``parse_request``'s."""
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, got {type(data).__name__}")
     unknown = unknown_fields(cls, data)

@@ -43,6 +43,7 @@ from fxsched.runtime.devices.torch import Drafter, TorchDevice
 from fxsched.runtime.generate import context_limit, max_prompt_len
 from fxsched.runtime.serve.app import ServeState, create_app
 from fxsched.runtime.serve.engine import ServeEngine
+from fxsched.runtime.serve.guard import DEFAULT_MAX_REQUEST_BYTES, Policy, is_loopback
 from fxsched.runtime.serve.protocol import Limits
 from fxsched.runtime.text import TextTokenizer
 from fxsched.runtime.torch_model import HybridEngine
@@ -64,6 +65,12 @@ class ServeSettings:
     drain_timeout: float = 30.0
     access_log: bool = False
     record: Optional[str] = None
+    api_key: Optional[str] = None
+    metrics_open: bool = False
+    allowed_origins: tuple[str, ...] = ()
+    max_request_bytes: Optional[int] = None  # None: DEFAULT_MAX_REQUEST_BYTES
+    seed: Optional[int] = None
+    max_batch_tokens: Optional[int] = None  # the most rows of one forward (None: the scheduler's budget)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -187,11 +194,17 @@ class Serving:
         self.sock = sock
         self.engine = ServeEngine(engine, tokenizer, settings.spec, settings.max_batch, settings.max_waiting,
                                   drafter=drafter, wrap_device=wrap_device, record=settings.record,
-                                  record_meta=record_meta)
+                                  record_meta=record_meta, max_batch_tokens=settings.max_batch_tokens)
         self.limits = Limits((settings.model_name,), cfg.vocab_size, max_prompt_len(cfg), context_limit(cfg),
                              self.engine.speculative)
         self.state = ServeState()
-        self.app = create_app(self.engine, self.limits, self.state, lifespan=self._lifespan)
+        policy = Policy(api_key=settings.api_key, metrics_open=settings.metrics_open,
+                        allowed_origins=settings.allowed_origins,
+                        max_request_bytes=settings.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
+                        check_host=is_loopback(str(sock.getsockname()[0])), seed=settings.seed)
+        paths = tuple(str(v) for k, v in (record_meta or {}).items() if k == "model" and v)
+        self.app = create_app(self.engine, self.limits, self.state, lifespan=self._lifespan, policy=policy,
+                              server_paths=paths)
         _bridge("uvicorn.error", _UvicornErrors(), logging.WARNING)
         if settings.access_log:
             _bridge("uvicorn.access", _AccessLog(), logging.INFO)
