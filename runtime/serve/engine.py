@@ -60,6 +60,7 @@ from fxsched.core import events as ev
 from fxsched.core.request import Request
 from fxsched.core.state import SchedulerState, initial_state
 from fxsched.runtime.devices.device import Device
+from fxsched.runtime.devices.grammar_mask import GrammarBook
 from fxsched.runtime.devices.torch import Drafter, TorchDevice
 from fxsched.runtime.generate import (
     SPECS,
@@ -226,6 +227,7 @@ class ServeHost(GenerateHost):
             request = Request(id=choice.id, prompt=s.prompt, max_tokens=s.max_tokens, streaming=True,
                               temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, seed=s.seed,
                               top_logprobs=s.top_logprobs)
+            matcher = self.owner.grammar_matcher(s.grammar) if s.grammar is not None else None
         except ValueError as err:  # the protocol checks every field first; this is a last guard
             self.choices[choice.id] = choice
             self.results[choice.id] = RequestResult(choice.id, list(s.prompt), error=str(err))
@@ -233,6 +235,8 @@ class ServeHost(GenerateHost):
             return None
         self.choices[choice.id] = choice
         self.results[choice.id] = RequestResult(choice.id, list(s.prompt))
+        if matcher is not None:  # structured output: the device masks this request's rows
+            self.owner.grammars.add(choice.id, len(s.prompt), matcher)
         self.streams[choice.id] = TextStream(TextOptions(self.owner.tokenizer, s.stop, s.skip_special_tokens))
         return ev.Arrival(request)
 
@@ -288,6 +292,7 @@ class ServeHost(GenerateHost):
         choice.deliver(event)
 
     def _forget(self, rid: int) -> None:
+        self.owner.grammars.drop(rid)
         self.results.pop(rid, None)
         self.streams.pop(rid, None)
         self.choices.pop(rid, None)
@@ -362,7 +367,24 @@ class ServeEngine:
         self._idled = False
         self._served = 0  # choices finished without an error
         self.gave_up = False
+        self.grammars = GrammarBook()  # engine thread only
+        self._ll_tokenizer: Any = None
         self.host = ServeHost(self)
+
+    @property
+    def grammar_tokenizer(self) -> Any:
+        """llguidance's view of the tokenizer (built on first use; runtime/serve/structured.py)."""
+        if self._ll_tokenizer is None:
+            from fxsched.runtime.serve.structured import grammar_tokenizer
+
+            self._ll_tokenizer = grammar_tokenizer(self.tokenizer, self.engine.cfg.vocab_size,
+                                                   tuple(self.config.eos_ids or ()))
+        return self._ll_tokenizer
+
+    def grammar_matcher(self, grammar: str) -> Any:
+        from fxsched.runtime.serve.structured import matcher
+
+        return matcher(self.grammar_tokenizer, grammar)
 
     # --- the HTTP side (any thread) -------------------------------------------------------------
 
@@ -480,7 +502,8 @@ class ServeEngine:
 
     def _life(self, life: int) -> bool:
         """One scheduler life; True when it ended as asked (closed), False after a fault."""
-        device = TorchDevice(self.engine, proposer=self.proposer, drafter=self.drafter, on_tick=self._tick)
+        device = TorchDevice(self.engine, proposer=self.proposer, drafter=self.drafter, on_tick=self._tick,
+                             grammars=self.grammars)
         self._device = device
         self.metrics.reset_speculation()
         self.host.logprobs = LogprobWitness(device)

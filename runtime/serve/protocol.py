@@ -5,9 +5,10 @@ Requests. ``CompletionRequest`` (``POST /v1/completions``) and ``ChatCompletionR
 /v1/chat/completions``) take the fields the OpenAI API and vLLM accept (see the classes). Known
 fields are type-checked strictly (``"max_tokens": "5"`` or ``true`` is refused, an integer is a
 number); unknown fields are allowed and ignored, as vLLM does. Fields the server cannot honour
-(``echo``, ``suffix``, penalties, ``logit_bias``, ``best_of`` > ``n``, ``tools``, a non-text
-``response_format``, ``ignore_eos``) are refused when set to anything but their neutral value,
-never silently dropped.
+(``echo``, ``suffix``, penalties, ``logit_bias``, ``best_of`` > ``n``, ``ignore_eos``) are refused
+when set to anything but their neutral value, never silently dropped. Structured output
+(``response_format``, ``structured_outputs``, ``guided_*``) is runtime/serve/structured.py's, tool
+calling (``tools``, ``tool_choice``) runtime/serve/tools.py's: the HTTP layer applies both to the plan.
 
 Defaults that differ from OpenAI's: ``temperature`` defaults to 0 (greedy: the scheduler's
 default), and ``model`` may be left out (the served model). With a speculative ``--spec`` mode (mtp,
@@ -217,6 +218,7 @@ class ChoiceSpec:
     top_logprobs: int = 0  # top entries asked of the scheduler (0: no records)
     stop: tuple[str, ...] = ()
     skip_special_tokens: bool = True
+    grammar: Optional[str] = None  # llguidance grammar the tokens must follow (runtime/serve/structured.py)
 
 
 @dataclass(frozen=True)
@@ -262,11 +264,6 @@ def _unsupported(req: _Common) -> None:
         neutral += [("echo", req.echo, False), ("suffix", req.suffix, None)]
         if req.best_of is not None and req.best_of != (req.n or 1):
             raise bad_request("is not supported (only best_of = n)", "best_of")
-    if isinstance(req, ChatCompletionRequest):
-        if req.tools:
-            raise bad_request("tool calling is not supported by this server", "tools")
-        if req.response_format is not None and req.response_format.get("type", "text") != "text":
-            raise bad_request("only {\"type\": \"text\"} is supported", "response_format")
     for name, value, default in neutral:
         if value is not None and value != default:
             raise bad_request(f"is not supported by this server (only {json.dumps(default)})", name)
@@ -385,8 +382,11 @@ def _message_text(message: ChatMessage, i: int) -> str:
     return "".join(parts)
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
-    """The conversation as the chat template takes it (content parts joined into text)."""
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The conversation as the chat template takes it (content parts joined into text; an
+    assistant's ``tool_calls`` and a tool reply's ``tool_call_id`` kept, runtime/serve/tools.py)."""
+    from fxsched.runtime.serve.tools import template_message_fields
+
     if not req.messages:
         raise bad_request("at least one message is required", "messages")
     out = []
@@ -394,12 +394,15 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
         entry = {"role": message.role, "content": _message_text(message, i)}
         if message.name is not None:
             entry["name"] = message.name
+        entry.update(template_message_fields(message))
         out.append(entry)
     return out
 
 
-def chat_plan(req: ChatCompletionRequest, tokenizer: Any, limits: Limits) -> Plan:
-    """The plan of a chat completions request (the prompt through the model's chat template)."""
+def chat_plan(req: ChatCompletionRequest, tokenizer: Any, limits: Limits,
+              tools: Optional[list[dict[str, Any]]] = None) -> Plan:
+    """The plan of a chat completions request (the prompt through the model's chat template, which
+    gets ``tools``: runtime/serve/tools.py)."""
     from fxsched.runtime.text import TokenizerError
 
     model = _check_model(req.model, limits)
@@ -408,7 +411,7 @@ def chat_plan(req: ChatCompletionRequest, tokenizer: Any, limits: Limits) -> Pla
     kwargs: Mapping[str, Any] = req.chat_template_kwargs or {}
     generation_prompt = True if req.add_generation_prompt is None else req.add_generation_prompt
     try:
-        tokens = tokenizer.encode_chat(messages, generation_prompt, **kwargs)
+        tokens = tokenizer.encode_chat(messages, generation_prompt, **kwargs, **({"tools": tools} if tools else {}))
     except TokenizerError as err:
         raise bad_request(str(err), "messages") from None
     _check_prompt(tokens, "messages", limits)
