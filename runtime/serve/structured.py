@@ -79,7 +79,7 @@ def json_grammar(schema: Any, param: str) -> str:
 
     text = _schema_text(schema, param)
     try:
-        return LLMatcher.grammar_from_json_schema(text, defaults=JSON_DEFAULTS)  # type: ignore[arg-type]
+        return LLMatcher.grammar_from_json_schema(text, defaults=JSON_DEFAULTS)
     except ValueError as err:
         raise bad_request(f"is not a valid JSON schema: {_first_line(err)}", param) from None
 
