@@ -1,5 +1,5 @@
 """Grammar-constrained rows: token masks from llguidance matchers, applied to the logits rows of a
-forward on the device before anything picks from them (argmax, sampling, verify).
+forward on the device before anything picks from them (argmax, sampling, verify); serve.md §12.2–12.3.
 
 Who does what. The host (``fxsched serve``'s engine thread) registers a request's grammar with a
 ``GrammarBook`` (``add``: the request id, its prompt length and an ``llguidance.LLMatcher``) and
@@ -22,7 +22,8 @@ bitmasks go to the logits' device in one copy and every refused id of a masked r
 (``apply_bitmask``), in a copy of the logits (the engine's own tensor is left alone). A greedy row
 is then the argmax among the allowed ids, a sampled row draws from them (its logprobs are those of
 the masked distribution). A matcher whose grammar is complete allows only the EOS ids, so the
-sequence ends there (finish reason "stop").
+sequence ends there (finish reason "stop"); so does a matcher that failed (a parser resource limit):
+its rows allow the EOS ids only, never a row of −∞ alone.
 
 Invariant: a row's mask depends only on its request's grammar and the row's path, never on the
 batch, the rows' order or the order forwards asked for them.
@@ -77,7 +78,8 @@ class _Track:
 class GrammarBook:
     """The grammars of the running requests (engine thread only)."""
 
-    def __init__(self) -> None:
+    def __init__(self, eos_ids: Seq[int] = ()) -> None:
+        self.eos_ids = tuple(eos_ids)
         self._tracks: dict[int, _Track] = {}
         self._sessions: dict[int, int] = {}  # device sequence id -> request id (kept across a spill)
 
@@ -114,9 +116,21 @@ class GrammarBook:
             if not track.sync(path[track.prompt_len:]):
                 dead.add(rid)
                 continue
+            mask = track.bitmask()
+            if not any(mask):  # the matcher failed (a resource limit): end the sequence, never a row of -inf
+                log.warning("grammar_matcher_failed", request=rid, error=track.matcher.get_error()[:200])
+                mask = _only(self.eos_ids, len(mask))
             out_rows.append(row)
-            out_masks.append(track.bitmask())
+            out_masks.append(mask)
         return out_rows, out_masks
+
+
+def _only(ids: Seq[int], nbytes: int) -> bytes:
+    raw = bytearray(nbytes)
+    for i in ids:
+        if 0 <= i < nbytes * 8:
+            raw[i // 8] |= 1 << (i % 8)
+    return bytes(raw)
 
 
 def apply_bitmask(logits: torch.Tensor, rows: Seq[int], masks: Seq[bytes]) -> torch.Tensor:

@@ -367,7 +367,7 @@ class ServeEngine:
         self._idled = False
         self._served = 0  # choices finished without an error
         self.gave_up = False
-        self.grammars = GrammarBook()  # engine thread only
+        self.grammars = GrammarBook(self.config.eos_ids or ())  # engine thread only
         self._ll_tokenizer: Any = None
         self.host = ServeHost(self)
 

@@ -1,5 +1,5 @@
 """Structured output for ``fxsched serve``: the request fields that constrain a choice's tokens to
-a grammar, and the grammar each becomes (llguidance's grammar format).
+a grammar, and the grammar each becomes (llguidance's grammar format); serve.md §12.1.
 
 Fields (one of them per request; two are a 400 naming the second):
 
@@ -204,7 +204,10 @@ def check(constraint: Constraint, ll_tokenizer: Any) -> None:
     """400 naming the field when the grammar is invalid for the served tokenizer."""
     from llguidance import LLMatcher
 
-    error = LLMatcher.validate_grammar(constraint.grammar, ll_tokenizer)
+    try:
+        error = LLMatcher.validate_grammar(constraint.grammar, ll_tokenizer)
+    except (ValueError, RuntimeError, TypeError) as err:
+        error = str(err) or type(err).__name__
     if error and not error.startswith("WARNING"):
         raise bad_request(f"invalid {constraint.kind}: {_first_line(error)}", constraint.param)
 

@@ -1,5 +1,5 @@
 """Tool calling for ``fxsched serve`` in the Qwen (Hermes) format: the request's ``tools`` reach the
-chat template, and the model's ``<tool_call>`` blocks become OpenAI ``tool_calls``.
+chat template, and the model's ``<tool_call>`` blocks become OpenAI ``tool_calls`` (serve.md §12.4).
 
 Format. Qwen chat templates list the tools in the system turn and ask for each call as
 
