@@ -136,3 +136,72 @@ def test_a_partial_open_tag_is_held_back_then_released():
     assert stream.push("box>") == [{"content": "<toolbox>"}]
     assert stream.push("<tool_c") == []
     assert stream.finish() == [{"content": "<tool_c"}]
+
+
+# --- the torch device: masked rows through a spill, and in a verify ------------------------------------
+
+
+def _device(ll, book):
+    from fxsched.runtime.devices.torch import TorchDevice
+    from fxsched.runtime.torch_model import HybridEngine
+    from fxsched.runtime.torch_model.default_model import default_model_dir
+
+    return TorchDevice(HybridEngine.from_pretrained(default_model_dir()), grammars=book)
+
+
+def test_a_spilled_sequence_keeps_its_grammar_after_the_swap_in(ll):
+    tok, llt = ll
+    pattern = "[0-9]{12}"
+    grammar = llguidance.LLMatcher.grammar_from_regex(pattern)
+    prompt = tok.encode("Numbers:")
+    book = GrammarBook(tok.eos_ids)
+    book.add(7, len(prompt), matcher(llt, grammar))
+    dev = _device(ll, book)
+    dev.alloc_sequence(1, 7)
+    dev.prefill(1, prompt, 0)
+    out = [dev.argmax_on_device(0, 0)]
+    for _ in range(5):
+        dev.decode_batch([out[-1]], [1], 0)
+        out.append(dev.argmax_batch(0, 1, 0)[0])
+    dev.save_sequence_state(1)
+    dev.free_sequence(1)
+    dev.alloc_sequence(1, 0)  # a swap-in names session 0
+    dev.restore_sequence_state(1, blocks=1)
+    while out[-1] not in tok.eos_ids and len(out) < 20:
+        dev.decode_batch([out[-1]], [1], 0)
+        out.append(dev.argmax_batch(0, 1, 0)[0])
+    assert out[-1] in tok.eos_ids
+    text = tok.decode(out[:-1])
+    assert len(text) == 12 and text.isdigit(), text
+    dev.teardown()
+
+
+def test_a_greedy_verify_never_accepts_a_draft_the_grammar_refuses(ll):
+    tok, llt = ll
+    grammar = llguidance.LLMatcher.grammar_from_regex("[a-z]{6}")
+    prompt = tok.encode("Word:")
+    book = GrammarBook(tok.eos_ids)
+    book.add(3, len(prompt), matcher(llt, grammar))
+    dev = _device(ll, book)
+    dev.alloc_sequence(1, 3)
+    dev.prefill(1, prompt, 0)
+    first = dev.argmax_on_device(0, 0)
+
+    def allowed(generated: list[int], token: int) -> bool:  # a fresh matcher's verdict
+        m = matcher(llt, grammar)
+        assert m.consume_tokens(generated)
+        return token in _allowed(m.compute_bitmask(), 768)
+
+    assert allowed([], first)
+    digit = tok.encode("7", add_special_tokens=False)[0]
+    letter = tok.encode("b", add_special_tokens=False)[0]
+    rows = dev.decode_verify(1, [first, digit, letter])
+    assert rows[0] != digit and allowed([first], rows[0])  # the refused draft is not the row's answer
+    dev.truncate_sequence(1, len(prompt) + 1)
+    dev.commit_accepted_prefix(1, 1, 3)
+    second = rows[0]
+    rows = dev.decode_verify(1, [second, letter])  # the matcher rolled back the refused path
+    assert allowed([first, second], rows[0])
+    if allowed([first, second], letter):
+        assert allowed([first, second, letter], rows[1])
+    dev.teardown()

@@ -411,7 +411,7 @@ def chat_plan(req: ChatCompletionRequest, tokenizer: Any, limits: Limits,
     kwargs: Mapping[str, Any] = req.chat_template_kwargs or {}
     generation_prompt = True if req.add_generation_prompt is None else req.add_generation_prompt
     try:
-        tokens = tokenizer.encode_chat(messages, generation_prompt, **kwargs, **({"tools": tools} if tools else {}))
+        tokens = tokenizer.encode_chat(messages, generation_prompt, **{**kwargs, **({"tools": tools} if tools else {})})
     except TokenizerError as err:
         raise bad_request(str(err), "messages") from None
     _check_prompt(tokens, "messages", limits)
