@@ -205,3 +205,11 @@ def test_a_greedy_verify_never_accepts_a_draft_the_grammar_refuses(ll):
     if allowed([first, second], letter):
         assert allowed([first, second, letter], rows[1])
     dev.teardown()
+
+
+def test_an_unclosed_call_at_the_end_sends_its_whole_arguments():
+    stream = tools.ToolStream()
+    text = '<tool_call>\n{"name": "ping", "arguments": {"n": {"m": 1}}}'
+    deltas = stream.push(text) + stream.finish()
+    args = "".join(tc["function"].get("arguments", "") for d in deltas for tc in d.get("tool_calls", ()))
+    assert json.loads(args) == {"n": {"m": 1}}

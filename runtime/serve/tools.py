@@ -234,11 +234,13 @@ class ToolStream:
 
     def finish(self) -> list[dict[str, Any]]:
         """What is left when the reply ends: held-back text as content (an unclosed block's text too,
-        unless its call was already started)."""
+        unless its call was already started: then the rest of its arguments)."""
         out: list[dict[str, Any]] = []
         if self.in_block and not self._name_sent:
             out.append({"content": OPEN + self.buffer})
-        elif not self.in_block and self.buffer:
+        elif self.in_block:  # a started call cut short: the rest of its arguments as written
+            out.extend(self._block(self.buffer, closed=True))
+        elif self.buffer:
             out.append({"content": self.buffer})
         self.buffer = ""
         return out
