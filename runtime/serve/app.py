@@ -18,6 +18,10 @@ onto the request's asyncio queue (``loop.call_soon_threadsafe``), and the events
 response. A client that goes away (a stream closed early, a non-streaming client that hangs up) has
 its unfinished choices cancelled: ``ServeEngine.cancel``, a ``Cancel`` event for the scheduler.
 
+Structured output and tool calls (specs/serve.md): the request's constraint (runtime/serve/structured.py,
+or a forced tool call, runtime/serve/tools.py) is checked off the event loop and becomes each choice's
+grammar; with ``tools`` the chat replies are parsed into ``tool_calls`` (streamed as deltas).
+
 Errors: ``APIError`` as its status and body; a full waiting queue 429, a draining server 503; a
 choice the engine failed (an engine fault) 500, or, once a stream has started, an SSE ``data:
 {"error": ...}`` event followed by ``data: [DONE]``. Unknown routes get the OpenAI error body too.
@@ -315,7 +319,7 @@ def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] 
                 constraint = structured.Constraint("tool_calls", "tool_choice", grammar)
             if constraint is None:
                 return plan
-            await asyncio.to_thread(structured.check, constraint, engine.grammar_tokenizer)
+            await asyncio.to_thread(lambda: structured.check(constraint, engine.grammar_tokenizer))
         except ImportError:
             raise bad_request("structured output needs the llguidance package on the server "
                               "(pip install 'fxsched[serve]')", "response_format") from None

@@ -382,9 +382,13 @@ class ServeEngine:
         return self._ll_tokenizer
 
     def grammar_matcher(self, grammar: str) -> Any:
+        """A fresh matcher of a checked grammar; ``ValueError`` if it cannot be made."""
         from fxsched.runtime.serve.structured import matcher
 
-        return matcher(self.grammar_tokenizer, grammar)
+        try:
+            return matcher(self.grammar_tokenizer, grammar)
+        except Exception as err:  # the library's own failure: this choice fails, the engine goes on
+            raise ValueError(f"grammar: {type(err).__name__}: {err}") from None
 
     # --- the HTTP side (any thread) -------------------------------------------------------------
 
