@@ -330,3 +330,14 @@ def test_named_and_required_tool_calls_streamed_and_not(server):
                {"role": "tool", "tool_call_id": call.id, "content": "sunny"}]
     follow = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="none", max_tokens=4)
     assert follow.choices[0].finish_reason == "length" and follow.choices[0].message.tool_calls is None
+    # the prompts the template rendered: as transformers renders the same history (tools shown unless "none")
+    transformers = pytest.importorskip("transformers")
+    from fxsched.runtime.torch_model.default_model import default_model_dir
+
+    hf = transformers.AutoTokenizer.from_pretrained(str(default_model_dir()))
+    for tool_choice, shown in (("none", None), ("auto", TOOLS)):
+        got = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice=tool_choice,
+                                             max_tokens=1)
+        ids = hf.apply_chat_template(history, tools=shown, tokenize=True, add_generation_prompt=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        assert got.usage.prompt_tokens == len(ids)
