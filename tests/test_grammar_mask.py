@@ -213,3 +213,18 @@ def test_an_unclosed_call_at_the_end_sends_its_whole_arguments():
     deltas = stream.push(text) + stream.finish()
     args = "".join(tc["function"].get("arguments", "") for d in deltas for tc in d.get("tool_calls", ()))
     assert json.loads(args) == {"n": {"m": 1}}
+
+
+def test_common_prefix_against_a_plain_loop():
+    import random
+
+    from fxsched.runtime.devices.grammar_mask import _common_prefix
+
+    rng = random.Random(3)
+    for _ in range(500):
+        a = [rng.randrange(3) for _ in range(rng.randrange(80))]
+        b = a[:rng.randrange(len(a) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(40))]
+        want = 0
+        while want < min(len(a), len(b)) and a[want] == b[want]:
+            want += 1
+        assert _common_prefix(a, b) == want

@@ -52,10 +52,7 @@ class _Track:
         """Bring the matcher to the state after ``generated``; False when the grammar refuses a
         token of it (the matcher then stands after the longest accepted prefix)."""
         consumed = self.consumed
-        common = 0
-        limit = min(len(consumed), len(generated))
-        while common < limit and consumed[common] == generated[common]:
-            common += 1
+        common = _common_prefix(consumed, generated)
         extra = len(consumed) - common
         if extra:
             if not self.matcher.rollback(extra) or self.matcher.is_error():
@@ -73,6 +70,20 @@ class _Track:
 
     def bitmask(self) -> bytes:
         return self.matcher.compute_bitmask()
+
+
+def _common_prefix(a: list[int], b: Seq[int]) -> int:
+    """The length of the common prefix of ``a`` and ``b``; the usual cases (``a`` a prefix of ``b``,
+    or the two parting in the last few tokens: rejected drafts) by list compares, not a Python loop."""
+    n = min(len(a), len(b))
+    if list(b[:n]) == a[:n]:
+        return n
+    start = max(0, n - 32)
+    if list(b[:start]) != a[:start]:
+        start = 0
+    while start < n and a[start] == b[start]:
+        start += 1
+    return start
 
 
 class GrammarBook:
