@@ -174,8 +174,10 @@ def test_json_object_regex_choice_and_grammar(server):
     ({"tools": [{"type": "function", "function": {}}]}, "tools[0].function.name"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": TOOLS, "parallel_tool_calls": "no"}, "parallel_tool_calls"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "guided_regex"),
+    ({"guided_choice": ["a", "b"], "min_tokens": 3}, "min_tokens"),
 ])
 def test_bad_constraints_get_400_naming_the_field(server, payload, param):
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, **payload}
@@ -321,6 +323,10 @@ def test_named_and_required_tool_calls_streamed_and_not(server):
     if required.choices[0].finish_reason == "tool_calls":
         for c in calls:
             validate(json.loads(c.function.arguments), schemas[c.function.name])
+    single = _tool_chat(client, tool_choice="required", parallel_tool_calls=False)
+    assert single.choices[0].finish_reason == "tool_calls" and len(single.choices[0].message.tool_calls) == 1
+    (only,) = single.choices[0].message.tool_calls
+    validate(json.loads(only.function.arguments), schemas[only.function.name])
     # auto: the random model writes no call, so the answer is content; none: the tools are not shown
     auto = _tool_chat(client, max_tokens=8)
     assert auto.choices[0].message.tool_calls is None and auto.choices[0].finish_reason == "length"

@@ -319,6 +319,7 @@ def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] 
                 constraint = structured.Constraint("tool_calls", "tool_choice", grammar)
             if constraint is None:
                 return plan
+            structured.check_compatible(req)
             await asyncio.to_thread(lambda: structured.check(constraint, engine.grammar_tokenizer))
         except ImportError:
             raise bad_request("structured output needs the llguidance package on the server "
@@ -417,7 +418,7 @@ def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         req = parse_request(ChatCompletionRequest, await request.body())
-        tools = toolcalls.tool_plan(req.tools, req.tool_choice)
+        tools = toolcalls.tool_plan(req.tools, req.tool_choice, (req.model_extra or {}).get("parallel_tool_calls"))
         plan = chat_plan(req, tokenizer, limits, tools.template_tools if tools is not None else None)
         plan = await _constrained(req, plan, tools)
         return await _serve(request, plan, tools)

@@ -185,6 +185,16 @@ def constraint_of(req: Any) -> Optional[Constraint]:
     return found[0] if found else None
 
 
+def check_compatible(req: Any) -> None:
+    """400 for fields a grammar cannot honour: ``ignore_eos`` and ``min_tokens`` would mask the EOS a
+    complete grammar allows alone, leaving a row with no token to pick."""
+    if _field(req, "ignore_eos"):
+        raise bad_request("cannot be combined with structured output or a forced tool call", "ignore_eos")
+    min_tokens = _field(req, "min_tokens")
+    if isinstance(min_tokens, int) and min_tokens > 0:
+        raise bad_request("cannot be combined with structured output or a forced tool call", "min_tokens")
+
+
 def grammar_tokenizer(tokenizer: Any, vocab_size: int, eos_ids: tuple[int, ...]) -> Any:
     """llguidance's view of the served tokenizer (``tokenizer``: a ``TextTokenizer``), with the
     model's logits width as its vocabulary and the scheduler's EOS ids as the grammar's end."""

@@ -16,7 +16,7 @@ ends (``parse``).
 
 ``tool_choice``: ``"auto"`` (the default with tools): the model decides, the reply is parsed;
 ``"none"``: the tools are not shown to the template and nothing is parsed; ``"required"``: the reply
-is constrained to one or more blocks calling the listed functions with arguments that satisfy their
+is constrained to one or more blocks (one with ``parallel_tool_calls: false``) calling the listed functions with arguments that satisfy their
 ``parameters`` schemas; ``{"type": "function", "function": {"name": N}}``: one block calling N.
 The last two are grammars (runtime/serve/structured.py: a Lark grammar whose blocks embed the JSON
 schema of ``{"name": const, "arguments": parameters}``), so even a model that never learned the
@@ -58,9 +58,10 @@ class ToolPlan:
     parse: bool
     forced: Optional[str]
     schemas: dict[str, Any] = field(default_factory=dict)  # function name -> parameters schema
+    parallel: bool = True  # several calls per reply (``parallel_tool_calls``)
 
 
-def tool_plan(tools: Optional[list[Any]], tool_choice: Any) -> Optional[ToolPlan]:
+def tool_plan(tools: Optional[list[Any]], tool_choice: Any, parallel: Any = None) -> Optional[ToolPlan]:
     """The plan of the request's ``tools`` / ``tool_choice`` (None: no tools); 400 naming a bad field."""
     if tools is None or tools == []:
         if tool_choice not in (None, "none", "auto"):
@@ -86,19 +87,22 @@ def tool_plan(tools: Optional[list[Any]], tool_choice: Any) -> Optional[ToolPlan
             raise bad_request("must be a JSON schema (an object)", f"tools[{i}].function.parameters")
         schemas[name] = dict(params)
         shown.append({"type": "function", "function": dict(fn)})
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad_request("must be a boolean", "parallel_tool_calls")
+    many = parallel is not False
     choice = "auto" if tool_choice is None else tool_choice
     if choice == "none":
-        return ToolPlan(None, False, None, schemas)
+        return ToolPlan(None, False, None, schemas, many)
     if choice == "auto":
-        return ToolPlan(shown, True, None, schemas)
+        return ToolPlan(shown, True, None, schemas, many)
     if choice == "required":
-        return ToolPlan(shown, True, "required", schemas)
+        return ToolPlan(shown, True, "required", schemas, many)
     if isinstance(choice, Mapping) and choice.get("type") == "function" and isinstance(choice.get("function"), Mapping):
         name = choice["function"].get("name")
         if name not in schemas:
             raise bad_request(f"names the function {json.dumps(name)[:60]}, which is not in tools",
                               "tool_choice.function.name")
-        return ToolPlan(shown, True, name, schemas)
+        return ToolPlan(shown, True, name, schemas, many)
     raise bad_request("must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", \"function\": "
                       "{\"name\": ...}}", "tool_choice")
 
@@ -114,7 +118,7 @@ def tool_grammar(plan: ToolPlan) -> Optional[str]:
     calls = [{"type": "object", "properties": {"name": {"const": n}, "arguments": plan.schemas[n]},
               "required": ["name", "arguments"], "additionalProperties": False} for n in names]
     schema = {"anyOf": calls, "x-guidance": {"whitespace_flexible": False}}
-    more = ' ("\\n" call)*' if plan.forced == "required" else ""
+    more = ' ("\\n" call)*' if plan.forced == "required" and plan.parallel else ""
     lark = (f'start: call{more}\n'
             f'call: "{OPEN}\\n" body "\\n{CLOSE}"\n'
             f'body: %json {json.dumps(schema)}\n')
