@@ -1,5 +1,5 @@
-"""Structured output (specs/serve.md §12) together with the field policy and the row processors of
-specs/serve-fields.md §13, through the ``openai`` client against the embedded default model.
+"""Structured output (specs/serve.md §12.1–2) together with the field policy and the row processors of
+specs/serve-fields.md §13.1–3, through the ``openai`` client against the embedded default model.
 
 The reference is independent of the server: a greedy rollout over transformers' logits in which a
 fresh llguidance matcher (the library itself, fed the output so far) gives the allowed ids, and

@@ -30,10 +30,10 @@ read by the device at every pick, dropped with the final frame); ``prompt_logpro
 by the device in a scratch slot and sent as the choice's first event; a choice with
 ``max_tokens`` 0 (echo alone) ends there without reaching the scheduler. Stop token ids end a
 choice on the host like a stop string (a ``Cancel``), reported as its ``stop_reason``. A choice
-with a grammar (structured output or a forced tool call, specs/serve.md §12) gets a fresh llguidance
-matcher in ``grammars`` (a ``GrammarBook``, dropped with the final frame too): the device masks its
-rows when a forward's logits are stored, so the row processors see the masked rows (a masked token
-stays at -inf whatever its penalty or bias).
+with a grammar (structured output or a forced tool call, specs/serve.md §12.1, §12.4) gets a fresh
+llguidance matcher in ``grammars`` (a ``GrammarBook``, dropped with the final frame too): the
+device masks its rows when a forward's logits are stored, so the row processors see the masked
+rows (a masked token stays at -inf whatever its penalty or bias).
 
 Backpressure. ``submit`` refuses (``Overloaded``) when the choices accepted but not yet started
 (no token or final frame yet) plus the new ones would exceed ``max_waiting``, and (``Draining``)

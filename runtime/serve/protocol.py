@@ -24,7 +24,7 @@ penalties and ``logit_bias`` (vLLM's semantics, specs/serve-fields.md §13.2–4
 and ignored: there is one backend) is runtime/serve/structured.py's, tool calling (``tools``,
 ``tool_choice``, ``parallel_tool_calls``, and the messages' ``tool_calls`` / ``tool_call_id``)
 runtime/serve/tools.py's: the HTTP layer checks both and applies them to the plan (specs/serve.md
-§12). Structured output stacks with penalties and ``logit_bias`` (the grammar's mask first); with
+§12.1–4). Structured output stacks with penalties and ``logit_bias`` (the grammar's mask first); with
 ``ignore_eos`` or ``min_tokens`` > 0 it is a 400 (a complete grammar allows EOS alone).
 
 Defaults that differ from OpenAI's: ``temperature`` defaults to 0 (greedy: the scheduler's
