@@ -326,7 +326,7 @@ def test_field_policy_unknown_ignored_and_counted_refused_named(server):
                                                    "max_tokens": 1, "store": True})
     assert ok.status_code == 200 and _unknown_count(server, "chat_completions") == chat_before + 1
     for path, payload, param in [
-        ("/v1/completions", {"prompt": "hi", "guided_json": {"type": "object"}}, "guided_json"),
+        ("/v1/completions", {"prompt": "hi", "guided_whitespace_pattern": " *"}, "guided_whitespace_pattern"),
         ("/v1/completions", {"prompt": "hi", "suffix": "x"}, "suffix"),
         ("/v1/completions", {"prompt": "hi", "use_beam_search": True}, "use_beam_search"),
         ("/v1/completions", {"prompt": "hi", "logit_bias": {"abc": 1}}, "logit_bias"),
@@ -338,7 +338,7 @@ def test_field_policy_unknown_ignored_and_counted_refused_named(server):
         ("/v1/completions", {"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
-                                  "response_format": {"type": "json_object"}}, "response_format"),
+                                  "functions": [{"name": "f", "parameters": {}}]}, "functions"),
     ]:
         r = server.post(path, json=payload)
         assert r.status_code == 400, (payload, r.text)

@@ -1,6 +1,7 @@
 """Per-request logits processing before a pick: penalties and ``logit_bias`` (vLLM's semantics,
-specs/serve-fields.md §13.3), and the hook a later per-row processor (a grammar's token mask)
-plugs into.
+specs/serve-fields.md §13.3). A grammar's token mask is not one of them: the torch device masks
+the rows when a forward's logits are stored (runtime/devices/grammar_mask.py, specs/serve.md
+§12.2), so the processors see masked rows and a refused token stays at -inf.
 
 A ``RowProcessor`` changes one logits row in place, given the request's prompt length and the
 row's context (every token before the position the row fills: the prompt, then the output so

@@ -57,6 +57,7 @@ import torch
 from fxsched.kernels.greedy_accept import greedy_accept, row_offsets_from_counts
 from fxsched.kernels.row_argmax import row_argmax
 from fxsched.runtime.devices.device import DeviceError
+from fxsched.runtime.devices.grammar_mask import GrammarBook, apply_bitmask
 from fxsched.runtime.logs import ensure_configured
 from fxsched.runtime.devices.streams import StreamError, StreamSet
 from fxsched.runtime.devices.spec_sampling import verify_sample
@@ -163,7 +164,7 @@ class TorchDevice:
 
     def __init__(self, engine: HybridEngine, proposer: Optional[str] = None, drafter: Optional[Drafter] = None,
                  strict: bool = False, spill_dir: Optional[str | Path] = None,
-                 on_tick: Optional[Callable[[int], None]] = None) -> None:
+                 on_tick: Optional[Callable[[int], None]] = None, grammars: Optional[GrammarBook] = None) -> None:
         if proposer is not None and proposer not in PROPOSERS:
             raise ValueError(f"proposer must be one of {PROPOSERS} or None, got {proposer!r}")
         if proposer == "mtp" and engine.mtp is None and drafter is None:
@@ -193,6 +194,7 @@ class TorchDevice:
         self._spills: dict[int, Path] = {}
         self._cached_by_session: dict[int, int] = {}
         self._closed = False
+        self.grammars = grammars  # structured output: the rows of a request with a grammar are masked
 
     # ======================================================================================
     # bookkeeping
@@ -258,9 +260,30 @@ class TorchDevice:
 
     def _set_rows(self, logits: torch.Tensor, owners: list[tuple[int, int]],
                   argmax: Optional[list[int]] = None) -> None:
-        self._logits = logits
+        self._logits = logits if argmax is not None else self._constrain(logits, owners)
         self._owners = owners
         self._argmax = argmax
+
+    def _constrain(self, logits: torch.Tensor, owners: list[tuple[int, int]]) -> torch.Tensor:
+        """The rows of requests with a grammar masked to the tokens it allows after the row's path:
+        the committed tokens, then the pending forward's inputs up to the row (a committed forward's
+        rows are the last of their inputs). See ``grammar_mask``."""
+        book = self.grammars
+        if not book:
+            return logits
+        rows: list[tuple[int, int, list[int]]] = []
+        committed: dict[int, list[int]] = {}
+        for r, (seq_id, local) in enumerate(owners):
+            s = self._seqs.get(seq_id)
+            rid = book.request_of(seq_id)
+            if s is None or rid is None:
+                continue
+            if seq_id not in committed:
+                committed[seq_id] = self.engine.tokens(s.slot)
+            tail = s.pending.tokens[:local + 1] if s.pending is not None else []
+            rows.append((r, rid, committed[seq_id] + tail))
+        masked, masks = book.masks(rows)
+        return apply_bitmask(logits, masked, masks)
 
     def _row_tokens(self) -> list[int]:
         if self._logits is None:
@@ -390,6 +413,8 @@ class TorchDevice:
         slot = free[0]
         with self._errors("alloc_sequence"):
             self.engine.alloc(slot)
+        if self.grammars is not None:
+            self.grammars.bind(seq, session)
         self._seqs[seq] = DeviceSeq(seq, session, slot)
         self._by_slot[slot] = seq
         return slot
@@ -661,15 +686,19 @@ class TorchDevice:
             outs = self.engine.verify_batched([s.slot for s in seqs], lists)
         self._count("verify", what)
         logits = outs[0] if len(outs) == 1 else torch.cat(outs)
+        owners = []
+        for s, toks in zip(seqs, lists, strict=True):
+            s.pending = Pending(list(toks), len(toks), PendingKind.VERIFY, len(toks))
+            owners += [(s.seq_id, t) for t in range(len(toks))]
+        logits = self._constrain(logits, owners)  # a draft the grammar refuses is never the row's answer
         answers = row_argmax(logits)
         ks = torch.tensor([len(t) for t in lists], device=logits.device)
         drafts = torch.tensor([t for toks in lists for t in toks[1:]], dtype=torch.int64, device=logits.device)
         accepted, _ = greedy_accept(answers, drafts, row_offsets_from_counts(ks))
         rows = answers.tolist()
-        owners = []
-        for s, toks, agreed in zip(seqs, lists, accepted.tolist(), strict=True):
-            s.pending = Pending(list(toks), len(toks), PendingKind.VERIFY, agreed + 1)
-            owners += [(s.seq_id, t) for t in range(len(toks))]
+        for s, agreed in zip(seqs, accepted.tolist(), strict=True):
+            assert s.pending is not None
+            s.pending.agreed = agreed + 1
         self._set_rows(logits, owners, rows)
         return rows
 

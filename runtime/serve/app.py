@@ -23,6 +23,10 @@ onto the request's asyncio queue (``loop.call_soon_threadsafe``), and the events
 response. A client that goes away (a stream closed early, a non-streaming client that hangs up) has
 its unfinished choices cancelled: ``ServeEngine.cancel``, a ``Cancel`` event for the scheduler.
 
+Structured output and tool calls (specs/serve.md): the request's constraint (runtime/serve/structured.py,
+or a forced tool call, runtime/serve/tools.py) is checked off the event loop and becomes each choice's
+grammar; with ``tools`` the chat replies are parsed into ``tool_calls`` (streamed as deltas).
+
 Errors: ``APIError`` as its status and body (the server's paths cut out of the message); the
 front door's 400 / 401 / 403 / 413 / 415; a request of more choices than ``--max-waiting`` 400, a
 full waiting queue 429, a draining server 503; a
@@ -33,7 +37,9 @@ choice the engine failed (an engine fault) 500, or, once a stream has started, a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -55,8 +61,10 @@ from fxsched.runtime.serve.protocol import (
     Plan,
     chat_plan,
     completion_plan,
+    bad_request,
     request_from_data,
 )
+from fxsched.runtime.serve import structured, tools as toolcalls
 
 log = structlog.get_logger("fxsched.serve.http")
 
@@ -135,9 +143,11 @@ class _Choice:
 class _Formatter:
     """The OpenAI shapes of one request's responses and chunks."""
 
-    def __init__(self, plan: Plan, created: int, token_text: Callable[[int], str]):
+    def __init__(self, plan: Plan, created: int, token_text: Callable[[int], str],
+                 tools: Optional[toolcalls.ToolPlan] = None):
         self.plan = plan
         self.chat = plan.kind == "chat"
+        self.parse_tools = self.chat and tools is not None and tools.parse
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = created
         self.token_text = token_text
@@ -225,8 +235,15 @@ class _Formatter:
             lp = self._merge(head, self.logprobs(c, c.tokens, c.records))
             text = self.echo(index) + c.text
             if self.chat:
-                entry = {"index": index, "message": {"role": "assistant", "content": text},
-                         "logprobs": lp, "finish_reason": c.final.finish_reason}
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                reason = c.final.finish_reason
+                if self.parse_tools:  # the generated text only: an echoed turn is never a call
+                    content, calls = toolcalls.parse(c.text)
+                    if calls:
+                        message = {"role": "assistant", "content": (self.echo(index) + (content or "")) or None,
+                                   "tool_calls": calls}
+                        reason = "tool_calls" if reason == "stop" else reason
+                entry = {"index": index, "message": message, "logprobs": lp, "finish_reason": reason}
             else:
                 entry = {"index": index, "text": text, "logprobs": lp, "finish_reason": c.final.finish_reason}
             entry["stop_reason"] = c.final.stop_reason
@@ -253,6 +270,14 @@ class _Formatter:
             choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         choice.update(extra)
         out = {**self._head("chat.completion.chunk" if self.chat else "text_completion"), "choices": [choice]}
+        if self.plan.include_usage:
+            out["usage"] = None
+        return out
+
+    def delta_chunk(self, index: int, delta: dict[str, Any], logprobs: Optional[dict[str, Any]]) -> dict[str, Any]:
+        """A chat chunk with a given delta (tool-call parsing: runtime/serve/tools.py)."""
+        out = {**self._head("chat.completion.chunk"),
+               "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": None}]}
         if self.plan.include_usage:
             out["usage"] = None
         return out
@@ -341,12 +366,34 @@ def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] 
             raise APIError(503, str(err), "server_error", None, code) from None
         return ids, q
 
-    async def _serve(request: Request, plan: Plan) -> Response:
+    async def _constrained(req: Any, plan: Plan, tools: Optional[toolcalls.ToolPlan]) -> Plan:
+        """The plan with its choices' grammar (structured output, a forced tool call), checked off
+        the event loop."""
+        try:
+            constraint = structured.constraint_of(req)
+            if tools is not None and tools.forced is not None:
+                if constraint is not None:
+                    raise bad_request(f"cannot be combined with tool_choice {json.dumps(tools.forced)[:60]}",
+                                      constraint.param)
+                grammar = toolcalls.tool_grammar(tools)
+                assert grammar is not None
+                constraint = structured.Constraint("tool_calls", "tool_choice", grammar)
+            if constraint is None:
+                return plan
+            structured.check_compatible(req)
+            await asyncio.to_thread(lambda: structured.check(constraint, engine.grammar_tokenizer))
+        except ImportError:
+            raise bad_request("structured output needs the llguidance package on the server "
+                              "(pip install 'fxsched[serve]')", "response_format") from None
+        return dataclasses.replace(plan, choices=tuple(dataclasses.replace(c, grammar=constraint.grammar)
+                                                       for c in plan.choices))
+
+    async def _serve(request: Request, plan: Plan, tools: Optional[toolcalls.ToolPlan] = None) -> Response:
         screen.check_fits(plan, engine.max_waiting)
         loop = asyncio.get_running_loop()
         ids, q = _submit(plan, loop)
         state.active += 1
-        fmt = _Formatter(plan, int(time.time()), token_text)
+        fmt = _Formatter(plan, int(time.time()), token_text, tools)
         choices = [_Choice() for _ in plan.choices]
         if plan.stream:
             return _EventStream(_stream(fmt, choices, q), lambda: _closed(ids, choices))
@@ -386,6 +433,7 @@ def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] 
             for index in range(len(choices)):
                 yield _sse(fmt.chunk(index, "", None, role=True))
         remaining = len(choices)
+        parsers = [toolcalls.ToolStream() if fmt.parse_tools else None for _ in choices]
         while remaining:
             event = await q.get()
             choice = choices[event.index]
@@ -399,6 +447,23 @@ def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] 
                 yield _sse(_engine_failed(event.error).body())
                 yield "data: [DONE]\n\n"
                 return
+            parser = parsers[event.index]
+            if parser is not None:
+                deltas = parser.push(event.text) if event.text else []
+                if event.final:
+                    deltas += parser.finish()
+                if deltas:
+                    tokens, records = choice.flush_pending()
+                    lp = fmt.logprobs(choice, tokens, records)
+                    for j, delta in enumerate(deltas):
+                        yield _sse(fmt.delta_chunk(event.index, delta, lp if j == 0 else None))
+                if event.final:
+                    remaining -= 1
+                    tokens, records = choice.flush_pending()
+                    lp = fmt.logprobs(choice, tokens, records) if tokens else None
+                    reason = "tool_calls" if parser.calls and event.finish_reason == "stop" else event.finish_reason
+                    yield _sse(fmt.chunk(event.index, None, lp, reason, stop_reason=event.stop_reason))
+                continue
             if event.text:
                 tokens, records = choice.flush_pending()
                 yield _sse(fmt.chunk(event.index, event.text, fmt.logprobs(choice, tokens, records)))
@@ -420,15 +485,24 @@ def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] 
 
     @app.post("/v1/completions", openapi_extra=_body(CompletionRequest))
     async def completions(request: Request) -> Response:
-        plan = await screen.plan(await request.body(), False, lambda data, tok: completion_plan(
-            request_from_data(CompletionRequest, data, _unknown("completions")), tok, limits))
+        def build(data: Any, tok: Any) -> tuple[Any, Plan]:
+            req = request_from_data(CompletionRequest, data, _unknown("completions"))
+            return req, completion_plan(req, tok, limits)
+
+        req, plan = await screen.plan(await request.body(), False, build)
+        plan = await _constrained(req, plan, None)
         return await _serve(request, plan)
 
     @app.post("/v1/chat/completions", openapi_extra=_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
-        plan = await screen.plan(await request.body(), True, lambda data, tok: chat_plan(
-            request_from_data(ChatCompletionRequest, data, _unknown("chat_completions")), tok, limits))
-        return await _serve(request, plan)
+        def build(data: Any, tok: Any) -> tuple[Any, Plan, Optional[toolcalls.ToolPlan]]:
+            req = request_from_data(ChatCompletionRequest, data, _unknown("chat_completions"))
+            tools = toolcalls.tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
+            return req, chat_plan(req, tok, limits, tools.template_tools if tools is not None else None), tools
+
+        req, plan, tools = await screen.plan(await request.body(), True, build)
+        plan = await _constrained(req, plan, tools)
+        return await _serve(request, plan, tools)
 
     app.openapi = functools.partial(_openapi, app)  # type: ignore[method-assign]
     return app

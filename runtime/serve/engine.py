@@ -29,7 +29,11 @@ its penalties and ``logit_bias`` become a row processor under its id (``ServeHos
 read by the device at every pick, dropped with the final frame); ``prompt_logprobs`` are computed
 by the device in a scratch slot and sent as the choice's first event; a choice with
 ``max_tokens`` 0 (echo alone) ends there without reaching the scheduler. Stop token ids end a
-choice on the host like a stop string (a ``Cancel``), reported as its ``stop_reason``.
+choice on the host like a stop string (a ``Cancel``), reported as its ``stop_reason``. A choice
+with a grammar (structured output or a forced tool call, specs/serve.md §12.1, §12.4) gets a fresh
+llguidance matcher in ``grammars`` (a ``GrammarBook``, dropped with the final frame too): the
+device masks its rows when a forward's logits are stored, so the row processors see the masked
+rows (a masked token stays at -inf whatever its penalty or bias).
 
 Backpressure. ``submit`` refuses (``Overloaded``) when the choices accepted but not yet started
 (no token or final frame yet) plus the new ones would exceed ``max_waiting``, and (``Draining``)
@@ -69,6 +73,7 @@ from fxsched.core import events as ev
 from fxsched.core.request import Request
 from fxsched.core.state import SchedulerState, initial_state
 from fxsched.runtime.devices.device import Device, DeviceError
+from fxsched.runtime.devices.grammar_mask import GrammarBook
 from fxsched.runtime.devices.row_processors import Penalties, RowProcessors
 from fxsched.runtime.devices.torch import Drafter, TorchDevice
 from fxsched.runtime.generate import (
@@ -245,6 +250,7 @@ class ServeHost(GenerateHost):
             request = Request(id=choice.id, prompt=s.prompt, max_tokens=max(s.max_tokens, 1), streaming=True,
                               temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, seed=s.seed,
                               top_logprobs=s.top_logprobs, min_tokens=s.scheduler_min_tokens)
+            matcher = self.owner.grammar_matcher(s.grammar) if s.grammar is not None else None
         except ValueError as err:  # the protocol checks every field first; this is a last guard
             self._refuse(choice, str(err))
             return None
@@ -264,6 +270,8 @@ class ServeHost(GenerateHost):
             self.results[choice.id].reason = "length"
             self._final(choice, self.results[choice.id], "")
             return None
+        if matcher is not None:  # structured output: the device masks this request's rows
+            self.owner.grammars.add(choice.id, len(s.prompt), matcher)
         self.streams[choice.id] = TextStream(TextOptions(self.owner.tokenizer, s.stop, s.skip_special_tokens))
         if s.processed:
             self.processors.set(choice.id, len(s.prompt), [Penalties(s.presence_penalty, s.frequency_penalty,
@@ -369,6 +377,7 @@ class ServeHost(GenerateHost):
         choice.deliver(event)
 
     def _forget(self, rid: int) -> None:
+        self.owner.grammars.drop(rid)
         self.results.pop(rid, None)
         self.streams.pop(rid, None)
         self.choices.pop(rid, None)
@@ -450,7 +459,28 @@ class ServeEngine:
         self._idled = False
         self._served = 0  # choices finished without an error
         self.gave_up = False
+        self.grammars = GrammarBook(self.config.eos_ids or ())  # engine thread only
+        self._ll_tokenizer: Any = None
         self.host = ServeHost(self)
+
+    @property
+    def grammar_tokenizer(self) -> Any:
+        """llguidance's view of the tokenizer (built on first use; runtime/serve/structured.py)."""
+        if self._ll_tokenizer is None:
+            from fxsched.runtime.serve.structured import grammar_tokenizer
+
+            self._ll_tokenizer = grammar_tokenizer(self.tokenizer, self.engine.cfg.vocab_size,
+                                                   tuple(self.config.eos_ids or ()))
+        return self._ll_tokenizer
+
+    def grammar_matcher(self, grammar: str) -> Any:
+        """A fresh matcher of a checked grammar; ``ValueError`` if it cannot be made."""
+        from fxsched.runtime.serve.structured import matcher
+
+        try:
+            return matcher(self.grammar_tokenizer, grammar)
+        except Exception as err:  # the library's own failure: this choice fails, the engine goes on
+            raise ValueError(f"grammar: {type(err).__name__}: {err}") from None
 
     # --- the HTTP side (any thread) -------------------------------------------------------------
 
@@ -568,7 +598,8 @@ class ServeEngine:
 
     def _life(self, life: int) -> bool:
         """One scheduler life; True when it ended as asked (closed), False after a fault."""
-        device = TorchDevice(self.engine, proposer=self.proposer, drafter=self.drafter, on_tick=self._tick)
+        device = TorchDevice(self.engine, proposer=self.proposer, drafter=self.drafter, on_tick=self._tick,
+                             grammars=self.grammars)
         device.row_processors = self.host.processors
         self._device = device
         self.metrics.reset_speculation()

@@ -8,9 +8,8 @@ field policy (specs/serve-fields.md §13.1), in one place:
 * a known field is type-checked strictly (``"max_tokens": "5"`` or ``true`` is refused, an
   integer is a number) and range-checked: a 400 naming it;
 * a field the server declares but cannot honour (``REFUSED``: ``suffix``, ``best_of`` other than
-  ``n``, ``tools``, a non-text ``response_format``, the ``guided_*`` / ``structured_outputs``
-  fields, beam search...) is refused with a 400 naming it when set to anything but its neutral
-  value, never silently dropped;
+  ``n``, ``functions`` / ``function_call``, ``guided_whitespace_pattern``, beam search...) is
+  refused with a 400 naming it when set to anything but its neutral value, never silently dropped;
 * an unknown field is ignored, as vLLM does (pydantic ``extra="ignore"``); ``unknown_fields``
   names them so the HTTP layer counts them (``fxsched_unknown_fields_total``).
 
@@ -20,7 +19,13 @@ OpenAI return them, and ``max_tokens: 0`` for the prompt alone; chat: vLLM's, th
 content before the reply when it is the assistant's), ``prompt_logprobs`` (vLLM's extension),
 ``ignore_eos`` (EOS masked so the choice runs to its budget), ``min_tokens``, ``stop_token_ids``,
 ``include_stop_str_in_output``, ``skip_special_tokens``, presence / frequency / repetition
-penalties and ``logit_bias`` (vLLM's semantics, specs/serve-fields.md §13.2–4).
+penalties and ``logit_bias`` (vLLM's semantics, specs/serve-fields.md §13.2–4). Structured output
+(``response_format``, ``structured_outputs``, ``guided_*``; ``guided_decoding_backend`` is accepted
+and ignored: there is one backend) is runtime/serve/structured.py's, tool calling (``tools``,
+``tool_choice``, ``parallel_tool_calls``, and the messages' ``tool_calls`` / ``tool_call_id``)
+runtime/serve/tools.py's: the HTTP layer checks both and applies them to the plan (specs/serve.md
+§12.1–4). Structured output stacks with penalties and ``logit_bias`` (the grammar's mask first); with
+``ignore_eos`` or ``min_tokens`` > 0 it is a 400 (a complete grammar allows EOS alone).
 
 Defaults that differ from OpenAI's: ``temperature`` defaults to 0 (greedy: the scheduler's
 default), and ``model`` may be left out (the served model). With a speculative ``--spec`` mode (mtp,
@@ -101,6 +106,8 @@ class ChatMessage(_Strict):
     role: str
     content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[Any]] = None  # an assistant's earlier calls (runtime/serve/tools.py)
+    tool_call_id: Optional[str] = None  # a tool reply's call
 
 
 class _Common(_Strict):
@@ -127,18 +134,21 @@ class _Common(_Strict):
     include_stop_str_in_output: Optional[bool] = None
     prompt_logprobs: Optional[int] = None
     echo: Optional[bool] = None
-    # declared so a client learns they are not honoured (REFUSED), never dropped silently
-    use_beam_search: Optional[bool] = None
-    length_penalty: Optional[float] = None
+    # structured output (runtime/serve/structured.py checks their shapes)
+    response_format: Optional[dict[str, Any]] = None
+    structured_outputs: Optional[Any] = None
     guided_json: Optional[Any] = None
     guided_regex: Optional[Any] = None
     guided_choice: Optional[Any] = None
     guided_grammar: Optional[Any] = None
-    structured_outputs: Optional[Any] = None
+    guided_decoding_backend: Optional[str] = None  # accepted and ignored: there is one backend
+    # declared so a client learns they are not honoured (REFUSED), never dropped silently
+    guided_whitespace_pattern: Optional[str] = None
+    use_beam_search: Optional[bool] = None
+    length_penalty: Optional[float] = None
     bad_words: Optional[list[str]] = None
     allowed_token_ids: Optional[list[int]] = None
     truncate_prompt_tokens: Optional[int] = None
-    response_format: Optional[dict[str, Any]] = None
 
 
 class CompletionRequest(_Common):
@@ -279,6 +289,7 @@ class ChoiceSpec:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     prompt_logprobs: Optional[int] = None
+    grammar: Optional[str] = None  # llguidance grammar the tokens must follow (runtime/serve/structured.py)
 
     @property
     def processed(self) -> bool:
@@ -332,9 +343,9 @@ def _number(value: Optional[float], name: str, default: float, low: float, high:
 
 
 # fields declared but not honoured: (name, neutral value); set to anything else they get a 400
+# (structured output and tools are honoured: runtime/serve/structured.py, runtime/serve/tools.py)
 REFUSED: tuple[tuple[str, Any], ...] = (
-    ("suffix", None), ("use_beam_search", False), ("length_penalty", 1.0), ("guided_json", None),
-    ("guided_regex", None), ("guided_choice", None), ("guided_grammar", None), ("structured_outputs", None),
+    ("suffix", None), ("use_beam_search", False), ("length_penalty", 1.0), ("guided_whitespace_pattern", None),
     ("bad_words", None), ("allowed_token_ids", None), ("truncate_prompt_tokens", None), ("functions", None),
     ("function_call", None), ("continue_final_message", False),
 )
@@ -349,10 +360,6 @@ def _unsupported(req: _Common) -> None:
             raise bad_request(f"is not supported by this server (only {json.dumps(neutral)})", name)
     if isinstance(req, CompletionRequest) and req.best_of is not None and req.best_of != (req.n or 1):
         raise bad_request("is not supported (only best_of = n)", "best_of")
-    if isinstance(req, ChatCompletionRequest) and req.tools:
-        raise bad_request("tool calling is not supported by this server", "tools")
-    if req.response_format is not None and req.response_format.get("type", "text") != "text":
-        raise bad_request("only {\"type\": \"text\"} is supported", "response_format")
 
 
 def _stops(stop: Union[str, list[str], None]) -> tuple[str, ...]:
@@ -528,8 +535,11 @@ def _message_text(message: ChatMessage, i: int) -> str:
     return "".join(parts)
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
-    """The conversation as the chat template takes it (content parts joined into text)."""
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """The conversation as the chat template takes it (content parts joined into text; an
+    assistant's ``tool_calls`` and a tool reply's ``tool_call_id`` kept, runtime/serve/tools.py)."""
+    from fxsched.runtime.serve.tools import template_message_fields
+
     if not req.messages:
         raise bad_request("at least one message is required", "messages")
     out = []
@@ -537,12 +547,15 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
         entry = {"role": message.role, "content": _message_text(message, i)}
         if message.name is not None:
             entry["name"] = message.name
+        entry.update(template_message_fields(message))
         out.append(entry)
     return out
 
 
-def chat_plan(req: ChatCompletionRequest, tokenizer: Any, limits: Limits) -> Plan:
-    """The plan of a chat completions request (the prompt through the model's chat template)."""
+def chat_plan(req: ChatCompletionRequest, tokenizer: Any, limits: Limits,
+              tools: Optional[list[dict[str, Any]]] = None) -> Plan:
+    """The plan of a chat completions request (the prompt through the model's chat template, which
+    gets ``tools``: runtime/serve/tools.py)."""
     from fxsched.runtime.text import TokenizerError
 
     model = _check_model(req.model, limits)
@@ -551,7 +564,7 @@ def chat_plan(req: ChatCompletionRequest, tokenizer: Any, limits: Limits) -> Pla
     kwargs: Mapping[str, Any] = req.chat_template_kwargs or {}
     generation_prompt = True if req.add_generation_prompt is None else req.add_generation_prompt
     try:
-        tokens = tokenizer.encode_chat(messages, generation_prompt, **kwargs)
+        tokens = tokenizer.encode_chat(messages, generation_prompt, **{**kwargs, **({"tools": tools} if tools else {})})
     except TokenizerError as err:
         raise bad_request(str(err), "messages") from None
     _check_prompt(tokens, "messages", limits)

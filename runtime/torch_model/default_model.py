@@ -16,8 +16,10 @@ What it holds:
 * `tokenizer.json`: byte-level BPE (vocabulary VOCAB_SIZE, the 256 byte symbols included, so any
   text encodes) trained with `tokenizers` on specs/models/default_corpus.txt, then the added tokens
   `<|endoftext|>`, `<|im_start|>`, `<|im_end|>` (special) and `<think>`, `</think>` (not special, as
-  in Qwen3), the last five ids. `tokenizer_config.json` has a ChatML template; `generation_config.json`
-  names `<|im_end|>` and `<|endoftext|>` as EOS.
+  in Qwen3), the last five ids. `tokenizer_config.json` has a ChatML template that renders tools as
+  Qwen's templates do (a `# Tools` system block listing them in `<tools>`, an assistant's calls as
+  `<tool_call>` blocks, tool replies as `<tool_response>` in a user turn; specs/serve.md §12.4);
+  `generation_config.json` names `<|im_end|>` and `<|endoftext|>` as EOS.
 
 Target weights (`target_weights`): weights.init_weights of the canonical config (seed SEED: std-1
 embeddings, lm_head scaled to logit std 4, fan-in projections, residual branches / sqrt(2 L)); then
@@ -114,11 +116,49 @@ REPETITIVE_PROMPTS = (
 )
 
 CHAT_TEMPLATE = (
+    "{%- if tools %}\n"
+    "    {{- '<|im_start|>system\\n' }}\n"
+    "    {%- if messages[0].role == 'system' %}\n"
+    "        {{- messages[0].content + '\\n\\n' }}\n"
+    "    {%- endif %}\n"
+    "    {{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}\n"
+    "    {%- for tool in tools %}\n"
+    "        {{- '\\n' + (tool | tojson) }}\n"
+    "    {%- endfor %}\n"
+    "    {{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}\n"
+    "{%- endif %}\n"
     "{%- for message in messages %}\n"
     "    {%- if message.role not in ['system', 'user', 'assistant', 'tool'] %}\n"
     "        {{- raise_exception('unknown role: ' + message.role) }}\n"
     "    {%- endif %}\n"
-    "    {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}\n"
+    "    {%- if message.role == 'system' and tools and loop.first %}\n"
+    "    {%- elif message.role == 'assistant' and message.tool_calls %}\n"
+    "        {{- '<|im_start|>assistant\\n' + (message.content or '') }}\n"
+    "        {%- for tool_call in message.tool_calls %}\n"
+    "            {%- set call = tool_call.function if tool_call.function else tool_call %}\n"
+    "            {%- if (loop.first and message.content) or not loop.first %}\n"
+    "                {{- '\\n' }}\n"
+    "            {%- endif %}\n"
+    "            {{- '<tool_call>\\n{\"name\": \"' + call.name + '\", \"arguments\": ' }}\n"
+    "            {%- if call.arguments is string %}\n"
+    "                {{- call.arguments }}\n"
+    "            {%- else %}\n"
+    "                {{- call.arguments | tojson }}\n"
+    "            {%- endif %}\n"
+    "            {{- '}\\n</tool_call>' }}\n"
+    "        {%- endfor %}\n"
+    "        {{- '<|im_end|>\\n' }}\n"
+    "    {%- elif message.role == 'tool' %}\n"
+    "        {%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}\n"
+    "            {{- '<|im_start|>user' }}\n"
+    "        {%- endif %}\n"
+    "        {{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}\n"
+    "        {%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}\n"
+    "            {{- '<|im_end|>\\n' }}\n"
+    "        {%- endif %}\n"
+    "    {%- else %}\n"
+    "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}\n"
+    "    {%- endif %}\n"
     "{%- endfor %}\n"
     "{%- if add_generation_prompt %}\n"
     "    {{- '<|im_start|>assistant\\n' }}\n"
