@@ -38,7 +38,7 @@ from typing import Any, Mapping, Optional
 
 from fxsched.runtime.serve.protocol import APIError, bad_request
 
-JSON_DEFAULTS = {"whitespace_flexible": False}
+JSON_DEFAULTS: Any = {"whitespace_flexible": False}  # llguidance's JsonCompileOptions (a TypedDict)
 MAX_GRAMMAR_CHARS = 1 << 20  # a grammar or schema of more characters is refused
 MAX_CHOICES = 1024
 
