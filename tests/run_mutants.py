@@ -60,6 +60,7 @@ TESTS = (
     "tests/test_interpreter.py",
     "tests/test_records.py",
     "tests/test_checker.py",
+    "tests/test_liveness_rules.py",
 )
 
 NOT_IMPORTED = "MUTANT NOT IMPORTED"
