@@ -45,7 +45,7 @@ def test_the_loop_does_not_wait_for_input_while_work_waits(kind):
 
 @pytest.mark.parametrize("kind", ["swapped", "preempted"])
 def test_a_closed_loop_does_not_shut_down_while_work_waits(kind):
-    after = idle_check(_waiting(kind, closed=True), None, [])  # type: ignore[arg-type]
+    after = idle_check(_waiting(kind, closed=True), None, [])
     assert Shutdown() not in after.agenda, "§5.8: the loop ends only with nothing swapped or preempted"
 
 
@@ -55,10 +55,10 @@ def test_a_waiting_sequence_comes_back_only_into_a_free_seat(kind):
     full = tuple(_seq(seq_id=10 + i, slot=i) for i in range(state.config.max_batch_size))
     out: list = []
     task, rule = (SwapIn(), swap_in) if kind == "swapped" else (RequeueResume(), requeue_resume)
-    rule(replace(state, active=full), task, out)  # type: ignore[operator]
+    rule(replace(state, active=full), task, out)
     assert out == [], "§5.19 steps 4-5: only while fewer than max_batch_size sequences are active"
     out = []
-    rule(replace(state, active=full[1:]), task, out)  # type: ignore[operator]
+    rule(replace(state, active=full[1:]), task, out)
     assert out, "with a seat free it goes on"
 
 
