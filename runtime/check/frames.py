@@ -23,6 +23,18 @@ from fxsched.effects.lifecycle import MarconiCheckpoint
 from fxsched.runtime.check.violation import Violation
 
 
+def _frames_of(effects, device, seqs):
+    """(index, frame, its request's sequence) for each token frame of a request whose sequence is in
+    ``seqs`` (the device's live sequences say which request each holds)."""
+    rid, live = device._rid, device.live
+    seq_of = {rid(live[s]): s for s in seqs if s in live}
+    for at, effect in enumerate(effects):
+        if isinstance(effect, (TokenOut, TokensOut)):
+            seq = seq_of.get(effect.request_id)
+            if seq is not None:
+                yield at, effect, seq
+
+
 def tokens_after_checkpoints(effects, device) -> None:
     """token after its checkpoint: in one batch (batched records expanded), no token frame of a
     request comes before the checkpoint of its sequence (the device's live sequences say which
@@ -31,16 +43,9 @@ def tokens_after_checkpoints(effects, device) -> None:
     for at, effect in enumerate(effects):
         if type(effect) is MarconiCheckpoint and effect.seq not in checkpointed:
             checkpointed[effect.seq] = at
-    if not checkpointed:
-        return
-    rid = device._rid
-    live = device.live
-    seq_of = {rid(live[s]): s for s in checkpointed if s in live}
-    for at, effect in enumerate(effects):
-        if isinstance(effect, (TokenOut, TokensOut)):
-            seq = seq_of.get(effect.request_id)
-            if seq is not None and checkpointed[seq] > at:
-                raise Violation("token_after_checkpoint", f"request {effect.request_id}'s token frame comes before the "
+    for at, effect, seq in _frames_of(effects, device, checkpointed) if checkpointed else ():
+        if checkpointed[seq] > at:
+            raise Violation("token_after_checkpoint", f"request {effect.request_id}'s token frame comes before the "
                                                           f"checkpoint of its sequence {seq} in the same batch")
 
 
@@ -51,14 +56,9 @@ CUTS_MANY = (dc.CommitAcceptedPrefixBatch, dc.TruncateSequences, dc.TrimProposer
 
 
 def _rejected(device, seq: int) -> bool:
-    io = device.verify_io.get(seq)
-    if io is None:
-        return False
-    inputs, rows = io
-    a = 0
-    while a + 1 < len(inputs) and inputs[a + 1] == rows[a]:
-        a += 1
-    return a < len(inputs) - 1
+    """Whether the last verify of ``seq`` rejected one of its drafts (the simulated device's own count)."""
+    accepted = device._accepted(seq)
+    return accepted is not None and accepted < len(device.verify_io[seq][0]) - 1
 
 
 def tokens_after_cut(effects, device) -> None:
@@ -77,17 +77,10 @@ def tokens_after_cut(effects, device) -> None:
             for seq in effect.seqs:
                 first.setdefault(seq, at)
                 last[seq] = at
-    if not first:
-        return
-    rid = device._rid
-    live = device.live
-    seq_of = {rid(live[s]): s for s in first if s in live}
-    for at, effect in enumerate(effects):
-        if isinstance(effect, (TokenOut, TokensOut)):
-            cut = seq_of.get(effect.request_id)
-            if cut is None or not _rejected(device, cut):
-                continue
-            bound = last[cut] if device.last_forward.get(cut) == "decode_verify_graphed" else first[cut]
-            if bound > at:
-                raise Violation("correction_after_cut", f"request {effect.request_id}'s token frame comes before the "
-                                                        f"cut-back of its sequence {cut}, whose verify was rejected")
+    for at, effect, cut in _frames_of(effects, device, first) if first else ():
+        if not _rejected(device, cut):
+            continue
+        bound = last[cut] if device.last_forward.get(cut) == "decode_verify_graphed" else first[cut]
+        if bound > at:
+            raise Violation("correction_after_cut", f"request {effect.request_id}'s token frame comes before the "
+                                                    f"cut-back of its sequence {cut}, whose verify was rejected")
