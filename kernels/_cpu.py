@@ -47,13 +47,14 @@ def _cache_dir() -> Path:
     return Path(root) / "fxsched"
 
 
-def _compile(name: str, source: Path) -> Path | None:
+def _compile(name: str, source: Path, extra: tuple[str, ...] = ()) -> Path | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.warning("cpu_kernel_unavailable", kernel=name, reason="no C compiler (cc, gcc or $CC)")
         return None
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what it may include
-    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(FLAGS).encode()).hexdigest()[:16]
+    flags = (*FLAGS, *extra)
+    digest = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode()).hexdigest()[:16]
     target = _cache_dir() / f"{name}-{digest}.so"
     if target.exists():
         return target
@@ -65,7 +66,7 @@ def _compile(name: str, source: Path) -> Path | None:
         log.warning("cpu_kernel_unavailable", kernel=name, reason=f"cache directory: {err}")
         return None
     try:
-        done = subprocess.run([compiler, *FLAGS, str(source), "-o", tmp], capture_output=True, text=True,
+        done = subprocess.run([compiler, *flags, str(source), "-o", tmp], capture_output=True, text=True,
                               timeout=120)
         if done.returncode != 0:
             log.warning("cpu_kernel_unavailable", kernel=name, reason="compile failed", stderr=done.stderr[-400:])
@@ -80,11 +81,12 @@ def _compile(name: str, source: Path) -> Path | None:
     return target
 
 
-def load(name: str, symbols: dict[str, list[Any]]) -> ctypes.CDLL | None:
-    """The compiled `kernels/<name>.c` with each symbol's argtypes set (restype int), or None."""
+def load(name: str, symbols: dict[str, list[Any]], extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The compiled `kernels/<name>.c` with each symbol's argtypes set (restype int), or None.
+    extra_flags: compiler flags this kernel alone needs (an instruction set beyond FLAGS')."""
     if os.environ.get("FXSCHED_KERNELS", "").strip().lower() == "torch" or not cpu_supported():
         return None
-    path = _compile(name, Path(__file__).with_name(f"{name}.c"))
+    path = _compile(name, Path(__file__).with_name(f"{name}.c"), extra_flags)
     if path is None:
         return None
     try:

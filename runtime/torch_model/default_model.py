@@ -78,7 +78,7 @@ from .attention import attention_out, attention_qkv, masked_attention
 from .config import ModelConfig
 from .hf_checkpoint import save_pretrained_dir
 from .model import mlp_block
-from .ops import linear, rms_norm
+from .ops import embed_rows, linear, rms_norm
 from .weights import Weights, init_weights, param_shapes
 
 log = structlog.get_logger("fxsched.torch_model.default_model")
@@ -324,7 +324,7 @@ def mtp_chain_logits(cfg: ModelConfig, w: Weights, next_tokens: torch.Tensor, hi
     out: list[torch.Tensor] = []
     for depth, tokens in enumerate([next_tokens, *chain_tokens]):
         positions = (rows + depth)[None, :].expand(b, t)
-        z = linear(torch.cat([rms_norm(w["embed"][tokens], w["mtp.embed_norm"], eps),
+        z = linear(torch.cat([rms_norm(embed_rows(w["embed"], tokens), w["mtp.embed_norm"], eps),
                               rms_norm(cond, w["mtp.hidden_norm"], eps)], dim=-1), w["mtp.fc"])
         q, k, v, gate = attention_qkv(rms_norm(z, w[f"{p}.input_norm"], eps), w, f"{p}.attn", cfg, positions)
         keys.append(k)

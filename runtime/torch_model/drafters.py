@@ -12,7 +12,7 @@ import torch
 
 from .attention import apply_rope, masked_attention
 from .config import ModelConfig
-from .ops import linear, rms_norm, swiglu_mlp
+from .ops import embed_rows, linear, rms_norm, swiglu_mlp
 from .weights import Weights, torch_dtype
 
 
@@ -35,7 +35,7 @@ class MtpHead:
         h, x = hidden, tokens
         for _ in range(num_drafts):
             z = linear(torch.cat([rms_norm(h, w["mtp.hidden_norm"], eps),
-                                  rms_norm(w["embed"][x], w["mtp.embed_norm"], eps)], dim=-1), w["mtp.in_proj"])
+                                  rms_norm(embed_rows(w["embed"], x), w["mtp.embed_norm"], eps)], dim=-1), w["mtp.in_proj"])
             z = z + swiglu_mlp(rms_norm(z, w["mtp.mlp_norm"], eps), w, "mtp.mlp")
             x = linear(rms_norm(z, w["mtp.final_norm"], eps), w["lm_head"]).argmax(-1)
             drafts.append(x)
@@ -137,7 +137,7 @@ class DFlashDrafter(SlotContext):
         slot_index = torch.tensor(list(slots), device=device, dtype=torch.long)
         lens = torch.tensor([self.ctx_len[s] for s in slots], device=device, dtype=torch.long)
         max_len = int(lens.max()) if b else 0
-        x = torch.cat([w["embed"][last_tokens][:, None], w["dflash.mask_embed"].expand(b, gamma, -1)], dim=1)
+        x = torch.cat([embed_rows(w["embed"], last_tokens)[:, None], w["dflash.mask_embed"].expand(b, gamma, -1)], dim=1)
         positions = lens[:, None] + torch.arange(gamma + 1, device=device)
         allowed = torch.cat([torch.arange(max_len, device=device)[None] < lens[:, None],
                              torch.ones(b, gamma + 1, dtype=torch.bool, device=device)], dim=1)

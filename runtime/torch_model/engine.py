@@ -46,7 +46,9 @@ from .hf_drafters import PublishedDFlash, PublishedMtp, load_dflash_drafter
 from .kernel_paths import gdn_decode_in_place, gdn_fold_kernel_applies
 from .attn_plan import plan_keys
 from .model import ForwardOutput, HybridModel, RowBatch
+from .moe import fuse_shared_experts
 from .ops import rms_norm
+from .packing import pack_for_cpu
 from .paged_kv import BlockPool, PagedKVCache, blocks_for, flat_indices
 from .prefix_cache import CachedBlock, PrefixCache
 from .sequence_io import check_sequence, export_sequence, import_sequence
@@ -188,6 +190,9 @@ class HybridEngine:
         cfg, weights = load_pretrained(model_dir, device=device, dtype=dtype, max_seq_len=max_seq_len,
                                        max_slots=max_slots, num_blocks=num_blocks, block_size=block_size,
                                        expert_shard=expert_shard, kv_cache_memory=kv_cache_memory)
+        # packed here, consuming the loader's dict, so the model is never held twice (ops.pack_for_cpu)
+        weights = fuse_shared_experts(weights, cfg)
+        weights = pack_for_cpu(weights, cfg, consume=True)
         return cls(cfg, weights, device, draft_model=draft_model)
 
     # ---- slots --------------------------------------------------------------------------------

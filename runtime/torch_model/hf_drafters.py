@@ -46,7 +46,7 @@ from .config import ModelConfig
 from .drafters import SlotContext
 from .errors import ModelDirError
 from .model import mlp_block
-from .ops import linear, rms_norm, swiglu_mlp
+from .ops import embed_rows, linear, rms_norm, swiglu_mlp
 
 Weights = dict[str, torch.Tensor]
 
@@ -107,7 +107,7 @@ class PublishedMtp:
         takes it, at positions [B, T]); K/V of the live rows [B, T] are written to the cache before
         attending (causally, over the slot's rows 0..position). Returns the normed outputs [B, T, D]."""
         cfg, w, eps, p = self.cfg, self.w, self.cfg.rms_norm_eps, self.LAYER
-        z = linear(torch.cat([rms_norm(w["embed"][tokens], w["mtp.embed_norm"], eps),
+        z = linear(torch.cat([rms_norm(embed_rows(w["embed"], tokens), w["mtp.embed_norm"], eps),
                               rms_norm(hidden, w["mtp.hidden_norm"], eps)], dim=-1), w["mtp.fc"])
         q, k, v, gate = attention_qkv(rms_norm(z, w[f"{p}.input_norm"], eps), w, f"{p}.attn", cfg, positions)
         rows = slot_index[:, None].expand_as(positions)
@@ -517,7 +517,7 @@ class PublishedDFlash(SlotContext):
         max_len = int(lens.max()) if b else 0
         ids = torch.full((b, t), s.mask_token_id, dtype=torch.long, device=device)
         ids[:, 0] = last_tokens
-        x = w["embed"][ids] * s.input_embedding_scale
+        x = embed_rows(w["embed"], ids) * s.input_embedding_scale
         positions = lens[:, None] + torch.arange(t, device=device)
         ctx_ok = (torch.arange(max_len, device=device)[None] < lens[:, None])[:, None, :].expand(b, t, max_len)
         block_ok = torch.ones(t, t, dtype=torch.bool, device=device)

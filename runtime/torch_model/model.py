@@ -27,7 +27,8 @@ from .attn_plan import AttnPlan
 from .config import ModelConfig
 from .gdn import GdnRows, GdnStateCache, gdn_layer
 from .moe import fuse_shared_experts, sparse_moe
-from .ops import linear, rms_norm, swiglu_mlp
+from .ops import embed_rows, linear, rms_norm, swiglu_mlp
+from .packing import pack_for_cpu
 from .paged_kv import PagedKVCache
 from .weights import Weights, check_weights
 
@@ -93,11 +94,12 @@ class HybridModel:
     def __init__(self, cfg: ModelConfig, weights: Weights) -> None:
         check_weights(weights, cfg)
         self.cfg = cfg
-        self.w = fuse_shared_experts(weights, cfg)  # same names and shapes (moe.fuse_shared_experts)
+        # same names and shapes (moe.fuse_shared_experts); projections packed for AMX on a bf16 CPU
+        self.w = pack_for_cpu(fuse_shared_experts(weights, cfg), cfg)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token embeddings [..., D] of token ids [...]."""
-        return self.w["embed"][tokens]
+        return embed_rows(self.w["embed"], tokens)
 
     def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [..., V] of pre-norm hidden states [..., D] (final RMSNorm then LM head)."""

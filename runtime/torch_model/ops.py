@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fxsched.kernels import cpu_gemv, cpu_pointwise
+from fxsched.kernels import cpu_amx, cpu_gemv, cpu_pointwise
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -28,16 +28,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T for weight [out, in] (no bias anywhere in this model).
 
-    A bf16 product of at most `cpu_gemv.MAX_ROWS` rows on the CPU (decode and verify) takes the
-    AVX512-BF16 kernel where it is ready (kernels/cpu_gemv.py: about twice F.linear's speed there);
-    everything else, and anything being traced by torch.compile, is F.linear.
+    The order of cpu-kernels.md §15.1: a weight packed for AMX at load (`pack_for_cpu`) goes to
+    kernels/cpu_amx.py; otherwise a bf16 product of at most `cpu_gemv.MAX_ROWS` rows on the CPU
+    (decode and verify) takes the AVX512-BF16 kernel where it is ready (kernels/cpu_gemv.py: about
+    twice F.linear's speed there); everything else, and anything traced by torch.compile, is
+    F.linear.
     """
+    if cpu_amx.is_packed(weight):
+        return cpu_amx.amx_linear(x, weight)
     if (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() >= 1
             and x.numel() <= cpu_gemv.MAX_ROWS * x.shape[-1] and x.numel() > 0
             and not torch.compiler.is_compiling() and cpu_gemv.ready()):
         rows = cpu_gemv.gemv_bf16(x.reshape(-1, x.shape[-1]), weight)
         return rows.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight)
+
+
+def embed_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ids [...] of an embedding table [V, D]: [..., D] (the table may be packed for AMX, when
+    it is tied to the output head)."""
+    return cpu_amx.rows(table, ids) if cpu_amx.is_packed(table) else table[ids]
 
 
 def swiglu_mlp(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:

@@ -38,6 +38,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
+from fxsched.kernels import cpu_amx
+
 from .config import ModelConfig
 from .errors import ConfigError, WeightsError
 
@@ -188,6 +190,14 @@ def init_weights(cfg: ModelConfig, device: str | torch.device = "cpu") -> Weight
     return out
 
 
+def logical_shape(t: torch.Tensor) -> tuple[int, ...]:
+    """The [N, K] shape of the matrix a tensor holds: its own shape, or for an AMX-packed weight
+    (kernels/cpu_amx.py, packed at load by ops.pack_for_cpu) the matrix it was packed from."""
+    if cpu_amx.is_packed(t):
+        return (t.shape[0] * 16, t.shape[1] * 32)
+    return tuple(t.shape)
+
+
 def check_weights(weights: Weights, cfg: ModelConfig, source: str = "<weights>") -> None:
     """Raise WeightsError unless `weights` holds exactly the tensors of param_shapes(cfg) in param_dtype."""
     expected = param_shapes(cfg)
@@ -198,7 +208,7 @@ def check_weights(weights: Weights, cfg: ModelConfig, source: str = "<weights>")
     if extra:
         raise WeightsError(f"{source}: unexpected tensors {extra} (not part of the model for this config)")
     for name, shape in expected.items():
-        got = tuple(weights[name].shape)
+        got = logical_shape(weights[name])
         if got != shape:
             raise WeightsError(f"{source}: tensor '{name}' has shape {list(got)}, expected {list(shape)}")
         want = param_dtype(name, cfg)

@@ -1,0 +1,169 @@
+/* y = x @ w.T in bf16 on Intel AMX, with w repacked once into tile order (kernels/cpu_amx.py).
+ *
+ * Packed layout of w [N, K] (N % 16 == 0, K % 32 == 0): [N/16][K/32][16 k-pairs][16 columns][2], so
+ * the B operand of one TDPBF16PS (32 values of k for 16 output columns, 1 KB) is contiguous, and one
+ * block of 16 outputs streams its K/32 tiles in order: the product reads w as one forward stream
+ * per block, which the hardware prefetcher follows.
+ *
+ * fx_amx_linear computes the output columns of blocks [nb0, nb1) for every row of x [M, K]:
+ * - up to 16 rows (a decode or verify batch): one A tile of the rows, four C tiles for four column
+ *   blocks (64 outputs), so each weight tile is loaded once and used once;
+ * - more rows (a prefill): 2 x 2 tiles (32 rows by 32 columns), each A and B tile used twice; the
+ *   column group's tiles (2 x K/32 KB) stay in L2 while the row blocks pass over them.
+ * Accumulation is fp32 in the tiles, then one round-to-nearest-even to bf16 (as F.linear).
+ * Returns 0, or -1 when the tile registers cannot be configured.
+ */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define TILE_ELEMS 512 /* bf16 values in one 1 KB weight tile */
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Asks the kernel for the AMX tile state (once per process; Linux >= 5.16). 0 on success. */
+int fx_amx_init(void) { return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); }
+
+static void configure(int a_rows) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        cfg.colsb[t] = 64;
+        cfg.rows[t] = 16;
+    }
+    /* C tiles 0-3 and A tiles 4-5 hold a_rows rows; B tiles 6-7 hold 16 k-pairs */
+    for (int t = 0; t < 6; t++) cfg.rows[t] = (uint8_t)a_rows;
+    _tile_loadconfig(&cfg);
+}
+
+/* Rounds rows [0, rows) of an fp32 tile dump (stride 16 floats per tile, `tiles` tiles side by side
+ * in `acc` at 16-float offsets of a 64-float row) to bf16 into y (row stride n). */
+static void store_rows(const float *acc, int rows, int cols, uint16_t *y, int64_t n) {
+    __asm__ volatile("" ::: "memory"); /* GCC's tile-store intrinsics do not tell it acc was written */
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c += 16)
+            _mm256_storeu_si256((__m256i *)(y + (int64_t)r * n + c),
+                                (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + r * 64 + c)));
+}
+
+/* Copies rows [r0, r0 + rows) of x [., K] into tile order: for each block of 32 values of k, a
+ * 16-row tile (64 bytes per row, stride 64); rows past `rows` are zero. A power-of-two row stride
+ * would map a tile's 16 rows onto a few cache sets; contiguous tiles do not. */
+static void pack_rows(const uint16_t *x, int64_t k, int64_t r0, int64_t rows, uint16_t *a) {
+    const int64_t kbs = k / 32;
+    for (int64_t kb = 0; kb < kbs; kb++)
+        for (int64_t r = 0; r < 16; r++) {
+            __m512i v = r < rows ? _mm512_loadu_si512(x + (r0 + r) * k + kb * 32) : _mm512_setzero_si512();
+            _mm512_storeu_si512(a + (kb * 16 + r) * 32, v);
+        }
+}
+
+#define PREFETCH_TILES 8
+
+static void small_m(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t m, int64_t k, int64_t n,
+                    int64_t nb0, int64_t nb1, uint16_t *a) {
+    const int64_t kbs = k / 32;
+    float acc[16 * 64];
+    pack_rows(x, k, 0, m, a);
+    configure(16);
+    for (int64_t nb = nb0; nb < nb1; nb += 4) {
+        const int g = (nb1 - nb) < 4 ? (int)(nb1 - nb) : 4;
+        const uint16_t *b = p + nb * kbs * TILE_ELEMS;
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        const uint16_t *next = nb + 4 < nb1 ? b + 4 * kbs * TILE_ELEMS : NULL;
+        for (int64_t kb = 0; kb < kbs; kb++) {
+            /* the g weight streams are read tile by tile in parallel: ask for each one's tile
+               PREFETCH_TILES ahead (or the next group's first tiles), the hardware prefetchers do
+               not keep four streams fed */
+            int64_t ahead = kb + PREFETCH_TILES;
+            for (int j = 0; j < g; j++) {
+                const uint16_t *t = ahead < kbs ? b + (j * kbs + ahead) * TILE_ELEMS
+                                    : next != NULL ? next + (j * kbs + ahead - kbs) * TILE_ELEMS : NULL;
+                if (t != NULL)
+                    for (int line = 0; line < 16; line++) _mm_prefetch((const char *)(t + line * 32), _MM_HINT_T0);
+            }
+            _tile_loadd(4, a + kb * TILE_ELEMS, 64);
+            _tile_loadd(6, b + kb * TILE_ELEMS, 64);
+            _tile_dpbf16ps(0, 4, 6);
+            if (g > 1) { _tile_loadd(7, b + (kbs + kb) * TILE_ELEMS, 64); _tile_dpbf16ps(1, 4, 7); }
+            if (g > 2) { _tile_loadd(6, b + (2 * kbs + kb) * TILE_ELEMS, 64); _tile_dpbf16ps(2, 4, 6); }
+            if (g > 3) { _tile_loadd(7, b + (3 * kbs + kb) * TILE_ELEMS, 64); _tile_dpbf16ps(3, 4, 7); }
+        }
+        _tile_stored(0, acc, 256);
+        if (g > 1) _tile_stored(1, acc + 16, 256);
+        if (g > 2) _tile_stored(2, acc + 32, 256);
+        if (g > 3) _tile_stored(3, acc + 48, 256);
+        store_rows(acc, (int)m, 16 * g, y + nb * 16, n);
+    }
+}
+
+/* rows per pass over the columns: their packed A tiles (about 1 MB) stay in L2 while the weight streams */
+static int64_t chunk_rows(int64_t k) {
+    int64_t chunk = ((int64_t)1 << 20) / (2 * k) / 32 * 32;
+    return chunk < 32 ? 32 : chunk;
+}
+
+static void large_m(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t m, int64_t k, int64_t n,
+                    int64_t nb0, int64_t nb1, uint16_t *a) {
+    const int64_t kbs = k / 32, chunk = chunk_rows(k);
+    float acc[16 * 64];
+    configure(16);
+    for (int64_t mc = 0; mc < m; mc += chunk) {
+        const int64_t mend = mc + chunk < m ? mc + chunk : m;
+        for (int64_t r = mc; r < mend; r += 16) pack_rows(x, k, r, mend - r < 16 ? mend - r : 16, a + (r - mc) * k);
+        for (int64_t nb = nb0; nb < nb1; nb += 2) {
+            const int two = nb + 1 < nb1;
+            const uint16_t *b0 = p + nb * kbs * TILE_ELEMS, *b1 = b0 + kbs * TILE_ELEMS;
+            for (int64_t mb = mc; mb < mend; mb += 32) {
+                const int64_t rows = mend - mb < 32 ? mend - mb : 32;
+                const uint16_t *a0 = a + (mb - mc) * k, *a1 = a0 + 16 * k; /* a1: zero rows past mend */
+                _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                for (int64_t kb = 0; kb < kbs; kb++) {
+                    _tile_loadd(4, a0 + kb * TILE_ELEMS, 64);
+                    _tile_loadd(5, a1 + kb * TILE_ELEMS, 64);
+                    _tile_loadd(6, b0 + kb * TILE_ELEMS, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    _tile_dpbf16ps(2, 5, 6);
+                    if (two) {
+                        _tile_loadd(7, b1 + kb * TILE_ELEMS, 64);
+                        _tile_dpbf16ps(1, 4, 7);
+                        _tile_dpbf16ps(3, 5, 7);
+                    }
+                }
+                _tile_stored(0, acc, 256);
+                if (two) _tile_stored(1, acc + 16, 256);
+                store_rows(acc, rows < 16 ? (int)rows : 16, two ? 32 : 16, y + mb * n + nb * 16, n);
+                if (rows > 16) {
+                    _tile_stored(2, acc, 256);
+                    if (two) _tile_stored(3, acc + 16, 256);
+                    store_rows(acc, (int)(rows - 16), two ? 32 : 16, y + (mb + 16) * n + nb * 16, n);
+                }
+            }
+        }
+    }
+}
+
+int fx_amx_linear(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t m, int64_t k, int64_t n,
+                  int64_t nb0, int64_t nb1) {
+    if (m <= 0 || k % 32 || n % 16 || nb0 < 0 || nb1 > n / 16) return -1;
+    /* packed A rows: one tile row block (decode) or a chunk rounded up to 32 rows, plus a zero block */
+    const int64_t rows = m <= 16 ? 16 : (chunk_rows(k) + 32);
+    uint16_t *a = aligned_alloc(64, (size_t)(rows * k * 2));
+    if (a == NULL) return -1;
+    if (m > 16) memset(a, 0, (size_t)(rows * k * 2));
+    if (m <= 16) small_m(x, p, y, m, k, n, nb0, nb1, a);
+    else large_m(x, p, y, m, k, n, nb0, nb1, a);
+    _tile_release();
+    free(a);
+    return 0;
+}

@@ -1,0 +1,53 @@
+"""Projection weights packed for AMX at load (kernels/cpu_amx.py), on a bf16 CPU model
+(cpu-kernels.md §15.2).
+
+`pack_for_cpu` replaces every projection matrix that only `ops.linear` reads by its tile-order
+packing, where the AMX kernel is ready; `ops.linear` and `ops.embed_rows` take packed and plain
+weights alike, and `weights.check_weights` checks a packed weight by the matrix it holds. Left as
+they are: norms, convolutions and biases (not products), 3-D expert stacks (the MoE kernels read
+them), the fused shared-expert rows (views of one matrix, moe.fuse_shared_experts), and every
+weight of a float32 model or one on another device. A tied embedding (the same tensor as
+`lm_head`) is packed once and both names take it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fxsched.kernels import cpu_amx
+
+from .moe import fused_shared, moe_prefixes
+from .config import ModelConfig
+
+__all__ = ["LINEAR_WEIGHTS", "pack_for_cpu"]
+
+# The last name component of every weight that only `linear` reads (weights.py's canonical names).
+LINEAR_WEIGHTS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "g_proj", "a_proj", "b_proj", "gate_proj",
+                            "up_proj", "down_proj", "in_proj", "fc", "ctx_proj", "lm_head", "router"})
+_SHARED_PARTS = ("shared.gate_proj", "shared.up_proj", "shared_gate")
+
+
+def pack_for_cpu(weights: dict[str, torch.Tensor], cfg: ModelConfig,
+                 consume: bool = False) -> dict[str, torch.Tensor]:
+    """`weights` with its projection matrices packed (see the module docstring); `weights` itself
+    when nothing is to be packed.
+
+    consume: pack `weights` in place, entry by entry, so each original is released as its packing
+    is made (a loader's own dict: memory never holds two copies of the model); otherwise a new dict."""
+    if not any(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in weights.values()) or not cpu_amx.ready():
+        return weights
+    fused = {f"{prefix}.{part}" for prefix in moe_prefixes(cfg) if fused_shared(weights, prefix) is not None
+             for part in _SHARED_PARTS}
+    out = weights if consume else dict(weights)
+    tied = weights.get("embed")
+    tied_id = id(tied) if tied is not None and tied is weights.get("lm_head") else None
+    packed: dict[int, torch.Tensor] = {}  # id of an original tensor -> its packing
+    for name in list(out):
+        t = out[name]
+        if name.rsplit(".", 1)[-1] in LINEAR_WEIGHTS and name not in fused and cpu_amx.packable(t):
+            if id(t) not in packed:
+                packed[id(t)] = cpu_amx.pack(t)
+            out[name] = packed[id(t)]
+    if tied_id is not None and tied_id in packed:
+        out["embed"] = packed[tied_id]
+    return out
