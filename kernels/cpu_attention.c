@@ -21,33 +21,95 @@
 #define MAX_HEADS 128
 #define MAX_DIM 512
 
-/* One unit: query row qrow, kv heads g0 .. g1 - 1 and their query heads. Keys and values are read
-   row by row (a cache row holds every kv head of a position contiguously), so the reads stream. */
+/* lanes i of the result: the sum of the 16 lanes of a[i] (a transpose-and-add tree: 30 shuffles for
+   16 sums, against about 64 for 16 separate horizontal sums) */
+static inline __m512 sum16(const __m512 *a) {
+    __m512 t[8], u[4], v0, v1;
+    for (int i = 0; i < 8; i++)
+        t[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        u[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xEE));
+    v0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+    v1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, 0x88), _mm512_shuffle_f32x4(v0, v1, 0xDD));
+}
+
+/* scores of query head qp against up to 16 key rows (rows[i], i < m; the others repeat a valid row
+   and are masked off), times scale, stored at dst[0 .. m-1]; returns their maximum */
+static inline float scores16(const uint16_t *qp, const uint16_t *const *rows, int64_t m, int64_t chunks, float scale,
+                             float *dst) {
+    __m512 a[16];
+    for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
+    for (int64_t c = 0; c < chunks; c++) {
+        __m512bh qc = (__m512bh)_mm512_loadu_si512((const void *)(qp + c * 32));
+        for (int i = 0; i < 16; i++)
+            a[i] = _mm512_dpbf16_ps(a[i], qc, (__m512bh)_mm512_loadu_si512((const void *)(rows[i] + c * 32)));
+    }
+    __m512 r = _mm512_mul_ps(sum16(a), _mm512_set1_ps(scale));
+    __mmask16 k = (__mmask16)(m >= 16 ? 0xFFFFu : ((1u << m) - 1u));
+    _mm512_mask_storeu_ps(dst, k, r);
+    return _mm512_mask_reduce_max_ps(k, r);
+}
+
+/* acc[j][l] += p[j][o] * v[o][l] for o < n rows of values (row o at v + o * stride), JH query heads
+   (their weights at p + j * pstride) and NL lanes of 16: the accumulators stay in registers and each
+   value lane is widened to fp32 once for all JH heads */
+#define PV_KERNEL(JH, NL)                                                                                      \
+    static inline void pv_##JH##_##NL(float *acc, int64_t astride, const uint16_t *v, int64_t stride,        \
+                                      const float *p, int64_t pstride, int64_t n) {                             \
+        __m512 a[JH][NL];                                                                                       \
+        for (int j = 0; j < JH; j++)                                                                            \
+            for (int l = 0; l < NL; l++) a[j][l] = _mm512_loadu_ps(acc + j * astride + l * 16);                \
+        for (int64_t o = 0; o < n; o++) {                                                                       \
+            const uint16_t *vr = v + o * stride;                                                                \
+            __m512 s[JH];                                                                                       \
+            for (int j = 0; j < JH; j++) s[j] = _mm512_set1_ps(p[j * pstride + o]);                             \
+            for (int l = 0; l < NL; l++) {                                                                      \
+                __m512 x = load_bf16(vr + l * 16);                                                              \
+                for (int j = 0; j < JH; j++) a[j][l] = _mm512_fmadd_ps(s[j], x, a[j][l]);                      \
+            }                                                                                                   \
+        }                                                                                                       \
+        for (int j = 0; j < JH; j++)                                                                            \
+            for (int l = 0; l < NL; l++) _mm512_storeu_ps(acc + j * astride + l * 16, a[j][l]);                \
+    }
+PV_KERNEL(2, 8)
+PV_KERNEL(1, 8)
+PV_KERNEL(2, 2)
+PV_KERNEL(1, 2)
+
+/* the n rows (stride `stride`) of d bf16 values at p, asked into L1 ahead of their use: a block's
+   rows are read one kv head at a time, a strided pattern the hardware prefetchers do not follow */
+static inline void prefetch_rows(const uint16_t *p, int64_t n, int64_t stride, int64_t d) {
+    for (int64_t o = 0; o < n; o++)
+        for (int64_t e = 0; e < d; e += 32) _mm_prefetch((const char *)(p + o * stride + e), _MM_HINT_T0);
+}
+
+/* One unit: query row qrow, kv heads g0 .. g1 - 1 and their query heads. A block's keys (values)
+   are read for one kv head at a time, 16 rows per pass; a block of a few tens of KB stays in L1 while
+   its kv heads are taken in turn. */
 static void unit(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, uint16_t *out, int64_t qrow,
                  int64_t ctx, const int32_t *table, int64_t bs, int64_t hq, int64_t hkv, int64_t d,
                  float scale, int64_t g0, int64_t g1, float *sc, float *accf) {
     const int64_t group = hq / hkv, chunks = d / 32, lanes = d / 16, heads = (g1 - g0) * group;
+    const int64_t row = hkv * d;
     const uint16_t *qbase = q + (qrow * hq + g0 * group) * d;
     float mx[MAX_HEADS];
     for (int64_t h = 0; h < heads; h++) mx[h] = -3.0e38f;
-    /* scores, block by block */
+    /* scores, block by block, 16 positions at a time */
     for (int64_t s0 = 0, blk = 0; s0 < ctx; s0 += bs, blk++) {
-        const uint16_t *kb = kc + (int64_t)table[blk] * bs * hkv * d;
+        const uint16_t *kb = kc + (int64_t)table[blk] * bs * row;
         int64_t n = ctx - s0 < bs ? ctx - s0 : bs;
-        for (int64_t o = 0; o < n; o++) {
-            const uint16_t *kp = kb + o * hkv * d;
-            for (int64_t g = g0; g < g1; g++) {
-                __m512bh kv[MAX_DIM / 32];
-                for (int64_t c = 0; c < chunks; c++)
-                    kv[c] = (__m512bh)_mm512_loadu_si512((const void *)(kp + g * d + c * 32));
+        const uint16_t *kn = s0 + bs < ctx ? kc + (int64_t)table[blk + 1] * bs * row : NULL;
+        int64_t nn = ctx - s0 - bs < bs ? ctx - s0 - bs : bs;
+        for (int64_t g = g0; g < g1; g++) {
+            if (kn != NULL) prefetch_rows(kn + g * d, nn, row, d);
+            for (int64_t o0 = 0; o0 < n; o0 += 16) {
+                int64_t m = n - o0 < 16 ? n - o0 : 16;
+                const uint16_t *rows[16];
+                for (int i = 0; i < 16; i++) rows[i] = kb + (o0 + (i < m ? i : 0)) * row + g * d;
                 for (int64_t j = 0; j < group; j++) {
                     int64_t h = (g - g0) * group + j;
-                    const uint16_t *qp = qbase + h * d;
-                    __m512 acc = _mm512_setzero_ps();
-                    for (int64_t c = 0; c < chunks; c++)
-                        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512((const void *)(qp + c * 32)), kv[c]);
-                    float v = _mm512_reduce_add_ps(acc) * scale;
-                    sc[h * ctx + s0 + o] = v;
+                    float v = scores16(qbase + h * d, rows, m, chunks, scale, sc + h * ctx + s0 + o0);
                     if (v > mx[h]) mx[h] = v;
                 }
             }
@@ -56,39 +118,49 @@ static void unit(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, uint
     /* softmax numerators and sums */
     float sum[MAX_HEADS];
     for (int64_t h = 0; h < heads; h++) {
-        float *row = sc + h * ctx;
+        float *r = sc + h * ctx;
         __m512 m = _mm512_set1_ps(mx[h]), tot = _mm512_setzero_ps();
         int64_t s = 0;
         for (; s + 16 <= ctx; s += 16) {
-            __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(row + s), m));
-            _mm512_storeu_ps(row + s, e);
+            __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(r + s), m));
+            _mm512_storeu_ps(r + s, e);
             tot = _mm512_add_ps(tot, e);
         }
         if (s < ctx) {
             __mmask16 k = (__mmask16)((1u << (ctx - s)) - 1u);
-            __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, row + s), m));
+            __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, r + s), m));
             e = _mm512_maskz_mov_ps(k, e);
-            _mm512_mask_storeu_ps(row + s, k, e);
+            _mm512_mask_storeu_ps(r + s, k, e);
             tot = _mm512_add_ps(tot, e);
         }
         sum[h] = _mm512_reduce_add_ps(tot);
     }
-    /* weighted values, accumulated in fp32 (L1-resident) */
+    /* weighted values, accumulated in fp32 */
     memset(accf, 0, sizeof(float) * (size_t)(heads * d));
     for (int64_t s0 = 0, blk = 0; s0 < ctx; s0 += bs, blk++) {
-        const uint16_t *vb = vc + (int64_t)table[blk] * bs * hkv * d;
+        const uint16_t *vb = vc + (int64_t)table[blk] * bs * row;
         int64_t n = ctx - s0 < bs ? ctx - s0 : bs;
-        for (int64_t o = 0; o < n; o++) {
-            const uint16_t *vp = vb + o * hkv * d;
-            for (int64_t g = g0; g < g1; g++) {
-                for (int64_t l = 0; l < lanes; l++) {
-                    __m512 v = load_bf16(vp + g * d + l * 16);
-                    for (int64_t j = 0; j < group; j++) {
-                        int64_t h = (g - g0) * group + j;
-                        float *a = accf + h * d + l * 16;
-                        _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(sc[h * ctx + s0 + o]), v, _mm512_loadu_ps(a)));
+        const uint16_t *vn = s0 + bs < ctx ? vc + (int64_t)table[blk + 1] * bs * row : NULL;
+        int64_t nn = ctx - s0 - bs < bs ? ctx - s0 - bs : bs;
+        for (int64_t g = g0; g < g1; g++) {
+            if (vn != NULL) prefetch_rows(vn + g * d, nn, row, d);
+            for (int64_t j = 0; j < group;) {
+                int64_t h = (g - g0) * group + j, jh = group - j >= 2 ? 2 : 1;
+                float *a = accf + h * d;
+                const float *p = sc + h * ctx + s0;
+                for (int64_t l = 0; l < lanes;) {
+                    const uint16_t *v = vb + g * d + l * 16;
+                    if (lanes - l >= 8) {
+                        if (jh == 2) pv_2_8(a + l * 16, d, v, row, p, ctx, n);
+                        else pv_1_8(a + l * 16, d, v, row, p, ctx, n);
+                        l += 8;
+                    } else {
+                        if (jh == 2) pv_2_2(a + l * 16, d, v, row, p, ctx, n);
+                        else pv_1_2(a + l * 16, d, v, row, p, ctx, n);
+                        l += 2;
                     }
                 }
+                j += jh;
             }
         }
     }

@@ -10,7 +10,7 @@ those 256 KB takes; one call of this kernel does every row of the forward. The C
 (``kernels/cpu_attention.c``) takes the dot products with AVX512-BF16 (exact products, fp32 sums),
 the softmax in fp32 and rounds the output once to bf16.
 
-Compiled on first use and checked against ``paged_attention_reference`` once (see ``_cpu.load``);
+The kernel's structure: cpu-kernels.md §15.4. Compiled on first use and checked against ``paged_attention_reference`` once (see ``_cpu.load``);
 where it is not ready ``ready()`` is False and callers keep their torch path.
 """
 
