@@ -40,7 +40,7 @@ from fxsched.core.state import SchedulerState, in_flight, kept_facts, queue_idle
 from fxsched.effects import device_calls as dc
 from fxsched.effects import lifecycle as lc
 from fxsched.effects.base import Effect
-from fxsched.effects.client import ErrorOut, RotationAck
+from fxsched.effects.client import DoneOut, ErrorOut, FinishReason, ResponseOut, RotationAck
 
 # --- start-up ---------------------------------------------------------------------------------
 
@@ -79,8 +79,22 @@ def drain_inbox(state: SchedulerState) -> SchedulerState:
     )
 
 
+def drop_cancelled_waiting(state: SchedulerState, out: list[Effect]) -> SchedulerState:
+    """A request cancelled while it still waits for admission ends here, never admitted: no slot,
+    no prefill. A stream gets its final frame ``Done(stop, n=0)``, a blocking client an empty
+    ``Response(stop)`` (specs/scheduler.md §5.4 step 1)."""
+    gone = {r.id for r in state.pending if r.id in state.cancels}
+    if not gone:
+        return state
+    for r in state.pending:
+        if r.id in gone:
+            out.append(DoneOut(r.id, FinishReason.STOP, 0, 0, 0, 0, None) if r.streaming
+                       else ResponseOut(r.id, (), FinishReason.STOP))
+    return replace(state, pending=tuple(r for r in state.pending if r.id not in gone), cancels=state.cancels - gone)
+
+
 def tick_start(state: SchedulerState, task: TickStart, out: list[Effect]) -> SchedulerState:
-    state = drain_inbox(state)
+    state = drop_cancelled_waiting(drain_inbox(state), out)
     if not in_flight(state) and not state.swapped and not state.preempted and queue_idle(state):
         return ask(push(state, TickStart()), out, dc.WaitForInput(), AwaitInput())
     new: tuple[Request, ...] = ()

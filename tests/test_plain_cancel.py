@@ -16,7 +16,7 @@ from fxsched.core import events as ev
 from fxsched.effects import device_calls as dc
 from fxsched.effects import lifecycle as lc
 from fxsched.effects import plans
-from fxsched.effects.client import DoneOut
+from fxsched.effects.client import DoneOut, ResponseOut
 
 from factories import Driver, make_config, make_request, of_type
 
@@ -90,6 +90,50 @@ def test_a_cancel_for_a_blocking_request_is_not_taken():
     d.finish()
     [response] = [o for o in d.outputs() if getattr(o, "tokens", None) is not None]
     assert tuple(response.tokens) == (10, 11, 12, 13) and response.reason == "length"
+
+
+def prompts_sent(d: Driver) -> set[int]:
+    """The requests whose prompt reached the device, by the first prompt token (the request id)."""
+    firsts: set[int] = set()
+    for e in d.history:
+        slices = list(getattr(e, "prefills", ()))
+        if getattr(e, "prefill", None) is not None:
+            slices.append(e.prefill)
+        for piece in [getattr(e, "tokens", None) if isinstance(e, dc.Prefill) else None,
+                      getattr(e, "prompt", None)] + [sl.prompt for sl in slices]:
+            if piece:
+                firsts.add(piece[0])
+    return firsts
+
+
+def test_a_cancel_while_the_request_waits_ends_it_at_the_next_tick_without_a_seat():
+    """One seat, taken by request 1: request 2 waits; its client goes away. At the next tick start
+    its stream gets ``Done(stop, n=0)`` and it is never admitted or prefilled (specs/scheduler.md
+    §5.4 step 1); request 1 is not disturbed and the loop ends when it does."""
+    config = make_config(max_batch_size=1)
+    d = Driver(config=config, requests=[make_request(1, max_tokens=6)]).run_to_query(plans.Decode)
+    d.feed(ev.Arrival(make_request(2, max_tokens=6)))
+    decode_once(d)
+    assert [r.id for r in d.state.pending] == [2]
+    d.feed(ev.Cancel(2))
+    assert d.outputs(DoneOut) == []  # an input event only records itself
+    decode_once(d)
+    assert d.outputs(DoneOut) == [DoneOut(2, "stop", 0, 0, 0, 0, None)]
+    assert d.state.pending == () and d.state.cancels == frozenset()
+    d.finish()
+    assert d.streamed(2) == [] and prompts_sent(d) == {1}
+    assert d.streamed(1) == [10, 11, 12, 13, 14, 15]
+    assert d.outputs(DoneOut) == [DoneOut(2, "stop", 0, 0, 0, 0, None), DoneOut(1, "length", 6, 0, 0, 0, None)]
+
+
+def test_a_cancel_for_a_waiting_blocking_request_answers_it_empty_without_a_seat():
+    config = make_config(max_batch_size=1)
+    d = Driver(config=config, requests=[make_request(1, max_tokens=3)]).run_to_query(plans.Decode)
+    d.feed(ev.Arrival(make_request(2, max_tokens=3, streaming=False)))
+    d.feed(ev.Cancel(2))
+    d.finish()
+    assert d.outputs(ResponseOut) == [ResponseOut(2, (), "stop")]
+    assert prompts_sent(d) == {1} and d.streamed(1) == [10, 11, 12]
 
 
 # --- through generate on the torch model ------------------------------------------------------------

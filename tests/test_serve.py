@@ -401,6 +401,61 @@ def test_speculative_server_queues_and_answers_429(tok):
         s.close()
 
 
+def test_a_client_that_leaves_while_queued_frees_its_place_without_a_seat_or_a_prefill(tok):
+    """Batch 1: while one stream runs, a second waits for the seat and its client goes away. The
+    cancel ends it at the next tick (specs/scheduler.md §5.4 step 1): the waiting gauge drops to 0
+    while the first still runs, its final record has no token, and it was never prefilled."""
+    prefills: list[int] = []
+
+    class SlowDevice:  # 5 ms per device call, so the running stream outlasts the queued one
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            attr = getattr(self.inner, name)
+            if not callable(attr):
+                return attr
+
+            def call(*args, **kwargs):
+                time.sleep(0.005)
+                if name.startswith("prefill") or name.startswith("mixed"):
+                    prefills.append(len(prefills))
+                return attr(*args, **kwargs)
+
+            return call
+
+    s = Server(tok, max_batch=1, max_waiting=4, wrap_device=SlowDevice)
+    try:
+        recent_before = len(s.engine.recent)
+        with httpx.Client(base_url=s.url, timeout=60) as http:
+            body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 300, "stream": True}
+            with http.stream("POST", "/v1/completions", json=body) as running:
+                lines = running.iter_lines()
+                next(line for line in lines if line.startswith("data: {"))
+                prefills_before = len(prefills)
+                with http.stream("POST", "/v1/completions", json=dict(body, prompt=PROMPTS[1])) as queued:
+                    assert queued.status_code == 200
+                    deadline = time.monotonic() + 10
+                    while s.metrics()["fxsched_requests_waiting"] != 1:
+                        assert time.monotonic() < deadline
+                        time.sleep(0.01)
+                # the queued client has gone; the running one has most of its 300 tokens to go
+                deadline = time.monotonic() + 10
+                while s.metrics()["fxsched_requests_waiting"] != 0:
+                    assert time.monotonic() < deadline, "the cancelled request still waits"
+                    time.sleep(0.01)
+                m = s.metrics()
+                assert m["fxsched_requests_running"] == 1
+                finals = list(s.engine.recent)[recent_before:]
+                assert len(finals) == 1 and finals[0].cancelled and finals[0].completion_tokens == 0
+                assert [line for line in lines if line][-1] == "data: [DONE]"
+        s.idle()
+        assert len(prefills) == prefills_before  # the queued prompt never reached the device
+        assert_free(s)
+    finally:
+        s.close()
+
+
 # --- engine faults --------------------------------------------------------------------------------
 
 

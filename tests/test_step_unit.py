@@ -400,9 +400,20 @@ def test_a_cancel_for_a_running_request_goes_to_its_flag_and_is_not_kept_around(
     assert d.state.active[0].cancel_requested and d.state.cancels == frozenset()
 
 
-def test_a_cancel_before_the_request_runs_is_consumed_when_it_becomes_active():
-    d = Driver(requests=[make_request(1)], boot=False)
+def test_a_cancel_before_the_request_is_admitted_ends_its_stream_at_the_first_tick():
+    d = Driver(requests=[make_request(1), make_request(2)], boot=False)
     d.feed(ev.Cancel(1))
     d.feed(ev.Boot())
     d.run_to_query(plans.Decode)
+    assert [s.request_id for s in d.state.active] == [2] and d.state.cancels == frozenset()
+    assert d.outputs(DoneOut) == [DoneOut(1, "stop", 0, 0, 0, 0, None)]
+
+
+def test_a_cancel_during_a_chunked_prefill_is_consumed_when_the_request_becomes_active():
+    """Admitted but still prefilling: the cancel waits for the sequence and moves to its flag."""
+    config = make_config(max_prefill_tokens=4)
+    d = Driver(config=config, requests=[make_request(1, prompt_len=12)]).run_to_query(dc.PrefillChunk)
+    d.feed(ev.Cancel(1))
+    assert d.state.cancels == frozenset({1})
+    d.run_until(lambda d: bool(d.state.active))
     assert d.state.active[0].cancel_requested and d.state.cancels == frozenset()
