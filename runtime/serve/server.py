@@ -79,6 +79,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # inherited by accepted connections
         sock.bind((host, port))
         sock.listen(2048)  # connections made before uvicorn starts wait in the backlog
     except OSError:
