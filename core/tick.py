@@ -83,6 +83,8 @@ def drop_cancelled_waiting(state: SchedulerState, out: list[Effect]) -> Schedule
     """A request cancelled while it still waits for admission ends here, never admitted: no slot,
     no prefill. A stream gets its final frame ``Done(stop, n=0)``, a blocking client an empty
     ``Response(stop)`` (specs/scheduler.md §5.4 step 1)."""
+    if not state.cancels or not state.pending:
+        return state
     gone = {r.id for r in state.pending if r.id in state.cancels}
     if not gone:
         return state
