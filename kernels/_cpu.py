@@ -6,8 +6,14 @@ user's cache directory (``$XDG_CACHE_HOME/fxsched`` or ``~/.cache/fxsched``; the
 hash of the source and flags, so an edited kernel recompiles, and concurrent processes each compile
 then atomically rename, so none reads a half-written file) and loads it with ctypes, whose calls
 release the GIL. It returns None -- and the caller keeps its torch reference -- with
-``FXSCHED_KERNELS=torch``, on a CPU without AVX512-BF16, without a compiler, or when compiling or
-loading fails (logged once, as ``cpu_kernel_unavailable``).
+``FXSCHED_KERNELS=torch``, on a CPU below the kernel's instruction sets, without a compiler, or when
+compiling or loading fails (logged once, as ``cpu_kernel_unavailable``).
+
+Two instruction-set levels (cpu-kernels.md §15.6): ``avx512`` (AVX512F/BW/VL and AVX512-BF16:
+Sapphire Rapids, Zen 4 and later) and ``avx2`` (AVX2 and FMA: nearly every x86 server since 2015).
+A kernel's C file builds for both from one source, choosing its code with ``#ifdef __AVX512BF16__``;
+a kernel that only makes sense on the first (AMX) says so. ``FXSCHED_CPU_ISA=avx2`` builds the
+lower level on a host that has the higher one (to compare them, or to test the AVX2 code there).
 """
 
 from __future__ import annotations
@@ -25,21 +31,49 @@ from typing import Any, Callable
 
 import structlog
 
-__all__ = ["load", "split"]
+__all__ = ["bf16_arithmetic", "host_isa", "load", "split", "torch_only"]
 
 log = structlog.get_logger("fxsched.kernels")
 
-FLAGS = ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-shared", "-fPIC")
+FLAGS = {
+    "avx512": ("-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mfma", "-shared", "-fPIC"),
+    "avx2": ("-O3", "-mavx2", "-mfma", "-mf16c", "-shared", "-fPIC"),
+}
+ISAS = tuple(FLAGS)  # highest first
 
 
 @functools.cache
-def cpu_supported() -> bool:
-    """Whether this CPU has the instructions the kernels are compiled for (AVX512-BF16)."""
+def _cpu_flags() -> frozenset[str]:
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    return " avx512_bf16" in flags and " avx512bw" in flags and " avx512vl" in flags
+        return frozenset()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def host_isa() -> str | None:
+    """The highest level this CPU runs ("avx512" or "avx2"), lowered by ``FXSCHED_CPU_ISA``; None
+    below AVX2 + FMA (or where /proc/cpuinfo cannot be read)."""
+    flags = _cpu_flags()
+    have = [isa for isa, need in (("avx512", {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma"}),
+                                  ("avx2", {"avx2", "fma", "f16c"})) if need <= flags]
+    asked = os.environ.get("FXSCHED_CPU_ISA", "").strip().lower()
+    if asked in ISAS:
+        have = [isa for isa in have if ISAS.index(isa) >= ISAS.index(asked)]
+    return have[0] if have else None
+
+
+def torch_only() -> bool:
+    """Whether ``FXSCHED_KERNELS=torch`` asks for PyTorch's own paths everywhere (no kernel here)."""
+    return os.environ.get("FXSCHED_KERNELS", "").strip().lower() == "torch"
+
+
+def bf16_arithmetic() -> bool:
+    """Whether this CPU multiplies bf16 in hardware (AVX512-BF16 or AMX-BF16). Without it PyTorch's
+    bf16 matrix products run a generic path at about a tenth of its fp32 speed, so the linears
+    widen to fp32 instead (kernels/cpu_widen.py)."""
+    return bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
 
 
 def _cache_dir() -> Path:
@@ -47,13 +81,12 @@ def _cache_dir() -> Path:
     return Path(root) / "fxsched"
 
 
-def _compile(name: str, source: Path, extra: tuple[str, ...] = ()) -> Path | None:
+def _compile(name: str, source: Path, flags: tuple[str, ...]) -> Path | None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.warning("cpu_kernel_unavailable", kernel=name, reason="no C compiler (cc, gcc or $CC)")
         return None
     headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what it may include
-    flags = (*FLAGS, *extra)
     digest = hashlib.sha256(source.read_bytes() + headers + " ".join(flags).encode()).hexdigest()[:16]
     target = _cache_dir() / f"{name}-{digest}.so"
     if target.exists():
@@ -81,12 +114,15 @@ def _compile(name: str, source: Path, extra: tuple[str, ...] = ()) -> Path | Non
     return target
 
 
-def load(name: str, symbols: dict[str, list[Any]], extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+def load(name: str, symbols: dict[str, list[Any]], extra_flags: tuple[str, ...] = (),
+         isas: tuple[str, ...] = ISAS) -> ctypes.CDLL | None:
     """The compiled `kernels/<name>.c` with each symbol's argtypes set (restype int), or None.
-    extra_flags: compiler flags this kernel alone needs (an instruction set beyond FLAGS')."""
-    if os.environ.get("FXSCHED_KERNELS", "").strip().lower() == "torch" or not cpu_supported():
+    extra_flags: compiler flags this kernel alone needs (an instruction set beyond FLAGS');
+    isas: the levels its source builds for (it is compiled for the host's level)."""
+    isa = host_isa()
+    if torch_only() or isa not in isas:
         return None
-    path = _compile(name, Path(__file__).with_name(f"{name}.c"), extra_flags)
+    path = _compile(f"{name}-{isa}", Path(__file__).with_name(f"{name}.c"), (*FLAGS[isa], *extra_flags))
     if path is None:
         return None
     try:

@@ -52,7 +52,7 @@ def _library() -> ctypes.CDLL | None:
     if not _has_amx():
         return None
     lib = load("cpu_amx", {"fx_amx_init": [], "fx_amx_linear": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5},
-               extra_flags=_FLAGS)
+               extra_flags=_FLAGS, isas=("avx512",))
     if lib is None:
         return None
     if lib.fx_amx_init() != 0:

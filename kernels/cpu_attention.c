@@ -1,4 +1,6 @@
-/* Attention of single query rows over a paged bf16 KV cache (CPU decode and verify), AVX512-BF16.
+/* Attention of single query rows over a paged bf16 KV cache (CPU decode and verify): an AVX512-BF16
+ * build (bf16 dot products) and an AVX2 build (the query widened to fp32 once, keys and values
+ * widened as they are loaded, FMA), sharing the structure below.
  *
  * Semantics (cpu_attention.py, the torch reference there): query row r (q + q_rows[r] * hq * d)
  * attends the keys at positions 0 .. ctx[r] - 1 of its sequence, whose block table is
@@ -21,6 +23,8 @@
 #define MAX_HEADS 128
 #define MAX_DIM 512
 
+#if defined(__AVX512BF16__)
+
 /* lanes i of the result: the sum of the 16 lanes of a[i] (a transpose-and-add tree: 30 shuffles for
    16 sums, against about 64 for 16 separate horizontal sums) */
 static inline __m512 sum16(const __m512 *a) {
@@ -34,9 +38,14 @@ static inline __m512 sum16(const __m512 *a) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, 0x88), _mm512_shuffle_f32x4(v0, v1, 0xDD));
 }
 
+typedef uint16_t qelem_t; /* the query as the score loop reads it: bf16, as stored */
+#define SCORE_ROWS 16
+
+static inline void widen_q(const uint16_t *q, qelem_t *dst, int64_t n) { memcpy(dst, q, (size_t)n * sizeof(uint16_t)); }
+
 /* scores of query head qp against up to 16 key rows (rows[i], i < m; the others repeat a valid row
    and are masked off), times scale, stored at dst[0 .. m-1]; returns their maximum */
-static inline float scores16(const uint16_t *qp, const uint16_t *const *rows, int64_t m, int64_t chunks, float scale,
+static inline float scores(const qelem_t *qp, const uint16_t *const *rows, int64_t m, int64_t chunks, float scale,
                              float *dst) {
     __m512 a[16];
     for (int i = 0; i < 16; i++) a[i] = _mm512_setzero_ps();
@@ -77,6 +86,144 @@ PV_KERNEL(1, 8)
 PV_KERNEL(2, 2)
 PV_KERNEL(1, 2)
 
+/* r[0 .. n-1] = exp(r - mx); returns their sum */
+static inline float softmax_row(float *r, int64_t n, float mx) {
+    __m512 m = _mm512_set1_ps(mx), tot = _mm512_setzero_ps();
+    int64_t s = 0;
+    for (; s + 16 <= n; s += 16) {
+        __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(r + s), m));
+        _mm512_storeu_ps(r + s, e);
+        tot = _mm512_add_ps(tot, e);
+    }
+    if (s < n) {
+        __mmask16 k = (__mmask16)((1u << (n - s)) - 1u);
+        __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, r + s), m));
+        e = _mm512_maskz_mov_ps(k, e);
+        _mm512_mask_storeu_ps(r + s, k, e);
+        tot = _mm512_add_ps(tot, e);
+    }
+    return _mm512_reduce_add_ps(tot);
+}
+
+/* the weighted values of jh (1 or 2) query heads over n value rows, all d lanes */
+static inline void pv_rows(float *a, int64_t d, const uint16_t *v, int64_t stride, const float *p, int64_t pstride,
+                           int64_t n, int64_t jh) {
+    for (int64_t l = 0, lanes = d / 16; l < lanes;) {
+        if (lanes - l >= 8) {
+            if (jh == 2) pv_2_8(a + l * 16, d, v + l * 16, stride, p, pstride, n);
+            else pv_1_8(a + l * 16, d, v + l * 16, stride, p, pstride, n);
+            l += 8;
+        } else {
+            if (jh == 2) pv_2_2(a + l * 16, d, v + l * 16, stride, p, pstride, n);
+            else pv_1_2(a + l * 16, d, v + l * 16, stride, p, pstride, n);
+            l += 2;
+        }
+    }
+}
+
+/* out[0 .. d-1] = bf16(acc * inv) */
+static inline void store_row(uint16_t *out, const float *acc, int64_t d, float inv) {
+    __m512 s = _mm512_set1_ps(inv);
+    for (int64_t l = 0; l < d; l += 16) store_bf16(out + l, _mm512_mul_ps(_mm512_loadu_ps(acc + l), s));
+}
+
+#else /* AVX2 */
+
+typedef float qelem_t; /* the query widened to fp32 once per unit */
+#define SCORE_ROWS 8
+
+static inline void widen_q(const uint16_t *q, qelem_t *dst, int64_t n) {
+    for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(dst + i, load8_bf16(q + i));
+}
+
+/* lane i: the sum of the 8 lanes of a[i] */
+static inline __m256 sum8(const __m256 *a) {
+    __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    /* u0 = [s0 s1 s2 s3 | s0' s1' s2' s3'] (low and high 128-bit halves), likewise u1 for 4..7 */
+    __m256 lo = _mm256_permute2f128_ps(u0, u1, 0x20), hi = _mm256_permute2f128_ps(u0, u1, 0x31);
+    return _mm256_add_ps(lo, hi);
+}
+
+/* scores of query head qp (fp32) against up to 8 key rows (rows[i], i < m; the others repeat a
+   valid row and are dropped), times scale, stored at dst[0 .. m-1]; returns their maximum */
+static inline float scores(const qelem_t *qp, const uint16_t *const *rows, int64_t m, int64_t chunks, float scale,
+                           float *dst) {
+    __m256 a[8];
+    for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < chunks * 4; c++) {
+        __m256 qc = _mm256_loadu_ps(qp + c * 8);
+        for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qc, load8_bf16(rows[i] + c * 8), a[i]);
+    }
+    float r[8];
+    _mm256_storeu_ps(r, _mm256_mul_ps(sum8(a), _mm256_set1_ps(scale)));
+    float mx = r[0];
+    for (int64_t i = 0; i < m; i++) {
+        dst[i] = r[i];
+        if (r[i] > mx) mx = r[i];
+    }
+    return mx;
+}
+
+/* acc[j][l] += p[j][o] * v[o][l]: JH query heads, NL lanes of 8 (see the AVX512 build) */
+#define PV_KERNEL(JH, NL)                                                                                      \
+    static inline void pv_##JH##_##NL(float *acc, int64_t astride, const uint16_t *v, int64_t stride,        \
+                                      const float *p, int64_t pstride, int64_t n) {                             \
+        __m256 a[JH][NL];                                                                                       \
+        for (int j = 0; j < JH; j++)                                                                            \
+            for (int l = 0; l < NL; l++) a[j][l] = _mm256_loadu_ps(acc + j * astride + l * 8);                 \
+        for (int64_t o = 0; o < n; o++) {                                                                       \
+            const uint16_t *vr = v + o * stride;                                                                \
+            __m256 s[JH];                                                                                       \
+            for (int j = 0; j < JH; j++) s[j] = _mm256_set1_ps(p[j * pstride + o]);                             \
+            for (int l = 0; l < NL; l++) {                                                                      \
+                __m256 x = load8_bf16(vr + l * 8);                                                              \
+                for (int j = 0; j < JH; j++) a[j][l] = _mm256_fmadd_ps(s[j], x, a[j][l]);                      \
+            }                                                                                                   \
+        }                                                                                                       \
+        for (int j = 0; j < JH; j++)                                                                            \
+            for (int l = 0; l < NL; l++) _mm256_storeu_ps(acc + j * astride + l * 8, a[j][l]);                 \
+    }
+PV_KERNEL(2, 4)
+PV_KERNEL(1, 4)
+
+static inline float softmax_row(float *r, int64_t n, float mx) {
+    __m256 m = _mm256_set1_ps(mx), tot = _mm256_setzero_ps();
+    int64_t s = 0;
+    for (; s + 8 <= n; s += 8) {
+        __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(r + s), m));
+        _mm256_storeu_ps(r + s, e);
+        tot = _mm256_add_ps(tot, e);
+    }
+    float sum = hsum256(tot);
+    if (s < n) {
+        float t[8];
+        for (int i = 0; i < 8; i++) t[i] = s + i < n ? r[s + i] : mx;
+        _mm256_storeu_ps(t, exp256(_mm256_sub_ps(_mm256_loadu_ps(t), m)));
+        for (int64_t i = 0; s + i < n; i++) {
+            r[s + i] = t[i];
+            sum += t[i];
+        }
+    }
+    return sum;
+}
+
+static inline void pv_rows(float *a, int64_t d, const uint16_t *v, int64_t stride, const float *p, int64_t pstride,
+                           int64_t n, int64_t jh) {
+    for (int64_t l = 0; l < d; l += 32) {
+        if (jh == 2) pv_2_4(a + l, d, v + l, stride, p, pstride, n);
+        else pv_1_4(a + l, d, v + l, stride, p, pstride, n);
+    }
+}
+
+static inline void store_row(uint16_t *out, const float *acc, int64_t d, float inv) {
+    __m256 s = _mm256_set1_ps(inv);
+    for (int64_t l = 0; l < d; l += 8) store8_bf16(out + l, _mm256_mul_ps(_mm256_loadu_ps(acc + l), s));
+}
+
+#endif
+
 /* the n rows (stride `stride`) of d bf16 values at p, asked into L1 ahead of their use: a block's
    rows are read one kv head at a time, a strided pattern the hardware prefetchers do not follow */
 static inline void prefetch_rows(const uint16_t *p, int64_t n, int64_t stride, int64_t d) {
@@ -85,17 +232,17 @@ static inline void prefetch_rows(const uint16_t *p, int64_t n, int64_t stride, i
 }
 
 /* One unit: query row qrow, kv heads g0 .. g1 - 1 and their query heads. A block's keys (values)
-   are read for one kv head at a time, 16 rows per pass; a block of a few tens of KB stays in L1 while
-   its kv heads are taken in turn. */
+   are read for one kv head at a time, SCORE_ROWS rows per pass; a block of a few tens of KB stays in
+   L1 while its kv heads are taken in turn. */
 static void unit(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, uint16_t *out, int64_t qrow,
                  int64_t ctx, const int32_t *table, int64_t bs, int64_t hq, int64_t hkv, int64_t d,
-                 float scale, int64_t g0, int64_t g1, float *sc, float *accf) {
-    const int64_t group = hq / hkv, chunks = d / 32, lanes = d / 16, heads = (g1 - g0) * group;
+                 float scale, int64_t g0, int64_t g1, float *sc, float *accf, qelem_t *qw) {
+    const int64_t group = hq / hkv, chunks = d / 32, heads = (g1 - g0) * group;
     const int64_t row = hkv * d;
-    const uint16_t *qbase = q + (qrow * hq + g0 * group) * d;
+    widen_q(q + (qrow * hq + g0 * group) * d, qw, heads * d);
     float mx[MAX_HEADS];
     for (int64_t h = 0; h < heads; h++) mx[h] = -3.0e38f;
-    /* scores, block by block, 16 positions at a time */
+    /* scores, block by block, SCORE_ROWS positions at a time */
     for (int64_t s0 = 0, blk = 0; s0 < ctx; s0 += bs, blk++) {
         const uint16_t *kb = kc + (int64_t)table[blk] * bs * row;
         int64_t n = ctx - s0 < bs ? ctx - s0 : bs;
@@ -103,13 +250,13 @@ static void unit(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, uint
         int64_t nn = ctx - s0 - bs < bs ? ctx - s0 - bs : bs;
         for (int64_t g = g0; g < g1; g++) {
             if (kn != NULL) prefetch_rows(kn + g * d, nn, row, d);
-            for (int64_t o0 = 0; o0 < n; o0 += 16) {
-                int64_t m = n - o0 < 16 ? n - o0 : 16;
-                const uint16_t *rows[16];
-                for (int i = 0; i < 16; i++) rows[i] = kb + (o0 + (i < m ? i : 0)) * row + g * d;
+            for (int64_t o0 = 0; o0 < n; o0 += SCORE_ROWS) {
+                int64_t m = n - o0 < SCORE_ROWS ? n - o0 : SCORE_ROWS;
+                const uint16_t *rows[SCORE_ROWS];
+                for (int i = 0; i < SCORE_ROWS; i++) rows[i] = kb + (o0 + (i < m ? i : 0)) * row + g * d;
                 for (int64_t j = 0; j < group; j++) {
                     int64_t h = (g - g0) * group + j;
-                    float v = scores16(qbase + h * d, rows, m, chunks, scale, sc + h * ctx + s0 + o0);
+                    float v = scores(qw + h * d, rows, m, chunks, scale, sc + h * ctx + s0 + o0);
                     if (v > mx[h]) mx[h] = v;
                 }
             }
@@ -117,24 +264,7 @@ static void unit(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, uint
     }
     /* softmax numerators and sums */
     float sum[MAX_HEADS];
-    for (int64_t h = 0; h < heads; h++) {
-        float *r = sc + h * ctx;
-        __m512 m = _mm512_set1_ps(mx[h]), tot = _mm512_setzero_ps();
-        int64_t s = 0;
-        for (; s + 16 <= ctx; s += 16) {
-            __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(r + s), m));
-            _mm512_storeu_ps(r + s, e);
-            tot = _mm512_add_ps(tot, e);
-        }
-        if (s < ctx) {
-            __mmask16 k = (__mmask16)((1u << (ctx - s)) - 1u);
-            __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, r + s), m));
-            e = _mm512_maskz_mov_ps(k, e);
-            _mm512_mask_storeu_ps(r + s, k, e);
-            tot = _mm512_add_ps(tot, e);
-        }
-        sum[h] = _mm512_reduce_add_ps(tot);
-    }
+    for (int64_t h = 0; h < heads; h++) sum[h] = softmax_row(sc + h * ctx, ctx, mx[h]);
     /* weighted values, accumulated in fp32 */
     memset(accf, 0, sizeof(float) * (size_t)(heads * d));
     for (int64_t s0 = 0, blk = 0; s0 < ctx; s0 += bs, blk++) {
@@ -146,31 +276,13 @@ static void unit(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, uint
             if (vn != NULL) prefetch_rows(vn + g * d, nn, row, d);
             for (int64_t j = 0; j < group;) {
                 int64_t h = (g - g0) * group + j, jh = group - j >= 2 ? 2 : 1;
-                float *a = accf + h * d;
-                const float *p = sc + h * ctx + s0;
-                for (int64_t l = 0; l < lanes;) {
-                    const uint16_t *v = vb + g * d + l * 16;
-                    if (lanes - l >= 8) {
-                        if (jh == 2) pv_2_8(a + l * 16, d, v, row, p, ctx, n);
-                        else pv_1_8(a + l * 16, d, v, row, p, ctx, n);
-                        l += 8;
-                    } else {
-                        if (jh == 2) pv_2_2(a + l * 16, d, v, row, p, ctx, n);
-                        else pv_1_2(a + l * 16, d, v, row, p, ctx, n);
-                        l += 2;
-                    }
-                }
+                pv_rows(accf + h * d, d, vb + g * d, row, sc + h * ctx + s0, ctx, n, jh);
                 j += jh;
             }
         }
     }
-    for (int64_t h = 0; h < heads; h++) {
-        __m512 inv = _mm512_set1_ps(1.0f / sum[h]);
-        uint16_t *op = out + (qrow * hq + g0 * group + h) * d;
-        for (int64_t l = 0; l < lanes; l++) {
-            store_bf16(op + l * 16, _mm512_mul_ps(_mm512_loadu_ps(accf + h * d + l * 16), inv));
-        }
-    }
+    for (int64_t h = 0; h < heads; h++)
+        store_row(out + (qrow * hq + g0 * group + h) * d, accf + h * d, d, 1.0f / sum[h]);
 }
 
 int fx_paged_attention_bf16(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, uint16_t *out,
@@ -184,13 +296,14 @@ int fx_paged_attention_bf16(const uint16_t *q, const uint16_t *kc, const uint16_
         int64_t c = ctx[u / splits];
         if (c > longest) longest = c;
     }
-    float *sc = (float *)malloc(sizeof(float) * (size_t)(hq * longest + hq * d));
+    float *sc = (float *)malloc(sizeof(float) * (size_t)(hq * longest + hq * d) + sizeof(qelem_t) * (size_t)(hq * d));
     if (sc == NULL) return 2;
     float *accf = sc + hq * longest;
+    qelem_t *qw = (qelem_t *)(accf + hq * d);
     for (int64_t u = lo; u < hi; u++) {
         int64_t r = u / splits, part = u % splits;
         int64_t g0 = hkv * part / splits, g1 = hkv * (part + 1) / splits;
-        unit(q, kc, vc, out, q_rows[r], ctx[r], tables + r * nb, bs, hq, hkv, d, scale, g0, g1, sc, accf);
+        unit(q, kc, vc, out, q_rows[r], ctx[r], tables + r * nb, bs, hq, hkv, d, scale, g0, g1, sc, accf, qw);
     }
     free(sc);
     return 0;

@@ -13,25 +13,10 @@
  * split them across threads; distinct sequences hold distinct slots).
  */
 #include <math.h>
-#include <immintrin.h>
-#include <stdint.h>
-#include <string.h>
+
+#include "cpu_simd.h"
 
 #define MAX_DV 1024
-
-static inline float from_bf16(uint16_t h) {
-  uint32_t u = (uint32_t)h << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
-
-static inline uint16_t to_bf16(float s) {
-  uint32_t u;
-  memcpy(&u, &s, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 int fx_gdn_step(const float *q, const float *k, const float *v, const float *g, const float *beta,
                 void *state, int64_t state_bf16, const int64_t *slots, float *o, int64_t B, int64_t H,
@@ -54,7 +39,7 @@ int fx_gdn_step(const float *q, const float *k, const float *v, const float *g, 
       const float ki = kp[i];
       if (state_bf16) {
         const uint16_t *sr = s16 + i * Dv;
-        for (int64_t j = 0; j < Dv; ++j) ks[j] += ki * from_bf16(sr[j]);
+        for (int64_t j = 0; j < Dv; ++j) ks[j] += ki * bf16_to_f32(sr[j]);
       } else {
         const float *sr = s32 + i * Dv;
         for (int64_t j = 0; j < Dv; ++j) ks[j] += ki * sr[j];
@@ -68,10 +53,10 @@ int fx_gdn_step(const float *q, const float *k, const float *v, const float *g, 
       const float ki = kp[i], qi = qp[i];
       if (state_bf16) {
         uint16_t *sr = s16 + i * Dv;
-        for (int64_t j = 0; j < Dv; ++j) row[j] = a * from_bf16(sr[j]) + ki * u[j];
+        for (int64_t j = 0; j < Dv; ++j) row[j] = a * bf16_to_f32(sr[j]) + ki * u[j];
         for (int64_t j = 0; j < Dv; ++j) {
           acc[j] += qi * row[j];
-          sr[j] = to_bf16(row[j]);
+          sr[j] = f32_to_bf16(row[j]);
         }
       } else {
         float *sr = s32 + i * Dv;

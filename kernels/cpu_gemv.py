@@ -5,7 +5,10 @@ the product only streams w from memory; PyTorch's general bf16 GEMM reaches abou
 core's memory speed on it (measured on AVX512-BF16 hosts: 2.7-3.5 GB/s against 5.4 for this kernel,
 28 layers of Qwen3-0.6B's matrices, cold caches), and decoding at batch 1 is this product almost
 entirely. `kernels/cpu_gemv.c` uses AVX512-BF16's dot-product instruction (fp32 accumulation, one
-rounding to bf16 at the end, as F.linear).
+rounding to bf16 at the end, as F.linear). Its AVX2 build widens to fp32 and multiplies with FMA:
+on a CPU without bf16 arithmetic PyTorch's bf16 product runs a generic path (~9 GFLOP/s on one
+Zen 3 core, for any M: 9 GB/s of weights at one row, 1.2 at eight), where this one streams the
+weights at memory speed up to 8 rows.
 
 The C file is compiled on first use (`_cpu.load`: about a second, cached), called through ctypes
 (which releases the GIL, so ``torch.get_num_threads()`` threads split the rows of w), and checked
@@ -23,16 +26,23 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-from ._cpu import load, split
+from ._cpu import host_isa, load, split
 
-__all__ = ["MAX_ROWS", "gemv_bf16", "gemv_bf16_reference", "moe_gemv_bf16", "moe_gemv_bf16_reference", "ready"]
+__all__ = ["MAX_ROWS", "gemv_bf16", "max_rows", "gemv_bf16_reference", "moe_gemv_bf16", "moe_gemv_bf16_reference", "ready"]
 
 log = structlog.get_logger("fxsched.kernels")
 
-# Rows of x this kernel takes (the C code takes up to 8). Beyond 4 the dot-product instruction's
-# throughput, not memory, bounds it on the hosts measured (36 GFLOP/s with the weights in L2, where
-# oneDNN's AMX path reaches 52 at 8 rows), so F.linear serves larger batches.
-MAX_ROWS = 4
+# Rows of x this kernel takes (the C code takes up to 8). On AVX512-BF16 hosts, beyond 4 the
+# dot-product instruction's throughput, not memory, bounds it (36 GFLOP/s with the weights in L2,
+# where oneDNN's AMX path reaches 52 at 8 rows), so F.linear serves larger batches there. On AVX2
+# hosts PyTorch's bf16 product runs at ~9 GFLOP/s for any M (no bf16 arithmetic), so the kernel
+# takes all 8 (cpu-kernels.md §15.6).
+MAX_ROWS = 8
+
+
+def max_rows() -> int:
+    """The most rows of x `gemv_bf16` is the fastest product for, on this host's build."""
+    return 4 if host_isa() == "avx512" else MAX_ROWS
 _MIN_ROWS_PER_THREAD = 256  # below this a thread's share costs more to hand out than to compute
 
 

@@ -1,4 +1,4 @@
-/* The elementwise steps of a CPU bf16 forward, each one pass over memory (AVX512):
+/* The elementwise steps of a CPU bf16 forward, each one pass over memory (AVX512 or AVX2 build):
  *
  * fx_rms_norm_bf16: y[r] = bf16(x[r] / sqrt(mean(x[r]^2) + eps) * w) for rows lo .. hi - 1 of
  *   x [rows, d] and fp32 weights w [d] (fp32 arithmetic, one rounding), as ops.rms_norm;
@@ -11,6 +11,8 @@
 #include <math.h>
 
 #include "cpu_simd.h"
+
+#if defined(__AVX512BF16__)
 
 int fx_rms_norm_bf16(const uint16_t *x, const float *w, uint16_t *y, int64_t d, float eps, int64_t lo,
                      int64_t hi) {
@@ -47,3 +49,38 @@ int fx_silu_mul_bf16(const uint16_t *a, const uint16_t *b, uint16_t *y, int64_t 
     }
     return 0;
 }
+
+#else /* AVX2 */
+
+int fx_rms_norm_bf16(const uint16_t *x, const float *w, uint16_t *y, int64_t d, float eps, int64_t lo,
+                     int64_t hi) {
+    if (d % 16 != 0 || d <= 0) return 1;
+    for (int64_t r = lo; r < hi; r++) {
+        const uint16_t *xr = x + r * d;
+        __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; i += 16) {
+            __m256 a = load8_bf16(xr + i), b = load8_bf16(xr + i + 8);
+            s0 = _mm256_fmadd_ps(a, a, s0);
+            s1 = _mm256_fmadd_ps(b, b, s1);
+        }
+        __m256 s = _mm256_set1_ps(1.0f / sqrtf(hsum256(_mm256_add_ps(s0, s1)) / (float)d + eps));
+        for (int64_t i = 0; i < d; i += 8)
+            store8_bf16(y + r * d + i, _mm256_mul_ps(_mm256_mul_ps(load8_bf16(xr + i), s), _mm256_loadu_ps(w + i)));
+    }
+    return 0;
+}
+
+static inline __m256 silu_mul8(__m256 g, __m256 b) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    __m256 s = _mm256_div_ps(g, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+    return _mm256_mul_ps(s, b);
+}
+
+int fx_silu_mul_bf16(const uint16_t *a, const uint16_t *b, uint16_t *y, int64_t lo, int64_t hi) {
+    int64_t i = lo;
+    for (; i + 8 <= hi; i += 8) store8_bf16(y + i, silu_mul8(load8_bf16(a + i), load8_bf16(b + i)));
+    if (i < hi) store8_bf16_part(y + i, silu_mul8(load8_bf16_part(a + i, hi - i), load8_bf16_part(b + i, hi - i)), hi - i);
+    return 0;
+}
+
+#endif

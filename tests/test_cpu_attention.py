@@ -3,7 +3,7 @@ a bf16 engine whose decode and verify rows go through it against the same engine
 
 The kernel's products of bf16 are exact in fp32 and it rounds the output once to bf16, so it may
 differ from the fp64 result by one bf16 rounding plus fp32 noise. Skipped (with the reason) on
-hosts where the kernel cannot run: no AVX512-BF16, no C compiler.
+hosts where the kernel cannot run: no AVX2 or AVX512-BF16, no C compiler.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from fxsched.runtime.torch_model.config import default_config
 from fxsched.runtime.torch_model.engine import HybridEngine
 
 needs_kernel = pytest.mark.skipif(not cpu_attention.ready(), reason="the CPU attention kernel cannot run here "
-                                  "(needs AVX512-BF16 and a C compiler; FXSCHED_KERNELS=torch disables it)")
+                                  "(needs AVX2 and FMA, or AVX512-BF16, and a C compiler; FXSCHED_KERNELS=torch disables it)")
 
 
 def _written_out(q, k_cache, v_cache, qrow, ctx, table):

@@ -1,7 +1,7 @@
 """The CPU elementwise kernels (kernels/cpu_pointwise.c) against the same math in fp64, and the
 model's ops taking them only where they apply. Each kernel rounds once to bf16, so it may differ
 from the fp64 value by one bf16 rounding (2^-8 relative) plus fp32 noise. Skipped (with the
-reason) where the kernels cannot run: no AVX512-BF16, no C compiler."""
+reason) where the kernels cannot run: no AVX2 or AVX512-BF16, no C compiler."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from fxsched.kernels import cpu_pointwise
 from fxsched.runtime.torch_model import ops
 
 needs_kernel = pytest.mark.skipif(not cpu_pointwise.ready(), reason="the CPU pointwise kernels cannot run here "
-                                  "(needs AVX512-BF16 and a C compiler; FXSCHED_KERNELS=torch disables it)")
+                                  "(needs AVX2 and FMA, or AVX512-BF16, and a C compiler; FXSCHED_KERNELS=torch disables it)")
 
 
 def _within_one_rounding(y: torch.Tensor, ref: torch.Tensor) -> None:

@@ -163,7 +163,7 @@ def test_fused_shared_expert_is_the_gated_swiglu(dtype):
         assert (got.double() - want).abs().max() <= TOL[dtype] * max(1.0, float(want.abs().max()))
 
 
-@pytest.mark.skipif(not cpu_gemv.ready(), reason="the AVX512-BF16 kernel is not available on this host")
+@pytest.mark.skipif(not cpu_gemv.ready(), reason="the CPU row kernel is not available on this host (needs AVX2 or AVX512-BF16 and a C compiler)")
 def test_per_assignment_kernel_split_across_threads():
     """cpu_gemv.moe_gemv_bf16 with its output rows split over two threads (at least 256 rows each):
     each row against its own expert, zero for an id outside the experts."""

@@ -166,7 +166,7 @@ def gdn_layer(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg: Mod
 
 
 # Rows per sequence up to which the short convolution is taken as window products (decode, verify)
-# rather than a depthwise conv1d (prefill chunks), whose set-up dominates a forward of few rows.
+# rather than as shifted multiply-adds over whole rows (prefill chunks).
 _FEW_ROWS = 16
 
 
@@ -178,13 +178,18 @@ def _project(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg: Mode
     hk, hv, dk, dv, width = cfg.gdn_num_heads, cfg.gdn_v_heads, cfg.gdn_key_dim, cfg.gdn_value_dim, cfg.conv_width
     qkv = torch.cat([linear(x, w[f"{prefix}.q_proj"]), linear(x, w[f"{prefix}.k_proj"]),
                      linear(x, w[f"{prefix}.v_proj"])], dim=-1)  # [B, T, C]
-    conv_in = torch.cat([conv0, qkv.transpose(1, 2).to(conv0.dtype)], dim=2)  # [B, C, W-1+T]
-    windows = conv_in.unfold(2, width, 1)  # [B, C, T, W] (a view: the conv state after each row)
+    conv_in = torch.cat([conv0.transpose(1, 2), qkv.to(conv0.dtype)], dim=1)  # [B, W-1+T, C]
+    windows = conv_in.unfold(1, width, 1).transpose(1, 2)  # [B, C, T, W] (a view: the conv state after each row)
     weight = w[f"{prefix}.conv"].float()
-    if t <= _FEW_ROWS:  # decode and verify: a product with each row's window (conv1d's set-up costs more)
+    if t <= _FEW_ROWS:  # decode and verify: a product with each row's window
         mixed = F.silu((windows.float() * weight[:, None, :]).sum(-1)).transpose(1, 2)
-    else:
-        mixed = F.silu(F.conv1d(conv_in.float(), weight[:, None, :], groups=weight.shape[0])).transpose(1, 2)
+    else:  # prefill: W shifted multiply-adds over rows with the channels contiguous (conv1d's depthwise
+        # path, which needs the transposed layout, ran 10-100x slower on some CPUs)
+        src = conv_in.float()
+        acc = src[:, :t] * weight[:, 0]
+        for j in range(1, width):
+            acc.addcmul_(src[:, j:j + t], weight[:, j])
+        mixed = F.silu(acc)
     q, k, v = torch.split(mixed, [hk * dk, hk * dk, hv * dv], dim=-1)
     q = l2_normalize(q.reshape(b, t, hk, dk)) * dk ** -0.5
     k = l2_normalize(k.reshape(b, t, hk, dk))

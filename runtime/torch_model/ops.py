@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fxsched.kernels import cpu_amx, cpu_gemv, cpu_pointwise
+from fxsched.kernels import cpu_amx, cpu_gemv, cpu_pointwise, cpu_widen
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -29,18 +29,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T for weight [out, in] (no bias anywhere in this model).
 
     The order of cpu-kernels.md §15.1: a weight packed for AMX at load (`pack_for_cpu`) goes to
-    kernels/cpu_amx.py; otherwise a bf16 product of at most `cpu_gemv.MAX_ROWS` rows on the CPU
-    (decode and verify) takes the AVX512-BF16 kernel where it is ready (kernels/cpu_gemv.py: about
-    twice F.linear's speed there); everything else, and anything traced by torch.compile, is
-    F.linear.
+    kernels/cpu_amx.py; otherwise a bf16 product of at most `cpu_gemv.max_rows()` rows on the CPU
+    (decode and verify) takes the row kernel where it is ready (kernels/cpu_gemv.py: about twice
+    F.linear's speed on AVX512-BF16, ten times on AVX2); on a CPU without bf16 arithmetic a larger
+    bf16 product is taken in fp32 over widened weight panels (kernels/cpu_widen.py, §15.6);
+    everything else, and anything traced by torch.compile, is F.linear.
     """
     if cpu_amx.is_packed(weight):
         return cpu_amx.amx_linear(x, weight)
-    if (x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() >= 1
-            and x.numel() <= cpu_gemv.MAX_ROWS * x.shape[-1] and x.numel() > 0
-            and not torch.compiler.is_compiling() and cpu_gemv.ready()):
-        rows = cpu_gemv.gemv_bf16(x.reshape(-1, x.shape[-1]), weight)
-        return rows.view(*x.shape[:-1], weight.shape[0])
+    if (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
+            and x.dim() >= 1 and x.numel() > 0 and weight.dim() == 2 and weight.is_contiguous()
+            and not torch.compiler.is_compiling()):
+        flat = x.reshape(-1, x.shape[-1])
+        if flat.shape[0] <= cpu_gemv.max_rows() and cpu_gemv.ready():
+            return cpu_gemv.gemv_bf16(flat, weight).view(*x.shape[:-1], weight.shape[0])
+        if cpu_widen.wanted() and not x.requires_grad and not weight.requires_grad:
+            return cpu_widen.widened_linear(flat, weight).view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight)
 
 
