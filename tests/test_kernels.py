@@ -710,3 +710,14 @@ def test_kernel_compiles_for_sm90_without_gpu():
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     assert result.stdout.count("compiled") == 15, result.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the Triton kernels are wanted and triton is imported")
+def test_a_cpu_process_without_the_interpreter_does_not_import_triton():
+    code = ("import sys; import fxsched.runtime.torch_model, fxsched.runtime.generate; "
+            "from fxsched.kernels import _triton, row_argmax; "
+            "print('triton' in sys.modules, _triton.HAVE_TRITON, row_argmax._row_argmax_kernel is None)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["False", "False", "True"]  # the references serve; ~70 MB not spent
