@@ -40,6 +40,7 @@ log = structlog.get_logger("fxsched.kernels")
 MAX_ROWS = 8
 
 
+@functools.cache  # fixed per process, like the build it describes (read on every linear)
 def max_rows() -> int:
     """The most rows of x `gemv_bf16` is the fastest product for, on this host's build."""
     return 4 if host_isa() == "avx512" else MAX_ROWS

@@ -21,6 +21,7 @@ from fxsched.runtime.torch_model.config import default_config
 from fxsched.runtime.torch_model.engine import HybridEngine
 from fxsched.runtime.torch_model.ops import embed_rows, linear
 from fxsched.runtime.torch_model.packing import pack_for_cpu
+from support.torch_testing import torch_threads
 
 needs_amx = pytest.mark.skipif(not cpu_amx.ready(), reason="the AMX kernel cannot run here (needs AMX-BF16, "
                                "a C compiler and the OS's tile state; FXSCHED_KERNELS=torch disables it)")
@@ -51,14 +52,10 @@ def test_leading_dimensions_and_threads_give_the_same_product():
     x = torch.randn(3, 5, 128, generator=gen).to(torch.bfloat16)
     w = torch.randn(4096 + 64, 128, generator=gen).to(torch.bfloat16)  # enough blocks to split
     p = cpu_amx.pack(w)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with torch_threads(1):
         one = cpu_amx.amx_linear(x, p)
-        torch.set_num_threads(3)
+    with torch_threads(3):
         three = cpu_amx.amx_linear(x, p)
-    finally:
-        torch.set_num_threads(threads)
     assert one.shape == (3, 5, 4096 + 64)
     assert torch.equal(one, three)
     _close_to_fp64(one.reshape(15, -1), x.reshape(15, 128), w)

@@ -18,6 +18,7 @@ from fxsched.kernels import cpu_attention
 from fxsched.runtime.bench.prompts import random_prompts
 from fxsched.runtime.torch_model.config import default_config
 from fxsched.runtime.torch_model.engine import HybridEngine
+from support.torch_testing import torch_threads
 
 needs_kernel = pytest.mark.skipif(not cpu_attention.ready(), reason="the CPU attention kernel cannot run here "
                                   "(needs AVX2 and FMA, or AVX512-BF16, and a C compiler; FXSCHED_KERNELS=torch disables it)")
@@ -56,12 +57,8 @@ def test_kernel_matches_attention_written_out(hq, hkv, d, threads):
     tables = torch.tensor([seq_tables[s] + [0] * (nb - len(seq_tables[s])) for _, _, s in rows], dtype=torch.int32)
     q_rows = torch.tensor([r for r, _, _ in rows], dtype=torch.int32)
     ctx = torch.tensor([c for _, c, _ in rows], dtype=torch.int32)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         out = cpu_attention.paged_attention_bf16(q, k_cache, v_cache, q_rows, ctx, tables)
-    finally:
-        torch.set_num_threads(before)
     for r, c, s in rows:
         ref = _written_out(q, k_cache, v_cache, r, c, seq_tables[s])
         tol = ref.abs() * 2.0 ** -8 + 1e-4

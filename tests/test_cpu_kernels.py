@@ -19,6 +19,7 @@ import torch
 
 from fxsched.kernels import cpu_gdn, cpu_gemv, cpu_widen
 from fxsched.runtime.torch_model.ops import linear
+from support.torch_testing import torch_threads
 
 needs_kernel = pytest.mark.skipif(not cpu_gemv.ready(), reason="the CPU bf16 kernel cannot run here "
                                   "(needs AVX2 and FMA, or AVX512-BF16, and a C compiler; FXSCHED_KERNELS=torch disables it)")
@@ -51,14 +52,10 @@ def test_rows_split_over_threads_give_the_same_product():
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(3, 256, generator=gen).to(torch.bfloat16)
     w = torch.randn(4099, 256, generator=gen).to(torch.bfloat16)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with torch_threads(1):
         one = cpu_gemv.gemv_bf16(x, w)
-        torch.set_num_threads(4)
+    with torch_threads(4):
         four = cpu_gemv.gemv_bf16(x, w)
-    finally:
-        torch.set_num_threads(threads)
     assert torch.equal(one, four)
     _bf16_close(one, x, w)
 
@@ -156,14 +153,10 @@ def test_gdn_step_kernel_equals_its_torch_reference_across_threads():
     states = [(torch.randn(7, 4, 32, 48) * 0.3).to(torch.bfloat16) for _ in range(3)]
     states[1].copy_(states[0])
     states[2].copy_(states[0])
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with torch_threads(1):
         one = cpu_gdn.gdn_step(q, k, v, g, beta, states[0], slots)
-        torch.set_num_threads(3)
+    with torch_threads(3):
         three = cpu_gdn.gdn_step(q, k, v, g, beta, states[1], slots)
-    finally:
-        torch.set_num_threads(threads)
     ref = cpu_gdn.gdn_step_reference(q, k, v, g, beta, states[2], slots)
     assert torch.equal(one, three) and torch.equal(states[0], states[1])
     torch.testing.assert_close(one, ref, atol=1e-5, rtol=1e-5)

@@ -10,6 +10,7 @@ import torch
 
 from fxsched.kernels import cpu_pointwise
 from fxsched.runtime.torch_model import ops
+from support.torch_testing import torch_threads
 
 needs_kernel = pytest.mark.skipif(not cpu_pointwise.ready(), reason="the CPU pointwise kernels cannot run here "
                                   "(needs AVX2 and FMA, or AVX512-BF16, and a C compiler; FXSCHED_KERNELS=torch disables it)")
@@ -29,12 +30,8 @@ def test_rms_norm_matches_fp64(rows, d, weight_dtype, threads):
     gen = torch.Generator().manual_seed(rows * d)
     x = (torch.randn(rows, d, generator=gen) * 4).to(torch.bfloat16)
     w = (1 + torch.randn(d, generator=gen) * 0.1).to(weight_dtype)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with torch_threads(threads):
         y = cpu_pointwise.rms_norm_bf16(x, w, 1e-6)
-    finally:
-        torch.set_num_threads(before)
     xd = x.double()
     ref = xd / torch.sqrt((xd * xd).mean(-1, keepdim=True) + 1e-6) * w.double()
     _within_one_rounding(y, ref)
