@@ -176,6 +176,7 @@ def test_hf_capture_layers_are_transformers_hidden_states(checkpoints):
     prompt = _prompt(4)
     with torch.no_grad():
         hf = ck.model(torch.tensor([prompt]), output_hidden_states=True).hidden_states
+    engine.alloc(0)  # seats slot 0: a zero GDN state
     blocks = engine.pool.allocate(3)
     batch = RowBatch(torch.tensor([prompt]), torch.arange(PROMPT_LEN)[None], torch.ones(1, PROMPT_LEN, dtype=torch.bool),
                      torch.tensor(flat_indices(blocks, 0, PROMPT_LEN, 4)), torch.tensor([blocks]), torch.tensor([0]))

@@ -1,9 +1,11 @@
-"""The KV cache sized from a memory budget (`--kv-cache-memory`, hf_checkpoint.kv_blocks).
+"""The caches sized from a memory budget (`--kv-cache-memory`, hf_checkpoint.cache_sizes).
 
-A block holds keys and values of block_size positions in every attention layer, so a budget of B
-bytes holds B // (attention layers * 2 * block_size * kv heads * head dim * bytes per element)
-blocks; the expected counts below are worked out from the checkpoint's config.json, not from the
-loader.
+A block holds keys and values of block_size positions in every attention layer, so it takes
+attention layers * 2 * block_size * kv heads * head dim * bytes per element; a slot of a model with
+GDN layers holds one state per GDN layer, value heads * key dim * value dim + conv channels *
+(kernel - 1) elements. The budget holds the slots' states first and blocks with the rest; slots are
+lowered to what gives each a state and one full-length sequence. The expected counts below are
+worked out from the checkpoint's config.json, not from the loader.
 """
 
 from __future__ import annotations
@@ -37,21 +39,45 @@ def _block_bytes(path: Path, dtype_bytes: int = 4) -> int:
     return attn_layers * 2 * ARGS["block_size"] * text["num_key_value_heads"] * text["head_dim"] * dtype_bytes
 
 
-def test_budget_sets_the_number_of_blocks(ckpt):
-    per_block = _block_bytes(ckpt)
-    cfg, _ = load_pretrained(ckpt, dtype="float32", kv_cache_memory=per_block * 37 + per_block // 2, **ARGS)
-    assert cfg.num_blocks == 37
-    engine = HybridEngine.from_pretrained(ckpt, dtype="float32", kv_cache_memory=per_block * 20, **ARGS)
+def _state_bytes(path: Path, dtype_bytes: int = 4) -> int:
+    text = json.loads((path / "config.json").read_text())
+    text = text.get("text_config", text)
+    layers = sum(1 for kind in text["layer_types"] if kind == "linear_attention")
+    hk, hv = text["linear_num_key_heads"], text["linear_num_value_heads"]
+    dk, dv = text["linear_key_head_dim"], text["linear_value_head_dim"]
+    conv = (2 * hk * dk + hv * dv) * (text["linear_conv_kernel_dim"] - 1)
+    return layers * (hv * dk * dv + conv) * dtype_bytes
+
+
+def test_budget_sets_the_number_of_blocks_after_the_slots_states(ckpt):
+    per_block, state = _block_bytes(ckpt), _state_bytes(ckpt)
+    assert state > 0  # the Qwen3.5 checkpoint has GDN layers
+    states = ARGS["max_slots"] * state
+    cfg, _ = load_pretrained(ckpt, dtype="float32", kv_cache_memory=states + per_block * 37 + per_block // 2, **ARGS)
+    assert (cfg.max_slots, cfg.num_blocks) == (ARGS["max_slots"], 37)
+    engine = HybridEngine.from_pretrained(ckpt, dtype="float32", kv_cache_memory=states + per_block * 20, **ARGS)
     assert engine.num_free_blocks() == 20 and engine.kv.k[0].shape[0] == 20
-    half, _ = load_pretrained(ckpt, dtype="bfloat16", kv_cache_memory=per_block * 20, **ARGS)
-    assert half.num_blocks == 40  # bf16 blocks are half the size
+    assert engine.gdn.recurrent[0].shape[0] == ARGS["max_slots"]
+    half, _ = load_pretrained(ckpt, dtype="bfloat16", kv_cache_memory=states + per_block * 20, **ARGS)
+    assert half.num_blocks == 40 + states // per_block  # bf16 blocks and states are half the size
+
+
+def test_slots_are_lowered_to_what_the_budget_holds(ckpt):
+    per_block, state = _block_bytes(ckpt), _state_bytes(ckpt)
+    one_sequence = ARGS["max_seq_len"] // ARGS["block_size"]
+    args = {**ARGS, "max_slots": 8}
+    budget = 3 * (state + one_sequence * per_block) + per_block * 5  # three slots, not four
+    cfg, _ = load_pretrained(ckpt, dtype="float32", kv_cache_memory=budget, **args)
+    assert (cfg.max_slots, cfg.num_blocks) == (3, 3 * one_sequence + 5)
+    engine = HybridEngine(cfg, load_pretrained(ckpt, dtype="float32", kv_cache_memory=budget, **args)[1])
+    assert engine.free_slots() == [0, 1, 2] and engine.gdn.recurrent[0].shape[0] == 3
 
 
 def test_budget_below_one_sequence_is_refused(ckpt):
-    per_block = _block_bytes(ckpt)
+    per_block, state = _block_bytes(ckpt), _state_bytes(ckpt)
     one_sequence = ARGS["max_seq_len"] // ARGS["block_size"]
-    with pytest.raises(ConfigError, match="kv_cache_memory.*one sequence of max_seq_len 32"):
-        load_pretrained(ckpt, dtype="float32", kv_cache_memory=per_block * one_sequence - 1, **ARGS)
+    with pytest.raises(ConfigError, match="kv_cache_memory.*GDN state: one sequence of max_seq_len 32"):
+        load_pretrained(ckpt, dtype="float32", kv_cache_memory=state + per_block * one_sequence - 1, **ARGS)
     with pytest.raises(ConfigError, match="kv_cache_memory"):
         load_pretrained(ckpt, kv_cache_memory=1024, num_blocks=8, **ARGS)
 

@@ -49,4 +49,5 @@ def test_forward_traces_whole_and_matches_the_eager_path(rows):
         torch.testing.assert_close(traced[b, :len(toks)], eager[b, :len(toks)], atol=1e-4, rtol=1e-4)
     if decode:  # both updated the GDN states in place, the same way
         for a, e in zip(traced_engine.gdn.recurrent, eager_engine.gdn.recurrent, strict=True):
-            torch.testing.assert_close(a, e, atol=1e-5, rtol=1e-5)
+            seated = slice(0, len(PROMPTS))  # the others were never seated: their state is undefined
+            torch.testing.assert_close(a[seated], e[seated], atol=1e-5, rtol=1e-5)

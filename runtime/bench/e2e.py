@@ -12,8 +12,9 @@ batch, each engine); all with ``--threads`` threads (torch.set_num_threads, OMP_
 vLLM: VLLM_CPU_OMP_THREADS_BIND=nobind so it keeps OMP_NUM_THREADS, like the others unpinned, and
 VLLM_ENABLE_V1_MULTIPROCESSING=0: its engine core runs in the cell's process).
 Prompts: ``--prompt-len`` seeded random ids, the same for every engine (batch B takes the first B).
-The KV cache: fxsched gets ``--kv-cache-memory`` (default: B x (P + N + 16) tokens of its
-attention layers and one sequence more), vLLM the same rounded up to GiB (VLLM_CPU_KVCACHE_SPACE).
+The KV cache: fxsched gets ``--kv-cache-memory`` (default: B + 1 sequences of P + N + 16 tokens of
+its attention layers, and of a hybrid's GDN state, which the budget holds too), vLLM the same
+rounded up to GiB (VLLM_CPU_KVCACHE_SPACE).
 
 Figures per cell (medians over the rounds; ``--json`` also has every round): ``ttft_s`` the
 max_tokens=1 run of the whole batch; ``prefill_tok_s`` = B x P / ttft; ``decode_tok_s`` = B x (N - 1)
@@ -123,7 +124,20 @@ def kv_budget(config: dict[str, Any], batch: int, tokens: int) -> int:
     layers = sum(1 for t in types if t == "full_attention") + int(text.get("mtp_num_hidden_layers") or 0)
     head_dim = int(text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"])
     per_token = 2 * max(layers, 1) * int(text["num_key_value_heads"]) * head_dim * 2
-    return (batch + 1) * 16 * math.ceil((tokens + 16) / 16) * per_token
+    return (batch + 1) * (16 * math.ceil((tokens + 16) / 16) * per_token + gdn_state_bytes(text))
+
+
+def gdn_state_bytes(text: dict[str, Any]) -> int:
+    """One sequence's GDN state in bf16, from the HF config: per linear-attention layer, the
+    recurrent state (value heads x key dim x value dim) and the conv state (conv channels x
+    (kernel - 1)); 0 for a model without such layers."""
+    layers = sum(1 for t in text.get("layer_types") or () if t == "linear_attention")
+    if not layers:
+        return 0
+    hk, hv = int(text["linear_num_key_heads"]), int(text["linear_num_value_heads"])
+    dk, dv = int(text["linear_key_head_dim"]), int(text["linear_value_head_dim"])
+    channels = 2 * hk * dk + hv * dv
+    return layers * (hv * dk * dv + channels * (int(text["linear_conv_kernel_dim"]) - 1)) * 2
 
 
 def copy_bandwidth(threads: int) -> float:

@@ -100,7 +100,7 @@ def _add_model_arguments(p: argparse.ArgumentParser, what: str = "") -> None:
 
 def add_kv_memory_argument(p: argparse.ArgumentParser, what: str = "") -> None:
     p.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
-                   help=f"memory for the KV cache of a --model checkpoint, e.g. 2GiB, 512MiB or bytes (default: "
+                   help=f"memory for the KV cache (and GDN states) of a --model checkpoint, e.g. 2GiB, 512MiB or bytes (default: "
                         f"every slot at the context length, at most 4 GiB){what}")
 
 

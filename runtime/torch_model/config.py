@@ -150,10 +150,17 @@ class ModelConfig:
         if self.gdn_snapshot_every > 0:
             return self.gdn_snapshot_every
         itemsize = 4 if self.dtype == "float32" else 2
-        state = len(self.gdn_layers) * (self.gdn_v_heads * self.gdn_key_dim * self.gdn_value_dim
-                                        + self.gdn_conv_channels * (self.conv_width - 1)) * itemsize
+        state = self.gdn_state_bytes
         block = max(1, len(self.attn_layers) * 2 * self.block_size * self.num_kv_heads * self.head_dim * itemsize)
         return 1 if state < 2 ** 20 else max(1, -(-state // block))
+
+    @property
+    def gdn_state_bytes(self) -> int:
+        """Bytes of one sequence's GDN state, recurrent and conv, over every GDN layer (in the
+        model's dtype, as the state cache keeps it); 0 without GDN layers."""
+        itemsize = 4 if self.dtype == "float32" else 2
+        return len(self.gdn_layers) * (self.gdn_v_heads * self.gdn_key_dim * self.gdn_value_dim
+                                       + self.gdn_conv_channels * (self.conv_width - 1)) * itemsize
 
     @property
     def max_blocks_per_seq(self) -> int:

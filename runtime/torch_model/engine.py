@@ -45,6 +45,7 @@ from .gdn import GdnSnapshot, GdnStateCache
 from .hf_drafters import PublishedDFlash, PublishedMtp, load_dflash_drafter
 from .kernel_paths import gdn_decode_in_place, gdn_fold_kernel_applies
 from .attn_plan import plan_keys
+from .batch_groups import forward_rows, row_groups
 from .model import ForwardOutput, HybridModel, RowBatch
 from .moe import fuse_shared_experts
 from .ops import rms_norm
@@ -136,6 +137,8 @@ class HybridEngine:
         self.kv = PagedKVCache(len(cfg.attn_layers), cfg.num_blocks, cfg.block_size, cfg.num_kv_heads,
                                cfg.head_dim, self.device, dtype)
         self.gdn = GdnStateCache(cfg, self.device, dtype)
+        # the most padded rows (sequences x longest) one committed forward takes (None: no limit)
+        self.forward_rows: int | None = forward_rows(cfg) if self.device.type == "cpu" else None
         self.prefix = PrefixCache(self.pool, cfg.block_size)
         self.mtp: MtpHead | PublishedMtp | None = None
         if cfg.mtp:
@@ -184,7 +187,8 @@ class HybridEngine:
         directory (public format, see hf_drafters.load_dflash_drafter) to draft with. expert_shard:
         (rank, world) of an expert-parallel run: only rank's experts are loaded, and the MoE layers
         need the run's group bound to them (runtime/ep/experts.py) before a forward. kv_cache_memory:
-        the KV cache's budget in bytes (hf_checkpoint.kv_blocks), instead of num_blocks."""
+        the cache budget in bytes, KV blocks and GDN states (hf_checkpoint.cache_sizes), instead of
+        num_blocks."""
         from .hf_checkpoint import load_pretrained
 
         cfg, weights = load_pretrained(model_dir, device=device, dtype=dtype, max_seq_len=max_seq_len,
@@ -476,12 +480,21 @@ class HybridEngine:
 
     @torch.no_grad()
     def commit_forward(self, slots: Sequence[int], token_lists: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Append and commit every row of each slot's tokens in one forward; returns each slot's
-        last-row logits [B, V] (the only rows computed). The GDN layers run the chunked form (no
-        per-row states, see _forward)."""
-        out = self._forward(slots, token_lists, commit_all=True)
-        self.gdn_fold_accepted(slots, [len(toks) for toks in token_lists])
-        return out.logits
+        """Append and commit every row of each slot's tokens; returns each slot's last-row logits
+        [B, V] (the only rows computed). The GDN layers run the chunked form (no per-row states, see
+        _forward). One forward, or with `forward_rows` set several over groups of sequences of
+        similar length (batch_groups.row_groups), each committed before the next runs."""
+        lengths = [len(toks) for toks in token_lists]
+        padded = len(lengths) * max(lengths, default=0)
+        if self.forward_rows is None or padded <= self.forward_rows:
+            out = self._forward(slots, token_lists, commit_all=True)
+            self.gdn_fold_accepted(slots, lengths)
+            return out.logits
+        groups = row_groups(lengths, self.forward_rows)
+        parts = [self.commit_forward([slots[i] for i in g], [token_lists[i] for i in g]) for g in groups]
+        ran = [i for g in groups for i in g]  # the order the logits rows come in
+        back = sorted(range(len(ran)), key=ran.__getitem__)
+        return torch.cat(parts).index_select(0, torch.tensor(back, device=parts[0].device))
 
     @torch.no_grad()
     def decode_batch(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:

@@ -48,11 +48,13 @@ GdnSnapshot = list[tuple[torch.Tensor, torch.Tensor]]  # per GDN layer: (recurre
 class GdnRows:
     """The recurrent and conv states of one GDN layer forward over a batch [B, T].
 
-    windows [B, C, T, W] are the conv input windows of every row, whose [..., 1:] slice is the conv
-    state after each row. states [B, R, Hv, Dk, Dv] are recurrent states: after *every* row when
-    `rows` is None (R = T, a verify: any prefix may be accepted), else after the rows listed in
-    `rows` only (a forward that commits all its rows: the chunked prefill of gdn_chunked.py keeps
-    the block-boundary rows and each sequence's last row, never T states).
+    states [B, R, Hv, Dk, Dv] are recurrent states and windows [B, C, R, W] conv input windows,
+    whose [..., 1:] slice is the conv state: after *every* row when `rows` is None (R = T, a
+    verify: any prefix may be accepted), else after the rows listed in `rows` only (a forward that
+    commits all its rows: the chunked prefill of gdn_chunked.py keeps the block-boundary rows and
+    each sequence's last row, never T states, and the conv windows of those rows only -- a view of
+    every row's windows would hold the layer's whole conv input, [B, W-1+T, C] fp32, until the
+    commit: 26 MB a layer for 8 prompts of 128 tokens).
     """
 
     states: torch.Tensor
@@ -78,26 +80,30 @@ class GdnRows:
 
     def row(self, b: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(recurrent [Hv, Dk, Dv], conv [C, W-1]) of batch element b after row t (views)."""
-        return self.states[b, self.index(t)], self.windows[b, :, t, 1:]
+        i = self.index(t)
+        return self.states[b, i], self.windows[b, :, i, 1:]
 
     def conv_rows(self) -> torch.Tensor:
         """Conv state after each kept row, [B, R, C, W-1], the `conv_rows` layout of `gdn_fold`
         (matching `states`: index it with `index(t)`)."""
-        conv = self.windows[..., 1:].permute(0, 2, 1, 3)
-        if self.rows is None:
-            return conv
-        return conv[:, list(self.rows)]
+        return self.windows[..., 1:].permute(0, 2, 1, 3)
 
 
 class GdnStateCache:
-    """Per-slot GDN state of every GDN layer: recurrent [slots, Hv, Dk, Dv] and conv [slots, C, W-1]."""
+    """Per-slot GDN state of every GDN layer: recurrent [slots, Hv, Dk, Dv] and conv [slots, C, W-1].
+
+    The pool is allocated, not zeroed: a slot's state is defined once `reset` has zeroed it, which
+    the engine does when it seats a sequence (HybridEngine.allocate). On a CPU the pages of slots
+    never seated are then never touched and take no resident memory (a 16-slot pool of a
+    Qwen3.5-0.8B-like model is 151 MB, most of it idle at batch 1).
+    """
 
     def __init__(self, cfg: ModelConfig, device: torch.device | str, dtype: torch.dtype = torch.float32) -> None:
         n = len(cfg.gdn_layers)
         rec_shape = (cfg.max_slots, cfg.gdn_v_heads, cfg.gdn_key_dim, cfg.gdn_value_dim)
         conv_shape = (cfg.max_slots, cfg.gdn_conv_channels, cfg.conv_width - 1)
-        self.recurrent = [torch.zeros(rec_shape, device=device, dtype=dtype) for _ in range(n)]
-        self.conv = [torch.zeros(conv_shape, device=device, dtype=dtype) for _ in range(n)]
+        self.recurrent = [torch.empty(rec_shape, device=device, dtype=dtype) for _ in range(n)]
+        self.conv = [torch.empty(conv_shape, device=device, dtype=dtype) for _ in range(n)]
 
     @property
     def num_layers(self) -> int:
@@ -158,6 +164,7 @@ def gdn_layer(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg: Mod
         o, _, kept = chunked_gated_delta(q, k, v, log_decay, beta, state0.float(), keep_rows=list(keep_rows))
         assert kept is not None  # keep_rows given
         states = kept.to(state0.dtype)
+        windows = windows[:, :, list(keep_rows)]  # [B, C, R, W], a copy: no view holding the conv input
     elif gdn_recurrence_kernel_applies(q, k, v, log_decay, beta, state0):
         o, states = gated_delta(q, k, v, log_decay, beta, state0, scale=1.0)  # [B,T,Hv,Dv], [B,T,Hv,Dk,Dv]
     else:

@@ -94,14 +94,18 @@ def load_pretrained(model_dir: str | Path, *, device: str | torch.device = "cpu"
     dtype: "float32" / "bfloat16" / "float16" (default: the checkpoint's `dtype` / `torch_dtype`, else
     float32). Runtime sizes: max_seq_len (default min(max_position_embeddings, 4096)), max_slots,
     block_size, and the KV cache's blocks: num_blocks, or as many as kv_cache_memory bytes hold
-    (`kv_blocks`; default: enough for every slot at max_seq_len, within DEFAULT_KV_CACHE_MEMORY).
+    (`cache_sizes`, which also lowers max_slots to what the budget holds; default: enough for every
+    slot at max_seq_len, within DEFAULT_KV_CACHE_MEMORY).
     expert_shard: (rank, world) keeps only rank's experts of each MoE layer (see the module
     docstring; a model without MoE layers, or world 1, loads whole). More ranks than experts per
     layer raise ConfigError (field 'expert_shard').
     """
     root, cfg, family, shards = _open(model_dir, dtype, max_seq_len, max_slots, num_blocks, block_size)
     if num_blocks is None:
-        cfg = dataclasses.replace(cfg, num_blocks=kv_blocks(cfg, kv_cache_memory))
+        slots, blocks = cache_sizes(cfg, kv_cache_memory)
+        if slots < cfg.max_slots:
+            log.info("slots_fit_the_kv_budget", max_slots=cfg.max_slots, slots=slots, kv_cache_memory=kv_cache_memory)
+        cfg = dataclasses.replace(cfg, max_slots=slots, num_blocks=blocks)
     elif kv_cache_memory is not None:
         raise ConfigError("kv_cache_memory", "no value when num_blocks is given", kv_cache_memory)
     converter = _Converter(cfg, family, shards, _bounds(cfg, expert_shard), device)
@@ -129,26 +133,34 @@ def kv_block_bytes(cfg: ModelConfig) -> int:
     return len(cfg.attn_layers) * 2 * cfg.block_size * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
-def kv_blocks(cfg: ModelConfig, kv_cache_memory: int | None) -> int:
-    """The KV cache's blocks for a memory budget in bytes (as vLLM's kv_cache_memory_bytes): as many
-    as fit, at least one sequence of max_seq_len (ConfigError 'kv_cache_memory' otherwise). Without
-    a budget: every slot at max_seq_len, but no more than DEFAULT_KV_CACHE_MEMORY holds (a
+def cache_sizes(cfg: ModelConfig, kv_cache_memory: int | None) -> tuple[int, int]:
+    """(slots, KV blocks) for a cache budget in bytes (as vLLM's kv_cache_memory_bytes).
+
+    The budget holds everything a sequence keeps on the device: its KV blocks and, in a model with
+    GDN layers, its recurrent and conv state (cfg.gdn_state_bytes a slot, as vLLM counts a Mamba
+    layer's state in its KV cache). Slots: cfg.max_slots, or fewer where the budget cannot give each
+    one its state and a sequence of max_seq_len; the blocks are the rest of the budget, at least one
+    sequence of max_seq_len (ConfigError 'kv_cache_memory' otherwise). Without a budget: every slot
+    and every slot's blocks at max_seq_len, but no more blocks than DEFAULT_KV_CACHE_MEMORY holds (a
     reservation for the worst case would be 7 GiB for a 1 GiB model at 16 slots x 4096 tokens; the
     scheduler queues or preempts when the blocks run out, as in vLLM)."""
     per_block = kv_block_bytes(cfg)
     one_sequence = -(-cfg.max_seq_len // cfg.block_size)
-    if per_block == 0:  # no attention layer: the pool only counts positions
-        return cfg.max_slots * one_sequence
     if kv_cache_memory is None:
-        return max(one_sequence, min(cfg.max_slots * one_sequence, DEFAULT_KV_CACHE_MEMORY // per_block))
+        if per_block == 0:  # no attention layer: the pool only counts positions
+            return cfg.max_slots, cfg.max_slots * one_sequence
+        return cfg.max_slots, max(one_sequence, min(cfg.max_slots * one_sequence, DEFAULT_KV_CACHE_MEMORY // per_block))
     if isinstance(kv_cache_memory, bool) or not isinstance(kv_cache_memory, int) or kv_cache_memory < 1:
         raise ConfigError("kv_cache_memory", "a positive number of bytes", kv_cache_memory)
-    blocks = kv_cache_memory // per_block
-    if blocks < one_sequence:
-        raise ConfigError("kv_cache_memory", f"at least {one_sequence * per_block} bytes ({one_sequence} blocks of "
-                                             f"{per_block} bytes: one sequence of max_seq_len {cfg.max_seq_len})",
-                          kv_cache_memory)
-    return blocks
+    state = cfg.gdn_state_bytes
+    need = state + one_sequence * per_block
+    if kv_cache_memory < need:
+        held = f"{one_sequence} blocks of {per_block} bytes" + (f" and {state} bytes of GDN state" if state else "")
+        raise ConfigError("kv_cache_memory", f"at least {need} bytes ({held}: one sequence of max_seq_len "
+                                             f"{cfg.max_seq_len})", kv_cache_memory)
+    slots = min(cfg.max_slots, kv_cache_memory // need) if state else cfg.max_slots
+    rest = kv_cache_memory - slots * state
+    return slots, (rest // per_block if per_block else slots * one_sequence)
 
 
 def load_expert_shards(model_dir: str | Path, rank: int, world: int, *, device: str | torch.device = "cpu",

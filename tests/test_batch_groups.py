@@ -1,0 +1,92 @@
+"""A committed forward cut into forwards of bounded size (batch_groups.py, specs/cpu-kernels.md §15.7).
+
+Sequences are independent within a forward, so running them as several forwards, each committed,
+must leave the same logits and the same sequence state as one forward: checked on a tiny Qwen3.5
+checkpoint (GDN and attention layers) by continuing every sequence after the cut forward.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from support.hf_tiny import build
+
+from fxsched.runtime.torch_model import HybridEngine
+from fxsched.runtime.torch_model.batch_groups import MAX_ROWS, MIN_ROWS, forward_rows, row_groups
+from fxsched.runtime.torch_model.config import ModelConfig
+
+
+@pytest.mark.parametrize("lengths,cap", [
+    ([1] * 7 + [128], 256), ([128] * 8, 256), ([300, 5, 5, 200, 90, 1], 256), ([3, 9, 4, 16, 2, 7, 8], 16),
+    ([1], 1), (list(range(1, 40)), 64),
+])
+def test_groups_cover_every_sequence_once_within_the_row_cap(lengths, cap):
+    groups = row_groups(lengths, cap)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        longest = max(lengths[i] for i in g)
+        assert len(g) == 1 or len(g) * longest <= cap
+        assert all(2 * lengths[i] >= longest for i in g)  # padding at most doubles a member's rows
+
+
+def test_decode_rows_are_not_padded_to_a_prompt_chunk_and_equal_prompts_share_forwards():
+    assert sorted(map(sorted, row_groups([1] * 7 + [128], 256))) == [[0, 1, 2, 3, 4, 5, 6], [7]]
+    assert sorted(map(len, row_groups([128] * 8, 256))) == [2, 2, 2, 2]
+    assert row_groups([16] * 4, 64) == [[0, 1, 2, 3]]
+    assert row_groups([500], 64) == [[0]]  # one sequence is never cut
+    with pytest.raises(ValueError, match="max_rows"):
+        row_groups([1], 0)
+
+
+def test_forward_rows_follow_the_widest_layer():
+    # Qwen3-0.6B: the MLP is widest, 3 x 3072 fp32 values = 36 KiB a row: 32 MiB hold 910 rows -> 896
+    dense = ModelConfig(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28,
+                        layer_pattern=("attn",) * 28, num_attention_heads=16, num_kv_heads=8, head_dim=128)
+    assert forward_rows(dense) == 896
+    # a Qwen3.5 hybrid: 16 key and 16 value heads of 128, conv channels 6144: 3 x 6144 + 12 x 2048
+    # = 43008 values = 168 KiB a row: 195 rows -> 192
+    hybrid = ModelConfig(vocab_size=151936, hidden_size=1024, intermediate_size=3584, num_layers=24,
+                         layer_pattern=("gdn", "gdn", "gdn", "attn") * 6, num_attention_heads=8, num_kv_heads=2,
+                         head_dim=256, gdn_num_heads=16, gdn_key_dim=128, gdn_value_dim=128)
+    assert forward_rows(hybrid) == 192
+    tiny = ModelConfig()
+    assert forward_rows(tiny) == MAX_ROWS
+    wide = ModelConfig(hidden_size=64, intermediate_size=1 << 20)
+    assert forward_rows(wide) == MIN_ROWS
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("groups") / "qwen3_5"
+    build("Qwen3_5ForCausalLM", path)
+    return path
+
+
+def _engine(path: Path, rows: int | None) -> HybridEngine:
+    engine = HybridEngine.from_pretrained(path, dtype="float32", max_seq_len=64, max_slots=6, block_size=4)
+    engine.forward_rows = rows
+    return engine
+
+
+def test_a_cut_forward_leaves_the_logits_and_states_of_one_forward(ckpt):
+    rng = random.Random(3)
+    whole, cut = _engine(ckpt, None), _engine(ckpt, 8)
+    vocab = whole.cfg.vocab_size
+    prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (9, 2, 7, 5, 3)]
+    for engine in (whole, cut):
+        for slot in range(len(prompts)):
+            engine.alloc(slot)
+        engine.prefill(0, prompts[0][:4])  # one sequence already holds rows: it continues (a mixed forward)
+    tails = [prompts[0][4:], *prompts[1:]]
+    slots = list(range(len(prompts)))
+    want = whole.commit_forward(slots, tails)
+    got = cut.commit_forward(slots, tails)
+    assert got.shape == want.shape == (len(prompts), vocab)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    for engine in (whole, cut):
+        assert [engine.seq_len(s) for s in slots] == [9, 2, 7, 5, 3]
+    nxt = [rng.randrange(vocab) for _ in slots]
+    torch.testing.assert_close(cut.decode_batch(slots, nxt), whole.decode_batch(slots, nxt), atol=1e-4, rtol=1e-4)
