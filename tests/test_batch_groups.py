@@ -90,3 +90,16 @@ def test_a_cut_forward_leaves_the_logits_and_states_of_one_forward(ckpt):
         assert [engine.seq_len(s) for s in slots] == [9, 2, 7, 5, 3]
     nxt = [rng.randrange(vocab) for _ in slots]
     torch.testing.assert_close(cut.decode_batch(slots, nxt), whole.decode_batch(slots, nxt), atol=1e-4, rtol=1e-4)
+
+
+def test_a_sequence_longer_than_the_bound_runs_whole(ckpt):
+    """One sequence is never cut: a prompt over forward_rows is one forward, alone or beside others."""
+    rng = random.Random(5)
+    whole, cut = _engine(ckpt, None), _engine(ckpt, 8)
+    prompts = [[rng.randrange(whole.cfg.vocab_size) for _ in range(n)] for n in (12, 3)]
+    for engine in (whole, cut):
+        engine.alloc(0)
+        engine.alloc(1)
+    torch.testing.assert_close(cut.prefill(0, prompts[0]), whole.prefill(0, prompts[0]), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(cut.commit_forward([1, 0], [prompts[1], [4, 5]]),
+                               whole.commit_forward([1, 0], [prompts[1], [4, 5]]), atol=1e-4, rtol=1e-4)

@@ -4,7 +4,7 @@ A forward's batch is [B, T] with T its longest sequence's rows: every shorter se
 to T, and every activation of every layer is B x T rows. On a CPU that padding is compute thrown
 away (a mixed forward of seven decode rows and one 128-token prompt chunk is 8 x 128 rows for 135
 real ones), and the activations of one big forward are the process's peak memory (a Qwen3.5
-hybrid's GDN layer holds about 250 KB of fp32 temporaries a row). Sequences are independent within
+hybrid's GDN layer holds about 170 KB of fp32 temporaries a row). Sequences are independent within
 a forward, so the engine may run them as several forwards instead and commit each (specs/cpu-kernels.md
 §15.7): `forward_rows` sizes a forward from the model's widest layer, `row_groups` picks the groups.
 """
@@ -41,7 +41,7 @@ def forward_rows(cfg: ModelConfig) -> int:
     """The most padded rows (sequences x longest) of one committed CPU forward: as many as keep
     `row_values` fp32 values a row within ACTIVATION_BYTES, a multiple of ROW_STEP within
     [MIN_ROWS, MAX_ROWS] (Qwen3-0.6B-like: 896; a Qwen3.5 hybrid of that size, whose GDN layers
-    hold ~170 KB a row: 128)."""
+    hold ~170 KB a row: 192)."""
     rows = ACTIVATION_BYTES // (4 * row_values(cfg)) // ROW_STEP * ROW_STEP
     return min(MAX_ROWS, max(MIN_ROWS, rows))
 

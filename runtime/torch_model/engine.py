@@ -485,13 +485,17 @@ class HybridEngine:
         _forward). One forward, or with `forward_rows` set several over groups of sequences of
         similar length (batch_groups.row_groups), each committed before the next runs."""
         lengths = [len(toks) for toks in token_lists]
-        padded = len(lengths) * max(lengths, default=0)
-        if self.forward_rows is None or padded <= self.forward_rows:
-            out = self._forward(slots, token_lists, commit_all=True)
-            self.gdn_fold_accepted(slots, lengths)
-            return out.logits
-        groups = row_groups(lengths, self.forward_rows)
-        parts = [self.commit_forward([slots[i] for i in g], [token_lists[i] for i in g]) for g in groups]
+        groups = [list(range(len(slots)))]
+        if self.forward_rows is not None and len(lengths) * max(lengths, default=0) > self.forward_rows:
+            groups = row_groups(lengths, self.forward_rows)
+        parts = []
+        for group in groups:
+            group_slots = [slots[i] for i in group]
+            out = self._forward(group_slots, [token_lists[i] for i in group], commit_all=True)
+            self.gdn_fold_accepted(group_slots, [lengths[i] for i in group])
+            parts.append(out.logits)
+        if len(parts) == 1:
+            return parts[0]
         ran = [i for g in groups for i in g]  # the order the logits rows come in
         back = sorted(range(len(ran)), key=ran.__getitem__)
         return torch.cat(parts).index_select(0, torch.tensor(back, device=parts[0].device))

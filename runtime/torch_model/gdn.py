@@ -53,8 +53,8 @@ class GdnRows:
     verify: any prefix may be accepted), else after the rows listed in `rows` only (a forward that
     commits all its rows: the chunked prefill of gdn_chunked.py keeps the block-boundary rows and
     each sequence's last row, never T states, and the conv windows of those rows only -- a view of
-    every row's windows would hold the layer's whole conv input, [B, W-1+T, C] fp32, until the
-    commit: 26 MB a layer for 8 prompts of 128 tokens).
+    every row's windows would hold the layer's whole conv input, [B, W-1+T, C], until the commit:
+    13 MB a bf16 layer for 8 prompts of 128 tokens).
     """
 
     states: torch.Tensor
@@ -93,7 +93,7 @@ class GdnStateCache:
     """Per-slot GDN state of every GDN layer: recurrent [slots, Hv, Dk, Dv] and conv [slots, C, W-1].
 
     The pool is allocated, not zeroed: a slot's state is defined once `reset` has zeroed it, which
-    the engine does when it seats a sequence (HybridEngine.allocate). On a CPU the pages of slots
+    the engine does when it seats a sequence (HybridEngine.alloc). On a CPU the pages of slots
     never seated are then never touched and take no resident memory (a 16-slot pool of a
     Qwen3.5-0.8B-like model is 151 MB, most of it idle at batch 1).
     """
