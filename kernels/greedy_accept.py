@@ -72,8 +72,10 @@ def greedy_accept_reference(
     pos_in_seq = torch.arange(draft_ids.numel(), device=device) - draft_starts[seq_of_draft]
     target_at_draft = target_ids[starts[seq_of_draft] + pos_in_seq]
     mismatch = draft_ids.to(torch.int64) != target_at_draft.to(torch.int64)
+    # a matching draft stands for "no mismatch" (K_b - 1), so no data-dependent selection is needed
+    first = torch.where(mismatch, pos_in_seq, drafts_per_seq[seq_of_draft])
     accepted = drafts_per_seq.clone()
-    accepted.scatter_reduce_(0, seq_of_draft[mismatch], pos_in_seq[mismatch], reduce="amin")
+    accepted.scatter_reduce_(0, seq_of_draft, first, reduce="amin")
     bonus = target_ids[starts + accepted].to(torch.int64)
     return accepted, bonus
 

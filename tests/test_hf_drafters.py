@@ -271,7 +271,7 @@ def test_dflash_proposals_equal_from_scratch_block_forward(ckpts, drafts_dir, wh
     def check(slots: list[int], anchors: list[int], what: str) -> list[list[int]]:
         for s in slots:
             assert engine.ctx_len(s) == engine.seq_len(s), what
-        got = drafter.propose_logits(slots, torch.tensor(anchors))
+        got = drafter.propose_logits(slots, anchors, engine.device)
         for b, (slot, anchor) in enumerate(zip(slots, anchors, strict=True)):
             want = dflash_reference(ck, draft, engine.tokens(slot), anchor)
             assert _maxdiff(got[b], want) <= ATOL, (which, what, slot)

@@ -64,6 +64,7 @@ from fxsched.runtime.devices.spec_sampling import verify_sample
 from fxsched.runtime.devices.row_processors import RowProcessors
 from fxsched.runtime.devices.torch_sampling import RowLogprobs, SampledRows, logprob_records, sample_rows
 from fxsched.runtime.torch_model import HybridEngine
+from fxsched.runtime.torch_model.transfers import send_ints
 from fxsched.runtime.torch_model.errors import OutOfBlocksError, SpillError, TorchModelError
 
 log = structlog.get_logger("fxsched.torch_device")
@@ -692,11 +693,11 @@ class TorchDevice:
             owners += [(s.seq_id, t) for t in range(len(toks))]
         logits = self._constrain(logits, owners)  # a draft the grammar refuses is never the row's answer
         answers = row_argmax(logits)
-        ks = torch.tensor([len(t) for t in lists], device=logits.device)
-        drafts = torch.tensor([t for toks in lists for t in toks[1:]], dtype=torch.int64, device=logits.device)
+        ks, drafts = send_ints([[len(t) for t in lists], [t for toks in lists for t in toks[1:]]], logits.device)
         accepted, _ = greedy_accept(answers, drafts, row_offsets_from_counts(ks))
-        rows = answers.tolist()
-        for s, agreed in zip(seqs, accepted.tolist(), strict=True):
+        both = torch.cat([answers, accepted]).tolist()  # the verify's one read: rows, then agreements
+        rows = both[:len(answers)]
+        for s, agreed in zip(seqs, both[len(answers):], strict=True):
             assert s.pending is not None
             s.pending.agreed = agreed + 1
         self._set_rows(logits, owners, rows)

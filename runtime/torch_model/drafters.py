@@ -13,6 +13,7 @@ import torch
 from .attention import apply_rope, masked_attention
 from .config import ModelConfig
 from .ops import embed_rows, linear, rms_norm, swiglu_mlp
+from .transfers import send_ints
 from .weights import Weights, torch_dtype
 
 
@@ -129,15 +130,14 @@ class DFlashDrafter(SlotContext):
             self.put_rows(slot, start, j, *self._project(feats, f"dflash.layers.{j}.attn", positions))
         self.ctx_len[slot] = start + n
 
-    def propose(self, slots: Sequence[int], last_tokens: torch.Tensor) -> torch.Tensor:
-        """Drafts [B, gamma] for `slots`, each continuing its context with last_tokens [B]."""
+    def propose(self, slots: Sequence[int], last_tokens: Sequence[int], device: torch.device) -> torch.Tensor:
+        """Drafts [B, gamma] on `device` for `slots`, each continuing its context with last_tokens[b]."""
         cfg, w, eps, gamma = self.cfg, self.w, self.cfg.rms_norm_eps, self.cfg.dflash_gamma
-        device = last_tokens.device
         b = len(slots)
-        slot_index = torch.tensor(list(slots), device=device, dtype=torch.long)
-        lens = torch.tensor([self.ctx_len[s] for s in slots], device=device, dtype=torch.long)
-        max_len = int(lens.max()) if b else 0
-        x = torch.cat([embed_rows(w["embed"], last_tokens)[:, None], w["dflash.mask_embed"].expand(b, gamma, -1)], dim=1)
+        ctx = [self.ctx_len[s] for s in slots]
+        slot_index, lens, anchors = send_ints([slots, ctx, last_tokens], device)
+        max_len = max(ctx, default=0)
+        x = torch.cat([embed_rows(w["embed"], anchors)[:, None], w["dflash.mask_embed"].expand(b, gamma, -1)], dim=1)
         positions = lens[:, None] + torch.arange(gamma + 1, device=device)
         allowed = torch.cat([torch.arange(max_len, device=device)[None] < lens[:, None],
                              torch.ones(b, gamma + 1, dtype=torch.bool, device=device)], dim=1)

@@ -54,6 +54,7 @@ from .paged_kv import BlockPool, PagedKVCache, blocks_for, flat_indices
 from .prefix_cache import CachedBlock, PrefixCache
 from .sequence_io import check_sequence, export_sequence, import_sequence
 from .spill import read_spill, write_spill
+from .transfers import send_ints
 from .weights import Weights, init_weights, load_weights, torch_dtype
 
 log = structlog.get_logger("fxsched.torch_model")
@@ -73,23 +74,6 @@ def _subnormals_flushed(device: torch.device) -> Iterator[None]:
         yield
     finally:
         torch.set_flush_denormal(False)
-
-
-def send_ints(fields: Sequence[Sequence[int]], device: torch.device) -> list[torch.Tensor]:
-    """int64 tensors on `device` of each host list, moved in one copy: the lists are packed into
-    one host buffer (pinned for CUDA, so the copy does not block the host), copied once, and each
-    result is a view of the device buffer. A forward's inputs thus cost one transfer, not one per
-    tensor."""
-    flat = [v for f in fields for v in f]
-    host = torch.tensor(flat, dtype=torch.long)
-    if device.type == "cuda":
-        host = host.pin_memory()
-    buf = host.to(device, non_blocking=True)
-    out, at = [], 0
-    for f in fields:
-        out.append(buf[at:at + len(f)])
-        at += len(f)
-    return out
 
 
 def _in_cache(out: ForwardOutput) -> bool:
@@ -649,8 +633,7 @@ class HybridEngine:
         for slot in slots:
             if not self._mtp_hidden_set[slot]:
                 raise SlotError(f"slot {slot}: no hidden saved for MTP (call save_hidden_for_mtp)")
-        index = torch.tensor(list(slots), dtype=torch.long, device=self.device)
-        toks = torch.tensor([int(t) for t in last_tokens], dtype=torch.long, device=self.device)
+        index, toks = send_ints([slots, [int(t) for t in last_tokens]], self.device)
         return self.mtp.propose(self.mtp_hidden.index_select(0, index), toks, num_drafts).tolist()
 
     @torch.no_grad()
@@ -659,8 +642,7 @@ class HybridEngine:
         drafter = self._require_dflash()
         for slot in slots:
             self._slot(slot)
-        toks = torch.tensor([int(t) for t in last_tokens], dtype=torch.long, device=self.device)
-        return drafter.propose(slots, toks).tolist()
+        return drafter.propose(slots, [int(t) for t in last_tokens], self.device).tolist()
 
     @torch.no_grad()
     def commit_ctx(self, slot: int, n: int) -> None:

@@ -47,6 +47,7 @@ from .drafters import SlotContext
 from .errors import ModelDirError
 from .model import mlp_block
 from .ops import embed_rows, linear, rms_norm, swiglu_mlp
+from .transfers import send_ints
 
 Weights = dict[str, torch.Tensor]
 
@@ -76,7 +77,10 @@ class PublishedMtp:
             raise ValueError(f"published MTP needs exactly one MTP layer, the config has mtp_layers={cfg.mtp_layers}")
         self.cfg, self.w = cfg, w
         dtype = w["mtp.fc"].dtype
-        shape = (cfg.max_slots, cfg.max_seq_len + MTP_MAX_DRAFTS, cfg.num_kv_heads, cfg.head_dim)
+        # one row past the last position a draft can reach takes the K/V of padding rows, so a
+        # ragged catch-up writes every row of its batch without selecting the live ones on the host
+        self.trash_row = cfg.max_seq_len + MTP_MAX_DRAFTS
+        shape = (cfg.max_slots, self.trash_row + 1, cfg.num_kv_heads, cfg.head_dim)
         self.k_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.v_cache = torch.zeros(shape, device=device, dtype=dtype)
         self.valid = [0] * cfg.max_slots
@@ -102,18 +106,18 @@ class PublishedMtp:
 
     # ---- the module ----------------------------------------------------------------------------
     def _rows(self, slot_index: torch.Tensor, tokens: torch.Tensor, hidden: torch.Tensor,
-              positions: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+              positions: torch.Tensor, write_at: torch.Tensor, span: int) -> torch.Tensor:
         """Run rows (tokens [B, T], conditioning hidden [B, T, D] already normed as the module
-        takes it, at positions [B, T]); K/V of the live rows [B, T] are written to the cache before
-        attending (causally, over the slot's rows 0..position). Returns the normed outputs [B, T, D]."""
+        takes it, at positions [B, T]); each row's K/V is written to the cache at write_at [B, T]
+        (its position, or `trash_row` for padding) before attending causally over the slot's rows
+        0..position; `span` (host-known) exceeds every position. Returns the normed outputs [B, T, D]."""
         cfg, w, eps, p = self.cfg, self.w, self.cfg.rms_norm_eps, self.LAYER
         z = linear(torch.cat([rms_norm(embed_rows(w["embed"], tokens), w["mtp.embed_norm"], eps),
                               rms_norm(hidden, w["mtp.hidden_norm"], eps)], dim=-1), w["mtp.fc"])
         q, k, v, gate = attention_qkv(rms_norm(z, w[f"{p}.input_norm"], eps), w, f"{p}.attn", cfg, positions)
         rows = slot_index[:, None].expand_as(positions)
-        self.k_cache[rows[live], positions[live]] = k[live].to(self.k_cache.dtype)
-        self.v_cache[rows[live], positions[live]] = v[live].to(self.v_cache.dtype)
-        span = int(positions.max()) + 1
+        self.k_cache[rows, write_at] = k.to(self.k_cache.dtype)
+        self.v_cache[rows, write_at] = v.to(self.v_cache.dtype)
         allowed = torch.arange(span, device=positions.device)[None, None, :] <= positions[:, :, None]
         attn = masked_attention(q, self.k_cache[slot_index, :span], self.v_cache[slot_index, :span], allowed)
         h = z + attention_out(attn, gate, w, f"{p}.attn")
@@ -159,30 +163,27 @@ class PublishedMtp:
             firsts.append(min(j, n - 1))
             needs.append(need)
         t = max(n - j for n, j in zip(lens, firsts, strict=True))
-        tokens = torch.zeros(b, t, dtype=torch.long)
-        positions = torch.zeros(b, t, dtype=torch.long)
-        live = torch.zeros(b, t, dtype=torch.bool)
-        hidden = torch.zeros(b, t, cfg.hidden_size, dtype=hidden_history.dtype, device=device)
-        for i, (slot, n, j, need) in enumerate(zip(slots, lens, firsts, needs, strict=True)):
-            tokens[i, :n - j] = torch.tensor(need[j:])
-            positions[i, :n - j] = torch.arange(j, n)
-            live[i, :n - j] = True
-            hidden[i, :n - j] = hidden_history[slot, j:n]
-        slot_index = torch.tensor(list(slots), dtype=torch.long, device=device)
-        tokens, positions, live = tokens.to(device), positions.to(device), live.to(device)
-        out = self._rows(slot_index, tokens, rms_norm(hidden, w["final_norm"], eps), positions, live)
+        tokens, positions, write_at = [0] * (b * t), [0] * (b * t), [self.trash_row] * (b * t)
+        for i, (n, j, need) in enumerate(zip(lens, firsts, needs, strict=True)):
+            tokens[i * t:i * t + n - j] = need[j:]
+            positions[i * t:i * t + n - j] = write_at[i * t:i * t + n - j] = range(j, n)
+        last = [n - j - 1 for n, j in zip(lens, firsts, strict=True)]
+        # the host's inputs go over in one copy; the hidden rows are gathered on the device
+        slot_t, tok_t, pos_t, write_t, last_t, end_t = send_ints(
+            [slots, tokens, positions, write_at, last, [n - 1 for n in lens]], device)
+        tok_t, pos_t, write_t = (x.view(b, t) for x in (tok_t, pos_t, write_t))
+        hidden = hidden_history[slot_t[:, None], pos_t]
+        out = self._rows(slot_t, tok_t, rms_norm(hidden, w["final_norm"], eps), pos_t, write_t, max(lens))
         for slot, n, j, need in zip(slots, lens, firsts, needs, strict=True):
             self.row_tokens[slot] = self.row_tokens[slot][:j] + need[j:]
             self.valid[slot] = n
-        last = torch.tensor([n - j - 1 for n, j in zip(lens, firsts, strict=True)], device=device)
-        m = out[torch.arange(b, device=device), last]  # [B, D]: output of row n - 1
-        pos = torch.tensor(lens, dtype=torch.long, device=device) - 1
+        m = out[torch.arange(b, device=device), last_t]  # [B, D]: output of row n - 1
+        pos = end_t[:, None]
         all_logits = [self._logits(m)]
         drafts = [all_logits[-1].argmax(-1)]
-        every = torch.ones(b, 1, dtype=torch.bool, device=device)
-        for _ in range(num_drafts - 1):
-            pos = pos + 1
-            m = self._rows(slot_index, drafts[-1][:, None], m[:, None], pos[:, None], every)[:, 0]
+        for k in range(1, num_drafts):
+            pos = pos + 1  # draft k's row sits at n - 1 + k
+            m = self._rows(slot_t, drafts[-1][:, None], m[:, None], pos, pos, max(lens) + k)[:, 0]
             all_logits.append(self._logits(m))
             drafts.append(all_logits[-1].argmax(-1))
         return torch.stack(all_logits, dim=1)
@@ -503,20 +504,20 @@ class PublishedDFlash(SlotContext):
         return {f"dflash_ctx_{kv}.{j}": shape for kv in "kv" for j in range(self.spec.num_layers)}
 
     # ---- proposals -----------------------------------------------------------------------------
-    def propose(self, slots: Sequence[int], last_tokens: torch.Tensor) -> torch.Tensor:
-        """Drafts [B, gamma] for `slots`, each continuing its context with its anchor last_tokens[b]."""
-        return self.propose_logits(slots, last_tokens).argmax(-1)
+    def propose(self, slots: Sequence[int], last_tokens: Sequence[int], device: torch.device) -> torch.Tensor:
+        """Drafts [B, gamma] on `device` for `slots`, each continuing its context with its anchor
+        last_tokens[b]."""
+        return self.propose_logits(slots, last_tokens, device).argmax(-1)
 
-    def propose_logits(self, slots: Sequence[int], last_tokens: torch.Tensor) -> torch.Tensor:
+    def propose_logits(self, slots: Sequence[int], last_tokens: Sequence[int], device: torch.device) -> torch.Tensor:
         """The draft logits [B, gamma, V] behind `propose` (its drafts are their argmax)."""
         s, w, eps = self.spec, self.w, self.spec.rms_norm_eps
-        device = last_tokens.device
         b, t = len(slots), s.block_size
-        index = torch.tensor(list(slots), device=device, dtype=torch.long)
-        lens = torch.tensor([self.ctx_len[x] for x in slots], device=device, dtype=torch.long)
-        max_len = int(lens.max()) if b else 0
+        ctx = [self.ctx_len[x] for x in slots]
+        index, lens, anchors = send_ints([slots, ctx, last_tokens], device)  # one copy, no read
+        max_len = max(ctx, default=0)
         ids = torch.full((b, t), s.mask_token_id, dtype=torch.long, device=device)
-        ids[:, 0] = last_tokens
+        ids[:, 0] = anchors
         x = embed_rows(w["embed"], ids) * s.input_embedding_scale
         positions = lens[:, None] + torch.arange(t, device=device)
         ctx_ok = (torch.arange(max_len, device=device)[None] < lens[:, None])[:, None, :].expand(b, t, max_len)
