@@ -435,7 +435,7 @@ _CASES: tuple[tuple[Union[type, tuple[type, ...]], Handler], ...] = (
     (dc.NormalizeSsmStates, lambda it, e: it.device.normalize_ssm_states(e.seq, e.stream)),
     (dc.DecodeCall, _forward(lambda d, e: d.decode(e.token, e.seq, e.stream))),
     (dc.DecodeDraft, _forward(lambda d, e: d.decode_draft(e.token, e.seq, e.stream))),
-    (dc.SerialVerify, lambda it, e: it._verify_rows(e, getattr(it.device, e.CALL)(e.seq, e.tokens))),
+    (dc.SerialVerify, lambda it, e: it._verify_rows(e, it.device.serial_verify(e.CALL, e.seq, e.tokens))),
     (dc.DecodeVerifyBatched, lambda it, e: it._verify_rows(
         e, it.device.decode_verify_batched(e.tokens, e.ks, e.seqs, e.stream, e.woa))),
     (dc.ProposeMulti, lambda it, e: ev.Drafts(

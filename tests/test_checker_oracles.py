@@ -29,7 +29,7 @@ def _device(**kwargs) -> SimDevice:
 
 def test_a_commit_must_cover_the_accepted_drafts_plus_one():
     device = _device()
-    rows = device.decode_verify_graphed_k3(0, [10, 11, 99])  # 11 accepted, 99 rejected
+    rows = device.serial_verify("decode_verify_graphed_k3", 0, [10, 11, 99])  # 11 accepted, 99 rejected
     assert rows[:2] == [11, 12]
     with pytest.raises(ArgumentError, match="accepted 1"):
         device.commit_accepted_prefix(0, 3, 3)
@@ -45,27 +45,27 @@ def test_a_verify_feeds_a_prefix_of_the_device_s_own_proposal():
     drafts = device.run_mtp_propose_multi(10, 4, 2, 0, 0, False)
     assert drafts == [11, 12]
     with pytest.raises(ArgumentError, match="proposed in this step"):  # MTP verifies from the next step on
-        device.decode_verify_graphed_k3(0, [10] + drafts)
+        device.serial_verify("decode_verify_graphed_k3", 0, [10] + drafts)
     device.refused = None
     device.proposed[0], device.proposed_at[0] = drafts, -1
     with pytest.raises(ArgumentError, match="whose proposal was"):
-        device.decode_verify_graphed_k3(0, [10, 12, 11])
+        device.serial_verify("decode_verify_graphed_k3", 0, [10, 12, 11])
     device.refused = None
     device.tick += 1
     device.proposed[0], device.proposed_at[0] = drafts, device.tick - 1
-    device.decode_verify_graphed_k3(0, [10] + drafts)
+    device.serial_verify("decode_verify_graphed_k3", 0, [10] + drafts)
     assert device.refused is None
 
 
 def test_a_fixed_width_verify_gets_its_width():
     device = _device()
     with pytest.raises(ArgumentError, match="width-4"):
-        device.decode_verify_graphed_k4(0, [10, 11, 12])
+        device.serial_verify("decode_verify_graphed_k4", 0, [10, 11, 12])
 
 
 def test_the_ssm_rollback_counts_the_rows_the_kv_kept():
     device = _device()
-    device.decode_verify(0, [10, 11, 99])
+    device.serial_verify("decode_verify", 0, [10, 11, 99])
     device.truncate_sequence(0, 6)  # anchor + one accepted draft kept past the base of 4
     with pytest.raises(ArgumentError, match="n=1"):
         device.rollback_ssm_states(0, 1)

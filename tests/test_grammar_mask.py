@@ -195,12 +195,12 @@ def test_a_greedy_verify_never_accepts_a_draft_the_grammar_refuses(ll):
     assert allowed([], first)
     digit = tok.encode("7", add_special_tokens=False)[0]
     letter = tok.encode("b", add_special_tokens=False)[0]
-    rows = dev.decode_verify(1, [first, digit, letter])
+    rows = dev.serial_verify("decode_verify", 1, [first, digit, letter])
     assert rows[0] != digit and allowed([first], rows[0])  # the refused draft is not the row's answer
     dev.truncate_sequence(1, len(prompt) + 1)
     dev.commit_accepted_prefix(1, 1, 3)
     second = rows[0]
-    rows = dev.decode_verify(1, [second, letter])  # the matcher rolled back the refused path
+    rows = dev.serial_verify("decode_verify", 1, [second, letter])  # the matcher rolled back the refused path
     assert allowed([first, second], rows[0])
     if allowed([first, second], letter):
         assert allowed([first, second, letter], rows[1])

@@ -74,9 +74,9 @@ def test_echo_with_logprobs_gives_the_prompt_logprobs_of_transformers(server, to
                                                                       monkeypatch):
     """lm-eval ``local-completions`` loglikelihood: echo + logprobs 1 + max_tokens 0/1, temperature 0
     (and the prompt's forwards in chunks of 3 rows)."""
-    from fxsched.runtime.devices import torch as torch_device
+    from fxsched.runtime.devices import torch_proposers
 
-    monkeypatch.setattr(torch_device, "PROMPT_LOGPROBS_CHUNK", chunk)
+    monkeypatch.setattr(torch_proposers, "PROMPT_LOGPROBS_CHUNK", chunk)
     prompt = CONTEXT + CONTINUATION
     ids = tok.encode(prompt)
     want = [_log_softmax(row) for row in _hf_logits(hf_model, ids)]

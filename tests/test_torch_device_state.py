@@ -90,7 +90,7 @@ def test_spill_settles_a_pending_verify_and_keeps_the_drafter_context(cfg):
         first = start(dev, 1, prompt)
         drafts = dev.run_mtp_propose_multi(first, len(prompt), 5, 1, 0, False)
         pre = dev.seq_len(1)
-        rows = dev.decode_verify_dflash(1, [first] + drafts)
+        rows = dev.serial_verify("decode_verify_dflash", 1, [first] + drafts)
         dev.truncate_sequence(1, pre + 1)  # keep the anchor only
         dev.commit_ctx(1, 1, pre, 0)
         if spill:
@@ -100,7 +100,7 @@ def test_spill_settles_a_pending_verify_and_keeps_the_drafter_context(cfg):
             dev.restore_sequence_state(1, blocks=2)
         dev.commit_accepted_prefix(1, 1, 6)  # already folded by the spill: nothing left to do
         again = dev.run_mtp_propose_multi(rows[0], pre + 1, 5, 1, 0, False)
-        answers.append((rows, again, dev.decode_verify_dflash(1, [rows[0]] + again)))
+        answers.append((rows, again, dev.serial_verify("decode_verify_dflash", 1, [rows[0]] + again)))
     assert answers[0] == answers[1]
 
 
@@ -185,7 +185,7 @@ def test_unknown_sequence_and_impossible_rewinds(engine):
 def test_commit_of_rows_the_target_rejected_is_caught(engine):
     dev = TorchDevice(engine, proposer="mtp", strict=True)
     first = start(dev, 1, [3, 1, 4, 1, 5])
-    rows = dev.decode_verify_graphed_k4(1, [first, 60, 61, 62])
+    rows = dev.serial_verify("decode_verify_graphed_k4", 1, [first, 60, 61, 62])
     agreed = 1 + next((i for i, d in enumerate([60, 61, 62]) if rows[i] != d), 3)
     if agreed == 4:
         pytest.skip("random drafts happened to be right")
@@ -221,7 +221,7 @@ def test_logits_rows_and_host_copies(cfg, engine):
 def test_verify_rows_answer_the_argmax_of_every_row(engine):
     dev = TorchDevice(engine)
     first = start(dev, 1, [7, 7, 8])
-    rows = dev.decode_verify_graphed_k3(1, [first, 1, 2])
+    rows = dev.serial_verify("decode_verify_graphed_k3", 1, [first, 1, 2])
     assert rows == dev.argmax_batch(0, 3, 0)
     assert dev.seq_len(1) == 6  # the scheduler's view: three rows appended, nothing committed yet
     assert engine.seq_len(dev.slot_of(1)) == 3
@@ -248,7 +248,7 @@ def test_self_speculative_call_order_is_lossless(cfg, engine):
             drafts.append(x)
         dev.truncate_sequence(1, pre)
         dev.checkpoint_ssm_states(1)
-        rows = dev.decode_verify(1, [t0] + drafts)
+        rows = dev.serial_verify("decode_verify", 1, [t0] + drafts)
         out.append(t0)
         accepted = 0
         for i, d in enumerate(drafts):
@@ -274,7 +274,7 @@ def test_ngram_rollback_call_order(cfg, engine):
     out = [start(dev, 1, prompt)]
     while len(out) < 6:
         pre = dev.seq_len(1)
-        v = dev.decode_verify_graphed(1, [out[-1], 0])
+        v = dev.serial_verify("decode_verify_graphed", 1, [out[-1], 0])
         if v[0] == 0:
             dev.start_checkpoint_async(1)
             out += [0, v[1]]
@@ -293,7 +293,7 @@ def test_compaction_moves_a_sequence_with_its_pending_rows(cfg, engine):
     dev = TorchDevice(engine, proposer="mtp")
     start(dev, 1, [1, 2])
     first = start(dev, 2, prompt)
-    rows = dev.decode_verify_graphed(2, [first, 3])
+    rows = dev.serial_verify("decode_verify_graphed", 2, [first, 3])
     dev.free_sequence(1)
     dev.compact_sequence(2, 0)
     assert dev.slot_of(2) == 0

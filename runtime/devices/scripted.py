@@ -481,7 +481,7 @@ class ScriptedDevice:
     def decode_draft(self, token: int, seq: int, stream: int) -> None:
         self._single_decode("decode_draft", token, seq, stream, cancel=False)
 
-    def _verify(self, name: str, seq: int, tokens) -> list[int]:
+    def serial_verify(self, name: str, seq: int, tokens) -> list[int]:
         self._verify_call()
         s = self._seq(seq)
         self._cancel_trigger(s)
@@ -493,24 +493,6 @@ class ScriptedDevice:
         if self.lines is not None:
             self.lines.append(f"{name}(tokens={_list(tokens)}, {s.sid}) -> {_list(outputs)}")
         return outputs
-
-    def decode_verify(self, seq: int, tokens) -> list[int]:
-        return self._verify("decode_verify", seq, tokens)
-
-    def decode_verify_graphed(self, seq: int, tokens) -> list[int]:
-        return self._verify("decode_verify_graphed", seq, tokens)
-
-    def decode_verify_graphed_k3(self, seq: int, tokens) -> list[int]:
-        return self._verify("decode_verify_graphed_k3", seq, tokens)
-
-    def decode_verify_graphed_k4(self, seq: int, tokens) -> list[int]:
-        return self._verify("decode_verify_graphed_k4", seq, tokens)
-
-    def decode_verify_dflash(self, seq: int, tokens) -> list[int]:
-        return self._verify("decode_verify_dflash", seq, tokens)
-
-    def decode_and_verify_fused(self, seq: int, tokens) -> list[int]:
-        return self._verify("decode_and_verify_fused", seq, tokens)
 
     def decode_verify_batched(self, tokens, ks, seqs, stream: int, woa: bool) -> list[int]:
         self._verify_call()

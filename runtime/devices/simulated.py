@@ -417,7 +417,7 @@ class SimDevice(ScriptedDevice):
         elif list(tokens[1:]) != drafts[:len(tokens) - 1]:
             raise self._bad(call, f"inputs {list(tokens)} for sequence {seq}, whose proposal was {drafts}")
 
-    def _verify(self, name: str, seq: int, tokens) -> list[int]:
+    def serial_verify(self, name: str, seq: int, tokens) -> list[int]:
         s = self._seq(seq)
         width = self.WIDTHS.get(name)
         if width is not None and len(tokens) != width:
@@ -429,7 +429,7 @@ class SimDevice(ScriptedDevice):
             self._check_drafts(name, seq, tokens)
         self.blamed = frozenset((self._rid(s),))
         self.verified[seq] = (len(tokens), s.seq_len)
-        rows = super()._verify(name, seq, tokens)
+        rows = super().serial_verify(name, seq, tokens)
         self.verify_io[seq] = (tuple(tokens), tuple(rows))
         self.verify_order = ((seq, name != "decode_verify"),)
         self.blamed = None

@@ -315,36 +315,18 @@ class EpLeaderDevice:
         self._rows([self._at_end(s, (t,)) for t, s in zip(tokens, seqs, strict=True)], committed=True)
         self._sync()
 
-    def _serial_verify(self, name: str, seq: int, tokens) -> list[int]:
+    def serial_verify(self, name: str, seq: int, tokens) -> list[int]:
         if self.failure is not None:
             raise DeviceError(self.failure)
         slot = self._slot(seq)
         start = self.mirror.length(slot)
         said = self._announcement()
-        rows = getattr(self.inner, name)(seq, tokens)
+        rows = self.inner.serial_verify(name, seq, tokens)
         if said != Verify(slot, tuple(tokens)):
             self._unmatched(said, name, seq)
             self._rows([Rows(slot, start, tokens)], committed=False)
         self._sync()
         return rows
-
-    def decode_verify(self, seq: int, tokens) -> list[int]:
-        return self._serial_verify("decode_verify", seq, tokens)
-
-    def decode_verify_graphed(self, seq: int, tokens) -> list[int]:
-        return self._serial_verify("decode_verify_graphed", seq, tokens)
-
-    def decode_verify_graphed_k3(self, seq: int, tokens) -> list[int]:
-        return self._serial_verify("decode_verify_graphed_k3", seq, tokens)
-
-    def decode_verify_graphed_k4(self, seq: int, tokens) -> list[int]:
-        return self._serial_verify("decode_verify_graphed_k4", seq, tokens)
-
-    def decode_verify_dflash(self, seq: int, tokens) -> list[int]:
-        return self._serial_verify("decode_verify_dflash", seq, tokens)
-
-    def decode_and_verify_fused(self, seq: int, tokens) -> list[int]:
-        return self._serial_verify("decode_and_verify_fused", seq, tokens)
 
     def decode_verify_batched(self, tokens, ks, seqs, stream: int, woa: bool) -> list[int]:
         if self.failure is not None:

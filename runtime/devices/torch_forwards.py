@@ -1,0 +1,265 @@
+"""The torch device's forwards and logits readers: prefills, decodes and mixed forwards (each
+sequence's rows committed), verifies (rows left pending), the row table's argmax, host copy and
+sampling."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import structlog
+import torch
+
+from fxsched.kernels.greedy_accept import greedy_accept, row_offsets_from_counts
+from fxsched.kernels.row_argmax import row_argmax
+from fxsched.runtime.devices.device import DeviceError
+from fxsched.runtime.devices.spec_sampling import verify_sample
+from fxsched.runtime.devices.row_processors import RowProcessors
+from fxsched.runtime.devices.torch_sampling import RowLogprobs, SampledRows, logprob_records, sample_rows
+from fxsched.runtime.torch_model.transfers import send_ints
+from fxsched.runtime.devices.torch_book import DeviceBook, DeviceSeq, DeviceStateError, Pending, PendingKind
+
+log = structlog.get_logger("fxsched.torch_device")
+
+
+class Forwards(DeviceBook):
+    """Forwards, verifies and the readers of their rows."""
+
+    def prefill(self, seq: int, tokens, stream: int) -> int:
+        """Prefill the whole prompt (reusing prefix-cache blocks). Returns the prompt tokens served
+        from the cache (the interpreter ignores it today; see the module notes on ``cached=``)."""
+        s = self._seq(seq)
+        self._settle(s, "prefill")
+        self._make_room(-(-len(tokens) // self.cfg.block_size), "prefill")
+        with self._errors("prefill"), self.streams.use(stream):
+            logits = self.engine.prefill(s.slot, list(tokens))
+        s.cached_tokens = self.engine.cached_prompt_tokens(s.slot)
+        self.stats.cached_prompt_tokens += s.cached_tokens
+        self._count("prefill", "prefill")
+        self._set_rows(logits[None], [(seq, len(tokens) - 1)])
+        self._ctx_catch_up(s)
+        return s.cached_tokens
+
+    def prefill_chunk(self, seq: int, prompt, start: int, length: int, last: bool, stream: int) -> int:
+        s = self._seq(seq)
+        self._settle(s, "prefill_chunk")
+        chunk = list(prompt[start:start + length])
+        engine = self.engine
+        self._room_for([(s.slot, len(chunk))], "prefill_chunk")
+        with self._errors("prefill_chunk"), self.streams.use(stream):
+            if start == 0 and engine.seq_len(s.slot) == 0 and not engine.block_table(s.slot):
+                logits = engine.prefill(s.slot, chunk)  # chunk 0 may start from the prefix cache
+                s.cached_tokens = engine.cached_prompt_tokens(s.slot)
+                self.stats.cached_prompt_tokens += s.cached_tokens
+            else:
+                logits = engine.prefill_chunk(s.slot, chunk, start)
+        self._count("prefill", "prefill_chunk")
+        self._set_rows(logits[None], [(seq, len(chunk) - 1)])
+        self._ctx_catch_up(s)
+        return s.cached_tokens if start == 0 else 0
+
+    def _batched_commit_forward(self, rows: list[tuple[DeviceSeq, list[int]]], what: str, stream: int,
+                                kind: str) -> None:
+        """One forward over several sequences' rows, all committed; the row table holds each
+        sequence's last row, in order."""
+        seqs = [s for s, _ in rows]
+        self._settle_many(seqs, what)
+        slots = [s.slot for s in seqs]
+        lists = [toks for _, toks in rows]
+        self._room_for(list(zip(slots, map(len, lists), strict=True)), what)
+        with self._errors(what), self.streams.use(stream):
+            logits = self.engine.commit_forward(slots, lists)
+        self._count(kind, what)
+        self._set_rows(logits, [(s.seq_id, len(t) - 1) for s, t in rows])
+        for s in seqs:
+            self._ctx_catch_up(s)
+
+    def _slice_rows(self, sl) -> tuple[DeviceSeq, list[int]]:
+        s = self._seq(sl.seq)
+        committed = self.engine.seq_len(s.slot) + (s.pending.keep if s.pending else 0)
+        if sl.start != committed:
+            raise DeviceStateError(f"prefill slice of sequence {sl.seq} starts at {sl.start} but the sequence "
+                                   f"holds {committed} tokens")
+        return s, list(sl.prompt[sl.start:sl.start + sl.length])
+
+    def mixed_forward(self, decode_tokens, decode_seqs, prefill, stream: int) -> None:
+        self.mixed_forward_batch(decode_tokens, decode_seqs, (prefill,), stream)
+
+    def mixed_forward_batch(self, decode_tokens, decode_seqs, prefills, stream: int) -> None:
+        rows = [(self._seq(i), [int(t)]) for t, i in zip(decode_tokens, decode_seqs, strict=True)]
+        rows += [self._slice_rows(sl) for sl in prefills]
+        self._batched_commit_forward(rows, "mixed_forward", stream, "decode")
+
+    def prefill_batch_chunk(self, prefills, stream: int) -> None:
+        self._batched_commit_forward([self._slice_rows(sl) for sl in prefills], "prefill_batch_chunk", stream,
+                                     "prefill")
+
+    def normalize_ssm_states(self, seq: int, stream: int) -> None:
+        """GDN states are kept in fp32 and never drift: nothing to normalize."""
+        self._seq(seq)
+
+    def decode_batch(self, tokens, seqs, stream: int) -> None:
+        ds = [self._seq(i) for i in seqs]
+        self._settle_many(ds, "decode_batch")
+        self._room_for([(s.slot, 1) for s in ds], "decode_batch")
+        with self._errors("decode_batch"), self.streams.use(stream):
+            logits = self.engine.decode_batch([s.slot for s in ds], [int(t) for t in tokens])
+        self._count("decode", "decode_batch")
+        self._set_rows(logits, [(s.seq_id, 0) for s in ds])
+
+    def decode(self, token: int, seq: int, stream: int) -> None:
+        self.decode_batch([token], [seq], stream)
+
+    def decode_draft(self, token: int, seq: int, stream: int) -> None:
+        """A self-speculative draft step: the draft chain stays uncommitted (re-run from the
+        committed state with every draft so far), so the scheduler's rewind to the anchor needs
+        no undo of a committed state."""
+        s = self._seq(seq)
+        if s.pending is not None and s.pending.kind is PendingKind.DRAFT:
+            tail = s.pending.tokens[:s.pending.keep]
+        else:
+            self._settle(s, "decode_draft")
+            tail = []
+        tokens = tail + [int(token)]
+        self._room_for([(s.slot, len(tokens))], "decode_draft")
+        with self._errors("decode_draft"), self.streams.use(stream):
+            logits = self.engine.verify(s.slot, tokens)
+        self._count("draft", "decode_draft")
+        s.pending = Pending(tokens, len(tokens), PendingKind.DRAFT, len(tokens))
+        self._set_rows(logits[-1:], [(seq, len(tokens) - 1)])
+
+    def _verify_many(self, seqs: list[DeviceSeq], lists: list[list[int]], what: str) -> list[int]:
+        self._settle_many(seqs, what)
+        self._room_for([(s.slot, len(t)) for s, t in zip(seqs, lists, strict=True)], what)
+        with self._errors(what):
+            outs = self.engine.verify_batched([s.slot for s in seqs], lists)
+        self._count("verify", what)
+        logits = outs[0] if len(outs) == 1 else torch.cat(outs)
+        owners = []
+        for s, toks in zip(seqs, lists, strict=True):
+            s.pending = Pending(list(toks), len(toks), PendingKind.VERIFY, len(toks))
+            owners += [(s.seq_id, t) for t in range(len(toks))]
+        logits = self._constrain(logits, owners)  # a draft the grammar refuses is never the row's answer
+        answers = row_argmax(logits)
+        ks, drafts = send_ints([[len(t) for t in lists], [t for toks in lists for t in toks[1:]]], logits.device)
+        accepted, _ = greedy_accept(answers, drafts, row_offsets_from_counts(ks))
+        both = torch.cat([answers, accepted]).tolist()  # the verify's one read: rows, then agreements
+        rows = both[:len(answers)]
+        for s, agreed in zip(seqs, both[len(answers):], strict=True):
+            assert s.pending is not None
+            s.pending.agreed = agreed + 1
+        self._set_rows(logits, owners, rows)
+        return rows
+
+    def serial_verify(self, call: str, seq: int, tokens) -> list[int]:
+        """One sequence's verify of its anchor and drafts; ``call`` (the effect's name: graphed, K = 3,
+        DFlash, fused, ...) names it in the counts and errors, the work is the same."""
+        return self._verify_many([self._seq(seq)], [[int(t) for t in tokens]], call)
+
+    def decode_verify_batched(self, tokens, ks, seqs, stream: int, woa: bool) -> list[int]:
+        if sum(ks) != len(tokens) or len(ks) != len(seqs):
+            raise DeviceStateError(f"decode_verify_batched: {len(tokens)} tokens, ks={list(ks)}, {len(seqs)} seqs")
+        self.stats.widest_batched_verify = max(self.stats.widest_batched_verify, len(seqs))
+        lists, offset = [], 0
+        for k in ks:
+            lists.append([int(t) for t in tokens[offset:offset + k]])
+            offset += k
+        with self.streams.use(stream):
+            return self._verify_many([self._seq(i) for i in seqs], lists, "decode_verify_batched")
+
+    def sample_verify(self, picks, eos_ids) -> list[int]:
+        """The last verify's rows redone by rejection sampling (``spec_sampling.verify_sample``, one
+        pick per row in the verify's row order): the pending rows each sequence may keep become its
+        accepted drafts + 1, as the greedy verify's agreement did."""
+        if self._logits is None or not self._owners:
+            raise DeviceError("sample_verify: no verify has produced rows")
+        seqs: list[DeviceSeq] = []
+        for seq_id, local in self._owners:
+            if local == 0:
+                seqs.append(self._seq(seq_id))
+        inputs = []
+        for s in seqs:
+            if s.pending is None or s.pending.kind is not PendingKind.VERIFY:
+                raise DeviceError(f"sample_verify: sequence {s.seq_id} has no pending verify")
+            inputs.append(s.pending.tokens)
+        self.stats.calls["sample_verify"] += 1
+        rows, accepted = verify_sample(self._logits, inputs, picks, eos_ids,
+                                       processed=self._processed(0, self._logits.shape[0]))
+        records: list[tuple[int, list[RowLogprobs]]] = []
+        offset = 0
+        for s, n, toks in zip(seqs, accepted, inputs, strict=True):
+            assert s.pending is not None
+            s.pending = Pending(s.pending.tokens, s.pending.keep, PendingKind.VERIFY, n + 1)
+            widths = [picks[offset + i].top_logprobs for i in range(n + 1)]
+            if any(widths):  # the rows it emits: the kept drafts and the row after them
+                records.append((s.seq_id, logprob_records(self._logits[offset:offset + n + 1],
+                                                          rows[offset:offset + n + 1], widths)))
+            offset += len(toks)
+        self.last_verify = records
+        self._argmax = rows
+        return rows
+
+    last_verify: Optional[list[tuple[int, list[RowLogprobs]]]] = None  # the last sample_verify's records
+
+    last_sample_row: int = 0  # the first row of the last sample_rows
+
+    def row_record(self, row: int, token: int, width: int) -> RowLogprobs:
+        """The logprob record of ``token`` at row ``row`` of the last forward (the first token's,
+        whose pick the scheduler makes without one)."""
+        self._check_rows(row, 1)
+        assert self._logits is not None
+        return logprob_records(self._logits[row:row + 1], [token], [width])[0]
+
+    def argmax_on_device(self, row: int, stream: int) -> int:
+        self._check_rows(row, 1)
+        return self._row_tokens()[row]
+
+    def argmax_batch(self, row: int, n: int, stream: int) -> list[int]:
+        self._check_rows(row, n)
+        return self._row_tokens()[row:row + n]
+
+    def copy_logits_to_host(self, row: int, off: int, nbytes: int) -> bytes:
+        """BF16 little-endian logits of rows ``row``.. (``vocab * 2`` bytes per row), from byte ``off``."""
+        width = self.cfg.vocab_size * 2
+        n = -(-(off + nbytes) // width)
+        self._check_rows(row, n)
+        if self._logits is None:
+            raise DeviceError("no forward has produced logits rows yet")
+        slab = self._logits[row:row + n].to(torch.bfloat16).contiguous().view(torch.uint8).cpu().numpy().tobytes()
+        return slab[off:off + nbytes]
+
+    last_sample: Optional[SampledRows] = None  # the last sample_rows answer, logprob records included
+
+    row_processors: Optional[RowProcessors] = None  # per-request logits processing (penalties, logit_bias)
+
+    def _processed(self, row: int, n: int) -> Optional[torch.Tensor]:
+        """Rows ``row``.. of the last forward after their requests' processors (None: none has any).
+        A row's context is its sequence's committed tokens, then (a verify or draft row) the
+        pending inputs up to and including the row's own."""
+        processors = self.row_processors
+        if not processors or self._logits is None:
+            return None
+        owners = self._owners[row:row + n]
+        seqs = [self._seqs.get(seq_id) for seq_id, _ in owners]
+
+        def context(r: int) -> list[int]:
+            s = seqs[r]
+            assert s is not None
+            committed = self.engine.tokens(s.slot)
+            return committed + (s.pending.tokens[:owners[r][1] + 1] if s.pending is not None else [])
+
+        sessions = [s.session if s is not None else None for s in seqs] + [None] * (n - len(seqs))
+        return processors.process(self._logits[row:row + n], sessions, context)
+
+    def sample_rows(self, row: int, n: int, picks, eos_ids) -> SampledRows:
+        """Pick rows ``row``.. ``row + n - 1`` on the device by their ``HostPick`` (batched, in torch:
+        ``fxsched.runtime.devices.torch_sampling``); the interpreter uses it instead of a host copy."""
+        self._check_rows(row, n)
+        if self._logits is None:
+            raise DeviceError("no forward has produced logits rows yet")
+        self.stats.calls["sample_rows"] += 1
+        self.last_sample = sample_rows(self._logits[row:row + n], picks, eos_ids, self._processed(row, n))
+        self.last_sample_row = row
+        return self.last_sample
+
+    def vocab_size(self) -> int:
+        return self.cfg.vocab_size

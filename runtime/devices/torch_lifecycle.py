@@ -1,0 +1,197 @@
+"""The torch device's lifecycle: start-up, sequences (alloc, free, cache, compact, spill, restore,
+truncate), adapters and EP words (a single rank), streams and teardown."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import structlog
+import torch
+
+from fxsched.runtime.devices.device import DeviceError
+
+from fxsched.runtime.devices.torch_book import DeviceBook, DeviceSeq, DeviceStateError
+
+log = structlog.get_logger("fxsched.torch_device")
+
+
+class Lifecycle(DeviceBook):
+    """Sequences, streams and the device's end."""
+
+    def bind_gpu_to_thread(self) -> None:
+        if self.engine.device.type == "cuda":
+            torch.cuda.set_device(self.engine.device)
+
+    def create_stream(self) -> int:
+        return self.streams.create_stream()
+
+    def create_event(self) -> int:
+        return self.streams.create_event()
+
+    def num_free_blocks(self) -> int:
+        return self.engine.num_free_blocks()
+
+    def ssm_snapshot_occupancy(self) -> None:
+        """Nothing to report (no snapshot ring); every first read of a pair marks a tick."""
+        self._occupancy_reads += 1
+        if self._occupancy_reads % 2 == 1:
+            self.tick += 1
+            self.on_tick(self.tick)
+
+    def alloc_sequence(self, seq: int, session: int) -> int:
+        if seq in self._seqs:
+            raise DeviceStateError(f"sequence {seq} is already allocated (slot {self._seqs[seq].slot})")
+        free = self.engine.free_slots()
+        if not free:
+            raise DeviceError(f"no free slot for sequence {seq}: all {self.cfg.max_slots} slots hold sequences")
+        slot = free[0]
+        with self._errors("alloc_sequence"):
+            self.engine.alloc(slot)
+        if self.grammars is not None:
+            self.grammars.bind(seq, session)
+        self._seqs[seq] = DeviceSeq(seq, session, slot)
+        self._by_slot[slot] = seq
+        return slot
+
+    def alloc_sequence_for(self, seq: int, session: int, budget: int) -> int:
+        if budget > self.cfg.max_seq_len:
+            log.debug("alloc_budget_over_context", seq=seq, budget=budget, max_seq_len=self.cfg.max_seq_len)
+        return self.alloc_sequence(seq, session)
+
+    def free_sequence(self, seq: int) -> None:
+        s = self._seq(seq)
+        with self._errors("free_sequence"):
+            self.engine.free(s.slot)
+        self._cached_by_session[s.session] = s.cached_tokens
+        del self._by_slot[s.slot]
+        del self._seqs[seq]
+
+    def cache_sequence(self, seq: int) -> None:
+        s = self._seq(seq)
+        self._settle(s, "cache_sequence")
+        with self._errors("cache_sequence"):
+            self.stats.cached_blocks += self.engine.cache_sequence(s.slot)
+
+    def compact_sequence(self, seq: int, new_slot: int) -> None:
+        s = self._seq(seq)
+        if new_slot == s.slot:
+            return
+        if new_slot in self._by_slot:
+            raise DeviceStateError(f"compact_sequence: slot {new_slot} still holds sequence {self._by_slot[new_slot]}")
+        with self._errors("compact_sequence"):
+            self.engine.compact(s.slot, new_slot)
+        del self._by_slot[s.slot]
+        s.slot = new_slot
+        self._by_slot[new_slot] = seq
+
+    def detach_slot_for_reuse(self, seq: int) -> None:
+        """The engine keeps the sequence in its slot until it is moved or freed: nothing to do."""
+        log.debug("detach_slot_for_reuse", seq=seq, slot=self._seq(seq).slot)
+
+    def save_sequence_state(self, seq: int) -> None:
+        """Spill the committed state of the sequence to a file of the device's spill directory."""
+        s = self._seq(seq)
+        self._settle(s, "save_sequence_state")
+        if self._spill_dir is None:
+            self._spill_dir = Path(tempfile.mkdtemp(prefix="fxsched-spill-"))
+        path = self._spill_dir / f"seq-{seq}.spill"
+        with self._errors(f"save_sequence_state(seq {seq}, {path})"):
+            self.engine.save_sequence_state(s.slot, path)
+        self._spills[seq] = path
+        self.stats.spills += 1
+
+    def restore_sequence_state(self, seq: int, blocks: int) -> None:
+        """Load a spilled sequence into its freshly allocated (empty) slot, on fresh KV blocks."""
+        s = self._seq(seq)
+        path = self._spills.get(seq)
+        if path is None:
+            raise DeviceError(f"restore_sequence_state: sequence {seq} has no spilled state")
+        self._make_room(blocks, "restore_sequence_state")
+        with self._errors(f"restore_sequence_state(seq {seq}, {path})"):
+            self.engine.restore_sequence_state(s.slot, path)
+        del self._spills[seq]
+        path.unlink(missing_ok=True)
+        held = len(self.engine.block_table(s.slot))
+        if held != blocks:
+            log.debug("restore_blocks", seq=seq, scheduler_blocks=blocks, engine_blocks=held)
+        self.stats.restores += 1
+
+    def reclaim_prefix_blocks(self, n: int) -> int:
+        return self.engine.reclaim(n)
+
+    def truncate_sequence(self, seq: int, seq_len: int) -> None:
+        """The scheduler's rewind: drop pending rows beyond ``seq_len`` (they are never committed)."""
+        s = self._seq(seq)
+        committed = self.engine.seq_len(s.slot)
+        rows = len(s.pending.tokens) if s.pending else 0
+        if committed <= seq_len <= committed + rows:
+            if s.pending is not None:
+                s.pending.keep = seq_len - committed
+            return
+        if seq_len < committed:
+            raise DeviceStateError(f"truncate_sequence: sequence {seq} would rewind committed tokens "
+                                   f"({committed} -> {seq_len}); HybridEngine cannot rewind a committed state")
+        raise DeviceStateError(f"truncate_sequence: sequence {seq} has {committed} committed + {rows} pending "
+                               f"rows, cannot grow to {seq_len}")
+
+    def adapter_id_for(self, slot: int) -> int:
+        """0 for the active (base) adapter, slot -1; no LoRA adapter is loaded, so any other slot
+        is unknown (-1)."""
+        return 0 if slot == -1 else -1
+
+    def acquire_adapter_slot(self, slot: int) -> int:
+        return slot
+
+    def set_active_lora(self, name: str) -> None:
+        raise DeviceError(f"LoRA adapter {name!r}: the torch model has no LoRA adapters")
+
+    def ep_broadcast_cmd_for_seq(self, seq_slot: int, cmd: int) -> None:
+        log.debug("ep_broadcast_cmd_for_seq", slot=seq_slot, cmd=hex(cmd))
+
+    def ep_broadcast_cmd(self, cmd: int) -> None:
+        log.debug("ep_broadcast_cmd", cmd=hex(cmd))
+
+    def ep_broadcast_tokens(self, tokens) -> None:
+        log.debug("ep_broadcast_tokens", n=len(tokens))
+
+    def ep_sync_vision_embeds(self, n: int) -> None:
+        log.debug("ep_sync_vision_embeds", n=n)
+
+    def poll_innerq(self) -> None:
+        pass
+
+    def record_event(self, event: int, stream: int) -> None:
+        with self._errors("record_event"):
+            self.streams.record_event(event, stream)
+
+    def stream_wait_event(self, stream: int, event: int) -> None:
+        with self._errors("stream_wait_event"):
+            self.streams.stream_wait_event(stream, event)
+
+    def synchronize(self, stream: int) -> None:
+        with self._errors("synchronize"):
+            self.streams.synchronize(stream)
+
+    def sync_secondary(self) -> None:
+        self.streams.sync_secondary()
+
+    def teardown(self) -> None:
+        self.streams.synchronize_all()
+        self.close()
+
+    def release_all(self) -> None:
+        """Free every sequence still on the device (after a failed run), so the engine's slots
+        and blocks are usable again."""
+        for seq in list(self._seqs):
+            self.free_sequence(seq)
+
+    def close(self) -> None:
+        """Remove the spill directory (if the device made it)."""
+        if self._own_spill_dir and self._spill_dir is not None and not self._closed:
+            shutil.rmtree(self._spill_dir, ignore_errors=True)
+        self._closed = True
+
+    def note_fx(self, line: str) -> None:
+        log.debug("fx", line=line)
