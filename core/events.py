@@ -119,13 +119,24 @@ class TokensSampled(Answer):
     logprobs: tuple[int, ...] = attrs.field(default=(), converter=int_tuple)
 
 
+# A draft the device holds and has not read back (specs/async.md §16.3): a proposal may answer
+# LATE_DRAFT for each draft; the value arrives with the answer of the verify that consumes it.
+LATE_DRAFT = -1
+
+
 @attrs.frozen
 class VerifyRows(Answer):
+    """The verify's rows; ``inputs``: the verify's inputs as the device ran them, when the query's
+    tokens held late drafts (empty otherwise: they were the query's own tokens)."""
+
     rows: tuple[int, ...] = attrs.field(converter=int_tuple)
+    inputs: tuple[int, ...] = attrs.field(default=(), converter=int_tuple)
 
 
 @attrs.frozen
 class Drafts(Answer):
+    """A proposal's drafts (each may be LATE_DRAFT)."""
+
     drafts: tuple[int, ...] = attrs.field(converter=int_tuple)
 
 

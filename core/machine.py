@@ -18,7 +18,8 @@ Layers (each imports only those above it; a test keeps it so):
 2. state: ``sequence``, ``state``, ``phases`` (every task and waiting record);
 3. pure helpers: ``agenda`` (ask, push, lookups), ``rows``, ``admission``, ``chunking``,
    ``verdict``, ``watchdog``, ``emit`` (token sinks), ``retire``, ``faults``, ``memory``,
-   ``verifying`` (what the speculative paths share);
+   ``verifying`` (what the speculative paths share), ``late`` (late drafts filled into a verify's
+   waiting record);
 4. rule modules, which never import each other: ``tick`` (loop, inbox, admission check, snapshot,
    rotation, idle, end of tick, shutdown), ``flow`` (forward continuations), ``prefill`` (lanes 1
    and 2), ``decode`` (lane 3 dispatch, plain decode), ``spec_step`` (MTP / DFlash step),
@@ -35,8 +36,10 @@ from __future__ import annotations
 from typing import Any
 
 from fxsched.core.agenda import Batch, PhaseError, push, put_seqs
-from fxsched.core.events import Arrival, Boot, Cancel, Clock, DeviceFault, Event, InboxClosed, RotationRequested
+from fxsched.core.events import (Arrival, Boot, Cancel, Clock, DeviceFault, Event, InboxClosed, RotationRequested,
+                                 VerifyRows)
 from fxsched.core.faults import Halt, RuleTakesFault, apply_fault
+from fxsched.core.late import resolved
 from fxsched.core.phases import StartUp
 from fxsched.core.records import replace, with_fields
 from fxsched.core.state import SchedulerState
@@ -117,6 +120,8 @@ def step(state: SchedulerState, event: Event) -> tuple[SchedulerState, tuple[Eff
     if waiting is not None:
         phase = ANSWERS[type(waiting)]
         if isinstance(event, phase.accepts):  # the answer the engine waits for (most events)
+            if type(event) is VerifyRows and event.inputs:  # late drafts arrive (specs/async.md §16.3)
+                waiting = resolved(waiting, event.inputs)
             return _answered(state, phase.rule, waiting, event)
     if isinstance(event, _INPUTS):
         if state.stopped:

@@ -82,7 +82,9 @@ def drain_inbox(state: SchedulerState) -> SchedulerState:
 def drop_cancelled_waiting(state: SchedulerState, out: list[Effect]) -> SchedulerState:
     """A request cancelled while it still waits for admission ends here, never admitted: no slot,
     no prefill. A stream gets its final frame ``Done(stop, n=0)``, a blocking client an empty
-    ``Response(stop)`` (specs/scheduler.md §5.4 step 1)."""
+    ``Response(stop)``; a request admission would refuse whatever the device holds (its prompt
+    past the context or the pool) gets that refusal's ``Error`` instead (specs/scheduler.md §5.4
+    step 1)."""
     if not state.cancels or not state.pending:
         return state
     gone = {r.id for r in state.pending if r.id in state.cancels}
@@ -90,8 +92,12 @@ def drop_cancelled_waiting(state: SchedulerState, out: list[Effect]) -> Schedule
         return state
     for r in state.pending:
         if r.id in gone:
-            out.append(DoneOut(r.id, FinishReason.STOP, 0, 0, 0, 0, None) if r.streaming
-                       else ResponseOut(r.id, (), FinishReason.STOP))
+            problem = admission.impossible(state.model, state.config, r)
+            if problem is not None:
+                out.append(ErrorOut(r.id, problem, r.streaming))
+            else:
+                out.append(DoneOut(r.id, FinishReason.STOP, 0, 0, 0, 0, None) if r.streaming
+                           else ResponseOut(r.id, (), FinishReason.STOP))
     return replace(state, pending=tuple(r for r in state.pending if r.id not in gone), cancels=state.cancels - gone)
 
 

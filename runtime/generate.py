@@ -677,7 +677,7 @@ def generate(engine: HybridEngine, prompts: Seq[Seq[int]], max_tokens: int, spec
              on_text: Optional[Callable[[int, str], None]] = None,
              on_finish: Optional[Callable[[RequestResult], None]] = None,
              sampling: SamplingOptions = GREEDY, record: Optional[str | Path] = None,
-             record_meta: Optional[dict[str, Any]] = None) -> GenerateResult:
+             record_meta: Optional[dict[str, Any]] = None, late_drafts: bool = True) -> GenerateResult:
     """Generate up to ``max_tokens`` tokens for each prompt through the scheduler (greedy unless
     ``sampling`` says otherwise; see the module docstring).
 
@@ -687,7 +687,9 @@ def generate(engine: HybridEngine, prompts: Seq[Seq[int]], max_tokens: int, spec
     ``eos_ids``: the ids that end a request (default the model's; ``()`` for none). ``text``
     detokenizes and applies stop strings; ``on_text(request id, piece)`` streams that text and
     ``on_finish(result)`` is called as each request ends (request ids are 1, 2, ... in prompt
-    order). ``record``: write the run's event log there (``fxsched.runtime.eventlog``; replay it
+    order). ``late_drafts``: proposals keep their drafts on the device until the verify that
+    consumes them reads everything back at once (specs/async.md §16.3; expert parallelism turns it
+    off: its words carry every input). ``record``: write the run's event log there (``fxsched.runtime.eventlog``; replay it
     with ``fxsched replay``), with ``record_meta`` in its header; the file is created only once the
     input has been checked. Raises ``GenerateError`` for bad input (an unwritable ``record`` path
     too) and ``RunError`` if the run cannot finish.
@@ -707,7 +709,8 @@ def generate(engine: HybridEngine, prompts: Seq[Seq[int]], max_tokens: int, spec
     requests = [sampling.request(i, p, max_tokens) for i, p in enumerate(prompts)]
     recorder = _recorder(record, config, model, spec, max_tokens, sampling, record_meta)
     try:
-        device = TorchDevice(engine, proposer=proposer, drafter=drafter, strict=strict)
+        device = TorchDevice(engine, proposer=proposer, drafter=drafter, strict=strict,
+                             late_drafts=late_drafts)
     except BaseException:
         if recorder is not None:
             recorder.close()

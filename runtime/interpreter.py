@@ -230,9 +230,12 @@ class Interpreter:
         """A verify's answer: the device's greedy rows, or (the effect carries picks and the device's
         class defines ``sample_verify``: the torch device) the rows of its rejection-sampled verify
         (specs/speculation.md §6.16). A device without it (recording, scripted, simulated) answers
-        its own rows: their logits put all the mass on the scripted answer."""
+        its own rows: their logits put all the mass on the scripted answer. When the query's tokens
+        hold late drafts, the answer carries the inputs the device ran (specs/async.md §16.3)."""
         if effect.picks and callable(getattr(type(self.device), "sample_verify", None)):
             rows = self.device.sample_verify(effect.picks, self.eos_ids)  # type: ignore[attr-defined]
+        if ev.LATE_DRAFT in effect.tokens:
+            return ev.VerifyRows(rows, self.device.verify_inputs())
         return ev.VerifyRows(rows)
 
     def _decode_plan(self, plan: plans.Decode) -> ev.Event:

@@ -101,11 +101,11 @@ def test_a_subclass_of_an_effect_class_is_carried_out_as_that_class():
     class WideVerify(dc.SerialVerify):
         CALL = "decode_verify_wide"
 
-    device = CallLog(decode_verify_wide=[7, 8])
+    device = CallLog(serial_verify=[7, 8])
     it = _interpreter(device)
     assert it.perform(LateFree(4)) is None
     assert it.perform(WideVerify(4, (1, 2))) == ev.VerifyRows((7, 8))
-    assert device.calls == [("free_sequence", 4), ("decode_verify_wide", 4, (1, 2))]
+    assert device.calls == [("free_sequence", 4), ("serial_verify", "decode_verify_wide", 4, (1, 2))]
 
 
 def test_an_effect_without_a_case_is_refused_by_name():

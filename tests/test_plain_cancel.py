@@ -136,6 +136,21 @@ def test_a_cancel_for_a_waiting_blocking_request_answers_it_empty_without_a_seat
     assert prompts_sent(d) == {1} and d.streamed(1) == [10, 11, 12]
 
 
+def test_a_waiting_request_admission_would_refuse_gets_its_error_even_when_cancelled():
+    """A prompt as long as the context waits behind a full batch and is cancelled before admission:
+    the refusal is the request's own, so its client gets the same ``Error`` it would have had at
+    admission, not ``Done(stop)`` (specs/scheduler.md §5.4 step 1, §5.5 step 2)."""
+    from fxsched.effects.client import ErrorOut
+    config = make_config(max_batch_size=1, max_seq_len=32)
+    d = Driver(config=config, requests=[make_request(1, max_tokens=4)]).run_to_query(plans.Decode)
+    d.feed(ev.Arrival(make_request(2, prompt_len=32, max_tokens=4)))
+    decode_once(d)
+    d.feed(ev.Cancel(2))
+    d.finish()
+    assert [e.request_id for e in d.outputs(ErrorOut)] == [2] and not [o for o in d.outputs(DoneOut) if o.request_id == 2]
+    assert "context holds 32" in d.outputs(ErrorOut)[0].message and prompts_sent(d) == {1}
+
+
 # --- through generate on the torch model ------------------------------------------------------------
 
 

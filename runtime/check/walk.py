@@ -39,7 +39,7 @@ import attrs
 
 from fxsched.core.config import SCRIPTED_EOS as EOS
 from fxsched.core import events as ev
-from fxsched.core.phases import AwaitPublishBlocks
+from fxsched.core.phases import AwaitBatchedDflash, AwaitMtpBatch, AwaitPublishBlocks
 from fxsched.core.state import initial_state
 from fxsched.effects import device_calls as dc
 from fxsched.effects import plans
@@ -218,7 +218,12 @@ def _proposer_quirks(episode: Episode, rng: random.Random) -> Episode:
         i = rng.randrange(len(rs))
         rs[i] = attrs.evolve(rs[i], prompt_len=episode.max_seq_len)
         changes["requests"] = tuple(rs)
-    return attrs.evolve(episode, **changes) if changes else episode
+    episode = attrs.evolve(episode, **changes) if changes else episode
+    if episode.mode.startswith(("mtp", "dflash")) and hash_seed(episode) % 2:
+        # half the proposer episodes answer late now and then; decided from the episode, so the
+        # generator's draws (and every episode a seed drew before) stay as they were
+        episode = attrs.evolve(episode, late_drafts=True)
+    return episode
 
 
 def _suited_to_fault(episode: Episode, rng: random.Random) -> Episode:
@@ -352,6 +357,8 @@ class WalkObserver(MonitorObserver):
         if not kind:  # an answer, most events: what ``Monitor.on_event`` does with one, without the call
             monitor = self.monitor
             monitor.fault_step = monitor.kv_fault = monitor.nothing_new = False
+            if type(event) is ev.VerifyRows and event.inputs:
+                self.coverage[_LATE.get(type(self.waiting), "feature:late_drafts_serial")] += 1
             return
         if kind & (FAULT | CANCEL):
             if kind & FAULT:
@@ -504,7 +511,8 @@ def run_episode(episode: Episode, coverage: Counter, step_limit: int = 20000, ke
                        reclaimable=episode.reclaimable, prefix_cache=episode.prefix_cache, adapters=ADAPTERS,
                        max_prefill_tokens=config.max_prefill_tokens, max_batch_tokens=config.max_batch_tokens,
                        short_proposals=hash_seed(episode) if episode.short_proposals else None,
-                       capacities=episode.capacities)
+                       capacities=episode.capacities,
+                       late_drafts=hash_seed(episode) + 1 if episode.late_drafts else None)
     device.strict_drafts = counts_acc
     device.ring_slots = episode.ssm_ring
     device.dflash = episode.mode == "dflash"
@@ -561,9 +569,16 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "rare: plain decode after a rejected verify crossed a block": ("rare:plain_after_rejected_cross",),
     "rare: a preempted sequence needing the whole pool": ("rare:requeue_needs_whole_pool",),
     "rare: cancel of a request without a cancel flag": ("rare:cancel_without_flag",),
+    "late drafts, serial verify": ("feature:late_drafts_serial",),
+    "late drafts, batched MTP": ("feature:late_drafts_mtp_batched",),
+    "late drafts, batched DFlash": ("feature:late_drafts_dflash_batched",),
 }
 FEATURES.update({f"fault in {name}": (f"fault_phase:{name}",) for name in FAULT_PHASES})
 """Every feature the walk must reach, with the coverage keys whose sum counts it."""
+
+
+_LATE = {AwaitMtpBatch: "feature:late_drafts_mtp_batched", AwaitBatchedDflash: "feature:late_drafts_dflash_batched"}
+"""The coverage key of late drafts arriving in a batched verify's answer, by the phase it answers."""
 
 
 def _count_episode(episode: Episode, coverage: Counter) -> None:

@@ -3,6 +3,11 @@
 Sequences are named by the scheduler's sequence id. Methods whose call is a query return its
 answer; the others return ``None``. A device failure is raised as ``DeviceError``; the
 interpreter turns it into a ``DeviceFault`` event.
+
+Late drafts (specs/async.md §16.3). A device may answer a proposal with ``LATE_DRAFT``
+(``fxsched.core.events``) for each draft it keeps; a later verify's tokens then hold the same
+placeholders, the device runs the drafts it kept, and ``verify_inputs`` gives the inputs it ran.
+A device that never answers late still answers ``verify_inputs`` with its last verify's tokens.
 """
 
 from __future__ import annotations
@@ -68,6 +73,8 @@ class Device(Protocol):
     # decode_verify_dflash, decode_and_verify_fused)
     def serial_verify(self, call: str, seq: int, tokens: Seq[int]) -> list[int]: ...
     def decode_verify_batched(self, tokens, ks, seqs, stream: int, woa: bool) -> list[int]: ...
+    # the last verify's inputs as run, late drafts filled in (specs/async.md §16.3)
+    def verify_inputs(self) -> list[int]: ...
     # proposers
     def run_mtp_propose_multi(self, token: int, pos: int, n: int, seq: int, stream: int, mask: bool) -> list[int]: ...
     def run_mtp_propose_batched(self, tokens, positions, stash, n: int, seqs, stream: int) -> list[list[int]]: ...

@@ -481,8 +481,14 @@ class ScriptedDevice:
     def decode_draft(self, token: int, seq: int, stream: int) -> None:
         self._single_decode("decode_draft", token, seq, stream, cancel=False)
 
+    inputs: tuple[int, ...] = ()  # the last verify's tokens (this device never answers late drafts)
+
+    def verify_inputs(self) -> list[int]:
+        return list(self.inputs)
+
     def serial_verify(self, name: str, seq: int, tokens) -> list[int]:
         self._verify_call()
+        self.inputs = tuple(tokens)
         s = self._seq(seq)
         self._cancel_trigger(s)
         outputs = script_verify(self._script(s), s.seq_len, tokens)
@@ -496,6 +502,7 @@ class ScriptedDevice:
 
     def decode_verify_batched(self, tokens, ks, seqs, stream: int, woa: bool) -> list[int]:
         self._verify_call()
+        self.inputs = tuple(tokens)
         outputs: list[int] = []
         offset = 0
         for k, seq_id in zip(ks, seqs, strict=True):

@@ -59,6 +59,8 @@ recording device keeps the host copy: its reference traces list ``copy_logits_to
 
 What a real device varies (the recording device never does, so the goldens stay as they are):
 ``short_proposals`` (a seed) cuts now and then a proposal's drafts short, to none sometimes;
+``late_drafts`` (a seed) answers now and then a proposal with ``LATE_DRAFT`` placeholders, as the
+torch device does (specs/async.md §16.3), and fills them in at the verify that consumes them;
 ``capacities`` are the answers of ``mtp_slot_draft_capacity`` in turn (0 included); a
 self-speculative draft decode is wrong at the script's ``draft_wrong_every`` positions. The device
 keeps for the invariants the drafts it proposed (``proposed``, ``proposed_at``), the capacities it
@@ -76,6 +78,7 @@ from __future__ import annotations
 import random
 from typing import NamedTuple, Optional
 
+from fxsched.core.events import LATE_DRAFT
 from fxsched.runtime.devices.device import DeviceError
 from fxsched.runtime.devices.sampling import draw, pick_weights
 from fxsched.runtime.devices.ep_check import EpWordCheck
@@ -129,7 +132,7 @@ class SimDevice(ScriptedDevice):
                  can_batch_verify: bool = True, slot_draft_capacity: int = 8, count_accepted: bool = True,
                  reclaimable: int = 0, prefix_cache: bool = False, adapters: Optional[dict[int, int]] = None,
                  max_prefill_tokens: int = 0, max_batch_tokens: int = 8192, short_proposals: Optional[int] = None,
-                 capacities: tuple[int, ...] = ()):
+                 capacities: tuple[int, ...] = (), late_drafts: Optional[int] = None):
         super().__init__(scripts, vocab=vocab, block_size=block_size, total_blocks=total_blocks,
                          held_blocks=held_blocks, reclaimable=min(reclaimable, held_blocks),
                          cancel_flags=cancel_flags, kv_exhaust_at=kv_exhaust_at,
@@ -155,6 +158,9 @@ class SimDevice(ScriptedDevice):
         # short proposals: a seeded draw cuts a proposal's drafts (to none, sometimes)
         self.short_rng = random.Random(short_proposals) if short_proposals is not None else None
         self.capacities = tuple(capacities)  # answers of mtp_slot_draft_capacity, in turn (empty: the fixed one)
+        # late drafts: a seeded draw answers a proposal with LATE_DRAFT placeholders (specs/async.md §16.3)
+        self.late_rng = random.Random(late_drafts) if late_drafts is not None else None
+        self.late: set[int] = set()  # sequences whose pending proposal was answered late
         self.capacity_calls = 0
         self.proposed: dict[int, list[int]] = {}  # seq -> the drafts of its last proposal, until a verify
         self.verify_io: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # seq -> (inputs, rows)
@@ -424,7 +430,8 @@ class SimDevice(ScriptedDevice):
             raise self._bad(name, f"{len(tokens)} tokens for a width-{width} verify")
         if name == "decode_verify_dflash" and len(tokens) < 5:  # keep >= 4 (specs/speculation.md §6.5)
             raise self._bad(name, f"a block verify of {len(tokens) - 1} drafts (four or more take it)")
-        self._runs(name, verifies=((seq, tokens),))
+        self._runs(name, verifies=((seq, tokens),))  # the EP words announced the inputs as the query holds them
+        tokens = self._resolve(name, seq, tokens)
         if name != "decode_verify":
             self._check_drafts(name, seq, tokens)
         self.blamed = frozenset((self._rid(s),))
@@ -450,6 +457,7 @@ class SimDevice(ScriptedDevice):
             verifies.append((seq_id, tokens[offset:offset + k]))
             offset += k
         self._runs("decode_verify_batched", verifies=tuple(verifies))
+        tokens = tuple(t for seq_id, run in verifies for t in self._resolve("decode_verify_batched", seq_id, run))
         offset = 0
         for k, seq_id in zip(ks, seqs, strict=True):
             self.verified[seq_id] = (k, self._seq(seq_id).seq_len)
@@ -553,7 +561,31 @@ class SimDevice(ScriptedDevice):
         drafts = self._short(super().run_mtp_propose_multi(token, pos, n, seq, stream, mask))
         self.proposed[seq] = list(drafts)
         self.proposed_at[seq] = self.tick
-        return drafts
+        return self._answer(seq, drafts)
+
+    def _answer(self, seq: int, drafts: list[int]) -> list[int]:
+        """A proposal's answer: its drafts, or with late drafts on, now and then a LATE_DRAFT for
+        each (the values stay here until the verify that consumes them)."""
+        rng = self.late_rng
+        if rng is None or not drafts or rng.random() >= 0.7:
+            self.late.discard(seq)
+            return drafts
+        self.late.add(seq)
+        return [LATE_DRAFT] * len(drafts)
+
+    def _resolve(self, call: str, seq: int, tokens) -> tuple[int, ...]:
+        """A verify's inputs with its late drafts filled in: they must be the drafts right after the
+        anchor, of a proposal this device answered late, at most as many as it proposed."""
+        tokens = tuple(tokens)
+        late = [i for i, t in enumerate(tokens) if t == LATE_DRAFT]
+        if not late:
+            return tokens
+        held = self.proposed.get(seq)
+        if seq not in self.late or held is None or late != list(range(1, len(late) + 1)) or len(late) > len(held):
+            raise self._bad(call, f"late drafts at {late} of inputs {list(tokens)} for sequence {seq}, whose "
+                                  f"proposal was {'late' if seq in self.late else 'answered'} with {held}")
+        self.late.discard(seq)
+        return tokens[:1] + tuple(held[:len(late)]) + tokens[len(late) + 1:]
 
     def _short(self, drafts: list[int]) -> list[int]:
         """A proposal as the proposer may really return it: with short proposals on, now and then
@@ -604,7 +636,7 @@ class SimDevice(ScriptedDevice):
             self.proposed[seq_id] = list(mine)
             self.proposed_at[seq_id] = self.tick
         self.blamed = None
-        return drafts
+        return [self._answer(seq_id, mine) for seq_id, mine in zip(seqs, drafts, strict=True)]
 
     def run_mtp_catchup_batched(self, tokens, slots, pos) -> int:
         """Stash slots ``4·i`` of the batch's pending sequences, at most 4 accepted drafts each
@@ -685,6 +717,7 @@ class SimDevice(ScriptedDevice):
         for held in (self.verify_io, self.proposed, self.proposed_at, self.last_forward, self.checkpoint_due,
                      self.verified_tick):
             held.pop(seq, None)
+        self.late.discard(seq)
 
     def cache_sequence(self, seq: int) -> None:
         s = self._seq(seq)

@@ -137,6 +137,9 @@ class DeviceBook:
     _spills: dict[int, Path]
     _cached_by_session: dict[int, int]
     _closed: bool
+    late_drafts: bool  # proposals answer LATE_DRAFT and keep their drafts here (specs/async.md §16.3)
+    _late: dict[int, torch.Tensor]  # by sequence: the drafts [n] of its last late proposal, on the device
+    _verify_inputs: list[int]  # the last verify's inputs as they ran
 
     @property
     def uses_dflash_context(self) -> bool:

@@ -16,6 +16,7 @@ from fxsched.runtime.devices.spec_sampling import verify_sample
 from fxsched.runtime.devices.row_processors import RowProcessors
 from fxsched.runtime.devices.torch_sampling import RowLogprobs, SampledRows, logprob_records, sample_rows
 from fxsched.runtime.torch_model.transfers import send_ints
+from fxsched.core.events import LATE_DRAFT
 from fxsched.runtime.devices.torch_book import DeviceBook, DeviceSeq, DeviceStateError, Pending, PendingKind
 
 log = structlog.get_logger("fxsched.torch_device")
@@ -127,11 +128,37 @@ class Forwards(DeviceBook):
         s.pending = Pending(tokens, len(tokens), PendingKind.DRAFT, len(tokens))
         self._set_rows(logits[-1:], [(seq, len(tokens) - 1)])
 
+    def _late_inputs(self, seqs: list[DeviceSeq], lists: list[list[int]], what: str) -> Optional[torch.Tensor]:
+        """The verify's inputs on the device [sum of K] when some are late drafts (None otherwise):
+        a sequence's LATE_DRAFT inputs are its anchor's successors, the first drafts of the proposal
+        the device kept for it (consumed here; specs/async.md §16.3)."""
+        if not any(LATE_DRAFT in toks for toks in lists):
+            return None
+        flat: list[int] = []
+        at: list[int] = []
+        kept: list[torch.Tensor] = []
+        for s, toks in zip(seqs, lists, strict=True):
+            late = [i for i, t in enumerate(toks) if t == LATE_DRAFT]
+            if late:
+                held = self._late.pop(s.seq_id, None)
+                if held is None or late != list(range(1, len(late) + 1)) or len(late) > held.numel():
+                    raise DeviceStateError(f"{what}: sequence {s.seq_id} verifies late drafts at {late} but holds "
+                                           f"{0 if held is None else held.numel()} (inputs {toks})")
+                at += [len(flat) + i for i in late]
+                kept.append(held[:len(late)])
+            flat += [0 if t == LATE_DRAFT else t for t in toks]
+        device = self.engine.device
+        inputs, where = send_ints([flat, at], device)
+        inputs[where] = torch.cat(kept)
+        return inputs
+
     def _verify_many(self, seqs: list[DeviceSeq], lists: list[list[int]], what: str) -> list[int]:
         self._settle_many(seqs, what)
         self._room_for([(s.slot, len(t)) for s, t in zip(seqs, lists, strict=True)], what)
+        late = self._late_inputs(seqs, lists, what)
+        ran = lists if late is None else [[0 if t == LATE_DRAFT else t for t in toks] for toks in lists]
         with self._errors(what):
-            outs = self.engine.verify_batched([s.slot for s in seqs], lists)
+            outs = self.engine.verify_batched([s.slot for s in seqs], ran, device_tokens=late)
         self._count("verify", what)
         logits = outs[0] if len(outs) == 1 else torch.cat(outs)
         owners = []
@@ -140,15 +167,35 @@ class Forwards(DeviceBook):
             owners += [(s.seq_id, t) for t in range(len(toks))]
         logits = self._constrain(logits, owners)  # a draft the grammar refuses is never the row's answer
         answers = row_argmax(logits)
-        ks, drafts = send_ints([[len(t) for t in lists], [t for toks in lists for t in toks[1:]]], logits.device)
-        accepted, _ = greedy_accept(answers, drafts, row_offsets_from_counts(ks))
-        both = torch.cat([answers, accepted]).tolist()  # the verify's one read: rows, then agreements
-        rows = both[:len(answers)]
-        for s, agreed in zip(seqs, both[len(answers):], strict=True):
+        ks = [len(t) for t in lists]
+        if late is None:
+            ks_t, drafts = send_ints([ks, [t for toks in lists for t in toks[1:]]], logits.device)
+        else:
+            starts = [sum(ks[:i]) for i in range(len(ks))]
+            ks_t, draft_at = send_ints([ks, [a + j for a, k in zip(starts, ks, strict=True) for j in range(1, k)]],
+                                       logits.device)
+            drafts = late[draft_at]
+        accepted, _ = greedy_accept(answers, drafts, row_offsets_from_counts(ks_t))
+        # the verify's one read: rows, agreements, then (late drafts) the inputs that ran
+        parts = [answers, accepted] if late is None else [answers, accepted, late]
+        read = torch.cat(parts).tolist()
+        rows, agreed = read[:len(answers)], read[len(answers):len(answers) + len(seqs)]
+        inputs = read[len(answers) + len(seqs):] if late is not None else [t for toks in lists for t in toks]
+        at = 0
+        for s, n, k in zip(seqs, agreed, ks, strict=True):
             assert s.pending is not None
-            s.pending.agreed = agreed + 1
+            s.pending.agreed = n + 1
+            if late is not None:
+                s.pending.tokens = inputs[at:at + k]
+                self.engine.set_pending_tokens(s.slot, s.pending.tokens)
+            at += k
+        self._verify_inputs = inputs
         self._set_rows(logits, owners, rows)
         return rows
+
+    def verify_inputs(self) -> list[int]:
+        """The last verify's inputs as they ran (late drafts filled in)."""
+        return list(self._verify_inputs)
 
     def serial_verify(self, call: str, seq: int, tokens) -> list[int]:
         """One sequence's verify of its anchor and drafts; ``call`` (the effect's name: graphed, K = 3,

@@ -65,6 +65,7 @@ class Lifecycle(DeviceBook):
         with self._errors("free_sequence"):
             self.engine.free(s.slot)
         self._cached_by_session[s.session] = s.cached_tokens
+        self._late.pop(seq, None)
         del self._by_slot[s.slot]
         del self._seqs[seq]
 

@@ -11,6 +11,7 @@ import torch
 from fxsched.runtime.devices.device import DeviceError
 from fxsched.runtime.devices.torch_sampling import RowLogprobs, logprob_records
 
+from fxsched.core.events import LATE_DRAFT
 from fxsched.runtime.devices.torch_book import DeviceBook, DeviceSeq, DeviceStateError
 
 log = structlog.get_logger("fxsched.torch_device")
@@ -25,19 +26,34 @@ class Proposers(DeviceBook):
     """Draft proposals and scratch-slot forwards."""
 
     def _propose(self, seqs: list[DeviceSeq], tokens: list[int], n: int, what: str) -> list[list[int]]:
+        """n drafts per sequence after its anchor ``tokens[i]``. With ``late_drafts`` (and no
+        drafter override, no grammar on any of them) the drafts stay on the device and the answer is
+        LATE_DRAFT for each; the verify that consumes them reads them back (specs/async.md §16.3)."""
+        for s in seqs:
+            self._late.pop(s.seq_id, None)  # a new proposal replaces one never verified
         if self.drafter is not None:
             drafts = [list(self.drafter(self.engine.tokens(s.slot), int(t), n))[:n]
                       for s, t in zip(seqs, tokens, strict=True)]
-        elif self.proposer == "mtp":
+            return self._proposed(seqs, drafts, what)
+        slots = [s.slot for s in seqs]
+        if self.proposer == "mtp":
             with self._errors(what):
-                drafts = self.engine.mtp_propose([s.slot for s in seqs], tokens, n)
+                held = self.engine.mtp_drafts(slots, tokens, n)
         elif self.proposer == "dflash":
             for s in seqs:
                 self._ctx_catch_up(s)
             with self._errors(what):
-                drafts = [d[:n] for d in self.engine.dflash_propose([s.slot for s in seqs], tokens)]
+                held = self.engine.dflash_drafts(slots, tokens)[:, :n]
         else:
             raise DeviceError(f"{what}: this device was set up without a draft proposer")
+        grammar = self.grammars is not None and any(self.grammars.request_of(s.seq_id) is not None for s in seqs)
+        if not self.late_drafts or grammar:  # a grammar masks verify rows by the drafts: it needs them now
+            return self._proposed(seqs, held.tolist(), what)
+        for i, s in enumerate(seqs):
+            self._late[s.seq_id] = held[i]
+        return self._proposed(seqs, [[LATE_DRAFT] * held.shape[1]] * len(seqs), what)
+
+    def _proposed(self, seqs: list[DeviceSeq], drafts: list[list[int]], what: str) -> list[list[int]]:
         self.stats.calls[what] += 1
         self.stats.proposals += len(drafts)
         self.stats.drafts_proposed += sum(len(d) for d in drafts)

@@ -93,7 +93,7 @@ def generate_ep(engine: HybridEngine, prompts: Seq[Seq[int]], max_tokens: int, s
 
         try:
             result = generate(engine, prompts, max_tokens, spec, batch, drafter, strict, progress, wrap_device=wrap,
-                              **generate_options)
+                              late_drafts=False, **generate_options)
             if leaders:
                 leaders[0].stop_workers()
         except RunError as err:

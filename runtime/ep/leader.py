@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Optional
 
 import structlog
 
+from fxsched.core.events import LATE_DRAFT
 from fxsched.effects.ep_words import SHUTDOWN_CMD
 from fxsched.runtime.devices.device import DeviceError
 from fxsched.runtime.ep.link import LeaderLink, LinkError
@@ -59,6 +60,13 @@ if TYPE_CHECKING:
     from fxsched.runtime.ep.experts import ExpertGroup
 
 log = structlog.get_logger("fxsched.ep")
+
+def _no_late_drafts(call: str, tokens) -> None:
+    """The EP words carry a verify's inputs to the workers, so the leader's device must read its
+    drafts back (TorchDevice without late_drafts, specs/async.md §16.3)."""
+    if LATE_DRAFT in tokens:
+        raise DeviceError(f"{call}: a late draft reached the expert-parallel leader, whose words carry every input")
+
 
 class EpLeaderDevice:
     def __new__(cls, inner, *args, **kwargs):
@@ -318,6 +326,7 @@ class EpLeaderDevice:
     def serial_verify(self, name: str, seq: int, tokens) -> list[int]:
         if self.failure is not None:
             raise DeviceError(self.failure)
+        _no_late_drafts(name, tokens)
         slot = self._slot(seq)
         start = self.mirror.length(slot)
         said = self._announcement()
@@ -328,9 +337,13 @@ class EpLeaderDevice:
         self._sync()
         return rows
 
+    def verify_inputs(self) -> list[int]:
+        return self.inner.verify_inputs()
+
     def decode_verify_batched(self, tokens, ks, seqs, stream: int, woa: bool) -> list[int]:
         if self.failure is not None:
             raise DeviceError(self.failure)
+        _no_late_drafts("decode_verify_batched", tokens)
         starts = [self.mirror.length(self._slot(s)) for s in seqs]
         self._announcement()
         rows = self.inner.decode_verify_batched(tokens, ks, seqs, stream, woa)

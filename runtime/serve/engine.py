@@ -424,7 +424,7 @@ class ServeEngine:
                  wrap_device: Optional[Callable[[TorchDevice], Device]] = None,
                  metrics: Optional[ServeMetrics] = None, record: Optional[str | Path] = None,
                  record_meta: Optional[dict[str, Any]] = None, eos_ids: Optional[Seq[int]] = None,
-                 max_batch_tokens: Optional[int] = None):
+                 max_batch_tokens: Optional[int] = None, late_drafts: bool = True):
         ensure_configured()
         cfg = engine.cfg
         self.engine = engine
@@ -440,6 +440,7 @@ class ServeEngine:
         self.max_waiting = max_waiting
         self.drafter = drafter
         self.wrap_device = wrap_device
+        self.late_drafts = late_drafts  # specs/async.md §16.3; off under expert parallelism
         self.metrics = metrics if metrics is not None else ServeMetrics(spec, cfg.num_blocks, cfg.max_slots)
         self.record = Path(record) if record is not None else None
         self.record_meta = record_meta or {}
@@ -599,7 +600,7 @@ class ServeEngine:
     def _life(self, life: int) -> bool:
         """One scheduler life; True when it ended as asked (closed), False after a fault."""
         device = TorchDevice(self.engine, proposer=self.proposer, drafter=self.drafter, on_tick=self._tick,
-                             grammars=self.grammars)
+                             grammars=self.grammars, late_drafts=self.late_drafts)
         device.row_processors = self.host.processors
         self._device = device
         self.metrics.reset_speculation()

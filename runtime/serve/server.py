@@ -195,7 +195,8 @@ class Serving:
         self.sock = sock
         self.engine = ServeEngine(engine, tokenizer, settings.spec, settings.max_batch, settings.max_waiting,
                                   drafter=drafter, wrap_device=wrap_device, record=settings.record,
-                                  record_meta=record_meta, max_batch_tokens=settings.max_batch_tokens)
+                                  record_meta=record_meta, max_batch_tokens=settings.max_batch_tokens,
+                                  late_drafts=wrap_device is None)  # the EP words carry every input
         self.limits = Limits((settings.model_name,), cfg.vocab_size, max_prompt_len(cfg), context_limit(cfg),
                              self.engine.speculative)
         self.state = ServeState()

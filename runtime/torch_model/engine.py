@@ -285,7 +285,7 @@ class HybridEngine:
 
     # ---- forward ------------------------------------------------------------------------------
     def prepare(self, slots: Sequence[int], token_lists: Sequence[Sequence[int]], *, commit_all: bool = False,
-                in_place: bool = False, static: bool = False) -> RowBatch:
+                in_place: bool = False, static: bool = False, device_tokens: torch.Tensor | None = None) -> RowBatch:
         """Validate a forward's rows, allocate their blocks (all or nothing) and build its batch
         (see _forward for commit_all and in_place). static leaves out the host-built attention plan,
         so the forward takes only shape-static paths: the form a CUDA graph or
@@ -308,14 +308,15 @@ class HybridEngine:
             last = state.block_table[-1] if state.block_table else None
             state.block_table.extend(self.pool.allocate(self.blocks_needed(slot, len(toks)), after=last))
         keep = self._commit_rows(states, token_lists) if commit_all else None
-        batch = self._row_batch(slots, states, token_lists, keep, last_logits=commit_all)
+        batch = self._row_batch(slots, states, token_lists, keep, last_logits=commit_all, device_tokens=device_tokens)
         batch.gdn_in_place = in_place
         if static:
             batch.attn = None
         return batch
 
     def _forward(self, slots: Sequence[int], token_lists: Sequence[Sequence[int]],
-                 commit_all: bool = False, in_place: bool = False) -> ForwardOutput:
+                 commit_all: bool = False, in_place: bool = False,
+                 device_tokens: torch.Tensor | None = None) -> ForwardOutput:
         """Validate, allocate blocks (all or nothing), run the model; records pending + captured rows.
 
         commit_all promises that every row will be committed (a prefill chunk, a mixed or batched
@@ -324,7 +325,7 @@ class HybridEngine:
         in_place (one row per slot, committed by the caller right after: a decode) lets the GDN
         layers update the slots' states in the cache as they run (RowBatch.gdn_in_place).
         """
-        batch = self.prepare(slots, token_lists, commit_all=commit_all, in_place=in_place)
+        batch = self.prepare(slots, token_lists, commit_all=commit_all, in_place=in_place, device_tokens=device_tokens)
         states = [self._slot(s) for s in slots]
         drafter = self.dflash if isinstance(self.dflash, PublishedDFlash) else None
         with _subnormals_flushed(self.device):
@@ -372,10 +373,12 @@ class HybridEngine:
 
     def _row_batch(self, slots: Sequence[int], states: Sequence[SlotState],
                    token_lists: Sequence[Sequence[int]], keep_rows: tuple[int, ...] | None = None,
-                   last_logits: bool = False) -> RowBatch:
+                   last_logits: bool = False, device_tokens: torch.Tensor | None = None) -> RowBatch:
         """The forward's batch, built from host lists in one pass and moved to the device in one
         packed copy (`send_ints`); with last_logits only each entry's last row gets logits (a
-        committed forward: the caller reads nothing else)."""
+        committed forward: the caller reads nothing else). device_tokens (int64, the rows of every
+        list in order, on the device) replaces the lists' tokens on the device: tokens the host has
+        not read (late drafts, specs/async.md §16.3)."""
         b, t = len(slots), max(len(toks) for toks in token_lists)
         nb = max(len(s.block_table) for s in states)
         bs = self.cfg.block_size
@@ -397,11 +400,15 @@ class HybridEngine:
             fields.append(valid_rows)
         if last_logits:
             fields.append([i * t + n - 1 for i, n in enumerate(lengths)])
+        if device_tokens is not None:
+            fields.append(valid_rows)
         sent = send_ints(fields, dev)
         tokens_t, positions_t, tables_t, write_t, slots_t, lengths_t = sent[:6]
         extra = iter(sent[6:])
         valid_t = None if uniform else next(extra)
         logit_rows = next(extra) if last_logits else None
+        if device_tokens is not None:
+            tokens_t[next(extra)] = device_tokens
         valid = torch.arange(t, device=dev)[None, :] < lengths_t[:, None]
         plan = plan_keys([s.block_table for s in states], [s.seq_len for s in states], lengths, bs, dev,
                          row_kernel=dev.type == "cpu" and bool(self.kv.k) and self.kv.k[0].dtype == torch.bfloat16)
@@ -498,10 +505,20 @@ class HybridEngine:
         return self.verify_batched([slot], [tokens])[0]
 
     @torch.no_grad()
-    def verify_batched(self, slots: Sequence[int], tokens_per_slot: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        """Batched `verify` with per-slot row counts; returns per slot logits [K_b, V]."""
-        out = self._forward(slots, tokens_per_slot)
+    def verify_batched(self, slots: Sequence[int], tokens_per_slot: Sequence[Sequence[int]],
+                       device_tokens: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """Batched `verify` with per-slot row counts; returns per slot logits [K_b, V]. With
+        device_tokens the rows run those tokens instead (see _row_batch); the host lists are then
+        placeholders until `set_pending_tokens` names what ran."""
+        out = self._forward(slots, tokens_per_slot, device_tokens=device_tokens)
         return [out.logits[b, :len(toks)] for b, toks in enumerate(tokens_per_slot)]
+
+    def set_pending_tokens(self, slot: int, tokens: Sequence[int]) -> None:
+        """The tokens the slot's pending rows ran (once read back), so a commit records them."""
+        pending = self._pending[slot]
+        if pending is None or len(pending.tokens) != len(tokens):
+            raise SlotError(f"slot {slot}: no pending forward of {len(tokens)} rows")
+        pending.tokens = [int(t) for t in tokens]
 
     def commit_accepted_prefix(self, slot: int, n_keep: int) -> None:
         """Commit the first n_keep rows of the slot's pending forward (see gdn_fold_accepted)."""
@@ -614,11 +631,16 @@ class HybridEngine:
         self.mtp_hidden[slot] = hidden
         self._mtp_hidden_set[slot] = True
 
-    @torch.no_grad()
     def mtp_propose(self, slots: Sequence[int], last_tokens: Sequence[int], num_drafts: int) -> list[list[int]]:
-        """num_drafts greedy MTP drafts per slot, continuing last_tokens[i] (the token after the slot's
-        committed ones). The internal head reads the saved hidden (save_hidden_for_mtp); a checkpoint's
-        MTP module reads the committed tokens and hidden rows, catching its own KV up first."""
+        """`mtp_drafts`, read back."""
+        return self.mtp_drafts(slots, last_tokens, num_drafts).tolist()
+
+    @torch.no_grad()
+    def mtp_drafts(self, slots: Sequence[int], last_tokens: Sequence[int], num_drafts: int) -> torch.Tensor:
+        """num_drafts greedy MTP drafts per slot [B, num_drafts] on the device, continuing
+        last_tokens[i] (the token after the slot's committed ones). The internal head reads the saved
+        hidden (save_hidden_for_mtp); a checkpoint's MTP module reads the committed tokens and hidden
+        rows, catching its own KV up first."""
         if self.mtp is None:
             raise SlotError("this model has no MTP head (config mtp = false, mtp_layers = 0)")
         if len(slots) != len(last_tokens):
@@ -629,20 +651,25 @@ class HybridEngine:
                 if not state.seq_len:
                     raise SlotError(f"slot {slot}: MTP proposals need a prefilled sequence")
             return self.mtp.propose(slots, [s.tokens for s in states], self.hidden_history,
-                                    [int(t) for t in last_tokens], num_drafts).tolist()
+                                    [int(t) for t in last_tokens], num_drafts)
         for slot in slots:
             if not self._mtp_hidden_set[slot]:
                 raise SlotError(f"slot {slot}: no hidden saved for MTP (call save_hidden_for_mtp)")
         index, toks = send_ints([slots, [int(t) for t in last_tokens]], self.device)
-        return self.mtp.propose(self.mtp_hidden.index_select(0, index), toks, num_drafts).tolist()
+        return self.mtp.propose(self.mtp_hidden.index_select(0, index), toks, num_drafts)
+
+    def dflash_propose(self, slots: Sequence[int], last_tokens: Sequence[int]) -> list[list[int]]:
+        """`dflash_drafts`, read back."""
+        return self.dflash_drafts(slots, last_tokens).tolist()
 
     @torch.no_grad()
-    def dflash_propose(self, slots: Sequence[int], last_tokens: Sequence[int]) -> list[list[int]]:
-        """dflash_gamma drafts per slot from one block forward over [last token, MASK x gamma]."""
+    def dflash_drafts(self, slots: Sequence[int], last_tokens: Sequence[int]) -> torch.Tensor:
+        """dflash_gamma drafts per slot [B, gamma] on the device, from one block forward over
+        [last token, MASK x gamma]."""
         drafter = self._require_dflash()
         for slot in slots:
             self._slot(slot)
-        return drafter.propose(slots, [int(t) for t in last_tokens], self.device).tolist()
+        return drafter.propose(slots, [int(t) for t in last_tokens], self.device)
 
     @torch.no_grad()
     def commit_ctx(self, slot: int, n: int) -> None:
