@@ -46,6 +46,7 @@ from .hf_drafters import PublishedDFlash, PublishedMtp, load_dflash_drafter
 from .kernel_paths import gdn_decode_in_place, gdn_fold_kernel_applies
 from .attn_plan import plan_keys
 from .batch_groups import forward_rows, row_groups
+from .graphs import ForwardGraphs, buckets, cuda_graphs_wanted
 from .model import ForwardOutput, HybridModel, RowBatch
 from .moe import fuse_shared_experts
 from .ops import rms_norm
@@ -108,7 +109,8 @@ class HybridEngine:
     """Hybrid GDN/attention model with paged KV cache, per-slot GDN state, drafters and prefix cache."""
 
     def __init__(self, cfg: ModelConfig | None = None, weights: Weights | None = None,
-                 device: str | torch.device = "cpu", draft_model: str | Path | None = None) -> None:
+                 device: str | torch.device = "cpu", draft_model: str | Path | None = None,
+                 cuda_graphs: bool | None = None) -> None:
         self.cfg = cfg = cfg or default_config()
         self.device = torch.device(device)
         dtype = torch_dtype(cfg)  # KV / GDN caches and hidden rows are kept in the model's dtype
@@ -118,7 +120,9 @@ class HybridEngine:
         weights = weights if weights is not None else init_weights(cfg, self.device)
         self.model = HybridModel(cfg, {n: t.to(self.device) for n, t in weights.items()})
         self.pool = BlockPool(cfg.num_blocks)
-        self.kv = PagedKVCache(len(cfg.attn_layers), cfg.num_blocks, cfg.block_size, cfg.num_kv_heads,
+        # one block past the pool's: the scratch block padding rows of a static forward write to
+        self.scratch_block = cfg.num_blocks
+        self.kv = PagedKVCache(len(cfg.attn_layers), cfg.num_blocks + 1, cfg.block_size, cfg.num_kv_heads,
                                cfg.head_dim, self.device, dtype)
         self.gdn = GdnStateCache(cfg, self.device, dtype)
         # the most padded rows (sequences x longest) one committed forward takes (None: no limit)
@@ -152,6 +156,26 @@ class HybridEngine:
         self._pending: list[PendingRows | None] = [None] * cfg.max_slots
         self._captured: list[torch.Tensor | None] = [None] * cfg.max_slots
         self._captured_features: list[torch.Tensor | None] = [None] * cfg.max_slots
+        self.graphs: ForwardGraphs | None = None
+        if cuda_graphs_wanted(self.device, cuda_graphs):
+            self.use_graphs(capture=True)
+
+    def use_graphs(self, capture: bool) -> ForwardGraphs | None:
+        """Decodes and uniform verifies through static forwards (graphs.py, specs/async.md §16.4), of
+        every bucket of batch sizes and every row count a decode (1) or verify (2-4, the DFlash
+        block) takes; with ``capture`` (CUDA) each is captured as a CUDA graph now. A capture that
+        fails leaves every forward eager, with a warning."""
+        rows = {1, 2, 3, 4} | ({self.cfg.dflash_gamma + 1} if self.dflash is not None else set())
+        drafter = self.dflash if isinstance(self.dflash, PublishedDFlash) else None
+        layers = tuple(drafter.target_layer_ids) if drafter is not None else ()
+        try:
+            with torch.no_grad():
+                self.graphs = ForwardGraphs(self, buckets(self.cfg.max_slots), sorted(rows), self.scratch_block,
+                                            layers, capture=capture)
+        except RuntimeError as err:  # CUDA's errors are RuntimeErrors
+            log.warning("cuda_graphs_off", reason=str(err))
+            self.graphs = None
+        return self.graphs
 
     @classmethod
     def from_weights_file(cls, path: str | Path, cfg: ModelConfig | None = None,
@@ -165,14 +189,15 @@ class HybridEngine:
                         max_seq_len: int | None = None, max_slots: int = 16, num_blocks: int | None = None,
                         block_size: int = 16, draft_model: str | Path | None = None,
                         expert_shard: tuple[int, int] | None = None,
-                        kv_cache_memory: int | None = None) -> "HybridEngine":
+                        kv_cache_memory: int | None = None, cuda_graphs: bool | None = None) -> "HybridEngine":
         """Engine over a Hugging Face checkpoint directory (see hf_checkpoint.load_pretrained, whose
         arguments these are; a bad directory raises ModelDirError). draft_model: a DFlash drafter
         directory (public format, see hf_drafters.load_dflash_drafter) to draft with. expert_shard:
         (rank, world) of an expert-parallel run: only rank's experts are loaded, and the MoE layers
         need the run's group bound to them (runtime/ep/experts.py) before a forward. kv_cache_memory:
         the cache budget in bytes, KV blocks and GDN states (hf_checkpoint.cache_sizes), instead of
-        num_blocks."""
+        num_blocks. cuda_graphs: capture decodes and uniform verifies as CUDA graphs at start-up
+        (CUDA only; None: unless FXSCHED_CUDA_GRAPHS=0)."""
         from .hf_checkpoint import load_pretrained
 
         cfg, weights = load_pretrained(model_dir, device=device, dtype=dtype, max_seq_len=max_seq_len,
@@ -181,7 +206,7 @@ class HybridEngine:
         # packed here, consuming the loader's dict, so the model is never held twice (ops.pack_for_cpu)
         weights = fuse_shared_experts(weights, cfg)
         weights = pack_for_cpu(weights, cfg, consume=True)
-        return cls(cfg, weights, device, draft_model=draft_model)
+        return cls(cfg, weights, device, draft_model=draft_model, cuda_graphs=cuda_graphs)
 
     # ---- slots --------------------------------------------------------------------------------
     def _slot(self, slot: int) -> SlotState:
@@ -329,8 +354,10 @@ class HybridEngine:
         states = [self._slot(s) for s in slots]
         drafter = self.dflash if isinstance(self.dflash, PublishedDFlash) else None
         with _subnormals_flushed(self.device):
-            out = self.model.forward(batch, self.kv, self.gdn,
-                                     capture_layers=drafter.target_layer_ids if drafter is not None else ())
+            out = self.graphs.forward(batch) if self.graphs is not None else None
+            if out is None:
+                out = self.model.forward(batch, self.kv, self.gdn,
+                                         capture_layers=drafter.target_layer_ids if drafter is not None else ())
         features = self._context_features(drafter, out) if drafter is not None else None
         for b, (slot, state, toks) in enumerate(zip(slots, states, token_lists, strict=True)):
             rows = features[b, :len(toks)] if features is not None else None
