@@ -4,11 +4,13 @@ sampling."""
 
 from __future__ import annotations
 
+from itertools import accumulate
 from typing import Optional
 
 import structlog
 import torch
 
+from fxsched.core.events import LATE_DRAFT
 from fxsched.kernels.greedy_accept import greedy_accept, row_offsets_from_counts
 from fxsched.kernels.row_argmax import row_argmax
 from fxsched.runtime.devices.device import DeviceError
@@ -16,7 +18,6 @@ from fxsched.runtime.devices.spec_sampling import verify_sample
 from fxsched.runtime.devices.row_processors import RowProcessors
 from fxsched.runtime.devices.torch_sampling import RowLogprobs, SampledRows, logprob_records, sample_rows
 from fxsched.runtime.torch_model.transfers import send_ints
-from fxsched.core.events import LATE_DRAFT
 from fxsched.runtime.devices.torch_book import DeviceBook, DeviceSeq, DeviceStateError, Pending, PendingKind
 
 log = structlog.get_logger("fxsched.torch_device")
@@ -128,12 +129,13 @@ class Forwards(DeviceBook):
         s.pending = Pending(tokens, len(tokens), PendingKind.DRAFT, len(tokens))
         self._set_rows(logits[-1:], [(seq, len(tokens) - 1)])
 
-    def _late_inputs(self, seqs: list[DeviceSeq], lists: list[list[int]], what: str) -> Optional[torch.Tensor]:
-        """The verify's inputs on the device [sum of K] when some are late drafts (None otherwise):
-        a sequence's LATE_DRAFT inputs are its anchor's successors, the first drafts of the proposal
-        the device kept for it (consumed here; specs/async.md §16.3)."""
+    def _late_inputs(self, seqs: list[DeviceSeq], lists: list[list[int]],
+                     what: str) -> tuple[Optional[torch.Tensor], list[list[int]]]:
+        """(the verify's inputs on the device [sum of K], or None when none is a late draft; the host
+        lists with each late draft as 0): a sequence's LATE_DRAFT inputs are its anchor's successors,
+        the first drafts of the proposal the device kept for it (consumed here; specs/async.md §16.3)."""
         if not any(LATE_DRAFT in toks for toks in lists):
-            return None
+            return None, lists
         flat: list[int] = []
         at: list[int] = []
         kept: list[torch.Tensor] = []
@@ -147,16 +149,18 @@ class Forwards(DeviceBook):
                 at += [len(flat) + i for i in late]
                 kept.append(held[:len(late)])
             flat += [0 if t == LATE_DRAFT else t for t in toks]
-        device = self.engine.device
-        inputs, where = send_ints([flat, at], device)
+        inputs, where = send_ints([flat, at], self.engine.device)
         inputs[where] = torch.cat(kept)
-        return inputs
+        host, start = [], 0
+        for toks in lists:
+            host.append(flat[start:start + len(toks)])
+            start += len(toks)
+        return inputs, host
 
     def _verify_many(self, seqs: list[DeviceSeq], lists: list[list[int]], what: str) -> list[int]:
         self._settle_many(seqs, what)
         self._room_for([(s.slot, len(t)) for s, t in zip(seqs, lists, strict=True)], what)
-        late = self._late_inputs(seqs, lists, what)
-        ran = lists if late is None else [[0 if t == LATE_DRAFT else t for t in toks] for toks in lists]
+        late, ran = self._late_inputs(seqs, lists, what)
         with self._errors(what):
             outs = self.engine.verify_batched([s.slot for s in seqs], ran, device_tokens=late)
         self._count("verify", what)
@@ -171,7 +175,7 @@ class Forwards(DeviceBook):
         if late is None:
             ks_t, drafts = send_ints([ks, [t for toks in lists for t in toks[1:]]], logits.device)
         else:
-            starts = [sum(ks[:i]) for i in range(len(ks))]
+            starts = accumulate(ks[:-1], initial=0)
             ks_t, draft_at = send_ints([ks, [a + j for a, k in zip(starts, ks, strict=True) for j in range(1, k)]],
                                        logits.device)
             drafts = late[draft_at]

@@ -8,10 +8,10 @@ from typing import Sequence as Seq
 import structlog
 import torch
 
+from fxsched.core.events import LATE_DRAFT
 from fxsched.runtime.devices.device import DeviceError
 from fxsched.runtime.devices.torch_sampling import RowLogprobs, logprob_records
 
-from fxsched.core.events import LATE_DRAFT
 from fxsched.runtime.devices.torch_book import DeviceBook, DeviceSeq, DeviceStateError
 
 log = structlog.get_logger("fxsched.torch_device")
