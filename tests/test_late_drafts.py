@@ -124,3 +124,36 @@ def test_the_torch_device_gives_the_same_tokens_with_late_drafts_on_and_off(spec
     assert runs[True].outputs == runs[False].outputs
     assert runs[True].summary.verifies == runs[False].summary.verifies > 0
     assert runs[True].device.late_drafts and not runs[False].device.late_drafts
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_verify_whose_forward_fails_keeps_the_late_drafts_for_its_retry(monkeypatch):
+    """A verify refused for lack of KV blocks is a recoverable fault: the scheduler may ask again
+    with the same placeholders, so the device still holds the drafts until a forward has run them."""
+    from fxsched.core.events import LATE_DRAFT
+    from fxsched.runtime.devices.device import DeviceError
+    from fxsched.runtime.devices.torch import TorchDevice
+    from fxsched.runtime.torch_model import HybridEngine
+    from fxsched.runtime.torch_model.default_model import default_model_dir
+    from fxsched.runtime.torch_model.errors import OutOfBlocksError
+
+    rows = {}
+    for late in (True, False):
+        dev = TorchDevice(HybridEngine.from_pretrained(default_model_dir(), max_slots=2), proposer="mtp",
+                          late_drafts=late)
+        dev.alloc_sequence(1, 1)
+        dev.prefill(1, [3, 1, 4, 1, 5, 9], 0)
+        first = dev.argmax_on_device(0, 0)
+        dev.save_hidden_for_mtp(0, 0)
+        drafts = dev.run_mtp_propose_multi(first, 6, 3, 1, 0, False)
+        assert (drafts == [LATE_DRAFT] * 3) is late
+        if late:
+            def short_of_blocks(*a, _engine=dev.engine, _verify=dev.engine.verify_batched, **k):
+                monkeypatch.setattr(_engine, "verify_batched", _verify)  # once: the retry runs
+                raise OutOfBlocksError("forward needs 1 new KV blocks, only 0 free")
+            monkeypatch.setattr(dev.engine, "verify_batched", short_of_blocks)
+            with pytest.raises(DeviceError) as refused:
+                dev.serial_verify("decode_verify_graphed_k4", 1, [first] + drafts)
+            assert refused.value.kv_exhausted
+        rows[late] = (dev.serial_verify("decode_verify_graphed_k4", 1, [first] + drafts), dev.verify_inputs())
+    assert rows[True] == rows[False]

@@ -133,7 +133,8 @@ class Forwards(DeviceBook):
                      what: str) -> tuple[Optional[torch.Tensor], list[list[int]]]:
         """(the verify's inputs on the device [sum of K], or None when none is a late draft; the host
         lists with each late draft as 0): a sequence's LATE_DRAFT inputs are its anchor's successors,
-        the first drafts of the proposal the device kept for it (consumed here; specs/async.md §16.3)."""
+        the first drafts of the proposal the device kept for it (specs/async.md §16.3; the verify
+        consumes them once its forward has run, so a forward that fails leaves them for a retry)."""
         if not any(LATE_DRAFT in toks for toks in lists):
             return None, lists
         flat: list[int] = []
@@ -142,7 +143,7 @@ class Forwards(DeviceBook):
         for s, toks in zip(seqs, lists, strict=True):
             late = [i for i, t in enumerate(toks) if t == LATE_DRAFT]
             if late:
-                held = self._late.pop(s.seq_id, None)
+                held = self._late.get(s.seq_id)
                 if held is None or late != list(range(1, len(late) + 1)) or len(late) > held.numel():
                     raise DeviceStateError(f"{what}: sequence {s.seq_id} verifies late drafts at {late} but holds "
                                            f"{0 if held is None else held.numel()} (inputs {toks})")
@@ -163,6 +164,9 @@ class Forwards(DeviceBook):
         late, ran = self._late_inputs(seqs, lists, what)
         with self._errors(what):
             outs = self.engine.verify_batched([s.slot for s in seqs], ran, device_tokens=late)
+        if late is not None:
+            for s in seqs:
+                self._late.pop(s.seq_id, None)
         self._count("verify", what)
         logits = outs[0] if len(outs) == 1 else torch.cat(outs)
         owners = []
