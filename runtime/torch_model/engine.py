@@ -160,18 +160,22 @@ class HybridEngine:
         if cuda_graphs_wanted(self.device, cuda_graphs):
             self.use_graphs(capture=True)
 
+    @property
+    def capture_layers(self) -> tuple[int, ...]:
+        """The decoder layers whose outputs a forward returns: a checkpoint DFlash drafter's target
+        layers (its context features), else none."""
+        return tuple(self.dflash.target_layer_ids) if isinstance(self.dflash, PublishedDFlash) else ()
+
     def use_graphs(self, capture: bool) -> ForwardGraphs | None:
         """Decodes and uniform verifies through static forwards (graphs.py, specs/async.md §16.4), of
         every bucket of batch sizes and every row count a decode (1) or verify (2-4, the DFlash
         block) takes; with ``capture`` (CUDA) each is captured as a CUDA graph now. A capture that
         fails leaves every forward eager, with a warning."""
         rows = {1, 2, 3, 4} | ({self.cfg.dflash_gamma + 1} if self.dflash is not None else set())
-        drafter = self.dflash if isinstance(self.dflash, PublishedDFlash) else None
-        layers = tuple(drafter.target_layer_ids) if drafter is not None else ()
         try:
             with torch.no_grad():
                 self.graphs = ForwardGraphs(self, buckets(self.cfg.max_slots), sorted(rows), self.scratch_block,
-                                            layers, capture=capture)
+                                            self.capture_layers, capture=capture)
         except RuntimeError as err:  # CUDA's errors are RuntimeErrors
             log.warning("cuda_graphs_off", reason=str(err))
             self.graphs = None
@@ -352,12 +356,11 @@ class HybridEngine:
         """
         batch = self.prepare(slots, token_lists, commit_all=commit_all, in_place=in_place, device_tokens=device_tokens)
         states = [self._slot(s) for s in slots]
-        drafter = self.dflash if isinstance(self.dflash, PublishedDFlash) else None
         with _subnormals_flushed(self.device):
             out = self.graphs.forward(batch) if self.graphs is not None else None
             if out is None:
-                out = self.model.forward(batch, self.kv, self.gdn,
-                                         capture_layers=drafter.target_layer_ids if drafter is not None else ())
+                out = self.model.forward(batch, self.kv, self.gdn, capture_layers=self.capture_layers)
+        drafter = self.dflash if isinstance(self.dflash, PublishedDFlash) else None
         features = self._context_features(drafter, out) if drafter is not None else None
         for b, (slot, state, toks) in enumerate(zip(slots, states, token_lists, strict=True)):
             rows = features[b, :len(toks)] if features is not None else None
@@ -427,15 +430,16 @@ class HybridEngine:
             fields.append(valid_rows)
         if last_logits:
             fields.append([i * t + n - 1 for i, n in enumerate(lengths)])
-        if device_tokens is not None:
-            fields.append(valid_rows)
         sent = send_ints(fields, dev)
         tokens_t, positions_t, tables_t, write_t, slots_t, lengths_t = sent[:6]
         extra = iter(sent[6:])
         valid_t = None if uniform else next(extra)
         logit_rows = next(extra) if last_logits else None
-        if device_tokens is not None:
-            tokens_t[next(extra)] = device_tokens
+        if device_tokens is not None:  # the rows in order: every grid position when uniform
+            if valid_t is None:
+                tokens_t.copy_(device_tokens)
+            else:
+                tokens_t[valid_t] = device_tokens
         valid = torch.arange(t, device=dev)[None, :] < lengths_t[:, None]
         plan = plan_keys([s.block_table for s in states], [s.seq_len for s in states], lengths, bs, dev,
                          row_kernel=dev.type == "cpu" and bool(self.kv.k) and self.kv.k[0].dtype == torch.bfloat16)

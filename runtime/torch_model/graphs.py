@@ -122,17 +122,15 @@ class StaticForward:
         self.graph = graph
 
     def forward(self, batch: RowBatch) -> ForwardOutput:
-        """The forward of ``batch``: replayed when captured, else run on the static inputs; its
-        first n sequences' outputs, copied out."""
+        """The forward of ``batch``: replayed when captured (its first n sequences' outputs copied
+        out of the graph's pool), else run on the static inputs."""
         self.load(batch)
-        if self.graph is not None:
-            self.graph.replay()
-            out = self.out
-            assert out is not None
-        else:
-            out = self.run()
         n = batch.tokens.shape[0]
-        return _copied(_first(out, n))
+        if self.graph is None:
+            return _first(self.run(), n)  # fresh tensors: nothing else writes them
+        self.graph.replay()
+        assert self.out is not None
+        return _copied(_first(self.out, n))
 
 
 def _first(out: ForwardOutput, n: int) -> ForwardOutput:
