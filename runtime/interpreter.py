@@ -7,6 +7,9 @@ Order of delivery after a batch: input events that arose while it ran (the arriv
 wait returned, then the host's inputs, then scripted cancels from the device) first, then the
 answer of the batch's query.
 
+With a lane (specs/async.md §16.5), a batch's device effects run there, in order, while its client
+outputs are carried out here; a late proposal is answered ahead, without waiting for the device.
+
 Every batch that ``step`` returns ends in exactly one query, whose answer is the next event, or in
 the teardown; an input event's batch is empty. Anything else is a ``BatchError``.
 
@@ -21,6 +24,7 @@ answer is what its last effect, the query, returned. An effect type no case cove
 from __future__ import annotations
 
 from collections import deque
+from concurrent.futures import Future
 from operator import attrgetter
 from typing import Any, Callable, Iterable, Optional, Sequence as Seq, Union
 
@@ -35,6 +39,7 @@ from fxsched.effects import plans
 from fxsched.effects.client import ClientOutput, RotationAck, StreamOut
 from fxsched.effects.ep_words import RELEASE_CMD, SHUTDOWN_CMD
 from fxsched.runtime.devices.device import Device, DeviceError
+from fxsched.runtime.devices.lane import Lane
 from fxsched.runtime.devices.sampling import decode_bf16_row, host_pick
 
 log = structlog.get_logger("fxsched.interpreter")
@@ -127,9 +132,19 @@ def check_batch(event: ev.Event, effects: Seq, stopped: bool) -> None:
 
 
 class Interpreter:
+    """``lane``: carry the device's effects out on a device lane (specs/async.md §16.5): a batch's
+    device effects run there, in order, while its client outputs are carried out here, and a query
+    the device answers ahead (``late_proposal``: a late proposal) does not wait at all."""
+
     def __init__(self, device: Device, host: Host, eos_ids: tuple[int, ...],
-                 observer: Optional[Observer] = None):
+                 observer: Optional[Observer] = None, lane: Optional[Lane] = None):
         self.device = device
+        self.lane = lane
+        # how many drafts each sequence of a proposal gets when the device answers it late (None: not late)
+        self._late_proposal: Optional[Callable[[tuple[int, ...], int], Optional[int]]] = (
+            getattr(device, "late_proposal", None) if lane is not None else None)
+        self._ahead: Optional[tuple[Future, ev.Event]] = None  # a launched query answered ahead, unchecked
+        self.answered_ahead = 0  # queries answered before the device ran them
         self.host = host
         self.eos_ids = eos_ids
         self.observer = observer if observer is not None else Observer()
@@ -147,7 +162,14 @@ class Interpreter:
             state = turn(state, take(), queue)
             if state.stopped:
                 break
+        self.drain()
         return state
+
+    def drain(self) -> None:
+        """With a lane: wait for everything launched, and check an answer given ahead."""
+        if self.lane is not None:
+            self._settle_ahead()
+            self.lane.fence()
 
     def feed(self, state: SchedulerState, event: ev.Event) -> tuple[SchedulerState, list[ev.Event]]:
         """One step of the loop: step on ``event``, check the batch, carry it out. Returns the new
@@ -164,7 +186,7 @@ class Interpreter:
         if not usual_batch(effects):
             check_batch(event, effects, state.stopped)
         observer.stepped(event, state, effects)
-        answer = self.perform_all(effects)
+        answer = self.perform_all(effects) if self.lane is None else self._perform_on_lane(effects)
         observer.performed(state)
         if self._waited:
             follow.extend(self._waited)
@@ -204,6 +226,69 @@ class Interpreter:
             except DeviceError as err:
                 result = self._device_error(effect, err)
         return result if effects and effects[-1].QUERY else None
+
+    def _perform_on_lane(self, effects: Seq) -> Optional[ev.Event]:
+        """``perform_all`` with a lane (specs/async.md §16.5): the device effects are launched on the
+        lane in order, then the client outputs are carried out here while they run; the answer is the
+        lane's, waited for, or the device's answer ahead, which is checked at the next wait."""
+        lane = self.lane
+        if not effects or lane is None:
+            return None
+        handlers = _HANDLERS
+        on_device: list = []
+        on_host: list = []
+        for effect in effects:
+            (on_host if handlers[type(effect)] in _HOST_SIDE else on_device).append(effect)
+        query = effects[-1] if effects[-1].QUERY else None
+        if query is not None and not (on_device and on_device[-1] is query):  # the host's own: a wait for input
+            if on_device:
+                self._wait(lane.launch(self.perform_all, on_device))
+            return self.perform_all(on_host)
+        ahead = self._answer_ahead(query) if query is not None else None
+        job = lane.launch(self.perform_all, on_device) if on_device else None
+        for effect in on_host:
+            handlers[type(effect)](self, effect)
+        if job is None:
+            return None
+        if query is None:  # the run's last batch (the teardown): its errors are the run's
+            self._wait(job)
+            return None
+        if ahead is not None:
+            self._settle_ahead()  # at most one unchecked: a late proposal is followed by its verify
+            self._ahead = (job, ahead)
+            self.answered_ahead += 1
+            return ahead
+        return self._wait(job)
+
+    def _answer_ahead(self, query) -> Optional[ev.Event]:
+        """The answer a proposal gets from a device that answers it late, known before it runs: a
+        ``LATE_DRAFT`` for each draft (specs/async.md §16.3); None for any other query."""
+        late = self._late_proposal
+        if late is None:
+            return None
+        if isinstance(query, dc.ProposeMulti):
+            n = late((query.seq,), query.n)
+            return None if n is None else ev.Drafts([ev.LATE_DRAFT] * n)
+        if isinstance(query, dc.ProposeBatched):
+            n = late(tuple(query.seqs), query.n)
+            return None if n is None else ev.BatchedDrafts([[ev.LATE_DRAFT] * n for _ in query.seqs])
+        return None
+
+    def _wait(self, job: Future) -> Any:
+        self._settle_ahead()
+        assert self.lane is not None
+        return self.lane.wait(job)
+
+    def _settle_ahead(self) -> None:
+        """Check the lane's answer to a query answered ahead: anything else breaks the protocol."""
+        if self._ahead is None:
+            return
+        job, promised = self._ahead
+        self._ahead = None
+        assert self.lane is not None
+        got = self.lane.wait(job)
+        if got != promised:
+            raise RunError(f"the device answered {got!r} to a query it had answered ahead with {promised!r}")
 
     def _device_error(self, effect, err: DeviceError) -> ev.Event:
         """A device error in ``effect``: the answer of a query, the end of the run otherwise."""
@@ -476,6 +561,10 @@ _CASES: tuple[tuple[Union[type, tuple[type, ...]], Handler], ...] = (
     (dc.SaveHiddenForCatchupCall, lambda it, e: it.device.save_hidden_for_catchup(e.row, e.pos)),
 )
 """Every effect class the interpreter carries out, in the order they are tried, with its handler."""
+
+_HOST_SIDE = frozenset({_send, _stream_out, _wait_for_input})
+"""The handlers that touch the host only: with a lane they run on the host's thread."""
+
 
 class _Handlers(dict[type, Handler]):
     """The handler of each effect type met so far: a type met for the first time is looked up in

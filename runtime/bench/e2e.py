@@ -4,7 +4,8 @@ smoke test of it).
 
 Models: ``--like`` (a comma list of ``e2e_models.LIKE``, built once under ``--models-dir``) or
 ``--model DIR``. Engines: fxsched (``HybridEngine.from_pretrained`` + ``generate``, the API of
-``fxsched generate --model``, greedy, ``--spec`` none by default), transformers (``generate`` of
+``fxsched generate --model``, greedy, ``--spec`` none by default; ``fxsched-overlap`` the same with
+the device lane, specs/async.md §16.5), transformers (``generate`` of
 AutoModelForCausalLM, greedy, ``min_new_tokens`` = ``max_new_tokens``) and, with ``--vllm-python
 PY`` where ``PY -c "import vllm"`` works, vLLM's offline ``LLM.generate`` (``ignore_eos``). Every
 (round, batch, engine) cell is a fresh process (``e2e_worker``), rounds interleaved (round r: each
@@ -48,6 +49,7 @@ from typing import Any, Optional
 import structlog
 
 from fxsched.runtime.bench import e2e_models
+from fxsched.runtime.bench.e2e_worker import ENGINES
 from fxsched.runtime.cli.app import ArgumentParser, int_arg, sizes_arg
 
 log = structlog.get_logger(__name__)
@@ -352,7 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--max-tokens", type=int_arg(2, 1 << 20), default=64)
     ap.add_argument("--seed", type=int_arg(0, 2**31), default=0, help="prompts and built weights")
     ap.add_argument("--engines", default="fxsched,transformers,vllm",
-                    help="comma list of fxsched, transformers, vllm (vllm only with --vllm-python)")
+                    help="comma list of fxsched, fxsched-overlap (with the device lane, as generate --overlap), "
+                         "transformers, vllm (vllm only with --vllm-python)")
     ap.add_argument("--vllm-python", default=None, metavar="PY", help="a Python where `import vllm` works")
     ap.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
                     help="fxsched's KV cache budget (default: sized for batch x (prompt + tokens))")
@@ -370,8 +373,8 @@ def _checked(args: argparse.Namespace) -> list[str]:
 
     engines = [e.strip() for e in args.engines.split(",")]
     for e in engines:
-        if e not in ("fxsched", "transformers", "vllm"):
-            raise UsageError(f"--engines {args.engines}: unknown engine {e!r} (choose fxsched, transformers, vllm)")
+        if e not in ENGINES:
+            raise UsageError(f"--engines {args.engines}: unknown engine {e!r} (choose {', '.join(ENGINES)})")
     if "fxsched" not in engines:
         raise UsageError(f"--engines {args.engines}: fxsched is the reference of the ratios; list it")
     if args.spec not in SPECS:

@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Any, Callable
 
-ENGINES = ("fxsched", "transformers", "vllm")
+ENGINES = ("fxsched", "fxsched-overlap", "transformers", "vllm")
 WARMUP_TOKENS = 2
 
 
@@ -75,8 +75,10 @@ def _timed(run: Callable[[list[list[int]], int], list[list[int]]], prompts: list
     return time.perf_counter() - start, tokens
 
 
-def _fxsched_runner(args: argparse.Namespace, batch: int) -> Callable[[list[list[int]], int], list[list[int]]]:
-    """fxsched's cell: the engine and ``generate`` that ``fxsched generate --model`` runs, at --spec."""
+def _fxsched_runner(args: argparse.Namespace, batch: int,
+                    overlap: bool = False) -> Callable[[list[list[int]], int], list[list[int]]]:
+    """fxsched's cell: the engine and ``generate`` that ``fxsched generate --model`` runs, at --spec
+    (``overlap``: with the device lane, as ``--overlap``)."""
     import torch
 
     from fxsched.runtime.generate import generate
@@ -89,7 +91,7 @@ def _fxsched_runner(args: argparse.Namespace, batch: int) -> Callable[[list[list
     engine = HybridEngine.from_pretrained(args.model, **kwargs)
 
     def run(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        result = generate(engine, prompts, max_tokens, args.spec, len(prompts), eos_ids=())
+        result = generate(engine, prompts, max_tokens, args.spec, len(prompts), eos_ids=(), overlap=overlap)
         failed = [r.error for r in result.results if r.error]
         if failed:
             raise RuntimeError(f"fxsched: {failed[0]}")
@@ -186,8 +188,8 @@ def run_cell(args: argparse.Namespace) -> dict[str, Any]:
     with open(args.prompts) as f:
         sets = json.load(f)
     prompts = sets["run"]
-    if args.engine == "fxsched":
-        run = _fxsched_runner(args, len(prompts))
+    if args.engine in ("fxsched", "fxsched-overlap"):
+        run = _fxsched_runner(args, len(prompts), overlap=args.engine == "fxsched-overlap")
     elif args.engine == "transformers":
         run = _transformers_runner(args)
     else:

@@ -42,20 +42,32 @@ collectives (broadcasts and reduce, including the wait for the slowest rank) per
 (the drafters' MoE layers included), 0 on one rank, ``-`` for a model without experts (its workers
 replay the forwards instead); ``=1rank`` whether the tokens equal those of the one-rank run of the
 same row.
+
+Overlap (``overlap``, specs/async.md §16.5): ``off`` (the default) and ``on`` run every row without
+or with the device lane; ``compare`` runs every one-rank row ``rounds`` times each way, on fresh
+engines, alternating which goes first, and the row's ``tokens/s`` is the median without the lane.
+The table then gains ``OVERLAP_COLUMNS``: ``tok/s_on`` the median with it; ``on/off`` their ratio;
+``host_ms`` the host's working time with the lane (wall less its waits) and ``hidden_%`` the share
+of it that ran beside device work, medians; ``=off`` whether every run's tokens equal the first run
+without the lane.
 """
 
 from __future__ import annotations
 
+import gc
+import statistics
 from typing import Any, Callable, Iterable, Optional
 
 from fxsched.runtime.bench.prompts import random_prompts
-from fxsched.runtime.generate import (GREEDY, GenerateError, GenerateResult, SamplingOptions, expand_prompts,
+from fxsched.runtime.generate import (GREEDY, GenerateError, GenerateResult, SamplingOptions, Summary, expand_prompts,
                                       generate, max_prompt_len, scheduler_setup)
 from fxsched.runtime.torch_model import HybridEngine, ModelConfig
 
 PROMPT_SETS = ("held-out", "repetitive")
 COLUMNS = ("prompts", "spec", "batch", "tokens", "tokens/s", "fwd/token", "mean_acc_len", "acc/pos", "lossless")
 EP_COLUMNS = ("ranks", "MiB/rank", "experts_MiB", "coll_ms/fwd", "=1rank")
+OVERLAP_COLUMNS = ("tok/s_on", "on/off", "host_ms", "hidden_%", "=off")
+OVERLAPS = ("off", "on", "compare")
 MIB = 1024 * 1024
 REPEAT_PATTERN_LEN = 6  # ids of the repeated pattern of a repetitive set without a tokenizer
 REPETITIVE_LEN = 40  # tokens of such a prompt
@@ -98,7 +110,7 @@ def bench_generate(engine_factory: Callable[..., HybridEngine], batches: Iterabl
                    progress: Optional[Callable[[str], None]] = None, tokenizer: Any = None,
                    prompt_sets: Iterable[str] = PROMPT_SETS, ep_ranks: Iterable[int] = (1,),
                    model_dir: Optional[str] = None, weights: Optional[str] = None,
-                   temperature: float = 0.0) -> list[dict[str, Any]]:
+                   temperature: float = 0.0, overlap: str = "off", rounds: int = 1) -> list[dict[str, Any]]:
     """One row per (prompt set, batch, rank count, mode): see the module docstring for the columns.
     ``engine_factory()`` builds a one-rank engine, ``engine_factory(n)`` rank 0's of n ranks (with
     expert_shard=(0, n) for a MoE checkpoint); ``model_dir`` / ``weights`` name what the workers load."""
@@ -124,8 +136,13 @@ def bench_generate(engine_factory: Callable[..., HybridEngine], batches: Iterabl
                         rows.append({"prompts": name, "spec": spec, "batch": batch, "skipped": reason,
                                      **({"ranks": ranks} if with_ep else {})})
                         continue
-                    result, engine = _run(engine_factory, ranks, chosen, max_tokens, spec, batch, model_dir, weights,
-                                          sampling)
+                    compare = overlap == "compare" and ranks == 1
+                    if compare:
+                        result, engine, figures = _compare_overlap(engine_factory, chosen, max_tokens, spec, batch,
+                                                                   sampling, rounds)
+                    else:
+                        result, engine = _run(engine_factory, ranks, chosen, max_tokens, spec, batch, model_dir,
+                                              weights, sampling, overlap == "on")
                     if spec == "none":
                         base = result
                     s = result.summary
@@ -137,6 +154,8 @@ def bench_generate(engine_factory: Callable[..., HybridEngine], batches: Iterabl
                         "lossless": (None if base is None or spec == "none" or temperature > 0
                                      else result.outputs == base.outputs),
                     }
+                    if compare:
+                        row.update(figures)
                     if with_ep:
                         if ranks == 1:
                             one_rank[spec] = result.outputs
@@ -148,16 +167,48 @@ def bench_generate(engine_factory: Callable[..., HybridEngine], batches: Iterabl
 
 def _run(engine_factory: Callable[..., HybridEngine], ranks: int, prompts: list[list[int]], max_tokens: int,
          spec: str, batch: int, model_dir: Optional[str], weights: Optional[str],
-         sampling: SamplingOptions = GREEDY) -> tuple[GenerateResult, HybridEngine]:
-    """One run on a fresh engine, on one rank or through ``generate_ep`` (greedy there)."""
+         sampling: SamplingOptions = GREEDY, overlap: bool = False) -> tuple[GenerateResult, HybridEngine]:
+    """One run on a fresh engine, on one rank or through ``generate_ep`` (greedy, no lane there)."""
     if ranks == 1:
         engine = engine_factory()
-        return generate(engine, prompts, max_tokens, spec, batch, eos_ids=(), sampling=sampling), engine
+        return generate(engine, prompts, max_tokens, spec, batch, eos_ids=(), sampling=sampling,
+                        overlap=overlap), engine
     from fxsched.runtime.ep.generate import generate_ep
 
     engine = engine_factory(ranks)
     return generate_ep(engine, prompts, max_tokens, spec, batch, eos_ids=(), ep_ranks=ranks, model_dir=model_dir,
                        weights=weights), engine
+
+
+def _compare_overlap(engine_factory: Callable[..., HybridEngine], prompts: list[list[int]], max_tokens: int,
+                     spec: str, batch: int, sampling: SamplingOptions,
+                     rounds: int) -> tuple[GenerateResult, HybridEngine, dict[str, Any]]:
+    """``rounds`` runs with the device lane and without, interleaved (the first of each round
+    alternates), each on a fresh engine: the first run without it, its engine, and the
+    ``OVERLAP_COLUMNS`` (the row's ``tokens/s`` is the median without). Only the first run keeps
+    its engine: a real-size engine is gigabytes."""
+    runs: dict[bool, list[tuple[list[list[int]], Summary]]] = {True: [], False: []}
+    first: Optional[tuple[GenerateResult, HybridEngine]] = None
+    for r in range(rounds):
+        for lane in ((True, False) if r % 2 == 0 else (False, True)):
+            engine = engine_factory()
+            result = generate(engine, prompts, max_tokens, spec, batch, eos_ids=(), sampling=sampling, overlap=lane)
+            runs[lane].append((result.outputs, result.summary))
+            if first is None and not lane:
+                first = (result, engine)
+            del result, engine
+            gc.collect()
+    assert first is not None
+    with_lane = [s for _, s in runs[True]]
+    on = statistics.median(s.tokens_per_s for s in with_lane)
+    off = statistics.median(s.tokens_per_s for _, s in runs[False])
+    figures = {
+        "tokens/s": off, "tok/s_on": on, "on/off": on / off if off else None,
+        "host_ms": statistics.median(1000 * (s.host_s or 0.0) for s in with_lane),
+        "hidden_%": statistics.median(100 * (s.hidden_s or 0.0) / s.host_s if s.host_s else 0.0 for s in with_lane),
+        "=off": all(out == first[0].outputs for out, _ in runs[True] + runs[False]),
+    }
+    return first[0], first[1], figures
 
 
 def _ep_figures(result: GenerateResult, engine: HybridEngine, ranks: int) -> dict[str, Any]:
@@ -187,7 +238,9 @@ def row_json(row: dict[str, Any]) -> dict[str, Any]:
     names = {"tokens/s": "tokens_per_s", "fwd/token": "forwards_per_token", "mean_acc_len": "mean_accepted_length",
              "acc/pos": "acceptance_by_position",
              "MiB/rank": "weights_mib_per_rank", "experts_MiB": "expert_mib_per_rank",
-             "coll_ms/fwd": "collective_ms_per_forward", "=1rank": "same_as_one_rank"}
+             "coll_ms/fwd": "collective_ms_per_forward", "=1rank": "same_as_one_rank",
+             "tok/s_on": "tokens_per_s_overlap", "on/off": "overlap_ratio", "host_ms": "host_ms_overlap",
+             "hidden_%": "hidden_host_percent", "=off": "same_as_no_overlap"}
     return {names.get(k, k): v for k, v in row.items()}
 
 
@@ -195,7 +248,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     """The rows as a right-aligned text table; skipped modes are listed below it with their reason."""
     ran = [r for r in rows if "skipped" not in r]
     lines: list[str] = []
-    columns = COLUMNS + (EP_COLUMNS if any("ranks" in r for r in rows) else ())
+    columns = (COLUMNS + (EP_COLUMNS if any("ranks" in r for r in rows) else ())
+               + (OVERLAP_COLUMNS if any("=off" in r for r in rows) else ()))
     if ran:
         cells = [[_cell(r.get(k), k) for k in columns] for r in ran]
         widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(columns)]
@@ -207,7 +261,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 
 def _cell(value: Any, key: str) -> str:
-    if key in ("lossless", "=1rank"):
+    if key in ("lossless", "=1rank", "=off"):
         return "-" if value is None else ("yes" if value else "NO")
     if value is None:
         return "-"

@@ -88,6 +88,7 @@ class Episode:
     fault_phase_at: int = 0
     short_proposals: bool = False
     late_drafts: bool = False  # the device answers proposals late now and then (specs/async.md §16.3)
+    lane: bool = False  # the device's effects run behind the host, on a deferred lane (specs/async.md §16.5)
     capacities: tuple[int, ...] = ()
     ssm_ring: int = 0  # > 0: the model has SSM layers and a snapshot ring of this many slots
     admission_watermark: int = 4096  # the KV reservation's horizon (small: prompts admitted on their own blocks)

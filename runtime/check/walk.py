@@ -14,7 +14,9 @@ as the context, DFlash gates over uneven draft blocks, MTP batches wider than th
 requests than seats on a small pool with early KV exhaustion (aimed at a full batch while
 sequences wait preempted or swapped, which coverage still shows unreached), greedy rows whose
 script says EOS below ``min_tokens``, and host-side cancels (perhaps while the prompt still
-prefills).
+prefills). Half the proposer episodes answer proposals late now and then (some of which then
+fail, at their verify), and half of all episodes run the device's work behind the host on a
+deferred lane (specs/async.md §16.3, §16.5).
 
 Coverage: ``FEATURES`` names every feature the walk must reach; ``feature_counts`` reads a
 walk's counts for them, one per feature (``fxsched check`` prints one line each, and
@@ -49,7 +51,8 @@ from fxsched.runtime.check.aimed import AIMED_SHARE, aimed_episode
 from fxsched.runtime.check.episode import (ADAPTERS, BOUNDARY, FAULT_PHASES, MODES, TICK_MS, Episode, SimRequest,
                                            _randints)
 from fxsched.runtime.check.invariants import CANCEL, EVENT_KINDS, FAULT, Monitor, Violation
-from fxsched.runtime.devices.simulated import SimDevice
+from fxsched.runtime.devices.lane import DeferredLane
+from fxsched.runtime.devices.simulated import LATE_FAILURE, SimDevice
 
 try:
     import resource
@@ -223,6 +226,8 @@ def _proposer_quirks(episode: Episode, rng: random.Random) -> Episode:
         # half the proposer episodes answer late now and then; decided from the episode, so the
         # generator's draws (and every episode a seed drew before) stay as they were
         episode = attrs.evolve(episode, late_drafts=True)
+    if hash_seed(episode) // 2 % 2:  # half of all episodes run their device behind the host (a lane)
+        episode = attrs.evolve(episode, lane=True)
     return episode
 
 
@@ -348,6 +353,7 @@ class WalkObserver(MonitorObserver):
         self.episode = episode
         self.waiting: Any = None  # the phase the last batch left the scheduler waiting in
         self.effect_types: list[type] = []  # the type of every effect stepped, counted by ``count_effects``
+        self.lane: Optional[DeferredLane] = None  # the episode's lane: device work runs behind the host
 
     def before_step(self, event) -> None:
         self.stepping = event
@@ -363,6 +369,8 @@ class WalkObserver(MonitorObserver):
         if kind & (FAULT | CANCEL):
             if kind & FAULT:
                 self.coverage["fault:kv_exhausted" if event.kv_exhausted else "fault:fatal"] += 1
+                if LATE_FAILURE in event.message:
+                    self.coverage["feature:late_failure"] += 1
             else:
                 self.coverage["fault:cancel"] += 1
                 if event.request_id in self.monitor.requests and not self.monitor._cancel_lands(event.request_id):
@@ -408,6 +416,8 @@ class WalkObserver(MonitorObserver):
         self.effect_types = []
 
     def performed(self, state) -> None:
+        if self.lane is not None:  # the checks read the device: let it catch up with the batch
+            self.lane.fence()
         self.monitor.on_state(state)
         if (state.swapped or state.preempted) and isinstance(state.waiting, AwaitPublishBlocks):
             if (len(state.active) + len(state.prefilling) + len(state.new_requests) >= state.config.max_batch_size
@@ -477,6 +487,13 @@ class FaultingInterpreter(Interpreter):
                 return ev.DeviceFault(f"injected fault in {self.phase}", False)
         return super().perform_all(effects)
 
+    def _answer_ahead(self, query) -> Optional[ev.Event]:
+        """Never ahead in the fault phase: the injected fault is the answer there."""
+        waiting = self.watch.waiting
+        if self.phase and waiting is not None and type(waiting).__name__ == self.phase:
+            return None
+        return super()._answer_ahead(query)
+
 
 @attrs.frozen
 class EpisodeResult:
@@ -520,12 +537,16 @@ def run_episode(episode: Episode, coverage: Counter, step_limit: int = 20000, ke
     watch = WalkObserver(monitor, coverage, step_limit, keep_log, episode)
     host = WalkHost(episode)
     device.on_tick = host.on_tick
+    lane = DeferredLane() if episode.lane else None
+    watch.lane = lane
     if episode.fault_phase:
         interpreter: Interpreter = FaultingInterpreter(device, host, config.eos_ids, observer=watch, watch=watch,
-                                                       phase=episode.fault_phase, at=episode.fault_phase_at)
+                                                       phase=episode.fault_phase, at=episode.fault_phase_at, lane=lane)
     else:
-        interpreter = Interpreter(device, host, config.eos_ids, observer=watch)
+        interpreter = Interpreter(device, host, config.eos_ids, observer=watch, lane=lane)
     _count_episode(episode, coverage)
+    if lane is not None:
+        coverage["feature:lane"] += 1
     state = initial_state(config, model)
     violation = None
     try:
@@ -542,6 +563,7 @@ def run_episode(episode: Episode, coverage: Counter, step_limit: int = 20000, ke
         else:  # a device refusal (double free, bad slot) is a scheduler bug too
             violation = Violation("device_refused", f"{type(err).__name__}: {err}")
     watch.count_effects()
+    coverage["feature:answered_ahead"] += interpreter.answered_ahead
     if device.reclaimable < min(episode.reclaimable, episode.held_blocks):
         coverage["feature:reclaim"] += 1
     events = tuple(watch.log or ())
@@ -572,6 +594,9 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "late drafts, serial verify": ("feature:late_drafts_serial",),
     "late drafts, batched MTP": ("feature:late_drafts_mtp_batched",),
     "late drafts, batched DFlash": ("feature:late_drafts_dflash_batched",),
+    "late proposal failed, its verify answers": ("feature:late_failure",),
+    "device behind the host (a lane)": ("feature:lane",),
+    "proposal answered ahead": ("feature:answered_ahead",),
 }
 FEATURES.update({f"fault in {name}": (f"fault_phase:{name}",) for name in FAULT_PHASES})
 """Every feature the walk must reach, with the coverage keys whose sum counts it."""

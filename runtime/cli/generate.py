@@ -160,6 +160,9 @@ def add_generate_command(sub) -> None:
                         "fxsched replay FILE re-runs it without the model; an existing FILE is refused unless "
                         "--force")
     p.add_argument("--force", action="store_true", help="let --record overwrite an existing file")
+    p.add_argument("--overlap", action="store_true",
+                   help="carry the device's work out on its own thread while the host steps the scheduler and "
+                        "serves the output (specs/async.md §16.5; the summary gains host_s and hidden_host_s)")
     from fxsched.runtime.cli.ep import add_ep_ranks_argument
 
     add_ep_ranks_argument(p)
@@ -184,6 +187,11 @@ def add_bench_generate(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--prompts", default="held-out,repetitive",
                        help="prompt sets, comma-separated: held-out, repetitive (generate)")
     bench.add_argument("--json", action="store_true", help="one JSON object per row, nothing else (step, check, generate)")
+    bench.add_argument("--overlap", dest="bench_overlap", default="off",
+                       help="the device lane (specs/async.md §16.5): off, on, or compare (every row --rounds "
+                            "times each way, interleaved; medians, ratio, hidden host time) (generate)")
+    bench.add_argument("--rounds", dest="bench_rounds", default="3",
+                       help="runs each way of --overlap compare (default 3) (generate)")
     bench.add_argument("--ep-ranks", dest="bench_ep_ranks", default="1", metavar="N,N",
                        help="expert-parallel rank counts, comma-separated (e.g. 1,2,4): every row runs on each; "
                             "a MoE --model is split across the ranks (generate)")
@@ -562,6 +570,8 @@ def run_generate(args, out=None) -> int:
         if problem:
             raise UsageError(f"--record {record}: {problem}")
     choice = _model_choice(args)
+    if getattr(args, "overlap", False) and choice.ep_ranks > 1:
+        raise UsageError(f"--overlap: the device lane does not run under expert parallelism (--ep-ranks {choice.ep_ranks})")
     from fxsched.runtime.generate import GenerateError, TextOptions, check_prompt, expand_prompts
 
     sampling = _sampling(args)
@@ -605,10 +615,11 @@ def run_generate(args, out=None) -> int:
         from fxsched.runtime.cli.ep import generate_function
 
         run = generate_function(args)
+        lane = {"overlap": True} if getattr(args, "overlap", False) else {}
         result = run(engine, token_lists, max_tokens, args.spec, batch,
                      progress=bar.update if bar is not None else None, eos_ids=eos_ids, text=text,
                      on_text=printer.on_text, on_finish=printer.on_finish, sampling=sampling,
-                     **_record_options(record, choice, prompts))
+                     **_record_options(record, choice, prompts), **lane)
     except GenerateError as err:
         raise UsageError(str(err)) from None
     except GenerateInterrupted as stop:  # Ctrl-C: the unfinished requests were reported as "interrupted"
@@ -687,6 +698,12 @@ def run_bench_generate(args, out=None) -> list[dict]:
         if name not in PROMPT_SETS:
             raise UsageError(f"--prompts {name or args.prompts!r}: unknown prompt set (choose from "
                              f"{', '.join(PROMPT_SETS)})")
+    from fxsched.runtime.bench.generate import OVERLAPS
+
+    overlap = getattr(args, "bench_overlap", None) or "off"
+    if overlap not in OVERLAPS:
+        raise UsageError(f"--overlap {overlap}: choose from {', '.join(OVERLAPS)}")
+    rounds = _int(getattr(args, "bench_rounds", None) or "3", "--rounds", 1)
     from fxsched.runtime.cli.ep import parse_ranks_list
 
     try:
@@ -718,7 +735,8 @@ def run_bench_generate(args, out=None) -> list[dict]:
 
         rows = bench_generate(lambda n=1: _engine(replace(choice, ep_ranks=n), device), batches, max_tokens, specs,
                               progress=progress, tokenizer=tokenizer, prompt_sets=sets, ep_ranks=ranks,
-                              model_dir=choice.model, weights=choice.weights, temperature=temperature)
+                              model_dir=choice.model, weights=choice.weights, temperature=temperature,
+                              overlap=overlap, rounds=rounds)
     finally:
         bar.close()
     model = choice.model or choice.weights or "random (seeded)"

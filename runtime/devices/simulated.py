@@ -60,7 +60,9 @@ recording device keeps the host copy: its reference traces list ``copy_logits_to
 What a real device varies (the recording device never does, so the goldens stay as they are):
 ``short_proposals`` (a seed) cuts now and then a proposal's drafts short, to none sometimes;
 ``late_drafts`` (a seed) answers now and then a proposal with ``LATE_DRAFT`` placeholders, as the
-torch device does (specs/async.md §16.3), and fills them in at the verify that consumes them;
+torch device does (specs/async.md §16.3), and fills them in at the verify that consumes them; now
+and then (``LATE_FAILURE_CHANCE`` of the late ones) such a proposal fails after its answer went
+out, and the verify that consumes its drafts answers that failure;
 ``capacities`` are the answers of ``mtp_slot_draft_capacity`` in turn (0 included); a
 self-speculative draft decode is wrong at the script's ``draft_wrong_every`` positions. The device
 keeps for the invariants the drafts it proposed (``proposed``, ``proposed_at``), the capacities it
@@ -87,6 +89,9 @@ from fxsched.runtime.ep.protocol import Decode as EpDecode
 from fxsched.runtime.ep.protocol import Kind
 from fxsched.runtime.ep.protocol import Prefill as EpPrefill
 from fxsched.runtime.ep.protocol import Verify as EpVerify
+
+LATE_FAILURE = "the late proposal"  # how the fault of a verify whose late proposal failed begins its reason
+LATE_FAILURE_CHANCE = 0.05  # of the proposals answered late
 
 
 class ArgumentError(DeviceError):
@@ -161,6 +166,9 @@ class SimDevice(ScriptedDevice):
         # late drafts: a seeded draw answers a proposal with LATE_DRAFT placeholders (specs/async.md §16.3)
         self.late_rng = random.Random(late_drafts) if late_drafts is not None else None
         self.late: set[int] = set()  # sequences whose pending proposal was answered late
+        self.late_failed: dict[int, str] = {}  # seq -> the failure of its late proposal, for its verify
+        self.drawn_short: dict[int, int] = {}  # seq -> drafts its next proposal keeps, drawn ahead (a lane)
+        self.drawn_late: dict[int, tuple[bool, bool]] = {}  # seq -> (late, fails) of its next proposal, drawn ahead
         self.capacity_calls = 0
         self.proposed: dict[int, list[int]] = {}  # seq -> the drafts of its last proposal, until a verify
         self.verify_io: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # seq -> (inputs, rows)
@@ -558,7 +566,7 @@ class SimDevice(ScriptedDevice):
         after = self.last_forward.get(seq)
         self.checkpoint_due[seq] = {"decode": "start_checkpoint_async",
                                     "decode_verify_graphed": "decode_marconi_checkpoint"}.get(after or "", "")
-        drafts = self._short(super().run_mtp_propose_multi(token, pos, n, seq, stream, mask))
+        drafts = self._short(seq, super().run_mtp_propose_multi(token, pos, n, seq, stream, mask))
         self.proposed[seq] = list(drafts)
         self.proposed_at[seq] = self.tick
         return self._answer(seq, drafts)
@@ -566,12 +574,38 @@ class SimDevice(ScriptedDevice):
     def _answer(self, seq: int, drafts: list[int]) -> list[int]:
         """A proposal's answer: its drafts, or with late drafts on, now and then a LATE_DRAFT for
         each (the values stay here until the verify that consumes them)."""
-        rng = self.late_rng
-        if rng is None or not drafts or rng.random() >= 0.7:
+        self.late_failed.pop(seq, None)
+        drawn = self.drawn_late.pop(seq, None)
+        late, fails = drawn if drawn is not None else self._draw_late(len(drafts))
+        if not late:
             self.late.discard(seq)
             return drafts
         self.late.add(seq)
+        if fails:  # its forward fails after the answer went out
+            self.late_failed[seq] = f"{LATE_FAILURE} of sequence {seq} failed: out of drafter cache (simulated)"
         return [LATE_DRAFT] * len(drafts)
+
+    def _draw_late(self, n: int) -> tuple[bool, bool]:
+        """Whether a proposal of ``n`` drafts is answered late, and whether it then fails."""
+        rng = self.late_rng
+        if rng is None or not n or rng.random() >= 0.7:
+            return False, False
+        return True, rng.random() < LATE_FAILURE_CHANCE
+
+    def late_proposal(self, seqs, n: int) -> Optional[int]:
+        """With a lane (specs/async.md §16.5): draw now, in the order the proposal itself would,
+        how many drafts each sequence keeps and whether it is answered late; the proposal takes
+        these draws when it runs. The count when every sequence is late with the same count (the
+        interpreter then answers ahead), None otherwise. Script proposals hold ``n`` drafts."""
+        if self.late_rng is None:
+            return None
+        keeps = [self._draw_short(n) for _ in seqs]
+        lates = [self._draw_late(k) for k in keeps]
+        self.drawn_short.update(zip(seqs, keeps, strict=True))
+        self.drawn_late.update(zip(seqs, lates, strict=True))
+        if all(late for late, _ in lates) and len(set(keeps)) == 1:
+            return keeps[0]
+        return None
 
     def _resolve(self, call: str, seq: int, tokens) -> tuple[int, ...]:
         """A verify's inputs with its late drafts filled in: they must be the drafts right after the
@@ -581,19 +615,29 @@ class SimDevice(ScriptedDevice):
         if not late:
             return tokens
         held = self.proposed.get(seq)
+        failure = self.late_failed.pop(seq, None) if seq in self.late else None
+        if failure is not None:  # the failure of a late proposal is its verify's (specs/async.md §16.3)
+            if self.blamed is None:
+                self.blamed = frozenset((self._rid(self._seq(seq)),))
+            raise DeviceError(f"{call}: {failure}")
         if seq not in self.late or held is None or late != list(range(1, len(late) + 1)) or len(late) > len(held):
             raise self._bad(call, f"late drafts at {late} of inputs {list(tokens)} for sequence {seq}, whose "
                                   f"proposal was {'late' if seq in self.late else 'answered'} with {held}")
         self.late.discard(seq)
         return tokens[:1] + tuple(held[:len(late)]) + tokens[len(late) + 1:]
 
-    def _short(self, drafts: list[int]) -> list[int]:
+    def _short(self, seq: int, drafts: list[int]) -> list[int]:
         """A proposal as the proposer may really return it: with short proposals on, now and then
         fewer drafts than asked, or none."""
+        drawn = self.drawn_short.pop(seq, None)
+        return drafts[:drawn if drawn is not None else self._draw_short(len(drafts))]
+
+    def _draw_short(self, n: int) -> int:
+        """How many of a proposal's ``n`` drafts it keeps."""
         rng = self.short_rng
-        if rng is None or not drafts or rng.random() >= 0.3:
-            return drafts
-        return drafts[:rng.randrange(len(drafts))]
+        if rng is None or not n or rng.random() >= 0.3:
+            return n
+        return rng.randrange(n)
 
     def mtp_slot_draft_capacity(self, slot: int) -> int:
         if not self.capacities:
@@ -631,7 +675,8 @@ class SimDevice(ScriptedDevice):
                 raise self._bad("run_mtp_propose_batched", f"pos={pos} for sequence {seq_id}, which holds "
                                                            f"{self._seq(seq_id).seq_len}")
         self._blame(seqs)
-        drafts = [self._short(d) for d in super().run_mtp_propose_batched(tokens, positions, stash, n, seqs, stream)]
+        drafts = [self._short(seq_id, d) for seq_id, d in
+                  zip(seqs, super().run_mtp_propose_batched(tokens, positions, stash, n, seqs, stream), strict=True)]
         for seq_id, mine in zip(seqs, drafts, strict=True):
             self.proposed[seq_id] = list(mine)
             self.proposed_at[seq_id] = self.tick
@@ -718,6 +763,8 @@ class SimDevice(ScriptedDevice):
                      self.verified_tick):
             held.pop(seq, None)
         self.late.discard(seq)
+        for drawn in (self.late_failed, self.drawn_short, self.drawn_late):
+            drawn.pop(seq, None)
 
     def cache_sequence(self, seq: int) -> None:
         s = self._seq(seq)

@@ -106,5 +106,5 @@ class TorchDevice(Lifecycle, Forwards, Proposers, Speculative):
         self._closed = False
         self.grammars = grammars  # structured output: the rows of a request with a grammar are masked
         self.late_drafts = late_drafts
-        self._late: dict[int, torch.Tensor] = {}
+        self._late: dict[int, torch.Tensor | str] = {}
         self._verify_inputs: list[int] = []

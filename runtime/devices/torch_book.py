@@ -138,7 +138,7 @@ class DeviceBook:
     _cached_by_session: dict[int, int]
     _closed: bool
     late_drafts: bool  # proposals answer LATE_DRAFT and keep their drafts here (specs/async.md §16.3)
-    _late: dict[int, torch.Tensor]  # by sequence: the drafts [n] of its last late proposal, on the device
+    _late: dict[int, torch.Tensor | str]  # by sequence: its last late proposal's drafts [n] on the device, or its failure
     _verify_inputs: list[int]  # the last verify's inputs as they ran
 
     @property

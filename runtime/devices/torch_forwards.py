@@ -144,6 +144,8 @@ class Forwards(DeviceBook):
             late = [i for i, t in enumerate(toks) if t == LATE_DRAFT]
             if late:
                 held = self._late.get(s.seq_id)
+                if isinstance(held, str):
+                    raise DeviceError(f"{what}: the late proposal of sequence {s.seq_id} failed: {held}")
                 if held is None or late != list(range(1, len(late) + 1)) or len(late) > held.numel():
                     raise DeviceStateError(f"{what}: sequence {s.seq_id} verifies late drafts at {late} but holds "
                                            f"{0 if held is None else held.numel()} (inputs {toks})")

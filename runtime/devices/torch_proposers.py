@@ -3,7 +3,7 @@ search, prompt logprobs)."""
 
 from __future__ import annotations
 
-from typing import Sequence as Seq
+from typing import Optional, Sequence as Seq
 
 import structlog
 import torch
@@ -25,10 +25,22 @@ PROMPT_LOGPROBS_CHUNK = 512  # rows of one prompt-logprobs forward (all of them 
 class Proposers(DeviceBook):
     """Draft proposals and scratch-slot forwards."""
 
+    def late_proposal(self, seqs: Seq[int], n: int) -> Optional[int]:
+        """How many drafts each of ``seqs`` gets when a proposal of ``n`` answers late (a
+        LATE_DRAFT each, specs/async.md §16.3); None when it answers with values: late drafts off,
+        a drafter override (its drafts are host values), a grammar on any of them (it masks the
+        verify's rows by the drafts, so it needs them now), or no proposer."""
+        if not self.late_drafts or self.drafter is not None or self.proposer not in ("mtp", "dflash"):
+            return None
+        if self.grammars is not None and any(self.grammars.request_of(s) is not None for s in seqs):
+            return None
+        return n if self.proposer == "mtp" else min(n, self.cfg.dflash_gamma)
+
     def _propose(self, seqs: list[DeviceSeq], tokens: list[int], n: int, what: str) -> list[list[int]]:
-        """n drafts per sequence after its anchor ``tokens[i]``. With ``late_drafts`` (and no
-        drafter override, no grammar on any of them) the drafts stay on the device and the answer is
-        LATE_DRAFT for each; the verify that consumes them reads them back (specs/async.md §16.3)."""
+        """n drafts per sequence after its anchor ``tokens[i]``. A late proposal (``late_proposal``)
+        keeps its drafts on the device and answers LATE_DRAFT for each; the verify that consumes
+        them reads them back, and a late proposal that fails answers late all the same: its
+        failure is the fault of that verify (specs/async.md §16.3)."""
         for s in seqs:
             self._late.pop(s.seq_id, None)  # a new proposal replaces one never verified
         if self.drafter is not None:
@@ -36,22 +48,27 @@ class Proposers(DeviceBook):
                       for s, t in zip(seqs, tokens, strict=True)]
             return self._proposed(seqs, drafts, what)
         slots = [s.slot for s in seqs]
-        if self.proposer == "mtp":
-            with self._errors(what):
-                held = self.engine.mtp_drafts(slots, tokens, n)
-        elif self.proposer == "dflash":
+        if self.proposer not in ("mtp", "dflash"):
+            raise DeviceError(f"{what}: this device was set up without a draft proposer")
+        if self.proposer == "dflash":
             for s in seqs:
                 self._ctx_catch_up(s)
+        late = self.late_proposal([s.seq_id for s in seqs], n)
+        try:
             with self._errors(what):
-                held = self.engine.dflash_drafts(slots, tokens)[:, :n]
-        else:
-            raise DeviceError(f"{what}: this device was set up without a draft proposer")
-        grammar = self.grammars is not None and any(self.grammars.request_of(s.seq_id) is not None for s in seqs)
-        if not self.late_drafts or grammar:  # a grammar masks verify rows by the drafts: it needs them now
+                held = (self.engine.mtp_drafts(slots, tokens, n) if self.proposer == "mtp"
+                        else self.engine.dflash_drafts(slots, tokens)[:, :n])
+        except DeviceError as err:
+            if late is None:
+                raise
+            for s in seqs:
+                self._late[s.seq_id] = err.message
+            return self._proposed(seqs, [[LATE_DRAFT] * late] * len(seqs), what)
+        if late is None:
             return self._proposed(seqs, held.tolist(), what)
         for i, s in enumerate(seqs):
             self._late[s.seq_id] = held[i]
-        return self._proposed(seqs, [[LATE_DRAFT] * held.shape[1]] * len(seqs), what)
+        return self._proposed(seqs, [[LATE_DRAFT] * late] * len(seqs), what)
 
     def _proposed(self, seqs: list[DeviceSeq], drafts: list[list[int]], what: str) -> list[list[int]]:
         self.stats.calls[what] += 1

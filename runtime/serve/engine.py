@@ -76,16 +76,9 @@ from fxsched.runtime.devices.device import Device, DeviceError
 from fxsched.runtime.devices.grammar_mask import GrammarBook
 from fxsched.runtime.devices.row_processors import Penalties, RowProcessors
 from fxsched.runtime.devices.torch import Drafter, TorchDevice
-from fxsched.runtime.generate import (
-    SPECS,
-    GenerateHost,
-    RequestResult,
-    TextOptions,
-    LogprobWitness,
-    Observers,
-    TextStream,
-    scheduler_setup,
-)
+from fxsched.runtime.generate import SPECS, scheduler_setup
+from fxsched.runtime.generate_host import (GenerateHost, LogprobWitness, Observers, RequestResult, TextOptions,
+                                           TextStream)
 from fxsched.runtime.interpreter import Host, Interpreter, Observer
 from fxsched.runtime.logs import ensure_configured
 from fxsched.runtime.serve.metrics import ServeMetrics
