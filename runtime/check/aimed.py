@@ -23,7 +23,8 @@ uniformly. The states they are for, and why each matters:
   the gate fails, the rest included (specs/faults.md §8.3).
 - ``spilled_alone``: a long request spilled to make room for a newcomer that is done at its first
   token, so nothing runs while the spilled one waits: it must come back at once (§5.9, §5.14),
-  neither wait for input nor be shut down, whether or not more input comes.
+  neither wait for input nor be shut down, whether or not more input comes; now and then its
+  restore fails (a fault answering ``AwaitRestore``), and only it ends, with the error.
 - ``waiting_work``: one long request and a late arrival far behind it, KV exhaustion injected
   twice in a row (a preemption, then the survivor alone fails), with the inbox open or closed: the
   loop must resume the preempted sequence, neither wait for input nor shut down (§5.4, §5.8).
@@ -138,7 +139,7 @@ def spilled_alone(rng: random.Random) -> Episode:
     return Episode(mode="plain", max_batch_size=rng.choice((1, 2)), max_prefill_tokens=0, spill=True,
                    total_blocks=8, held_blocks=3, requests=(long, short, *late), admission_watermark=0,
                    close_tick=(late[0].arrive_tick if late else short.arrive_tick) + rng.choice((0, 40)),
-                   aim="spilled_alone")
+                   fault_phase=rng.choice(("", "", "", "AwaitRestore")), aim="spilled_alone")
 
 
 AIMS: dict[str, Callable[[random.Random], Episode]] = {
