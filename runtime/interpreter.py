@@ -240,7 +240,7 @@ class Interpreter:
         for effect in effects:
             (on_host if handlers[type(effect)] in _HOST_SIDE else on_device).append(effect)
         query = effects[-1] if effects[-1].QUERY else None
-        if query is not None and not (on_device and on_device[-1] is query):  # the host's own: a wait for input
+        if query is not None and handlers[type(query)] in _HOST_SIDE:  # the host's own query: a wait for input
             if on_device:
                 self._wait(lane.launch(self.perform_all, on_device))
             return self.perform_all(on_host)

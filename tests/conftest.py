@@ -22,3 +22,18 @@ def one_torch_thread():
 
     with single_thread():
         yield
+
+
+@pytest.fixture(scope="module")
+def tiny_dflash_engine(tmp_path_factory):
+    """A tiny Qwen3 target with a tiny DFlash drafter (block 4) on its layers 1 and 2."""
+    pytest.importorskip("transformers", reason="the tiny Qwen3 target is built with transformers")
+    from support.hf_tiny import build
+    from support.hf_tiny_dflash import write_tiny_dflash_for
+
+    from fxsched.runtime.torch_model import HybridEngine
+    root = tmp_path_factory.mktemp("dflash")
+    target = build("Qwen3ForCausalLM", root / "target", seed=3).path
+    draft = write_tiny_dflash_for(root / "draft", target, seed=1, target_layer_ids=(1, 2), block_size=4,
+                                  mask_token_id=150)
+    return HybridEngine.from_pretrained(target, max_seq_len=64, max_slots=4, block_size=4, draft_model=draft)

@@ -53,28 +53,13 @@ def test_inputs_that_do_not_fit_the_query_are_a_phase_error(waiting, inputs, why
 # --- the scheduler on the simulated device -------------------------------------------------------
 
 
-def _outputs(episode, monkeypatch):
-    """The client outputs of one episode of the checker's walk, and its violation (None: clean)."""
-    from collections import Counter
-
-    from fxsched.runtime.check import walk
-    seen: list = []
-    with monkeypatch.context() as patch:
-        output = walk.WalkObserver.output
-
-        def record(self, out):
-            seen.append(out)
-            return output(self, out)
-        patch.setattr(walk.WalkObserver, "output", record)
-        result = walk.run_episode(episode, Counter())
-    return seen, result.violation
-
-
 def test_late_answers_change_no_client_output_of_any_proposer_episode(monkeypatch):
     """Proposer episodes drawn by the walk, each run with the device answering late now and then
     (late proposals that never fail) and with it never late: every client sees the same outputs,
     and no invariant breaks."""
     import random
+
+    from support.walk_episode import episode_outputs
 
     from fxsched.runtime.check.walk import random_episode
     from fxsched.runtime.devices import simulated
@@ -85,8 +70,8 @@ def test_late_answers_change_no_client_output_of_any_proposer_episode(monkeypatc
         episode = random_episode(rng)
         if not episode.mode.startswith(("mtp", "dflash")):
             continue
-        late, late_violation = _outputs(attrs.evolve(episode, late_drafts=True), monkeypatch)
-        plain, plain_violation = _outputs(attrs.evolve(episode, late_drafts=False), monkeypatch)
+        late, late_violation, _ = episode_outputs(attrs.evolve(episode, late_drafts=True), monkeypatch)
+        plain, plain_violation, _ = episode_outputs(attrs.evolve(episode, late_drafts=False), monkeypatch)
         assert late_violation is None and plain_violation is None, (late_violation, plain_violation)
         assert late == plain, episode
         compared += 1
@@ -95,31 +80,17 @@ def test_late_answers_change_no_client_output_of_any_proposer_episode(monkeypatc
 # --- the torch device ----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def dflash_engine(tmp_path_factory):
-    pytest.importorskip("transformers", reason="the tiny Qwen3 target is built with transformers")
-    from support.hf_tiny import build
-    from support.hf_tiny_dflash import write_tiny_dflash_for
-
-    from fxsched.runtime.torch_model import HybridEngine
-    root = tmp_path_factory.mktemp("late")
-    target = build("Qwen3ForCausalLM", root / "target", seed=3).path
-    draft = write_tiny_dflash_for(root / "draft", target, seed=1, target_layer_ids=(1, 2), block_size=4,
-                                  mask_token_id=150)
-    return HybridEngine.from_pretrained(target, max_seq_len=64, max_slots=4, block_size=4, draft_model=draft)
-
-
 @pytest.mark.usefixtures("one_torch_thread")
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 @pytest.mark.parametrize("spec", ["mtp", "dflash"])
-def test_the_torch_device_gives_the_same_tokens_with_late_drafts_on_and_off(spec, temperature, dflash_engine):
+def test_the_torch_device_gives_the_same_tokens_with_late_drafts_on_and_off(spec, temperature, tiny_dflash_engine):
     """Greedy, and sampled with a seed (the verify then redoes its rows by rejection sampling from
     the inputs that ran): the tokens do not depend on when the drafts came back."""
     from fxsched.runtime.generate import SamplingOptions, generate
     from fxsched.runtime.torch_model import HybridEngine
     from fxsched.runtime.torch_model.default_model import default_model_dir
 
-    engine = dflash_engine if spec == "dflash" else HybridEngine.from_pretrained(default_model_dir(), max_slots=4)
+    engine = tiny_dflash_engine if spec == "dflash" else HybridEngine.from_pretrained(default_model_dir(), max_slots=4)
     prompts = [[5 + i, 17, 42, 7 + i, 5 + i, 17] for i in range(3)]
     sampling = SamplingOptions(temperature=temperature, seed=11)
     runs = {late: generate(engine, prompts, 20, spec=spec, eos_ids=(), sampling=sampling, late_drafts=late)

@@ -35,7 +35,6 @@ def test_the_lane_runs_work_in_the_order_launched_and_reraises_at_the_wait():
     lane.launch(fail)
     lane.fence()  # a fence waits and keeps errors with their futures
     lane.close()
-    assert lane.jobs == 4
 
 
 def test_the_lane_counts_host_time_that_ran_beside_its_work():
@@ -55,24 +54,6 @@ def test_the_lane_counts_host_time_that_ran_beside_its_work():
 # --- the scheduler on the simulated device, behind the host ------------------------------------------
 
 
-def _run(episode, monkeypatch):
-    """The client outputs of one walk episode, its violation (None: clean) and its coverage."""
-    from collections import Counter
-
-    from fxsched.runtime.check import walk
-    seen: list = []
-    coverage: Counter = Counter()
-    with monkeypatch.context() as patch:
-        output = walk.WalkObserver.output
-
-        def record(self, out):
-            seen.append(out)
-            return output(self, out)
-        patch.setattr(walk.WalkObserver, "output", record)
-        result = walk.run_episode(episode, coverage)
-    return seen, result.violation, coverage
-
-
 def test_a_device_behind_the_host_changes_no_client_output(monkeypatch):
     """Episodes of the checker's walk with late answers, run with the device's work on a deferred
     lane (proposals answered ahead, client outputs before the device's part of their batch) and
@@ -80,6 +61,8 @@ def test_a_device_behind_the_host_changes_no_client_output(monkeypatch):
     import random
 
     import attrs
+
+    from support.walk_episode import episode_outputs
 
     from fxsched.runtime.check.walk import random_episode
     rng = random.Random(11)
@@ -89,8 +72,8 @@ def test_a_device_behind_the_host_changes_no_client_output(monkeypatch):
         if not episode.mode.startswith(("mtp", "dflash")) or episode.fault_phase:
             continue
         episode = attrs.evolve(episode, late_drafts=True)
-        behind, behind_violation, coverage = _run(attrs.evolve(episode, lane=True), monkeypatch)
-        level, level_violation, _ = _run(attrs.evolve(episode, lane=False), monkeypatch)
+        behind, behind_violation, coverage = episode_outputs(attrs.evolve(episode, lane=True), monkeypatch)
+        level, level_violation, _ = episode_outputs(attrs.evolve(episode, lane=False), monkeypatch)
         assert behind_violation is None and level_violation is None, (behind_violation, level_violation)
         assert behind == level, episode
         ahead += coverage["feature:answered_ahead"]
@@ -99,20 +82,6 @@ def test_a_device_behind_the_host_changes_no_client_output(monkeypatch):
 
 
 # --- the torch device ------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def dflash_engine(tmp_path_factory):
-    pytest.importorskip("transformers", reason="the tiny Qwen3 target is built with transformers")
-    from support.hf_tiny import build
-    from support.hf_tiny_dflash import write_tiny_dflash_for
-
-    from fxsched.runtime.torch_model import HybridEngine
-    root = tmp_path_factory.mktemp("lane")
-    target = build("Qwen3ForCausalLM", root / "target", seed=3).path
-    draft = write_tiny_dflash_for(root / "draft", target, seed=1, target_layer_ids=(1, 2), block_size=4,
-                                  mask_token_id=150)
-    return HybridEngine.from_pretrained(target, max_seq_len=64, max_slots=4, block_size=4, draft_model=draft)
 
 
 def _default_engine():
@@ -132,7 +101,7 @@ def test_the_lane_changes_no_token(spec, temperature, request):
     summary has the host's time and the part hidden, and the proposals were answered ahead."""
     from fxsched.runtime.generate import SamplingOptions, generate
 
-    engine = request.getfixturevalue("dflash_engine") if spec == "dflash" else _default_engine()
+    engine = request.getfixturevalue("tiny_dflash_engine") if spec == "dflash" else _default_engine()
     sampling = SamplingOptions(temperature=temperature, seed=11)
     runs = {on: generate(engine, PROMPTS, 16, spec=spec, eos_ids=(), sampling=sampling, overlap=on)
             for on in (True, False)}

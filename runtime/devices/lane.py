@@ -23,10 +23,6 @@ from typing import Any, Callable, ContextManager, Optional, Protocol
 class Lane(Protocol):
     """What the interpreter needs of a lane (``DeviceLane``, ``DeferredLane``)."""
 
-    busy_s: float
-    waited_s: float
-    hidden_s: float
-
     def launch(self, work: Callable[..., Any], *args: Any) -> Future: ...
 
     def wait(self, future: Future) -> Any: ...
@@ -49,14 +45,12 @@ class DeviceLane:
         self.busy_s = 0.0
         self.waited_s = 0.0
         self.hidden_s = 0.0
-        self.jobs = 0
 
     def launch(self, work: Callable[..., Any], *args: Any) -> Future:
         """Queue ``work(*args)`` after everything launched before it; its future."""
         span = [perf_counter(), 0.0, 0.0]  # launched, started, ended
         future = self._pool.submit(self._run, work, args, span)
         self._spans[future] = span
-        self.jobs += 1
         return future
 
     def _run(self, work: Callable[..., Any], args: tuple[Any, ...], span: list[float]) -> Any:
@@ -99,17 +93,14 @@ class DeferredLane:
     """The model checker's lane: work runs only when the host waits for it (or for later work), on
     the host's own thread, in the order launched. It is the slowest device the protocol allows:
     everything the host does between a launch and its wait happens before the work, and nothing
-    depends on timing, so a seed replays the same run. Its clocks stay at zero."""
+    depends on timing, so a seed replays the same run."""
 
     def __init__(self) -> None:
         self._queue: list[tuple[Future, Callable[..., Any], tuple[Any, ...]]] = []
-        self.busy_s = self.waited_s = self.hidden_s = 0.0
-        self.jobs = 0
 
     def launch(self, work: Callable[..., Any], *args: Any) -> Future:
         future: Future = Future()
         self._queue.append((future, work, args))
-        self.jobs += 1
         return future
 
     def _run_until(self, future: Optional[Future]) -> None:

@@ -54,6 +54,8 @@ class Proposers(DeviceBook):
             for s in seqs:
                 self._ctx_catch_up(s)
         late = self.late_proposal([s.seq_id for s in seqs], n)
+        held: Optional[torch.Tensor] = None
+        failure = ""
         try:
             with self._errors(what):
                 held = (self.engine.mtp_drafts(slots, tokens, n) if self.proposer == "mtp"
@@ -61,13 +63,12 @@ class Proposers(DeviceBook):
         except DeviceError as err:
             if late is None:
                 raise
-            for s in seqs:
-                self._late[s.seq_id] = err.message
-            return self._proposed(seqs, [[LATE_DRAFT] * late] * len(seqs), what)
+            failure = err.message
         if late is None:
+            assert held is not None
             return self._proposed(seqs, held.tolist(), what)
         for i, s in enumerate(seqs):
-            self._late[s.seq_id] = held[i]
+            self._late[s.seq_id] = failure if held is None else held[i]
         return self._proposed(seqs, [[LATE_DRAFT] * late] * len(seqs), what)
 
     def _proposed(self, seqs: list[DeviceSeq], drafts: list[list[int]], what: str) -> list[list[int]]:
