@@ -13,6 +13,8 @@ RoPE and the gate is applied to the attention output before o_proj. Scores and s
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -27,36 +29,50 @@ from .ops import linear, rms_norm
 from .paged_kv import PagedKVCache
 
 
-_rope_cache: list[tuple[tuple[object, ...], torch.Tensor, torch.Tensor, torch.Tensor]] = []
+@dataclass(frozen=True)
+class RopeTables:
+    """The rotary cos and sin tables [..., T, 1, rot] of one positions tensor [..., T] (fp32 angles,
+    cast to the rows' dtype): computed once per forward from the forward's own positions and
+    handed to every layer that ropes at them.
+
+    Why not a cache keyed by the positions tensor: a forward replayed as a CUDA graph reads whatever
+    its capture read. A cache hit during the capture (the warm-ups ran on the same input buffer)
+    records no computation of the tables, so every replay would read the capture's tables, computed
+    for the warm-up batch's positions, from memory a later capture may have freed (specs/async.md
+    §16.4). Computing the tables inside the forward puts them in every capture.
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @property
+    def rotary_dim(self) -> int:
+        """How many leading dims of a head rotate."""
+        return int(self.cos.shape[-1])
 
 
-def _rope_tables(positions: torch.Tensor, theta: float, rot: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [..., T, 1, rot] at `positions` (fp32 angles, cast to dtype). Every layer of a
-    forward ropes at the same positions tensor, so the last tables are kept, keyed by that tensor
-    (held, so its identity cannot be reused) and its version counter (an in-place write changes it)."""
-    key = (id(positions), positions._version, theta, rot, dtype, positions.device)
-    tracing = torch.compiler.is_compiling()
-    if not tracing and _rope_cache and _rope_cache[0][0] == key:
-        return _rope_cache[0][2], _rope_cache[0][3]
+def rope_tables(positions: torch.Tensor, theta: float, rot: int, dtype: torch.dtype) -> RopeTables:
+    """cos and sin [..., T, 1, rot] at integer `positions` [..., T] (fp32 angles, cast to dtype)."""
     inv_freq = theta ** (-torch.arange(0, rot, 2, device=positions.device, dtype=torch.float32) / rot)
     angles = positions.to(torch.float32)[..., None] * inv_freq  # [..., T, rot/2]
     cos = torch.cat([angles.cos(), angles.cos()], -1)[..., None, :].to(dtype)
     sin = torch.cat([angles.sin(), angles.sin()], -1)[..., None, :].to(dtype)
-    if not tracing:
-        _rope_cache[:] = [(key, positions, cos, sin)]
-    return cos, sin
+    return RopeTables(cos, sin)
 
 
-def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int | None = None) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_dim: int | None = None,
+               tables: RopeTables | None = None) -> torch.Tensor:
     """Rotate-half rotary embedding of x [..., T, H, D] at integer positions [..., T].
 
     Only the first `rotary_dim` (default: all D) dims rotate, pairing dim i with i + rotary_dim/2;
-    the rest pass through. cos/sin are computed in fp32 and cast to x's dtype (as transformers),
-    once per positions tensor (`_rope_tables`).
+    the rest pass through. cos/sin are computed in fp32 and cast to x's dtype (as transformers);
+    a caller that ropes several tensors at the same positions passes their `tables` (`rope_tables`,
+    then positions, theta and rotary_dim are not read).
     """
     dim = x.shape[-1]
-    rot = dim if rotary_dim is None else rotary_dim
-    cos, sin = _rope_tables(positions, theta, rot, x.dtype)
+    if tables is None:
+        tables = rope_tables(positions, theta, dim if rotary_dim is None else rotary_dim, x.dtype)
+    cos, sin, rot = tables.cos, tables.sin, tables.rotary_dim
     half = rot // 2
     if rot == dim:
         rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
@@ -66,13 +82,19 @@ def apply_rope(x: torch.Tensor, positions: torch.Tensor, theta: float, rotary_di
     return torch.cat([x_rot * cos + rotated * sin, x_pass], -1)
 
 
+def model_rope_tables(positions: torch.Tensor, cfg: ModelConfig, dtype: torch.dtype) -> RopeTables:
+    """The tables of `cfg`'s attention blocks (rope_theta, rotary_dim) at `positions`."""
+    return rope_tables(positions, cfg.rope_theta, cfg.rotary_dim, dtype)
+
+
 def attention_qkv(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig,
-                  positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                  positions: torch.Tensor, rope: RopeTables | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Queries, keys, values and output gate of attention block `prefix` over x [..., T, D].
 
     Returns q [..., T, Hq, Dh], k and v [..., T, Hkv, Dh] (q and k normed if cfg.qk_norm, then roped
-    over cfg.rotary_dim at positions [..., T]) and the pre-sigmoid gate [..., T, Hq, Dh] when
-    cfg.attn_output_gate, else None.
+    over cfg.rotary_dim at positions [..., T], by `rope` when the caller computed the tables once
+    for several blocks) and the pre-sigmoid gate [..., T, Hq, Dh] when cfg.attn_output_gate, else None.
     """
     lead = x.shape[:-1]
     hq, hkv, dh = cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
@@ -83,9 +105,10 @@ def attention_qkv(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg:
     if cfg.qk_norm:
         q = rms_norm(q, w[f"{prefix}.q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, w[f"{prefix}.k_norm"], cfg.rms_norm_eps)
-    rotary_dim = None if cfg.rotary_dim == dh else cfg.rotary_dim
-    q = apply_rope(q, positions, cfg.rope_theta, rotary_dim)
-    k = apply_rope(k, positions, cfg.rope_theta, rotary_dim)
+    if rope is None:
+        rope = model_rope_tables(positions, cfg, q.dtype)
+    q = apply_rope(q, positions, cfg.rope_theta, tables=rope)
+    k = apply_rope(k, positions, cfg.rope_theta, tables=rope)
     return q, k, v, gate
 
 
@@ -172,7 +195,7 @@ def attention_layer(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, *,
                     block_tables: torch.Tensor, uniform: bool = False, cfg: ModelConfig | None = None,
                     num_heads: int = 0, num_kv_heads: int = 0, head_dim: int = 0,
                     rope_theta: float = 0.0, valid_rows: torch.Tensor | None = None,
-                    plan: AttnPlan | None = None) -> torch.Tensor:
+                    plan: AttnPlan | None = None, rope: RopeTables | None = None) -> torch.Tensor:
     """One target attention layer over a right-padded batch x [B, T, D].
 
     The block's shape and options come from `cfg` (`attention_qkv`); without cfg, from num_heads,
@@ -191,12 +214,13 @@ def attention_layer(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, *,
     (`planned_attention`); without one, over the batch's gathered blocks (`paged_attention`, the
     shape-static form). valid_rows [N]: the flat indices (b * T + t) of the valid rows, so the
     cache write needs no boolean mask (None: every row is valid when uniform, else `valid` is used).
+    rope: the forward's rotary tables at `positions` (computed here when None).
     """
     if cfg is None:
         cfg = ModelConfig(num_attention_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                           rope_theta=rope_theta, mtp=False, dflash_gamma=0)
     t = x.shape[1]
-    q, k, v, gate = attention_qkv(x, w, prefix, cfg, positions)
+    q, k, v, gate = attention_qkv(x, w, prefix, cfg, positions, rope)
     k_cache, v_cache = cache.k[cache_layer], cache.v[cache_layer]
     if uniform and attention_kernels_apply(q, k, v, k_cache, v_cache, block_tables, positions):
         start = positions[:, 0]

@@ -10,7 +10,7 @@ from typing import Mapping, Sequence
 
 import torch
 
-from .attention import apply_rope, masked_attention
+from .attention import RopeTables, apply_rope, masked_attention, rope_tables
 from .config import ModelConfig
 from .ops import embed_rows, linear, rms_norm, swiglu_mlp
 from .transfers import send_ints
@@ -113,10 +113,11 @@ class DFlashDrafter(SlotContext):
         super().__init__(cfg.dflash_layers, cfg.max_slots, cfg.max_seq_len, cfg.num_kv_heads, cfg.head_dim,
                          device, torch_dtype(cfg))
 
-    def _project(self, x: torch.Tensor, prefix: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _project(self, x: torch.Tensor, prefix: str, positions: torch.Tensor,
+                 rope: RopeTables | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.cfg
         shape = (*x.shape[:-1], cfg.num_kv_heads, cfg.head_dim)
-        k = apply_rope(linear(x, self.w[f"{prefix}.k_proj"]).view(shape), positions, cfg.rope_theta)
+        k = apply_rope(linear(x, self.w[f"{prefix}.k_proj"]).view(shape), positions, cfg.rope_theta, tables=rope)
         return k, linear(x, self.w[f"{prefix}.v_proj"]).view(shape)
 
     def append(self, slot: int, hidden: torch.Tensor) -> None:
@@ -126,8 +127,9 @@ class DFlashDrafter(SlotContext):
             raise ValueError(f"DFlash context of slot {slot} would exceed max_seq_len={self.cfg.max_seq_len}")
         feats = rms_norm(linear(hidden, self.w["dflash.ctx_proj"]), self.w["dflash.ctx_norm"], self.cfg.rms_norm_eps)
         positions = torch.arange(start, start + n, device=hidden.device)
+        rope = rope_tables(positions, self.cfg.rope_theta, self.cfg.head_dim, feats.dtype)
         for j in range(self.cfg.dflash_layers):
-            self.put_rows(slot, start, j, *self._project(feats, f"dflash.layers.{j}.attn", positions))
+            self.put_rows(slot, start, j, *self._project(feats, f"dflash.layers.{j}.attn", positions, rope))
         self.ctx_len[slot] = start + n
 
     def propose(self, slots: Sequence[int], last_tokens: Sequence[int], device: torch.device) -> torch.Tensor:
@@ -142,12 +144,13 @@ class DFlashDrafter(SlotContext):
         allowed = torch.cat([torch.arange(max_len, device=device)[None] < lens[:, None],
                              torch.ones(b, gamma + 1, dtype=torch.bool, device=device)], dim=1)
         allowed = allowed[:, None, :].expand(b, gamma + 1, max_len + gamma + 1)
+        rope = rope_tables(positions, cfg.rope_theta, cfg.head_dim, x.dtype)
         for j in range(cfg.dflash_layers):
             p = f"dflash.layers.{j}"
             r = rms_norm(x, w[f"{p}.attn_norm"], eps)
             q = apply_rope(linear(r, w[f"{p}.attn.q_proj"]).view(b, gamma + 1, cfg.num_attention_heads, cfg.head_dim),
-                           positions, cfg.rope_theta)
-            k, v = self._project(r, f"{p}.attn", positions)
+                           positions, cfg.rope_theta, tables=rope)
+            k, v = self._project(r, f"{p}.attn", positions, rope)
             keys = torch.cat([self.ctx_k[j][slot_index, :max_len], k], dim=1)
             values = torch.cat([self.ctx_v[j][slot_index, :max_len], v], dim=1)
             attn = masked_attention(q, keys, values, allowed)

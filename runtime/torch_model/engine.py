@@ -42,11 +42,12 @@ from .config import ModelConfig, default_config
 from .drafters import DFlashDrafter, MtpHead
 from .errors import OutOfBlocksError, SlotError
 from .gdn import GdnSnapshot, GdnStateCache
+from .gdn_chunked import KeepPlan
 from .hf_drafters import PublishedDFlash, PublishedMtp, load_dflash_drafter
 from .kernel_paths import gdn_decode_in_place, gdn_fold_kernel_applies
 from .attn_plan import plan_keys
 from .batch_groups import forward_rows, row_groups
-from .graphs import ForwardGraphs, buckets, cuda_graphs_wanted
+from .graphs import CudaGraphRecorder, ForwardGraphs, Recorder, buckets, cuda_graphs_wanted
 from .model import ForwardOutput, HybridModel, RowBatch
 from .moe import fuse_shared_experts
 from .ops import rms_norm
@@ -166,16 +167,18 @@ class HybridEngine:
         layers (its context features), else none."""
         return tuple(self.dflash.target_layer_ids) if isinstance(self.dflash, PublishedDFlash) else ()
 
-    def use_graphs(self, capture: bool) -> ForwardGraphs | None:
+    def use_graphs(self, capture: bool, recorder: Recorder | None = None) -> ForwardGraphs | None:
         """Decodes and uniform verifies through static forwards (graphs.py, specs/async.md §16.4), of
         every bucket of batch sizes and every row count a decode (1) or verify (2-4, the DFlash
-        block) takes; with ``capture`` (CUDA) each is captured as a CUDA graph now. A capture that
-        fails leaves every forward eager, with a warning."""
+        block) takes; with ``capture`` each is recorded now, by ``recorder`` (default: captured as a
+        CUDA graph). A capture that fails leaves every forward eager, with a warning."""
         rows = {1, 2, 3, 4} | ({self.cfg.dflash_gamma + 1} if self.dflash is not None else set())
         try:
+            if capture and recorder is None:
+                recorder = CudaGraphRecorder(self.device)
             with torch.no_grad():
                 self.graphs = ForwardGraphs(self, buckets(self.cfg.max_slots), sorted(rows), self.scratch_block,
-                                            self.capture_layers, capture=capture)
+                                            self.capture_layers, recorder=recorder if capture else None)
         except RuntimeError as err:  # CUDA's errors are RuntimeErrors
             log.warning("cuda_graphs_off", reason=str(err))
             self.graphs = None
@@ -405,10 +408,11 @@ class HybridEngine:
                    token_lists: Sequence[Sequence[int]], keep_rows: tuple[int, ...] | None = None,
                    last_logits: bool = False, device_tokens: torch.Tensor | None = None) -> RowBatch:
         """The forward's batch, built from host lists in one pass and moved to the device in one
-        packed copy (`send_ints`); with last_logits only each entry's last row gets logits (a
-        committed forward: the caller reads nothing else). device_tokens (int64, the rows of every
-        list in order, on the device) replaces the lists' tokens on the device: tokens the host has
-        not read (late drafts, specs/async.md §16.3)."""
+        packed copy (`send_ints`), the GDN layers' kept-state indices included (gdn_chunked.KeepPlan:
+        no layer copies its own, specs/async.md §16.2); with last_logits only each entry's last row
+        gets logits (a committed forward: the caller reads nothing else). device_tokens (int64, the
+        rows of every list in order, on the device) replaces the lists' tokens on the device: tokens
+        the host has not read (late drafts, specs/async.md §16.3)."""
         b, t = len(slots), max(len(toks) for toks in token_lists)
         nb = max(len(s.block_table) for s in states)
         bs = self.cfg.block_size
@@ -430,11 +434,15 @@ class HybridEngine:
             fields.append(valid_rows)
         if last_logits:
             fields.append([i * t + n - 1 for i, n in enumerate(lengths)])
+        keep = KeepPlan.of(keep_rows, t) if keep_rows is not None else None  # the GDN layers' state indices
+        if keep is not None:
+            fields += keep.fields
         sent = send_ints(fields, dev)
         tokens_t, positions_t, tables_t, write_t, slots_t, lengths_t = sent[:6]
         extra = iter(sent[6:])
         valid_t = None if uniform else next(extra)
         logit_rows = next(extra) if last_logits else None
+        keep_index = keep.index([next(extra) for _ in keep.fields]) if keep is not None else None
         if device_tokens is not None:  # the rows in order: every grid position when uniform
             if valid_t is None:
                 tokens_t.copy_(device_tokens)
@@ -444,7 +452,7 @@ class HybridEngine:
         plan = plan_keys([s.block_table for s in states], [s.seq_len for s in states], lengths, bs, dev,
                          row_kernel=dev.type == "cpu" and bool(self.kv.k) and self.kv.k[0].dtype == torch.bfloat16)
         return RowBatch(tokens_t.view(b, t), positions_t.view(b, t), valid, write_t, tables_t.view(b, nb), slots_t,
-                        uniform, keep_rows, valid_rows=valid_t, attn=plan, logit_rows=logit_rows)
+                        uniform, keep_rows, valid_rows=valid_t, attn=plan, logit_rows=logit_rows, gdn_keep=keep_index)
 
     @torch.no_grad()
     def prefill(self, slot: int, tokens: Sequence[int]) -> torch.Tensor:

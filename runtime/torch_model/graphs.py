@@ -12,6 +12,15 @@ shape replays it. The outputs are copied out of the graph's buffers before they 
 because a verify's rows stay pending across other forwards until their commit, and every graph
 writes its outputs into one shared memory pool.
 
+How a forward is recorded and replayed is a ``Recorder``'s: ``CudaGraphRecorder`` captures a CUDA
+graph (warm-ups on a side stream, then the capture into one memory pool shared by every graph). A
+recorded forward is a contract: each replay reads the static inputs and the engine's state
+tensors (``StaticForward.inputs``: KV cache, GDN states) as they are then, and everything else as
+it was at capture -- so the forward must compute from those inputs alone, with no value taken on
+the host and no table kept from an earlier call (specs/async.md §16.4). The tests hold every static
+forward to it with a recorder that replays a trace made with real tensors, in which anything that
+is not an input is a constant.
+
 ``ForwardGraphs`` holds one ``StaticForward`` per (bucket, T) and picks, for a batch, the smallest
 bucket that holds it. A batch it cannot take runs eagerly, as does every forward when capture
 fails: a prefill (its rows are committed and chunked), a ragged verify, a batch wider than the
@@ -20,9 +29,10 @@ last bucket, an in-place GDN decode (CPU), or a forward whose logits are limited
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass, fields, is_dataclass, replace
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optional, Protocol, Sequence
 
 import structlog
 import torch
@@ -67,8 +77,51 @@ def _copied(value: Any) -> Any:
     return value
 
 
+Replay = Callable[[], ForwardOutput]  # runs a recorded forward over its inputs as they are now
+
+
+class Recorder(Protocol):
+    """Records a static forward once and replays it (specs/async.md §16.4)."""
+
+    def warm_up(self) -> ContextManager[Any]:
+        """Where the warm-up runs before the recording go (a side stream for a CUDA graph)."""
+        ...
+
+    def record(self, run: Callable[[], ForwardOutput], inputs: Sequence[torch.Tensor]) -> Replay:
+        """Record ``run`` over ``inputs`` (every tensor whose contents may change between replays)
+        and return what replays it."""
+        ...
+
+
+class CudaGraphRecorder:
+    """Captures each forward as a CUDA graph in one shared memory pool; a replay returns the graph's
+    own output tensors (the next replay overwrites them: the caller copies them out)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+
+    @contextlib.contextmanager
+    def warm_up(self) -> Iterator[None]:
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            yield
+        torch.cuda.current_stream(self.device).wait_stream(side)
+
+    def record(self, run: Callable[[], ForwardOutput], inputs: Sequence[torch.Tensor]) -> Replay:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = run()
+
+        def replay() -> ForwardOutput:
+            graph.replay()
+            return out
+        return replay
+
+
 class StaticForward:
-    """The inputs of one forward shape, the forward over them, and (once captured) its CUDA graph."""
+    """The inputs of one forward shape, the forward over them, and (once recorded) its replay."""
 
     def __init__(self, engine: "HybridEngine", b: int, t: int, scratch_block: int,
                  capture_layers: tuple[int, ...]) -> None:
@@ -84,8 +137,7 @@ class StaticForward:
         self.padding = (self.positions.clone(), self.write_index.clone(), self.block_tables.clone())
         self.batch = RowBatch(self.tokens, self.positions, torch.ones(b, t, dtype=torch.bool, device=dev),
                               self.write_index, self.block_tables, self.slots, uniform=True)
-        self.graph: Optional[Any] = None  # torch.cuda.CUDAGraph once captured
-        self.out: Optional[ForwardOutput] = None  # the graph's output tensors
+        self.replay: Optional[Replay] = None  # once recorded
 
     def load(self, batch: RowBatch) -> None:
         """Copy a prepared batch (n <= b sequences of t rows) into the inputs; the rest is padding.
@@ -104,33 +156,32 @@ class StaticForward:
         self.slots[:n].copy_(batch.slots)
 
     def run(self) -> ForwardOutput:
-        """The forward over the inputs as they are, eagerly: what the graph records and replays."""
+        """The forward over the inputs as they are, eagerly: what a recorder records and replays."""
         engine = self.engine
         return engine.model.forward(self.batch, engine.kv, engine.gdn, capture_layers=self.capture_layers)
 
-    def capture(self, pool: Any) -> None:
-        """Warm up on a side stream, then record the forward into a CUDA graph (inputs as loaded)."""
-        side = torch.cuda.Stream(self.engine.device)
-        side.wait_stream(torch.cuda.current_stream(self.engine.device))
-        with torch.cuda.stream(side):
+    def inputs(self) -> list[torch.Tensor]:
+        """Every tensor the forward reads whose contents change between forwards: the static inputs,
+        then the engine's KV cache and GDN state cache (read and written in place)."""
+        engine = self.engine
+        return [self.tokens, self.positions, self.write_index, self.block_tables, self.slots,
+                *engine.kv.k, *engine.kv.v, *engine.gdn.recurrent, *engine.gdn.conv]
+
+    def capture(self, recorder: Recorder) -> None:
+        """Warm up (WARMUP_RUNS eager runs), then record the forward over the inputs as loaded."""
+        with recorder.warm_up():
             for _ in range(WARMUP_RUNS):
                 self.run()
-        torch.cuda.current_stream(self.engine.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):
-            self.out = self.run()
-        self.graph = graph
+        self.replay = recorder.record(self.run, self.inputs())
 
     def forward(self, batch: RowBatch) -> ForwardOutput:
-        """The forward of ``batch``: replayed when captured (its first n sequences' outputs copied
-        out of the graph's pool), else run on the static inputs."""
+        """The forward of ``batch``: replayed when recorded (its first n sequences' outputs copied
+        out of the recording's buffers), else run on the static inputs."""
         self.load(batch)
         n = batch.tokens.shape[0]
-        if self.graph is None:
+        if self.replay is None:
             return _first(self.run(), n)  # fresh tensors: nothing else writes them
-        self.graph.replay()
-        assert self.out is not None
-        return _copied(_first(self.out, n))
+        return _copied(_first(self.replay(), n))
 
 
 def _first(out: ForwardOutput, n: int) -> ForwardOutput:
@@ -148,21 +199,21 @@ class GraphStats:
 
 
 class ForwardGraphs:
-    """One ``StaticForward`` per (bucket, rows), captured as CUDA graphs when ``capture``."""
+    """One ``StaticForward`` per (bucket, rows), each recorded by ``recorder`` when one is given
+    (a CUDA graph: ``CudaGraphRecorder``), else run eagerly over its static inputs."""
 
     def __init__(self, engine: "HybridEngine", sizes: Sequence[int], rows: Sequence[int], scratch_block: int,
-                 capture_layers: tuple[int, ...] = (), capture: bool = True) -> None:
+                 capture_layers: tuple[int, ...] = (), recorder: Optional[Recorder] = None) -> None:
         self.sizes = tuple(sorted(set(sizes)))
         self.rows = tuple(sorted(set(rows)))
         self.stats = GraphStats()
         self.forwards = {(b, t): StaticForward(engine, b, t, scratch_block, capture_layers)
                          for t in self.rows for b in self.sizes}
         self.captured = False
-        if capture:
-            pool = torch.cuda.graph_pool_handle()
-            # the widest first: the shared pool is sized by the first capture
+        if recorder is not None:
+            # the widest first: a CUDA graphs' shared pool is sized by the first capture
             for key in sorted(self.forwards, key=lambda k: -k[0] * k[1]):
-                self.forwards[key].capture(pool)
+                self.forwards[key].capture(recorder)
             self.captured = True
             log.info("cuda_graphs_captured", graphs=len(self.forwards), sizes=self.sizes, rows=self.rows)
 

@@ -41,7 +41,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from .attention import apply_rope, attention_out, attention_qkv, masked_attention
+from .attention import RopeTables, apply_rope, attention_out, attention_qkv, masked_attention, rope_tables
 from .config import ModelConfig
 from .drafters import SlotContext
 from .errors import ModelDirError
@@ -479,10 +479,12 @@ class PublishedDFlash(SlotContext):
     def _heads(self, x: torch.Tensor, n: int) -> torch.Tensor:
         return x.view(*x.shape[:-1], n, self.spec.head_dim)
 
-    def _kv(self, x: torch.Tensor, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _kv(self, x: torch.Tensor, layer: int, positions: torch.Tensor,
+            rope: RopeTables | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         s, p = self.spec, f"layers.{layer}.self_attn"
         k = rms_norm(self._heads(self._proj(x, f"{p}.k_proj"), s.num_kv_heads), self.w[f"{p}.k_norm"], s.rms_norm_eps)
-        return apply_rope(k, positions, s.rope_theta), self._heads(self._proj(x, f"{p}.v_proj"), s.num_kv_heads)
+        return (apply_rope(k, positions, s.rope_theta, tables=rope),
+                self._heads(self._proj(x, f"{p}.v_proj"), s.num_kv_heads))
 
     # ---- context -------------------------------------------------------------------------------
     def append(self, slot: int, feats: torch.Tensor) -> None:
@@ -494,8 +496,9 @@ class PublishedDFlash(SlotContext):
             return
         positions = torch.arange(start, start + n, device=feats.device)
         feats = feats.to(self.ctx_k[0].dtype)
+        rope = rope_tables(positions, self.spec.rope_theta, self.spec.head_dim, feats.dtype)
         for j in range(self.spec.num_layers):
-            self.put_rows(slot, start, j, *self._kv(feats, j, positions))
+            self.put_rows(slot, start, j, *self._kv(feats, j, positions, rope))
         self.ctx_len[slot] = start + n
 
     def export_shapes(self, n: int) -> dict[str, tuple[int, ...]]:
@@ -525,13 +528,14 @@ class PublishedDFlash(SlotContext):
         if s.causal:
             block_ok = torch.tril(block_ok)
         allowed = torch.cat([ctx_ok, block_ok[None].expand(b, t, t)], dim=2)
+        rope = rope_tables(positions, s.rope_theta, s.head_dim, x.dtype)
         for j in range(s.num_layers):
             p = f"layers.{j}"
             r = rms_norm(x, w[f"{p}.input_layernorm"], eps)
             q = rms_norm(self._heads(self._proj(r, f"{p}.self_attn.q_proj"), s.num_heads),
                          w[f"{p}.self_attn.q_norm"], eps)
-            q = apply_rope(q, positions, s.rope_theta)
-            k, v = self._kv(r, j, positions)
+            q = apply_rope(q, positions, s.rope_theta, tables=rope)
+            k, v = self._kv(r, j, positions, rope)
             keys = torch.cat([self.ctx_k[j][index, :max_len], k], dim=1)
             values = torch.cat([self.ctx_v[j][index, :max_len], v], dim=1)
             attn = masked_attention(q, keys, values, allowed)

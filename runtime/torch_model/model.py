@@ -22,10 +22,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attention import attention_layer
+from .attention import attention_layer, model_rope_tables
 from .attn_plan import AttnPlan
 from .config import ModelConfig
 from .gdn import GdnRows, GdnStateCache, gdn_layer
+from .gdn_chunked import KeepIndex, KeepPlan
 from .moe import fuse_shared_experts, sparse_moe
 from .ops import embed_rows, linear, rms_norm, swiglu_mlp
 from .packing import pack_for_cpu
@@ -59,7 +60,9 @@ class RowBatch:
     whose logits are wanted (a prefill reads one row of hundreds: the LM head is the largest
     matrix of a small model). gdn_in_place (one row per sequence, all committed: a decode) makes the
     GDN layers update the slots' states in the state cache as they run (gdn_layer's in_place), the
-    one exception to the invariant below.
+    one exception to the invariant below. gdn_keep: gdn_keep_rows' plan with its index tensors,
+    sent with the batch's other inputs in its one copy (gdn_chunked.KeepIndex; a batch without it
+    gets one per forward, specs/async.md §16.2).
     """
 
     tokens: torch.Tensor
@@ -74,6 +77,7 @@ class RowBatch:
     attn: AttnPlan | None = None
     logit_rows: torch.Tensor | None = None
     gdn_in_place: bool = False
+    gdn_keep: KeepIndex | None = None
 
 
 @dataclass
@@ -117,6 +121,12 @@ class HybridModel:
         if bad:
             raise ValueError(f"capture_layers {bad} outside [0, num_layers={cfg.num_layers})")
         h = self.embed(batch.tokens)
+        # every attention layer ropes at the batch's positions: the tables once, inside the forward
+        # (a captured forward must compute them itself, specs/async.md §16.4)
+        rope = model_rope_tables(batch.positions, cfg, h.dtype) if cfg.attn_layers else None
+        keep = batch.gdn_keep
+        if keep is None and batch.gdn_keep_rows is not None:  # the states' indices, once for every GDN layer
+            keep = KeepPlan.of(batch.gdn_keep_rows, batch.tokens.shape[1]).send(batch.tokens.device)
         gdn_rows: list[GdnRows] = []
         layer_hidden: dict[int, torch.Tensor] = {}
         gdn_index = attn_index = 0
@@ -129,14 +139,16 @@ class HybridModel:
                 else:
                     out, rows = gdn_layer(x, w, f"layers.{i}.gdn", cfg,
                                           gdn.recurrent[gdn_index].index_select(0, batch.slots),
-                                          gdn.conv[gdn_index].index_select(0, batch.slots), batch.gdn_keep_rows)
+                                          gdn.conv[gdn_index].index_select(0, batch.slots), batch.gdn_keep_rows,
+                                          keep_index=keep)
                 gdn_rows.append(rows)
                 gdn_index += 1
             else:
                 out = attention_layer(x, w, f"layers.{i}.attn", cfg=cfg, cache=kv, cache_layer=attn_index,
                                       positions=batch.positions, valid=batch.valid,
                                       write_index=batch.write_index, block_tables=batch.block_tables,
-                                      uniform=batch.uniform, valid_rows=batch.valid_rows, plan=batch.attn)
+                                      uniform=batch.uniform, valid_rows=batch.valid_rows, plan=batch.attn,
+                                      rope=rope)
                 attn_index += 1
             h = h + out
             h = h + mlp_block(rms_norm(h, w[f"layers.{i}.post_norm"], cfg.rms_norm_eps), w, f"layers.{i}", cfg, i)
