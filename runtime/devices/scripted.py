@@ -4,7 +4,7 @@ per call) and the simulated device (silent, strict, with injected faults) both a
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Mapping, Optional
 
 import attrs
 
@@ -60,15 +60,21 @@ def script_drafts(script: Script, position: int, n: int, vocab: int) -> list[int
     return out
 
 
-def script_verify(script: Script, first_position: int, inputs) -> list[int]:
-    """Verify rows: ``tok(g + 1)`` per input until an input differs from the script, then 1s."""
+def script_verify(script: Script, first_position: int, inputs, drawn: Mapping[int, int] | None = None) -> list[int]:
+    """Verify rows: ``tok(g + 1)`` per input until an input differs from the script, then 1s.
+
+    ``drawn`` maps a row to the token a pick drew there instead of the script's (an EOS masked below
+    ``min_tokens``, specs/speculation.md §6.16): that row answers the drawn token, and the next input
+    is checked against it, so a draft equal to the drawn token goes on with the script, as a plain
+    decode of the drawn token would."""
+    drawn = drawn or {}
     poisoned = False
     out = []
     for t, token in enumerate(inputs):
         g_in = first_position + t - script.prompt_len
-        if t > 0 and script.tok(g_in) != token:
+        if t > 0 and drawn.get(t - 1, script.tok(g_in)) != token:
             poisoned = True
-        out.append(1 if poisoned else script.tok(g_in + 1))
+        out.append(1 if poisoned else drawn.get(t, script.tok(g_in + 1)))
     return out
 
 

@@ -84,7 +84,7 @@ from fxsched.core.events import LATE_DRAFT
 from fxsched.runtime.devices.device import DeviceError
 from fxsched.runtime.devices.sampling import draw, pick_weights
 from fxsched.runtime.devices.ep_check import EpWordCheck
-from fxsched.runtime.devices.scripted import Script, ScriptedDevice, ScriptedSequence
+from fxsched.runtime.devices.scripted import Script, ScriptedDevice, ScriptedSequence, script_verify
 from fxsched.runtime.ep.protocol import Decode as EpDecode
 from fxsched.runtime.ep.protocol import Kind
 from fxsched.runtime.ep.protocol import Prefill as EpPrefill
@@ -825,10 +825,14 @@ class SimDevice(ScriptedDevice):
         for seq_id, counted in self.verify_order:
             inputs, old = self.verify_io[seq_id]
             new = list(old)
+            drawn: dict[int, int] = {}
             for i in range(len(new)):
                 pick = picks[offset + i]
                 if pick.mask_eos and new[i] in eos_ids:
-                    new[i] = self._pick(new[i], pick, eos_ids)
+                    drawn[i] = self._pick(new[i], pick, eos_ids)
+                    # the rows after a drawn one follow from it: a draft equal to the drawn token
+                    # goes on with the script (script_verify's rule), any other is rejected
+                    new = script_verify(self._script(self._seq(seq_id)), self.verified[seq_id][1], inputs, drawn)
             if new != list(old):
                 if counted and self.count_accepted:
                     rid = self.live[seq_id].request_id
