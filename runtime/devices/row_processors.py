@@ -31,6 +31,8 @@ from typing import Callable, Optional, Protocol, Sequence as Seq
 
 import torch
 
+from fxsched.runtime.torch_model.transfers import send_values
+
 
 class RowProcessor(Protocol):
     """Changes ``row [V]`` (float32) in place; ``context`` holds the prompt (its first
@@ -53,18 +55,20 @@ class Penalties:
         return self.presence == 0 and self.frequency == 0 and self.repetition == 1 and not self.logit_bias
 
     def __call__(self, row: torch.Tensor, prompt_len: int, context: Seq[int]) -> None:
-        device = row.device
-        if self.logit_bias:
-            ids = torch.tensor([i for i, _ in self.logit_bias], dtype=torch.int64, device=device)
-            row.index_add_(0, ids, torch.tensor([b for _, b in self.logit_bias], dtype=row.dtype, device=device))
         output = list(context[prompt_len:])
-        if self.repetition != 1 and context:
-            seen = torch.tensor(sorted(set(context)), dtype=torch.int64, device=device)
+        repeat = self.repetition != 1 and bool(context)
+        count = bool(self.frequency or self.presence) and bool(output)
+        # the ids and biases in one packed copy that does not block the host (specs/async.md §16.2)
+        (ids, seen, out_ids), (biases,) = send_values(
+            [[i for i, _ in self.logit_bias], sorted(set(context)) if repeat else [], output if count else []],
+            [[b for _, b in self.logit_bias]], row.device)
+        if self.logit_bias:
+            row.index_add_(0, ids, biases.to(row.dtype))
+        if repeat:
             values = row[seen]
             row[seen] = torch.where(values > 0, values / self.repetition, values * self.repetition)
-        if (self.frequency or self.presence) and output:
-            counts = torch.zeros_like(row).index_add_(
-                0, torch.tensor(output, dtype=torch.int64, device=device), torch.ones(len(output), device=device))
+        if count:
+            counts = torch.zeros_like(row).index_add_(0, out_ids, torch.ones(len(output), device=row.device))
             row -= self.frequency * counts + self.presence * (counts > 0).to(row.dtype)
 
 

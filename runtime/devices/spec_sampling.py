@@ -42,14 +42,14 @@ from typing import Optional, Sequence as Seq
 import torch
 
 from fxsched.effects.device_calls import HostPick
-from fxsched.runtime.devices.torch_sampling import SEED_MASK, filtered_probs, inverse_cdf
+from fxsched.runtime.devices.torch_sampling import (RowLogprobs, draws, eos_fields, filter_fields, filtered_probs,
+                                                    filters_from, inverse_cdf, mask_eos, records_read)
+from fxsched.runtime.torch_model.transfers import send_values
 
 
 def uniforms(seed: int) -> tuple[float, float]:
     """``(u_draw, u_acc)`` of a row with this seed: the first two float64 of a seeded CPU generator."""
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed(seed & SEED_MASK)
-    pair = torch.rand(2, generator=gen, dtype=torch.float64).tolist()
+    pair = draws([seed], 2).tolist()
     return pair[0], pair[1]
 
 
@@ -77,31 +77,41 @@ def verify_sample(logits: torch.Tensor, inputs: Seq[Seq[int]], picks: Seq[HostPi
     """The rows of a sampled verify and the drafts each sequence accepted (see the module docstring).
     ``processed``: the rows after per-request processing (penalties, ``logit_bias``), the target
     distribution the test keeps (None: the raw rows)."""
+    rows, accepted, _ = verify_sample_records(logits, inputs, picks, eos_ids, q, processed)
+    return rows, accepted
+
+
+def verify_sample_records(logits: torch.Tensor, inputs: Seq[Seq[int]], picks: Seq[HostPick], eos_ids: Seq[int],
+                          q: Optional[torch.Tensor] = None, processed: Optional[torch.Tensor] = None,
+                          record_rows: Seq[int] = ()) -> tuple[list[int], list[int], list[RowLogprobs]]:
+    """``verify_sample``'s rows and accepted drafts, and the logprob records of rows ``record_rows``
+    (the raw ``log_softmax`` of ``logits``, ``picks[r].top_logprobs`` entries, for the row's answer).
+    The rows' host inputs (EOS rows and ids, the hot rows, their drafts, filters and uniforms, the
+    record rows) go over in one packed copy; the rows and the records come back in one read
+    (specs/async.md §16.2)."""
     total_rows = sum(len(t) for t in inputs)
     if logits.dim() != 2 or logits.shape[0] != total_rows or len(picks) != total_rows:
         raise ValueError(f"verify_sample: logits of shape {tuple(logits.shape)} for {total_rows} verify rows "
                          f"and {len(picks)} picks")
-    device = logits.device
     vocab = logits.shape[1]
-    x = (logits if processed is None else processed).to(torch.float32, copy=True)
-    eos = [e for e in dict.fromkeys(eos_ids) if 0 <= e < vocab]
-    masked = [r for r, p in enumerate(picks) if p.mask_eos]
-    if eos and masked:
-        x[torch.tensor(masked, device=device)[:, None], torch.tensor(eos, device=device)[None, :]] = -torch.inf
-    tokens = torch.argmax(x, dim=-1)
     drafts: list[int] = []
     for toks in inputs:
         drafts.extend(int(t) for t in toks[1:])
         drafts.append(-1)  # the last row has no draft
     hot = [r for r, p in enumerate(picks) if p.temperature > 0]
+    hot_picks = [picks[r] for r in hot]
+    f_ints, f_floats = filter_fields(hot_picks, vocab)
+    (masked_t, eos_t, hot_t, d, record_t, *f_int_t), (*f_float_t, pairs) = send_values(
+        [*eos_fields(picks, eos_ids, vocab), hot, [drafts[r] for r in hot], list(record_rows), *f_ints],
+        [*f_floats, draws([p.seed for p in hot_picks], 2)], logits.device)
+    x = (logits if processed is None else processed).to(torch.float32, copy=True)
+    mask_eos(x, masked_t, eos_t)
+    tokens = torch.argmax(x, dim=-1)
     if hot:
-        rows = torch.tensor(hot, device=device)
-        probs = filtered_probs(x[rows], [picks[r] for r in hot]).to(torch.float64)
+        probs = filtered_probs(x.index_select(0, hot_t), hot_picks, filters_from(f_int_t, f_float_t)).to(torch.float64)
         probs = probs / probs.sum(dim=-1, keepdim=True)
-        pairs = [uniforms(picks[r].seed) for r in hot]
-        u_draw = torch.tensor([a for a, _ in pairs], dtype=torch.float64, device=device)[:, None]
-        u_acc = torch.tensor([b for _, b in pairs], dtype=torch.float64, device=device)
-        d = torch.tensor([drafts[r] for r in hot], dtype=torch.int64, device=device)
+        u = pairs.view(-1, 2)
+        u_draw, u_acc = u[:, :1], u[:, 1]
         has = d >= 0
         at = d.clamp(min=0)[:, None]
         p_d = probs.gather(-1, at).squeeze(-1)
@@ -109,12 +119,18 @@ def verify_sample(logits: torch.Tensor, inputs: Seq[Seq[int]], picks: Seq[HostPi
             q_d = torch.ones_like(p_d)
             residual = probs.scatter(-1, at, torch.where(has[:, None], 0.0, probs.gather(-1, at)))
         else:
-            qh = q[rows].to(torch.float64)
+            qh = q.index_select(0, hot_t).to(torch.float64)
             q_d = qh.gather(-1, at).squeeze(-1)
             residual = torch.where(has[:, None], (probs - qh).clamp(min=0.0), probs)
         keep = has & accept_test(p_d, q_d, u_acc)
         empty = residual.sum(dim=-1) <= 0  # p(d) = 1 up to rounding: the draft is the only choice
         drawn = inverse_cdf(residual, u_draw)
-        tokens[rows] = torch.where(keep | (empty & has), d, drawn)
-    answer = tokens.tolist()
-    return answer, accepted_counts(inputs, answer)
+        tokens.index_copy_(0, hot_t, torch.where(keep | (empty & has), d, drawn))
+    if not record_rows:
+        answer = tokens.tolist()
+        return answer, accepted_counts(inputs, answer), []
+    raw = torch.log_softmax(logits.index_select(0, record_t).to(torch.float32), dim=-1)
+    read, records = records_read(raw, tokens.index_select(0, record_t), [picks[r].top_logprobs for r in record_rows],
+                                 first=tokens)
+    answer = [int(t) for t in read]
+    return answer, accepted_counts(inputs, answer), records

@@ -14,7 +14,7 @@ from fxsched.core.events import LATE_DRAFT
 from fxsched.kernels.greedy_accept import greedy_accept, row_offsets_from_counts
 from fxsched.kernels.row_argmax import row_argmax
 from fxsched.runtime.devices.device import DeviceError
-from fxsched.runtime.devices.spec_sampling import verify_sample
+from fxsched.runtime.devices.spec_sampling import verify_sample_records
 from fxsched.runtime.devices.row_processors import RowProcessors
 from fxsched.runtime.devices.torch_sampling import RowLogprobs, SampledRows, logprob_records, sample_rows
 from fxsched.runtime.torch_model.transfers import send_ints
@@ -239,17 +239,25 @@ class Forwards(DeviceBook):
                 raise DeviceError(f"sample_verify: sequence {s.seq_id} has no pending verify")
             inputs.append(s.pending.tokens)
         self.stats.calls["sample_verify"] += 1
-        rows, accepted = verify_sample(self._logits, inputs, picks, eos_ids,
-                                       processed=self._processed(0, self._logits.shape[0]))
+        record_rows: list[int] = []  # the rows of each sequence that asks for logprob records
+        offset = 0
+        for toks in inputs:
+            if any(picks[r].top_logprobs for r in range(offset, offset + len(toks))):
+                record_rows += range(offset, offset + len(toks))
+            offset += len(toks)
+        # the rows and their records in one read (specs/async.md §16.2)
+        rows, accepted, row_records = verify_sample_records(self._logits, inputs, picks, eos_ids,
+                                                            processed=self._processed(0, self._logits.shape[0]),
+                                                            record_rows=record_rows)
+        by_row = dict(zip(record_rows, row_records, strict=True))
         records: list[tuple[int, list[RowLogprobs]]] = []
         offset = 0
         for s, n, toks in zip(seqs, accepted, inputs, strict=True):
             assert s.pending is not None
             s.pending = Pending(s.pending.tokens, s.pending.keep, PendingKind.VERIFY, n + 1)
-            widths = [picks[offset + i].top_logprobs for i in range(n + 1)]
-            if any(widths):  # the rows it emits: the kept drafts and the row after them
-                records.append((s.seq_id, logprob_records(self._logits[offset:offset + n + 1],
-                                                          rows[offset:offset + n + 1], widths)))
+            emitted = range(offset, offset + n + 1)  # the kept drafts and the row after them
+            if any(picks[r].top_logprobs for r in emitted):
+                records.append((s.seq_id, [by_row[r] for r in emitted]))
             offset += len(toks)
         self.last_verify = records
         self._argmax = rows

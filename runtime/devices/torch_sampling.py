@@ -23,6 +23,12 @@ the device the logits live on (the uniform is drawn on the CPU everywhere).
 Rows a request's processors changed (penalties, ``logit_bias``: ``row_processors``) come as
 ``processed`` and are picked from instead of the raw rows (step 0, before the EOS mask).
 
+Host inputs (specs/async.md §16.2): every per-row value a call needs (the rows of each kind, the
+EOS ids, the filter columns, the uniforms) goes over in one packed non-blocking copy
+(``transfers.send_values``), the rows are picked out of the batch with the index tensors of that
+copy (``index_select`` / ``index_copy_``, never a Python list), and the tokens come back in one read,
+with the logprob records of the rows that asked for them in the same read.
+
 Logprobs follow vLLM's default: the model's raw distribution, ``log_softmax`` of the logits
 before the EOS mask and the temperature. A row with ``top_logprobs = k > 0`` gets the chosen
 token's logprob and the k largest entries (ties: the lower id first); other rows get ``None``.
@@ -39,6 +45,7 @@ from typing import Optional, Sequence as Seq
 import torch
 
 from fxsched.effects.device_calls import HostPick
+from fxsched.runtime.torch_model.transfers import Floats, send_ints, send_values
 
 SEED_MASK = (1 << 64) - 1  # torch.Generator.manual_seed takes seeds modulo 2**64
 
@@ -60,22 +67,65 @@ class SampledRows:
     logprobs: list[Optional[RowLogprobs]]
 
 
+def draws(seeds: Seq[int], count: int) -> torch.Tensor:
+    """Host float64 ``[len(seeds) * count]``, row-major: the first ``count`` draws of a CPU generator
+    seeded with each seed. Written in place and never read on the host, so they go over with a
+    call's other inputs (``send_values``)."""
+    out = torch.empty(len(seeds), count, dtype=torch.float64)
+    gen = torch.Generator(device="cpu")
+    for i, seed in enumerate(seeds):
+        gen.manual_seed(seed & SEED_MASK)
+        torch.rand(count, generator=gen, dtype=torch.float64, out=out[i])
+    return out.reshape(-1)
+
+
 def uniform(seed: int) -> float:
     """The draw of a pick with this seed: the first float64 of a CPU generator seeded with it."""
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed(seed & SEED_MASK)
-    return float(torch.rand((), generator=gen, dtype=torch.float64))
+    return float(draws([seed], 1)[0])
 
 
-def _column(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype, device=device)[:, None]
+@dataclass(frozen=True)
+class Filters:
+    """The filter columns of M rows with temperature > 0, on the device: temperature and min-p
+    ``[M, 1]`` (float32), the C rows (of the M) that top-k or top-p cut with their ``top_k``
+    (int64, the vocabulary for 0) and ``top_p`` (float64) columns ``[C, 1]``; ``cuts`` = C, known
+    on the host."""
+
+    temperature: torch.Tensor
+    min_p: torch.Tensor
+    cut: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    cuts: int
 
 
-def _draw(x: torch.Tensor, picks: Seq[HostPick]) -> torch.Tensor:
-    """Tokens ``[M]`` for rows ``x [M, V]`` (float32, EOS already masked) with temperature > 0."""
-    probs = filtered_probs(x, picks)
-    u = _column([uniform(p.seed) for p in picks], torch.float64, x.device)
-    return inverse_cdf(probs, u)
+def filter_fields(picks: Seq[HostPick], vocab: int) -> tuple[list[list[int]], list[list[float]]]:
+    """The host lists of ``Filters`` for rows picked by ``picks``: ints (cut rows, top-k), floats
+    (temperature, min-p, top-p), for ``send_values``."""
+    cut = [i for i, p in enumerate(picks) if p.top_k > 0 or p.top_p < 1]
+    top_k = [picks[i].top_k if picks[i].top_k > 0 else vocab for i in cut]
+    return ([cut, top_k], [[p.temperature for p in picks], [p.min_p for p in picks], [picks[i].top_p for i in cut]])
+
+
+def filters_from(ints: Seq[torch.Tensor], floats: Seq[torch.Tensor]) -> Filters:
+    """``Filters`` of the device tensors ``filter_fields``' lists became (in its order)."""
+    cut, top_k = ints
+    temperature, min_p, top_p = floats
+    return Filters(temperature.to(torch.float32)[:, None], min_p.to(torch.float32)[:, None], cut, top_k[:, None],
+                   top_p[:, None], cut.shape[0])
+
+
+def eos_fields(picks: Seq[HostPick], eos_ids: Seq[int], vocab: int) -> list[list[int]]:
+    """[the rows whose EOS ids are masked, those ids] (both empty when nothing is masked)."""
+    eos = [e for e in dict.fromkeys(eos_ids) if 0 <= e < vocab]
+    masked = [r for r, p in enumerate(picks) if p.mask_eos]
+    return [masked, eos] if eos and masked else [[], []]
+
+
+def mask_eos(x: torch.Tensor, masked: torch.Tensor, eos: torch.Tensor) -> None:
+    """Set ``x[r, e]`` to -inf for every row r of ``masked`` and id e of ``eos`` (device tensors)."""
+    if masked.shape[0] and eos.shape[0]:
+        x[masked[:, None], eos[None, :]] = -torch.inf
 
 
 def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -86,34 +136,55 @@ def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return pos.squeeze(-1)
 
 
-def filtered_probs(x: torch.Tensor, picks: Seq[HostPick]) -> torch.Tensor:
+def filtered_probs(x: torch.Tensor, picks: Seq[HostPick], filters: Optional[Filters] = None) -> torch.Tensor:
     """The temperature-scaled softmax of rows ``x [M, V]`` (float32, EOS already masked), with the
-    entries min-p, top-k and top-p cut set to 0 (not renormalised): what a pick draws from."""
-    device = x.device
-    temps = _column([p.temperature for p in picks], torch.float32, device)
-    probs = torch.softmax((x - x.max(dim=-1, keepdim=True).values) / temps, dim=-1)
-    min_p = _column([p.min_p for p in picks], torch.float32, device)
-    probs = torch.where(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0, probs)
-    cut = [i for i, p in enumerate(picks) if p.top_k > 0 or p.top_p < 1]
-    if cut:
-        rows = torch.tensor(cut, device=device)
-        probs[rows] = _top_k_top_p(probs[rows], [picks[i] for i in cut])
+    entries min-p, top-k and top-p cut set to 0 (not renormalised): what a pick draws from.
+    ``filters``: the picks' columns already on the device (else they are sent in one copy)."""
+    if filters is None:
+        ints, floats = filter_fields(picks, x.shape[1])
+        filters = filters_from(*send_values(ints, floats, x.device))
+    probs = torch.softmax((x - x.max(dim=-1, keepdim=True).values) / filters.temperature, dim=-1)
+    probs = torch.where(probs < filters.min_p * probs.max(dim=-1, keepdim=True).values, 0.0, probs)
+    if filters.cuts:
+        probs.index_copy_(0, filters.cut, _top_k_top_p(probs.index_select(0, filters.cut), filters))
     return probs
 
 
-def _top_k_top_p(probs: torch.Tensor, picks: Seq[HostPick]) -> torch.Tensor:
-    """``probs [M, V]`` with the entries top-k and top-p cut set to 0 (order: stable descending)."""
-    device = probs.device
+def _top_k_top_p(probs: torch.Tensor, filters: Filters) -> torch.Tensor:
+    """``probs [C, V]`` with the entries top-k and top-p cut set to 0 (order: stable descending)."""
     vocab = probs.shape[1]
     ranked, order = probs.sort(dim=-1, descending=True, stable=True)
-    ranks = torch.arange(vocab, device=device)[None, :]
-    in_k = ranks < _column([p.top_k if p.top_k > 0 else vocab for p in picks], torch.int64, device)
+    ranks = torch.arange(vocab, device=probs.device)[None, :]
+    in_k = ranks < filters.top_k
     mass = torch.where(in_k, ranked, 0.0).to(torch.float64)
     running = mass.cumsum(dim=-1)
-    top_p = _column([p.top_p for p in picks], torch.float64, device)
+    top_p = filters.top_p
     keep = in_k & ((running - mass < top_p * running[:, -1:]) | (top_p >= 1))
     kept = torch.zeros_like(keep).scatter_(-1, order, keep)
     return torch.where(kept, probs, 0.0)
+
+
+def records_read(raw: torch.Tensor, chosen: torch.Tensor, widths: Seq[int],
+                 first: Optional[torch.Tensor] = None) -> tuple[list[float], list[RowLogprobs]]:
+    """One read of ``first`` (if any, as float64) and the logprob records of rows ``raw [M, V]``
+    (log-softmaxed) for their ``chosen [M]`` tokens with ``widths[m]`` top entries: (``first``'s
+    values, the records). Ids and tokens travel as float64, exact below 2**53."""
+    width = min(max(widths), raw.shape[1])
+    values, ids = raw.sort(dim=-1, descending=True, stable=True)
+    picked = raw.gather(-1, chosen[:, None]).squeeze(-1)
+    parts = [chosen, picked, values[:, :width].reshape(-1), ids[:, :width].reshape(-1)]
+    if first is not None:
+        parts.insert(0, first)
+    read = torch.cat([p.to(torch.float64) for p in parts]).tolist()
+    head, at = (read[:first.shape[0]], first.shape[0]) if first is not None else ([], 0)
+    m = raw.shape[0]
+    tokens, logps, tops = read[at:at + m], read[at + m:at + 2 * m], read[at + 2 * m:]
+    records = []
+    for i, k in enumerate(widths):
+        top_values = tops[i * width:i * width + k]
+        top_ids = tops[(m + i) * width:(m + i) * width + k]
+        records.append(RowLogprobs(int(tokens[i]), logps[i], tuple(zip(map(int, top_ids), top_values, strict=True))))
+    return head, records
 
 
 def sample_rows(logits: torch.Tensor, picks: Seq[HostPick], eos_ids: Seq[int],
@@ -123,46 +194,40 @@ def sample_rows(logits: torch.Tensor, picks: Seq[HostPick], eos_ids: Seq[int],
     (``row_processors``), which the picks draw from; the logprob records stay ``logits``'."""
     if logits.dim() != 2 or logits.shape[0] != len(picks):
         raise ValueError(f"sample_rows: logits of shape {tuple(logits.shape)} for {len(picks)} picks")
-    device = logits.device
     vocab = logits.shape[1]
-    x = logits.to(torch.float32, copy=True)
     asked = [r for r, p in enumerate(picks) if p.top_logprobs > 0]
-    raw = torch.log_softmax(x[asked], dim=-1) if asked else None
+    hot = [r for r, p in enumerate(picks) if p.temperature > 0]
+    hot_picks = [picks[r] for r in hot]
+    f_ints, f_floats = filter_fields(hot_picks, vocab)
+    u: Floats = draws([p.seed for p in hot_picks], 1)
+    (asked_t, masked_t, eos_t, hot_t, *f_int_t), (*f_float_t, u_t) = send_values(
+        [asked, *eos_fields(picks, eos_ids, vocab), hot, *f_ints], [*f_floats, u], logits.device)
+    x = logits.to(torch.float32, copy=True)
+    raw = torch.log_softmax(x.index_select(0, asked_t), dim=-1) if asked else None
     if processed is not None:
         x = processed.to(torch.float32, copy=True)
-    eos = [e for e in dict.fromkeys(eos_ids) if 0 <= e < vocab]
-    masked = [r for r, p in enumerate(picks) if p.mask_eos]
-    if eos and masked:
-        x[torch.tensor(masked, device=device)[:, None], torch.tensor(eos, device=device)[None, :]] = -torch.inf
+    mask_eos(x, masked_t, eos_t)
     tokens = torch.argmax(x, dim=-1)
-    hot = [r for r, p in enumerate(picks) if p.temperature > 0]
     if hot:
-        rows = torch.tensor(hot, device=device)
-        tokens[rows] = _draw(x[rows], [picks[r] for r in hot])
-    chosen = tokens.tolist()
+        probs = filtered_probs(x.index_select(0, hot_t), hot_picks, filters_from(f_int_t, f_float_t))
+        tokens.index_copy_(0, hot_t, inverse_cdf(probs, u_t[:, None]))
+    if raw is None:
+        return SampledRows(tokens.tolist(), [None] * len(picks))
+    read, asked_records = records_read(raw, tokens.index_select(0, asked_t), [picks[r].top_logprobs for r in asked],
+                                       first=tokens)
     records: list[Optional[RowLogprobs]] = [None] * len(picks)
-    if raw is not None:
-        width = min(max(picks[r].top_logprobs for r in asked), vocab)
-        values, ids = raw.sort(dim=-1, descending=True, stable=True)
-        picked = raw.gather(-1, tokens[torch.tensor(asked, device=device)][:, None]).squeeze(-1).tolist()
-        top_values, top_ids = values[:, :width].tolist(), ids[:, :width].tolist()
-        for i, r in enumerate(asked):
-            k = picks[r].top_logprobs
-            records[r] = RowLogprobs(chosen[r], picked[i], tuple(zip(top_ids[i][:k], top_values[i][:k], strict=True)))
-    return SampledRows(chosen, records)
+    for r, record in zip(asked, asked_records, strict=True):
+        records[r] = record
+    return SampledRows([int(t) for t in read], records)
 
 
-def logprob_records(logits: torch.Tensor, tokens: Seq[int], widths: Seq[int]) -> list[RowLogprobs]:
-    """The logprob record of each row of ``logits [M, V]`` for its chosen ``tokens[m]`` with the
-    ``widths[m]`` largest entries (ties: the lower id first): the raw ``log_softmax``, as
-    ``sample_rows`` gives them."""
+def logprob_records(logits: torch.Tensor, tokens: Seq[int], widths: Seq[int],
+                    rows: Optional[Seq[int]] = None) -> list[RowLogprobs]:
+    """The logprob record of each row of ``logits [M, V]`` (or of its rows ``rows``, in that order)
+    for its chosen ``tokens[m]`` with the ``widths[m]`` largest entries (ties: the lower id first):
+    the raw ``log_softmax``, as ``sample_rows`` gives them. One packed copy in, one read out."""
     if not tokens:
         return []
-    raw = torch.log_softmax(logits.to(torch.float32), dim=-1)
-    width = min(max(widths), raw.shape[1])
-    values, ids = raw.sort(dim=-1, descending=True, stable=True)
-    chosen = torch.tensor(list(tokens), dtype=torch.int64, device=raw.device)[:, None]
-    picked = raw.gather(-1, chosen).squeeze(-1).tolist()
-    top_values, top_ids = values[:, :width].tolist(), ids[:, :width].tolist()
-    return [RowLogprobs(int(t), picked[m], tuple(zip(top_ids[m][:k], top_values[m][:k], strict=True)))
-            for m, (t, k) in enumerate(zip(tokens, widths, strict=True))]
+    chosen, at = send_ints([list(tokens), [] if rows is None else list(rows)], logits.device)
+    picked = logits if rows is None else logits.index_select(0, at)
+    return records_read(torch.log_softmax(picked.to(torch.float32), dim=-1), chosen, widths)[1]

@@ -37,7 +37,7 @@ from fxsched.kernels.cpu_gdn import gdn_step
 from fxsched.kernels.gated_delta import gated_delta
 
 from .config import ModelConfig
-from .gdn_chunked import chunked_gated_delta
+from .gdn_chunked import KeepIndex, KeepPlan, chunked_gated_delta
 from .kernel_paths import gdn_recurrence_kernel_applies
 from .ops import l2_normalize, linear, rms_norm
 
@@ -142,14 +142,17 @@ class GdnStateCache:
 def gdn_layer(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig,
               state0: torch.Tensor | None, conv0: torch.Tensor | None,
               keep_rows: tuple[int, ...] | None = None,
-              in_place: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, GdnRows]:
+              in_place: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+              keep_index: KeepIndex | None = None) -> tuple[torch.Tensor, GdnRows]:
     """One GDN layer over x [B, T, D] from initial states state0 [B,Hv,Dk,Dv], conv0 [B,C,W-1].
 
     Returns (output [B, T, D], states in state0's / conv0's dtype). keep_rows None: the state after
     every row (the per-row loop or the Triton kernel); else the sorted rows whose states to keep, and
     the recurrence runs in the chunked form (gdn_chunked.py) without materialising per-row states.
-    Rows are processed strictly left to right, so for right-padded batches the states of the valid
-    rows do not depend on the padding.
+    keep_index: keep_rows' plan with its indices on the device (gdn_chunked.KeepIndex, built once
+    per forward with the batch's inputs); without it the layer sends its own (one non-blocking
+    copy). Rows are processed strictly left to right, so for right-padded batches the states of the
+    valid rows do not depend on the padding.
 
     in_place = (recurrent cache, conv cache, slots [B]) commits a one-row forward (a decode) as it
     runs: the states are read from and written back to the caches' rows `slots` (the recurrence by
@@ -161,10 +164,12 @@ def gdn_layer(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg: Mod
     assert state0 is not None and conv0 is not None  # only the in-place form goes without them
     q, k, v, log_decay, beta, windows = _project(x, w, prefix, cfg, conv0)
     if keep_rows is not None:
-        o, _, kept = chunked_gated_delta(q, k, v, log_decay, beta, state0.float(), keep_rows=list(keep_rows))
+        if keep_index is None or keep_index.plan.rows != tuple(keep_rows):
+            keep_index = KeepPlan.of(keep_rows, x.shape[1]).send(x.device)
+        o, _, kept = chunked_gated_delta(q, k, v, log_decay, beta, state0.float(), keep_index=keep_index)
         assert kept is not None  # keep_rows given
         states = kept.to(state0.dtype)
-        windows = windows[:, :, list(keep_rows)]  # [B, C, R, W], a copy: no view holding the conv input
+        windows = windows.index_select(2, keep_index.rows)  # [B, C, R, W], a copy: no view holding the conv input
     elif gdn_recurrence_kernel_applies(q, k, v, log_decay, beta, state0):
         o, states = gated_delta(q, k, v, log_decay, beta, state0, scale=1.0)  # [B,T,Hv,Dv], [B,T,Hv,Dk,Dv]
     else:

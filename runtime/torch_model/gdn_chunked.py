@@ -36,30 +36,109 @@ Invariants:
   asks for the state after its last valid row with `keep_rows` (shared by the batch: pass the
   union of the sequences' rows and pick per sequence).
 * Heads: q, k and v have the same number of heads (grouped value heads repeat q/k first).
+* Host work: where each requested state goes (its chunk, its row in the chunk, its place in
+  `kept`) is host bookkeeping of `keep_rows` and T alone. `KeepPlan` works it out once per
+  forward, and its index tensors go over with the forward's other inputs in one non-blocking
+  copy (`KeepIndex`, built by the engine's batch; specs/async.md §16.2): the layers select and
+  place the states with `index_select` / `index_copy_` on those tensors, never with Python lists,
+  so a layer makes no host-to-device copy of its own.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["GROUP_ROWS", "chunked_gated_delta"]
+from .transfers import send_ints
+
+__all__ = ["CHUNK_SIZE", "GROUP_ROWS", "KeepIndex", "KeepPlan", "chunked_gated_delta"]
 
 GROUP_ROWS = 1024  # chunk terms are built for about this many rows at a time: bounds the working set
+CHUNK_SIZE = 64  # rows of a chunk (fewer when the forward has fewer rows)
+
+
+@dataclass(frozen=True)
+class KeepPlan:
+    """Where the states after `rows` (keep_rows) of a T-row forward go, worked out on the host:
+    per chunk holding a requested row, the spans of `fields` its rows take (`spans[chunk]` =
+    (inner from, inner to, ends from, ends to)). `fields` are the int lists of its `KeepIndex`:
+    the rows; the inner rows' places within their chunks and their positions in `rows`,
+    chunk by chunk; the positions in `rows` of rows that end their chunk (or the forward)."""
+
+    rows: tuple[int, ...]
+    t: int
+    chunk: int
+    spans: dict[int, tuple[int, int, int, int]]
+    fields: tuple[list[int], list[int], list[int], list[int]]
+
+    @classmethod
+    def of(cls, keep_rows: Sequence[int], t: int, chunk_size: int = CHUNK_SIZE) -> "KeepPlan":
+        """The plan of `keep_rows` (row indices in [0, t), any order, repeats allowed)."""
+        c = max(1, min(chunk_size, t))
+        rows = tuple(int(r) for r in keep_rows)
+        by_chunk: dict[int, list[tuple[int, int]]] = {}  # chunk -> [(position in rows, row in chunk)]
+        for i, r in enumerate(rows):
+            by_chunk.setdefault(r // c, []).append((i, r % c))
+        loc: list[int] = []
+        inner: list[int] = []
+        ends: list[int] = []
+        spans = {}
+        for chunk, wanted in sorted(by_chunk.items()):
+            last = min(c, t - chunk * c) - 1  # the chunk's last row that exists
+            a, e = len(inner), len(ends)
+            for i, j in wanted:
+                if j < last:
+                    loc.append(j)
+                    inner.append(i)
+                else:
+                    ends.append(i)
+            spans[chunk] = (a, len(inner), e, len(ends))
+        return cls(rows, t, c, spans, (list(rows), loc, inner, ends))
+
+    def index(self, tensors: Sequence[torch.Tensor]) -> "KeepIndex":
+        """The `KeepIndex` of this plan, given its `fields` on the device (in order)."""
+        rows, loc, inner, ends = tensors
+        return KeepIndex(self, rows, loc, inner, ends)
+
+    def send(self, device: torch.device) -> "KeepIndex":
+        """The `KeepIndex` of this plan, its fields sent in one copy of their own."""
+        return self.index(send_ints(self.fields, device))
+
+
+@dataclass(frozen=True)
+class KeepIndex:
+    """A `KeepPlan` with its index tensors on the device: `rows` [R] (keep_rows), `loc` and `inner`
+    (the inner rows' places in their chunks, their positions in keep_rows), `ends` (positions in
+    keep_rows of chunk-ending rows)."""
+
+    plan: KeepPlan
+    rows: torch.Tensor
+    loc: torch.Tensor
+    inner: torch.Tensor
+    ends: torch.Tensor
 
 
 def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                         state0: torch.Tensor, *, keep_rows: torch.Tensor | Sequence[int] | None = None,
-                        chunk_size: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                        chunk_size: int = CHUNK_SIZE, keep_index: KeepIndex | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Gated delta rule over q, k [B,T,H,Dk], v [B,T,H,Dv], g (log decay), beta [B,T,H] from state0 [B,H,Dk,Dv].
 
     Returns (out [B,T,H,Dv], final state [B,H,Dk,Dv], kept [B,R,H,Dk,Dv] or None): kept[:, i] is the
     state after row keep_rows[i] (R row indices in [0, T), shared by the batch; any order, repeats
-    allowed; on CUDA reading them is one host sync). None when keep_rows is None.
+    allowed). None when keep_rows is None. keep_index: the rows' `KeepPlan` (of T and chunk_size)
+    with its indices already on the device (keep_rows is then left out); without it the plan of
+    keep_rows is worked out here and sent in one non-blocking copy (a tensor keep_rows is read back
+    first: on CUDA one host sync).
     """
+    if keep_index is not None:
+        if keep_rows is not None:
+            raise ValueError("give keep_rows or keep_index, not both")
+        keep_rows = keep_index.plan.rows
     b, t, h, dk, dv, rows = _check(q, k, v, g, beta, state0, keep_rows, chunk_size)
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     if t == 0:
@@ -67,9 +146,12 @@ def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
         return v.new_empty(b, 0, h, dv).to(q.dtype), state0.clone(), kept0
     c = min(chunk_size, t)
     group = max(1, GROUP_ROWS // c) * c  # rows whose chunk terms are built at once
-    wanted: dict[int, list[tuple[int, int]]] = {}  # chunk -> [(position in keep_rows, row in chunk)]
-    for i, r in enumerate(rows or ()):
-        wanted.setdefault(r // c, []).append((i, r % c))
+    index = None  # the kept rows' indices on the device (none kept: None)
+    if rows:
+        index = keep_index if keep_index is not None else KeepPlan.of(rows, t, chunk_size).send(q.device)
+        if (index.plan.t, index.plan.chunk) != (t, c):
+            raise ValueError(f"keep_index was planned for {index.plan.t} rows in chunks of {index.plan.chunk}, "
+                             f"not {t} in chunks of {c}")
     kept = None if rows is None else state0.new_empty(b, len(rows), h, dk, dv)
     out = torch.empty(b, t, h, dv, dtype=q.dtype, device=q.device)
     state = state0.to(cdt)
@@ -80,21 +162,20 @@ def chunked_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: to
         for ci in range(terms.u0.shape[2]):
             row0 = first + ci * c
             here = min(c, t - row0)  # rows of this chunk that exist (the rest is padding)
-            chunk_rows = wanted.get(row0 // c, [])
             u = terms.u0[:, :, ci] - terms.w[:, :, ci] @ state  # [B,H,C,Dv]
             o = terms.q_dec[:, :, ci] @ state + terms.attn[:, :, ci] @ u
             out[:, row0:row0 + here] = o[:, :, :here].transpose(1, 2).to(out.dtype)
-            inner = [(i, j) for i, j in chunk_rows if j < here - 1]
-            if inner and kept is not None:
-                loc = torch.tensor([j for _, j in inner], device=q.device)
+            a, z, e0, e1 = (0, 0, 0, 0) if index is None else index.plan.spans.get(row0 // c, (0, 0, 0, 0))
+            if z > a and kept is not None and index is not None:  # requested rows inside the chunk
+                loc = index.loc[a:z]
                 weights = terms.decay[:, :, ci].index_select(2, loc)  # [B,H,Ri,C]: exp(G_r - G_j), 0 for j > r
                 part = (weights[..., None] * terms.k[:, :, ci, None]).transpose(-1, -2) @ u[:, :, None]
                 start = torch.exp(terms.cum[:, :, ci].index_select(2, loc))[..., None, None] * state[:, :, None]
-                kept[:, [i for i, _ in inner]] = (start + part).transpose(1, 2).to(kept.dtype)  # [B,Ri,H,Dk,Dv]
+                kept.index_copy_(1, index.inner[a:z], (start + part).transpose(1, 2).to(kept.dtype))  # [B,Ri,H,Dk,Dv]
             state = terms.chunk_decay[:, :, ci] * state + terms.k_dec[:, :, ci].transpose(-1, -2) @ u
-            ends = [i for i, j in chunk_rows if j >= here - 1]  # the chunk's (or the prompt's) last row
-            if ends and kept is not None:
-                kept[:, ends] = state[:, None].to(kept.dtype)
+            if e1 > e0 and kept is not None and index is not None:  # the chunk's (or the prompt's) last row
+                ends = state[:, None].to(kept.dtype).expand(b, e1 - e0, h, dk, dv)
+                kept.index_copy_(1, index.ends[e0:e1], ends)
     return out, state.to(state0.dtype), kept
 
 

@@ -1,11 +1,14 @@
-"""Host-device transfers of the forwards and proposers: every host list a call needs goes over in
-one packed copy that does not block the host (specs/async.md §16.2)."""
+"""Host-device transfers of the forwards, proposers and samplers: every host list a call needs goes
+over in one packed copy that does not block the host (specs/async.md §16.2 rule 1)."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Sequence, Union
 
 import torch
+
+# A float field: Python floats, or a host float64 tensor (a CPU generator's draws, written in place).
+Floats = Union[Sequence[float], torch.Tensor]
 
 
 def send_ints(fields: Sequence[Sequence[int]], device: torch.device) -> list[torch.Tensor]:
@@ -13,13 +16,31 @@ def send_ints(fields: Sequence[Sequence[int]], device: torch.device) -> list[tor
     one host buffer (pinned for CUDA, so the copy does not block the host), copied once, and each
     result is a view of the device buffer. A forward's inputs thus cost one transfer, not one per
     tensor."""
-    flat = [v for f in fields for v in f]
-    host = torch.tensor(flat, dtype=torch.long)
+    ints, _ = send_values(fields, (), device)
+    return ints
+
+
+def send_values(ints: Sequence[Sequence[int]], floats: Sequence[Floats],
+                device: torch.device) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(int64 tensors of `ints`, float64 tensors of `floats`) on `device`, all in one copy, as
+    `send_ints`: the float fields travel as their float64 bits in the same int64 buffer, so every
+    value arrives exactly (a float32 column rounds on the device as it would on the host). A float
+    field may be a 1-D host float64 tensor, whose values are packed without reading them."""
+    flat = [v for f in ints for v in f]
+    parts = [torch.tensor(flat, dtype=torch.long)]
+    for f in floats:
+        values = f.reshape(-1) if isinstance(f, torch.Tensor) else torch.tensor(list(f), dtype=torch.float64)
+        parts.append(values.to(torch.float64).view(torch.long))
+    host = parts[0] if len(parts) == 1 else torch.cat(parts)
     if device.type == "cuda":
         host = host.pin_memory()
     buf = host.to(device, non_blocking=True)
-    out, at = [], 0
-    for f in fields:
-        out.append(buf[at:at + len(f)])
+    int_out, at = [], 0
+    for f in ints:
+        int_out.append(buf[at:at + len(f)])
         at += len(f)
-    return out
+    float_out = []
+    for part in parts[1:]:
+        float_out.append(buf[at:at + part.numel()].view(torch.float64))
+        at += part.numel()
+    return int_out, float_out
