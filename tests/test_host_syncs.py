@@ -42,10 +42,10 @@ from fxsched.runtime.torch_model.kernel_paths import (  # noqa: E402
 
 MAX_SYNCS_PER_DECODE_STEP = 2
 MAX_READS_PER_SPECULATIVE_TICK = 1  # the verify's packed read (specs/async.md §16.2)
-# The scheduler's sync_secondary before a verify (and one per bootstrap, specs/speculation.md): on
-# CUDA a host wait for the prefill stream's queued work, not the forward's (specs/async.md §16.2).
+# The scheduler's sync_secondary before a verify (and one per bootstrap, specs/speculation.md): the
+# default stream waits for the secondary streams on the device, the host never (specs/async.md §16.2).
 SECONDARY = "sync_secondary"
-MAX_SECONDARY_WAITS = 2
+MAX_SECONDARY_WAITS = 0
 READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__")
 
 

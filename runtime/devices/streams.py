@@ -154,9 +154,14 @@ class StreamSet:
         self.stream(sid).synchronize()
 
     def sync_secondary(self) -> None:
-        """Block the host until every secondary stream is idle."""
+        """Order the default stream's next work after every secondary stream's queued work (the
+        scheduler's wait before a verify). A device-side wait, not the host's: the host reads only
+        what the default stream produced, which now comes after the secondary streams' work, so
+        blocking the host here would add a synchronisation to every speculative tick for nothing
+        (specs/async.md §16.2)."""
+        default = self._streams[0]
         for sid in self.secondary:
-            self._streams[sid].synchronize()
+            default.wait_stream(self._streams[sid])
 
     def synchronize_all(self) -> None:
         for sid in sorted(self._streams):
