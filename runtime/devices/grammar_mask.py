@@ -151,15 +151,21 @@ def apply_bitmask(logits: torch.Tensor, rows: Seq[int], masks: Seq[bytes]) -> to
         return logits
     vocab = logits.shape[1]
     words = (vocab + 31) // 32
-    host = torch.zeros((len(rows), words), dtype=torch.int32)
+    # the bitmask words and the row indices in one pinned host buffer, one non-blocking copy
+    # (specs/async.md §16.2 rule 1)
+    host = torch.zeros(len(rows) * words + len(rows), dtype=torch.int32)
     for i, mask in enumerate(masks):
         got = torch.frombuffer(bytearray(mask), dtype=torch.int32)[:words]
-        host[i, :got.numel()] = got
+        host[i * words:i * words + got.numel()] = got
+    host[len(rows) * words:] = torch.as_tensor(list(rows), dtype=torch.int32)
     device = logits.device
-    bits = host.to(device, non_blocking=True)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    sent = host.to(device, non_blocking=True)
+    bits = sent[:len(rows) * words].view(len(rows), words)
+    index = sent[len(rows) * words:].to(torch.int64)
     shifts = torch.arange(32, dtype=torch.int32, device=device)
     allowed = ((bits[:, :, None] >> shifts) & 1).reshape(len(rows), words * 32)[:, :vocab].bool()
-    index = torch.tensor(list(rows), dtype=torch.int64, device=device)
     out = logits.clone()
     picked = out.index_select(0, index).masked_fill_(~allowed, -torch.inf)
     out.index_copy_(0, index, picked)
