@@ -16,15 +16,32 @@ Output ``[B, K, Hq, D]`` in ``query``'s dtype::
 
 Scores, softmax and the weighted sum accumulate in fp32. A row that sees no
 position (``context_lens[b] - K + j + 1 <= 0``) outputs zeros.
+
+On Triton, one launch sweeps each sequence's whole context per (sequence, kv
+head, chunk of query rows) (gpu-kernels.md §17.1), unless that grid would leave
+most SMs idle on a long block table: then the context is split into partitions
+whose partial softmax states a second launch merges (split-KV, §17.2). Both give
+the result above up to fp32 rounding.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
 from ._triton import HAVE_TRITON, cdiv, next_power_of_2, use_triton
 
-__all__ = ["paged_attention", "paged_attention_reference", "paged_attention_triton"]
+__all__ = [
+    "DEFAULT_SM_COUNT",
+    "device_sm_count",
+    "launch_config",
+    "paged_attention",
+    "paged_attention_reference",
+    "paged_attention_triton",
+    "split_count",
+]
+
 
 def _check(query, k_cache, v_cache, block_tables, context_lens) -> None:
     if query.dim() != 4:
@@ -80,6 +97,86 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
+    def _query_tile(
+        q_ptr,
+        seq,
+        kv_head,
+        m_chunk,
+        rows_per_seq,
+        group_size,
+        head_dim,
+        q_stride_b,
+        q_stride_row,
+        q_stride_head,
+        BLOCK_M: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        # The [BLOCK_M, BLOCK_D] query tile of (seq, kv head, m chunk): tile row r is
+        # query row j = r // group of query head kv_head * group + r % group.
+        tile_row = m_chunk * BLOCK_M + tl.arange(0, BLOCK_M)
+        query_row = tile_row // group_size
+        q_head = kv_head * group_size + tile_row % group_size
+        row_ok = tile_row < rows_per_seq * group_size
+        dims = tl.arange(0, BLOCK_D)
+        dim_ok = dims < head_dim
+        q_offsets = seq * q_stride_b + query_row.to(tl.int64)[:, None] * q_stride_row
+        q_offsets += q_head.to(tl.int64)[:, None] * q_stride_head + dims[None, :]
+        q = tl.load(q_ptr + q_offsets, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+        return q, query_row, q_head, row_ok, dims, dim_ok
+
+    @triton.jit
+    def _attend_tiles(
+        q,
+        m_i,
+        l_i,
+        acc,
+        seq,
+        kv_head,
+        first,
+        last,
+        visible_len,
+        dims,
+        dim_ok,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_tables_ptr,
+        scale,
+        block_size,
+        cache_stride_block,
+        cache_stride_slot,
+        cache_stride_head,
+        table_stride_b,
+        BLOCK_N: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        # Online softmax over the cache positions [first, last) in BLOCK_N-token tiles.
+        # Invariant: m_i = running max score, l_i = sum exp(score - m_i),
+        # acc = sum exp(score - m_i) * value, over the tokens seen so far.
+        for tile_start in range(first, last, BLOCK_N):
+            pos = tile_start + tl.arange(0, BLOCK_N).to(tl.int64)
+            pos_ok = pos < last
+            physical = tl.load(
+                block_tables_ptr + seq * table_stride_b + pos // block_size, mask=pos_ok, other=0
+            ).to(tl.int64)
+            kv_offsets = physical * cache_stride_block + (pos % block_size) * cache_stride_slot
+            kv_offsets += kv_head * cache_stride_head
+            kv_mask = pos_ok[:, None] & dim_ok[None, :]
+            keys = tl.load(k_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+            values = tl.load(v_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+
+            scores = tl.dot(q, tl.trans(keys.to(q.dtype)), input_precision=DOT_PRECISION) * scale
+            visible = (pos[None, :] < visible_len[:, None]) & pos_ok[None, :]
+            scores = tl.where(visible, scores, -float("inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            probs = tl.exp(scores - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(probs, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(probs.to(values.dtype), values, input_precision=DOT_PRECISION)
+            m_i = m_new
+        return m_i, l_i, acc
+
+    @triton.jit
     def _paged_attention_kernel(
         q_ptr,
         k_cache_ptr,
@@ -105,53 +202,25 @@ if HAVE_TRITON:
         DOT_PRECISION: tl.constexpr,
     ):
         # Program (b, kv head, m chunk) handles BLOCK_M of the K rows x group
-        # query heads sharing this kv head as one [BLOCK_M, BLOCK_D] tile (tile
-        # row r = row j * group + head g) and sweeps the context in BLOCK_N-token
-        # tiles with an online softmax.
-        # Invariant: m_i = running max score, l_i = sum exp(score - m_i),
-        # acc = sum exp(score - m_i) * value, over the tokens seen so far.
+        # query heads sharing this kv head as one [BLOCK_M, BLOCK_D] tile and
+        # sweeps the whole context (gpu-kernels.md §17.1).
         seq = tl.program_id(0).to(tl.int64)
         kv_head = tl.program_id(1)
         m_chunk = tl.program_id(2)
         context_len = tl.load(context_lens_ptr + seq).to(tl.int64)
-
-        tile_row = m_chunk * BLOCK_M + tl.arange(0, BLOCK_M)
-        query_row = tile_row // group_size
-        q_head = kv_head * group_size + tile_row % group_size
-        row_ok = tile_row < rows_per_seq * group_size
-        dims = tl.arange(0, BLOCK_D)
-        dim_ok = dims < head_dim
-        q_offsets = seq * q_stride_b + query_row.to(tl.int64)[:, None] * q_stride_row
-        q_offsets += q_head.to(tl.int64)[:, None] * q_stride_head + dims[None, :]
-        q = tl.load(q_ptr + q_offsets, mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+        q, query_row, q_head, row_ok, dims, dim_ok = _query_tile(
+            q_ptr, seq, kv_head, m_chunk, rows_per_seq, group_size, head_dim,
+            q_stride_b, q_stride_row, q_stride_head, BLOCK_M, BLOCK_D,
+        )
         visible_len = context_len - rows_per_seq + query_row + 1  # [BLOCK_M]
-
         m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-        for tile_start in range(0, context_len, BLOCK_N):
-            pos = tile_start + tl.arange(0, BLOCK_N).to(tl.int64)
-            pos_ok = pos < context_len
-            physical = tl.load(
-                block_tables_ptr + seq * table_stride_b + pos // block_size, mask=pos_ok, other=0
-            ).to(tl.int64)
-            kv_offsets = physical * cache_stride_block + (pos % block_size) * cache_stride_slot
-            kv_offsets += kv_head * cache_stride_head
-            kv_mask = pos_ok[:, None] & dim_ok[None, :]
-            keys = tl.load(k_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-            values = tl.load(v_cache_ptr + kv_offsets[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-
-            scores = tl.dot(q, tl.trans(keys.to(q.dtype)), input_precision=DOT_PRECISION) * scale
-            visible = (pos[None, :] < visible_len[:, None]) & pos_ok[None, :]
-            scores = tl.where(visible, scores, -float("inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            probs = tl.exp(scores - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(probs, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(probs.to(values.dtype), values, input_precision=DOT_PRECISION)
-            m_i = m_new
-
+        m_i, l_i, acc = _attend_tiles(
+            q, m_i, l_i, acc, seq, kv_head, 0, context_len, visible_len, dims, dim_ok,
+            k_cache_ptr, v_cache_ptr, block_tables_ptr, scale, block_size,
+            cache_stride_block, cache_stride_slot, cache_stride_head, table_stride_b, BLOCK_N, DOT_PRECISION,
+        )
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         out_offsets = seq * q_stride_b + query_row.to(tl.int64)[:, None] * q_stride_row
         out_offsets += q_head.to(tl.int64)[:, None] * q_stride_head + dims[None, :]
@@ -160,8 +229,113 @@ if HAVE_TRITON:
             out.to(out_ptr.dtype.element_ty),
             mask=row_ok[:, None] & dim_ok[None, :],
         )
+
+    @triton.jit
+    def _paged_attention_split_kernel(
+        q_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_tables_ptr,
+        context_lens_ptr,
+        part_max_ptr,
+        part_sum_ptr,
+        part_acc_ptr,
+        scale,
+        rows_per_seq,
+        group_size,
+        head_dim,
+        block_size,
+        num_splits,
+        q_stride_b,
+        q_stride_row,
+        q_stride_head,
+        cache_stride_block,
+        cache_stride_slot,
+        cache_stride_head,
+        table_stride_b,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        # Program (b * S + split, kv head, m chunk): the same tile as
+        # _paged_attention_kernel over partition `split` of the context only
+        # (gpu-kernels.md §17.2); writes its unnormalised (max, sum, acc) per
+        # query row to part_*[(b * K + j) * Hq + h, split]. An empty partition
+        # writes (-inf, 0, 0).
+        pid = tl.program_id(0).to(tl.int64)
+        seq = pid // num_splits
+        split = pid % num_splits
+        kv_head = tl.program_id(1)
+        m_chunk = tl.program_id(2)
+        context_len = tl.load(context_lens_ptr + seq).to(tl.int64)
+        q, query_row, q_head, row_ok, dims, dim_ok = _query_tile(
+            q_ptr, seq, kv_head, m_chunk, rows_per_seq, group_size, head_dim,
+            q_stride_b, q_stride_row, q_stride_head, BLOCK_M, BLOCK_D,
+        )
+        visible_len = context_len - rows_per_seq + query_row + 1
+        partition = tl.cdiv(tl.cdiv(context_len, BLOCK_N), num_splits) * BLOCK_N
+        first = split * partition
+        last = tl.minimum(first + partition, context_len)
+        m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        m_i, l_i, acc = _attend_tiles(
+            q, m_i, l_i, acc, seq, kv_head, first, last, visible_len, dims, dim_ok,
+            k_cache_ptr, v_cache_ptr, block_tables_ptr, scale, block_size,
+            cache_stride_block, cache_stride_slot, cache_stride_head, table_stride_b, BLOCK_N, DOT_PRECISION,
+        )
+        q_heads = tl.num_programs(1) * group_size
+        slot = ((seq * rows_per_seq + query_row) * q_heads + q_head) * num_splits + split  # [BLOCK_M]
+        tl.store(part_max_ptr + slot, m_i, mask=row_ok)
+        tl.store(part_sum_ptr + slot, l_i, mask=row_ok)
+        tl.store(
+            part_acc_ptr + slot[:, None] * head_dim + dims[None, :], acc, mask=row_ok[:, None] & dim_ok[None, :]
+        )
+
+    @triton.jit
+    def _paged_attention_reduce_kernel(
+        part_max_ptr,
+        part_sum_ptr,
+        part_acc_ptr,
+        out_ptr,
+        num_splits,
+        head_dim,
+        SPLIT_BLOCK: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        # Program r merges the S partials of output row r = (b * K + j) * Hq + h
+        # with the same online rule: out = sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s.
+        row = tl.program_id(0).to(tl.int64)
+        dims = tl.arange(0, BLOCK_D)
+        dim_ok = dims < head_dim
+        m_run = tl.full((), -float("inf"), tl.float32)
+        l_run = tl.zeros((), tl.float32)
+        acc = tl.zeros((BLOCK_D,), tl.float32)
+        for first in range(0, num_splits, SPLIT_BLOCK):
+            split = first + tl.arange(0, SPLIT_BLOCK)
+            split_ok = split < num_splits
+            slot = row * num_splits + split
+            m_s = tl.load(part_max_ptr + slot, mask=split_ok, other=-float("inf"))
+            l_s = tl.load(part_sum_ptr + slot, mask=split_ok, other=0.0)
+            acc_s = tl.load(
+                part_acc_ptr + slot[:, None] * head_dim + dims[None, :],
+                mask=split_ok[:, None] & dim_ok[None, :],
+                other=0.0,
+            )
+            m_new = tl.maximum(m_run, tl.max(m_s, axis=0))
+            m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)
+            alpha = tl.exp(m_run - m_safe)
+            weight = tl.exp(m_s - m_safe)  # 0 for an empty partition (m_s = -inf)
+            l_run = l_run * alpha + tl.sum(weight * l_s, axis=0)
+            acc = acc * alpha + tl.sum(weight[:, None] * acc_s, axis=0)
+            m_run = m_new
+        out = acc / tl.where(l_run == 0.0, 1.0, l_run)
+        tl.store(out_ptr + row * head_dim + dims, out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 else:  # pragma: no cover
     _paged_attention_kernel = None
+    _paged_attention_split_kernel = None
+    _paged_attention_reduce_kernel = None
 
 
 def _cache_layout_ok(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
@@ -169,22 +343,58 @@ def _cache_layout_ok(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
 
 
 def launch_config(rows: int, group_size: int, head_dim: int, dtype: torch.dtype, kv_tile: int | None = None) -> dict:
-    """Constexprs and warps for one launch (the grid's third axis is ``cdiv(K * group, BLOCK_M)``).
+    """Constexprs, warps and stages for one launch (the grid's third axis is ``cdiv(K * group, BLOCK_M)``).
 
-    Chosen from sm_90 compiles at D = 128 to stay spill-free: 8 warps, 32-token
-    KV tiles, and at most 64 (16-bit) or 32 (fp32) query rows per program.
+    The sm_90 launch rule (gpu-kernels.md §17.1), spill-free at head dims up to 256 under the
+    ptxas of Triton 3.6 and 3.9 (§17.3): 8 warps; 16-bit caches take 32-token KV tiles, 3 stages
+    and 16 query rows per program when ``K * group <= 16``, else 64 (32 sits on ptxas' 128-register
+    edge at D = 256 and spills there); fp32 (FMA dots) takes 16-token tiles, 16 rows and no
+    pipelining. ``kv_tile`` overrides the tile (rounded up to a power of two >= 16).
     """
-    max_block_m = 32 if dtype == torch.float32 else 64
-    block_m = min(max_block_m, max(16, next_power_of_2(rows * group_size)))
+    wide = dtype != torch.float32
+    block_m = 64 if wide and rows * group_size > 16 else 16
     if kv_tile is None:
-        kv_tile = 32
+        kv_tile = 32 if wide else 16
     return {
         "BLOCK_M": block_m,
         "BLOCK_N": max(16, next_power_of_2(kv_tile)),
         "BLOCK_D": max(16, next_power_of_2(head_dim)),
-        "DOT_PRECISION": "ieee" if dtype == torch.float32 else "tf32",
+        "DOT_PRECISION": "tf32" if wide else "ieee",
         "num_warps": 8,
+        "num_stages": 3 if wide else 1,
     }
+
+
+# Split-KV (flash-decoding) rule, gpu-kernels.md §17.2.
+DEFAULT_SM_COUNT = 132  # an H100 SXM; the device's own count is read on CUDA
+SPLIT_MIN_CONTEXT = 512  # tokens the block table can address before a launch may split
+MAX_SPLITS = 256
+REDUCE_CONFIG = {"SPLIT_BLOCK": 16, "num_warps": 4}
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_sm_count(index: int) -> int:
+    return int(torch.cuda.get_device_properties(index).multi_processor_count)
+
+
+def device_sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA ``device``; ``DEFAULT_SM_COUNT`` for any other device."""
+    if device.type != "cuda":
+        return DEFAULT_SM_COUNT
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def split_count(programs: int, context_bound: int, block_n: int, sm_count: int = DEFAULT_SM_COUNT) -> int:
+    """Partitions per (sequence, kv head, m chunk) for a launch of ``programs`` such programs.
+
+    1 (one pass) unless the launch would fill at most half of the ``sm_count`` SMs and the block
+    table addresses at least ``SPLIT_MIN_CONTEXT`` tokens (``context_bound``, known on the host
+    without reading ``context_lens``); then ``cdiv(sm_count, programs)``, so that at least
+    ``sm_count`` programs run, capped at one ``block_n``-token tile per partition and ``MAX_SPLITS``.
+    """
+    if programs <= 0 or 2 * programs > sm_count or context_bound < SPLIT_MIN_CONTEXT:
+        return 1
+    return max(1, min(cdiv(sm_count, programs), cdiv(context_bound, block_n), MAX_SPLITS))
 
 
 def paged_attention_triton(
@@ -195,37 +405,35 @@ def paged_attention_triton(
     context_lens: torch.Tensor,
     scale: float,
     kv_tile: int | None = None,
+    num_splits: int | None = None,
+    sm_count: int | None = None,
 ) -> torch.Tensor:
-    """Triton paged attention; one program per (sequence, kv head, chunk of query rows).
+    """Triton paged attention; one program per (sequence, kv head, chunk of query rows[, partition]).
 
-    Needs caches with unit stride on D and equal strides; ``kv_tile`` is the
-    number of context tokens per inner step (rounded up to a power of two >= 16).
+    Needs caches with unit stride on D and equal strides; ``kv_tile`` is the number of context
+    tokens per inner step (rounded up to a power of two >= 16). ``num_splits`` partitions each
+    sequence's context (split-KV, then a reduce launch); ``None`` picks it with ``split_count``
+    for ``sm_count`` SMs (default: the device's), 1 is the one-pass kernel.
     """
     _check(query, k_cache, v_cache, block_tables, context_lens)
     if not _cache_layout_ok(k_cache, v_cache):
         raise ValueError("paged_attention_triton needs D-contiguous caches with equal strides")
     batch, rows, q_heads, dim = query.shape
-    kv_heads = k_cache.shape[2]
+    kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group_size = q_heads // kv_heads
     query = query.contiguous()
     out = torch.empty_like(query)
     if out.numel() == 0:
         return out
     block_tables = block_tables if block_tables.stride(1) == 1 else block_tables.contiguous()
+    context_lens = context_lens.contiguous()
     config = launch_config(rows, group_size, dim, query.dtype, kv_tile)
-    grid = (batch, kv_heads, cdiv(rows * group_size, config["BLOCK_M"]))
-    _paged_attention_kernel[grid](
-        query,
-        k_cache,
-        v_cache,
-        block_tables,
-        context_lens.contiguous(),
-        out,
-        float(scale),
-        rows,
-        group_size,
-        dim,
-        k_cache.shape[1],
+    m_chunks = cdiv(rows * group_size, config["BLOCK_M"])
+    if num_splits is None:
+        sms = sm_count if sm_count is not None else device_sm_count(query.device)
+        context_bound = block_tables.shape[1] * block_size
+        num_splits = split_count(batch * kv_heads * m_chunks, context_bound, config["BLOCK_N"], sms)
+    strides = (
         query.stride(0),
         query.stride(1),
         query.stride(2),
@@ -233,7 +441,23 @@ def paged_attention_triton(
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
-        **config,
+    )
+    if num_splits <= 1:
+        _paged_attention_kernel[(batch, kv_heads, m_chunks)](
+            query, k_cache, v_cache, block_tables, context_lens, out,
+            float(scale), rows, group_size, dim, block_size, *strides, **config,
+        )
+        return out
+    parts = batch * rows * q_heads * num_splits
+    part_max = torch.empty(parts, dtype=torch.float32, device=query.device)
+    part_sum = torch.empty(parts, dtype=torch.float32, device=query.device)
+    part_acc = torch.empty(parts, dim, dtype=torch.float32, device=query.device)
+    _paged_attention_split_kernel[(batch * num_splits, kv_heads, m_chunks)](
+        query, k_cache, v_cache, block_tables, context_lens, part_max, part_sum, part_acc,
+        float(scale), rows, group_size, dim, block_size, num_splits, *strides, **config,
+    )
+    _paged_attention_reduce_kernel[(batch * rows * q_heads,)](
+        part_max, part_sum, part_acc, out, num_splits, dim, BLOCK_D=config["BLOCK_D"], **REDUCE_CONFIG
     )
     return out
 
@@ -246,7 +470,8 @@ def paged_attention(
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Paged attention: Triton when it can run for these tensors, else the reference."""
+    """Paged attention: Triton when it can run for these tensors (one pass or split-KV, as
+    ``split_count`` decides for the device's SMs), else the reference."""
     tensors = (query, k_cache, v_cache, block_tables, context_lens)
     if use_triton(*tensors, kernel=_paged_attention_kernel) and _cache_layout_ok(k_cache, v_cache):
         return paged_attention_triton(*tensors, scale)

@@ -302,6 +302,8 @@ def cmd_bench(args) -> int:
         print_step_bench(args.sizes, mode=args.mode, ticks=args.ticks, repeats=args.repeats, as_json=args.json,
                          memory=args.memory, warmup=args.warmup)
         return 0
+    if args.what == "kernels" and args.aot:
+        return _print_kernel_aot(args.json)
     if args.what == "kernels":
         try:
             from fxsched.kernels.bench import run_kernel_bench
@@ -339,6 +341,33 @@ def cmd_bench(args) -> int:
     print(f"fxsched bench: unknown benchmark '{args.what}' (known: step, kernels, check, generate, gdn-prefill, serve, e2e)",
           file=sys.stderr)
     return EXIT_USAGE
+
+
+def _print_kernel_aot(as_json: bool) -> int:
+    """`bench kernels --aot`: registers, spills and shared memory of every Triton kernel compiled for sm_90."""
+    import json
+
+    try:
+        from fxsched.kernels.aot import compile_all  # imports triton before the kernel modules
+    except ImportError as err:
+        print(f"fxsched bench kernels --aot: needs triton (the gpu extra): {err}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        rows = compile_all()
+    except RuntimeError as err:
+        print(f"fxsched bench kernels --aot: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    if as_json:
+        for row in rows:
+            print(json.dumps(row))
+        return 0
+    keys = list(rows[0]) if rows else []
+    cells = [[str(k) for k in keys]] + [["-" if v is None else str(v) for v in row.values()] for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(keys))]
+    for line in cells:  # names left-aligned, numbers right-aligned
+        padded = [c.ljust(w) if i < 5 else c.rjust(w) for i, (c, w) in enumerate(zip(line, widths, strict=True))]
+        print("  ".join(padded).rstrip())
+    return 0
 
 
 def cmd_phases(args) -> int:
@@ -426,6 +455,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="step: plain decode (compare vLLM A0) or 5-draft DFlash speculation (compare A5)")
     bench.add_argument("--memory", action="store_true",
                        help="step: bytes of state per generated token over --ticks ticks (tracemalloc)")
+    bench.add_argument("--aot", action="store_true",
+                       help="kernels: compile every Triton kernel for sm_90 (no GPU needed) and print registers, "
+                            "spills and shared memory per kernel, model shape, dtype and K; --json: one object per row "
+                            "(specs/gpu-kernels.md §17.4)")
     bench.set_defaults(func=cmd_bench)
 
     from fxsched.runtime.cli.generate import add_bench_generate, add_generate_command  # imports torch lazily
