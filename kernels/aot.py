@@ -173,22 +173,31 @@ def _compile(launch: _Launch) -> dict:
 # ----------------------------------------------------------------------------- launches per kernel
 
 
+PREFILL_ROWS = 512  # the ragged launch's padded rows per sequence (a prefill chunk)
+
+
 def _attention_launches(shape: ModelShape, dt: str) -> Iterator[_Launch]:
     pa = paged_attention
     p, group, dim = "*" + dt, shape.q_heads // shape.kv_heads, shape.head_dim
-    for k in VERIFY_ROWS:
+    # the model's block tables and lengths are int64 (sent in one packed copy, specs/async.md §16.2)
+    for k, ragged in [(k, False) for k in VERIFY_ROWS] + [(PREFILL_ROWS, True)]:
         config = pa.launch_config(k, group, dim, DTYPES[dt])
         warps, stages = config.pop("num_warps"), config.pop("num_stages")
         common = dict(
-            q_ptr=p, k_cache_ptr=p, v_cache_ptr=p, block_tables_ptr="*i32", context_lens_ptr="*i32",
-            scale=dim**-0.5, rows_per_seq=k, group_size=group, head_dim=dim, block_size=BLOCK_SIZE,
-            q_stride_b=k * shape.q_heads * dim, q_stride_row=shape.q_heads * dim, q_stride_head=dim,
-            cache_stride_block=BLOCK_SIZE * shape.kv_heads * dim, cache_stride_slot=shape.kv_heads * dim,
-            cache_stride_head=dim, table_stride_b=MAX_BLOCKS,
+            q_ptr=p, k_cache_ptr=p, v_cache_ptr=p, block_tables_ptr="*i64", context_lens_ptr="*i64",
+            query_lens_ptr="*i64", scale=dim**-0.5, rows_per_seq=k, group_size=group, head_dim=dim,
+            block_size=BLOCK_SIZE, q_stride_b=k * shape.q_heads * dim, q_stride_row=shape.q_heads * dim,
+            q_stride_head=dim, cache_stride_block=BLOCK_SIZE * shape.kv_heads * dim,
+            cache_stride_slot=shape.kv_heads * dim, cache_stride_head=dim, table_stride_b=MAX_BLOCKS,
         )
-        yield _Launch(pa._paged_attention_kernel, "paged_attention", dict(common, out_ptr=p), config, warps, stages, k)
+        config = dict(config, RAGGED=ragged)
+        name = "_ragged" if ragged else ""
+        rows = None if ragged else k
+        yield _Launch(pa._paged_attention_kernel, f"paged_attention{name}", dict(common, out_ptr=p), config, warps,
+                      stages, rows)
         split = dict(common, part_max_ptr="*fp32", part_sum_ptr="*fp32", part_acc_ptr="*fp32", num_splits=66)
-        yield _Launch(pa._paged_attention_split_kernel, "paged_attention_split", split, config, warps, stages, k)
+        yield _Launch(pa._paged_attention_split_kernel, f"paged_attention_split{name}", split, config, warps, stages,
+                      rows)
     reduce = dict(pa.REDUCE_CONFIG)
     warps = reduce.pop("num_warps")
     args = dict(part_max_ptr="*fp32", part_sum_ptr="*fp32", part_acc_ptr="*fp32", out_ptr=p, num_splits=66,

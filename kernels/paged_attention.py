@@ -17,6 +17,12 @@ Output ``[B, K, Hq, D]`` in ``query``'s dtype::
 Scores, softmax and the weighted sum accumulate in fp32. A row that sees no
 position (``context_lens[b] - K + j + 1 <= 0``) outputs zeros.
 
+Ragged rows (a prefill or mixed batch, gpu-kernels.md §17.5): with ``query_lens``
+(int ``[B]``, 1 <= ``query_lens[b]`` <= K) sequence b's new rows are its first
+``query_lens[b]`` rows, right-padded to K, and row j sees positions
+``p < context_lens[b] - query_lens[b] + j + 1``; a padding row
+(``j >= query_lens[b]``) sees the whole context, and its output is to be ignored.
+
 On Triton, one launch sweeps each sequence's whole context per (sequence, kv
 head, chunk of query rows) (gpu-kernels.md §17.1), unless that grid would leave
 most SMs idle on a long block table: then the context is split into partitions
@@ -67,6 +73,7 @@ def paged_attention_reference(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    query_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Plain-torch paged attention: gather the context densely, mask, softmax."""
     _check(query, k_cache, v_cache, block_tables, context_lens)
@@ -84,7 +91,8 @@ def paged_attention_reference(
     keys = k_cache[physical, slot].float().repeat_interleave(q_heads // kv_heads, dim=2)  # [B, L, Hq, D]
     values = v_cache[physical, slot].float().repeat_interleave(q_heads // kv_heads, dim=2)
     scores = torch.einsum("bjhd,blhd->bhjl", query.float(), keys) * scale
-    limit = lens[:, None] - rows + torch.arange(rows, device=device)[None, :] + 1  # [B, K]
+    new_rows = rows if query_lens is None else query_lens.to(torch.int64)[:, None]
+    limit = lens[:, None] - new_rows + torch.arange(rows, device=device)[None, :] + 1  # [B, K]
     visible = (positions[None, None, :] < limit[:, :, None]) & in_context[:, None, :]  # [B, K, L]
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(nan=0.0)
@@ -177,12 +185,30 @@ if HAVE_TRITON:
         return m_i, l_i, acc
 
     @triton.jit
+    def _new_rows(query_lens_ptr, seq, rows_per_seq, context_len, RAGGED: tl.constexpr):
+        # The sequence's new rows (int64): its query_lens entry when ragged, else every row.
+        if RAGGED:
+            new_rows = tl.load(query_lens_ptr + seq).to(tl.int64)
+        else:
+            new_rows = context_len * 0 + rows_per_seq
+        return new_rows
+
+    @triton.jit
+    def _causal_end(context_len, new_rows, m_chunk, rows_per_seq, group_size, BLOCK_M: tl.constexpr):
+        # One past the last position any row of the chunk sees: its last row's bound
+        # (rows past the chunk's see more; a tile stops there instead of sweeping the
+        # whole context, which halves a prefill's work).
+        last_row = tl.minimum((m_chunk * BLOCK_M + BLOCK_M - 1) // group_size, rows_per_seq - 1)
+        return tl.minimum(context_len, context_len - new_rows + last_row + 1)
+
+    @triton.jit
     def _paged_attention_kernel(
         q_ptr,
         k_cache_ptr,
         v_cache_ptr,
         block_tables_ptr,
         context_lens_ptr,
+        query_lens_ptr,
         out_ptr,
         scale,
         rows_per_seq,
@@ -200,24 +226,27 @@ if HAVE_TRITON:
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        RAGGED: tl.constexpr,
     ):
         # Program (b, kv head, m chunk) handles BLOCK_M of the K rows x group
         # query heads sharing this kv head as one [BLOCK_M, BLOCK_D] tile and
-        # sweeps the whole context (gpu-kernels.md §17.1).
+        # sweeps the context its rows see (gpu-kernels.md §17.1, §17.5).
         seq = tl.program_id(0).to(tl.int64)
         kv_head = tl.program_id(1)
         m_chunk = tl.program_id(2)
         context_len = tl.load(context_lens_ptr + seq).to(tl.int64)
+        new_rows = _new_rows(query_lens_ptr, seq, rows_per_seq, context_len, RAGGED)
         q, query_row, q_head, row_ok, dims, dim_ok = _query_tile(
             q_ptr, seq, kv_head, m_chunk, rows_per_seq, group_size, head_dim,
             q_stride_b, q_stride_row, q_stride_head, BLOCK_M, BLOCK_D,
         )
-        visible_len = context_len - rows_per_seq + query_row + 1  # [BLOCK_M]
+        visible_len = context_len - new_rows + query_row + 1  # [BLOCK_M]
+        end = _causal_end(context_len, new_rows, m_chunk, rows_per_seq, group_size, BLOCK_M)
         m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
         m_i, l_i, acc = _attend_tiles(
-            q, m_i, l_i, acc, seq, kv_head, 0, context_len, visible_len, dims, dim_ok,
+            q, m_i, l_i, acc, seq, kv_head, 0, end, visible_len, dims, dim_ok,
             k_cache_ptr, v_cache_ptr, block_tables_ptr, scale, block_size,
             cache_stride_block, cache_stride_slot, cache_stride_head, table_stride_b, BLOCK_N, DOT_PRECISION,
         )
@@ -237,6 +266,7 @@ if HAVE_TRITON:
         v_cache_ptr,
         block_tables_ptr,
         context_lens_ptr,
+        query_lens_ptr,
         part_max_ptr,
         part_sum_ptr,
         part_acc_ptr,
@@ -257,6 +287,7 @@ if HAVE_TRITON:
         BLOCK_N: tl.constexpr,
         BLOCK_D: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        RAGGED: tl.constexpr,
     ):
         # Program (b * S + split, kv head, m chunk): the same tile as
         # _paged_attention_kernel over partition `split` of the context only
@@ -273,10 +304,12 @@ if HAVE_TRITON:
             q_ptr, seq, kv_head, m_chunk, rows_per_seq, group_size, head_dim,
             q_stride_b, q_stride_row, q_stride_head, BLOCK_M, BLOCK_D,
         )
-        visible_len = context_len - rows_per_seq + query_row + 1
+        new_rows = _new_rows(query_lens_ptr, seq, rows_per_seq, context_len, RAGGED)
+        visible_len = context_len - new_rows + query_row + 1
         partition = tl.cdiv(tl.cdiv(context_len, BLOCK_N), num_splits) * BLOCK_N
         first = split * partition
-        last = tl.minimum(first + partition, context_len)
+        end = _causal_end(context_len, new_rows, m_chunk, rows_per_seq, group_size, BLOCK_M)
+        last = tl.minimum(first + partition, end)
         m_i = tl.full((BLOCK_M,), -float("inf"), tl.float32)
         l_i = tl.zeros((BLOCK_M,), tl.float32)
         acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
@@ -407,15 +440,20 @@ def paged_attention_triton(
     kv_tile: int | None = None,
     num_splits: int | None = None,
     sm_count: int | None = None,
+    query_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton paged attention; one program per (sequence, kv head, chunk of query rows[, partition]).
 
     Needs caches with unit stride on D and equal strides; ``kv_tile`` is the number of context
     tokens per inner step (rounded up to a power of two >= 16). ``num_splits`` partitions each
     sequence's context (split-KV, then a reduce launch); ``None`` picks it with ``split_count``
-    for ``sm_count`` SMs (default: the device's), 1 is the one-pass kernel.
+    for ``sm_count`` SMs (default: the device's), 1 is the one-pass kernel. ``query_lens``: ragged
+    rows (see the module docstring).
     """
     _check(query, k_cache, v_cache, block_tables, context_lens)
+    ragged = query_lens is not None
+    if query_lens is not None and query_lens.shape != context_lens.shape:
+        raise ValueError("query_lens must be [B]")
     if not _cache_layout_ok(k_cache, v_cache):
         raise ValueError("paged_attention_triton needs D-contiguous caches with equal strides")
     batch, rows, q_heads, dim = query.shape
@@ -442,10 +480,11 @@ def paged_attention_triton(
         k_cache.stride(2),
         block_tables.stride(0),
     )
+    lens = query_lens.contiguous() if query_lens is not None else context_lens  # (not read unless ragged)
     if num_splits <= 1:
         _paged_attention_kernel[(batch, kv_heads, m_chunks)](
-            query, k_cache, v_cache, block_tables, context_lens, out,
-            float(scale), rows, group_size, dim, block_size, *strides, **config,
+            query, k_cache, v_cache, block_tables, context_lens, lens, out,
+            float(scale), rows, group_size, dim, block_size, *strides, RAGGED=ragged, **config,
         )
         return out
     parts = batch * rows * q_heads * num_splits
@@ -453,8 +492,8 @@ def paged_attention_triton(
     part_sum = torch.empty(parts, dtype=torch.float32, device=query.device)
     part_acc = torch.empty(parts, dim, dtype=torch.float32, device=query.device)
     _paged_attention_split_kernel[(batch * num_splits, kv_heads, m_chunks)](
-        query, k_cache, v_cache, block_tables, context_lens, part_max, part_sum, part_acc,
-        float(scale), rows, group_size, dim, block_size, num_splits, *strides, **config,
+        query, k_cache, v_cache, block_tables, context_lens, lens, part_max, part_sum, part_acc,
+        float(scale), rows, group_size, dim, block_size, num_splits, *strides, RAGGED=ragged, **config,
     )
     _paged_attention_reduce_kernel[(batch * rows * q_heads,)](
         part_max, part_sum, part_acc, out, num_splits, dim, BLOCK_D=config["BLOCK_D"], **REDUCE_CONFIG
@@ -469,10 +508,11 @@ def paged_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    query_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Paged attention: Triton when it can run for these tensors (one pass or split-KV, as
-    ``split_count`` decides for the device's SMs), else the reference."""
+    ``split_count`` decides for the device's SMs), else the reference. ``query_lens``: ragged rows."""
     tensors = (query, k_cache, v_cache, block_tables, context_lens)
     if use_triton(*tensors, kernel=_paged_attention_kernel) and _cache_layout_ok(k_cache, v_cache):
-        return paged_attention_triton(*tensors, scale)
-    return paged_attention_reference(*tensors, scale)
+        return paged_attention_triton(*tensors, scale, query_lens=query_lens)
+    return paged_attention_reference(*tensors, scale, query_lens)

@@ -109,11 +109,14 @@ def test_every_kernel_compiles_for_sm90_at_every_model_shape_without_spilling(co
     assert all(r["shared"] <= 227 * 1024 for r in rows)  # an H100 block's shared memory
     kernels = {r["kernel"] for r in rows}
     assert kernels == {"paged_attention", "paged_attention_split", "paged_attention_reduce", "paged_kv_append",
+                       "paged_attention_ragged", "paged_attention_split_ragged",
                        "gated_delta[init=True]", "gated_delta[init=False]", "gdn_fold[state]", "gdn_fold[conv]",
                        "row_argmax", "greedy_accept"}
     for name in ("paged_attention", "paged_attention_split"):
         covered = {(r["shape"], r["dtype"], r["k"]) for r in rows if r["kernel"] == name}
         assert covered == {(s, dt, k) for s in SHAPES for dt in ("bf16", "fp32") for k in range(1, 9)}
+        ragged = {(r["shape"], r["dtype"]) for r in rows if r["kernel"] == f"{name}_ragged"}  # prefill rows
+        assert ragged == {(s, dt) for s in SHAPES for dt in ("bf16", "fp32")}
     gdn_shapes = {r["shape"] for r in rows if r["kernel"].startswith("gated_delta")}
     assert gdn_shapes == {"qwen3.5-hybrid", "qwen3-next"}
 

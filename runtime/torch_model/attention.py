@@ -209,11 +209,12 @@ def attention_layer(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, *,
     positions): then, where kernel_paths allows Triton, the rows go through the `paged_kv_append`
     and `paged_attention` kernels (start = positions[:, 0], context = start + T, so row j sees
     positions <= positions[:, j]; query head h reads kv head h // (Hq // Hkv), as in
-    `masked_attention`). Ragged batches, and uniform ones without Triton, take the torch path:
-    with a host `plan` (attn_plan.py) each entry attends over its own keys where they lie
-    (`planned_attention`); without one, over the batch's gathered blocks (`paged_attention`, the
-    shape-static form). valid_rows [N]: the flat indices (b * T + t) of the valid rows, so the
-    cache write needs no boolean mask (None: every row is valid when uniform, else `valid` is used).
+    `masked_attention`). Ragged batches take the same kernel with each sequence's number of new rows
+    (its K/V written by the torch cache write). Without Triton, the torch path: with a host `plan`
+    (attn_plan.py) each entry attends over its own keys where they lie (`planned_attention`); without
+    one, over the batch's gathered blocks (`paged_attention`, the shape-static form).
+    valid_rows [N]: the flat indices (b * T + t) of the valid rows, so the cache write needs no
+    boolean mask (None: every row is valid when uniform, else `valid` is used).
     rope: the forward's rotary tables at `positions` (computed here when None).
     """
     if cfg is None:
@@ -222,7 +223,8 @@ def attention_layer(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, *,
     t = x.shape[1]
     q, k, v, gate = attention_qkv(x, w, prefix, cfg, positions, rope)
     k_cache, v_cache = cache.k[cache_layer], cache.v[cache_layer]
-    if uniform and attention_kernels_apply(q, k, v, k_cache, v_cache, block_tables, positions):
+    kernels = attention_kernels_apply(q, k, v, k_cache, v_cache, block_tables, positions)
+    if uniform and kernels:
         start = positions[:, 0]
         paged_kv_append(k, v, k_cache, v_cache, block_tables, start)
         out = paged_attention_kernel(q, k_cache, v_cache, block_tables, start + t, cfg.head_dim ** -0.5)
@@ -233,7 +235,11 @@ def attention_layer(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, *,
         elif not uniform:
             k_rows, v_rows = k[valid], v[valid]
         cache.write(cache_layer, write_index, k_rows.to(k_cache.dtype), v_rows.to(v_cache.dtype))
-        if plan is not None:
+        if kernels:  # ragged rows in one launch (gpu-kernels.md §17.5): each sequence's first row is valid
+            new_rows = valid.sum(1)
+            out = paged_attention_kernel(q, k_cache, v_cache, block_tables, positions[:, 0] + new_rows,
+                                         cfg.head_dim ** -0.5, query_lens=new_rows)
+        elif plan is not None:
             out = planned_attention(q, k, v, k_cache, v_cache, plan)
         else:
             out = paged_attention(q, k_cache, v_cache, block_tables,

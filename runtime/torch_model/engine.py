@@ -44,7 +44,7 @@ from .errors import OutOfBlocksError, SlotError
 from .gdn import GdnSnapshot, GdnStateCache
 from .gdn_chunked import KeepPlan
 from .hf_drafters import PublishedDFlash, PublishedMtp, load_dflash_drafter
-from .kernel_paths import gdn_decode_in_place, gdn_fold_kernel_applies
+from .kernel_paths import attention_kernels_apply, gdn_decode_in_place, gdn_fold_kernel_applies
 from .attn_plan import plan_keys
 from .batch_groups import forward_rows, row_groups
 from .graphs import CudaGraphRecorder, ForwardGraphs, Recorder, buckets, cuda_graphs_wanted
@@ -380,6 +380,12 @@ class HybridEngine:
                   else out.layer_hidden[i] for i in drafter.target_layer_ids]
         return drafter.features(layers)
 
+    @property
+    def _attention_kernels(self) -> bool:
+        """Whether attention runs as the Triton kernels on this engine's caches (kernel_paths.py; read
+        per forward: FXSCHED_KERNELS may change at run time)."""
+        return bool(self.kv.k) and attention_kernels_apply(self.kv.k[0], self.kv.v[0])
+
     def _check_rows(self, slot: int, start: int, tokens: Sequence[int]) -> None:
         cfg = self.cfg
         if not len(tokens):
@@ -449,8 +455,11 @@ class HybridEngine:
             else:
                 tokens_t[valid_t] = device_tokens
         valid = torch.arange(t, device=dev)[None, :] < lengths_t[:, None]
-        plan = plan_keys([s.block_table for s in states], [s.seq_len for s in states], lengths, bs, dev,
-                         row_kernel=dev.type == "cpu" and bool(self.kv.k) and self.kv.k[0].dtype == torch.bfloat16)
+        # the Triton kernels read every row's keys through the block tables, ragged rows included
+        # (specs/gpu-kernels.md §17.5): no host plan of where each sequence's keys lie
+        plan = None if self._attention_kernels else plan_keys(
+            [s.block_table for s in states], [s.seq_len for s in states], lengths, bs, dev,
+            row_kernel=dev.type == "cpu" and bool(self.kv.k) and self.kv.k[0].dtype == torch.bfloat16)
         return RowBatch(tokens_t.view(b, t), positions_t.view(b, t), valid, write_t, tables_t.view(b, nb), slots_t,
                         uniform, keep_rows, valid_rows=valid_t, attn=plan, logit_rows=logit_rows, gdn_keep=keep_index)
 

@@ -38,6 +38,7 @@ from fxsched.kernels.gated_delta import gated_delta
 
 from .config import ModelConfig
 from .gdn_chunked import KeepIndex, KeepPlan, chunked_gated_delta
+from .gdn_fla import fla_prefill_applies, segmented_gated_delta
 from .kernel_paths import gdn_recurrence_kernel_applies
 from .ops import l2_normalize, linear, rms_norm
 
@@ -148,7 +149,8 @@ def gdn_layer(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg: Mod
 
     Returns (output [B, T, D], states in state0's / conv0's dtype). keep_rows None: the state after
     every row (the per-row loop or the Triton kernel); else the sorted rows whose states to keep, and
-    the recurrence runs in the chunked form (gdn_chunked.py) without materialising per-row states.
+    the recurrence runs in the chunked form without materialising per-row states (gdn_chunked.py; on
+    CUDA flash-linear-attention's chunked kernels, gdn_fla.py).
     keep_index: keep_rows' plan with its indices on the device (gdn_chunked.KeepIndex, built once
     per forward with the batch's inputs); without it the layer sends its own (one non-blocking
     copy). Rows are processed strictly left to right, so for right-padded batches the states of the
@@ -166,8 +168,12 @@ def gdn_layer(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg: Mod
     if keep_rows is not None:
         if keep_index is None or keep_index.plan.rows != tuple(keep_rows):
             keep_index = KeepPlan.of(keep_rows, x.shape[1]).send(x.device)
-        o, _, kept = chunked_gated_delta(q, k, v, log_decay, beta, state0.float(), keep_index=keep_index)
-        assert kept is not None  # keep_rows given
+        if fla_prefill_applies(q):  # CUDA: flash-linear-attention's chunked kernels (gdn_fla.py)
+            o, kept = segmented_gated_delta(q, k, v, log_decay, beta, state0.float(), keep_rows)
+        else:
+            o, _, chunk_kept = chunked_gated_delta(q, k, v, log_decay, beta, state0.float(), keep_index=keep_index)
+            assert chunk_kept is not None  # keep_rows given
+            kept = chunk_kept
         states = kept.to(state0.dtype)
         windows = windows.index_select(2, keep_index.rows)  # [B, C, R, W], a copy: no view holding the conv input
     elif gdn_recurrence_kernel_applies(q, k, v, log_decay, beta, state0):
