@@ -243,7 +243,9 @@ def _cases(device: torch.device, large: bool | None = None) -> list[_Case]:
 def _triton_skip_reason(device: torch.device, kernel: Any) -> str:
     """Empty string when compiled Triton can be timed on ``device``, else why not."""
     if not HAVE_TRITON or kernel is None:
-        return "triton not timed: triton is not importable"
+        # a CPU process without the interpreter never imports triton (_triton.py): say which case
+        why = "no CUDA device and no TRITON_INTERPRET" if device.type != "cuda" else "triton is not importable"
+        return f"triton not timed: {why}"
     if forced_reference():
         return "triton not timed: FXSCHED_KERNELS=torch forces the references"
     if device.type != "cuda":

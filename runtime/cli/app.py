@@ -313,6 +313,12 @@ def cmd_bench(args) -> int:
         from fxsched.runtime.bench.step import print_table
 
         rows = run_kernel_bench("cuda" if _cuda() else "cpu", repeats=args.repeats)
+        if args.json:
+            import json
+
+            for row in rows:
+                print(json.dumps(row))
+            return 0
         print_table(rows)
         return 0
     if args.what == "check":
