@@ -11,7 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from fla.ops.gated_delta_rule.naive import naive_recurrent_gated_delta_rule
+
+naive_recurrent_gated_delta_rule = pytest.importorskip(
+    "fla.ops.gated_delta_rule.naive", reason="flash-linear-attention (fla-core) is not installed"
+).naive_recurrent_gated_delta_rule
 
 from fxsched.runtime.torch_model import gdn_chunked
 from fxsched.runtime.torch_model.gdn import _recurrence
