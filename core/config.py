@@ -102,6 +102,9 @@ class SchedulerConfig:
     # lane 1, so prompts that arrive together are prefilled together in one batched forward
     # (specs/scheduler.md §5.10 step 5). Off: the reference traces' one-prompt chunk 0.
     prefill_new_together: bool = False
+    # a plain decode may be answered ahead: its tokens stay on the device, the next decode feeds them
+    # from there and the host reads them one tick late, while that decode runs (specs/async.md §16.6)
+    async_scheduling: bool = False
 
     def uses_mtp(self, model: ModelInfo) -> bool:
         """MTP / DFlash speculation runs when asked for and the model has a proposer."""

@@ -10,18 +10,21 @@ from __future__ import annotations
 from collections.abc import Sequence as Seq
 from typing import Any
 
-from fxsched.core.agenda import batch_rows, by_id, keep_batch, push, update
+from fxsched.core.agenda import PhaseError, ask, batch_rows, by_id, keep_batch, push, update
+from fxsched.core.ahead import any_ahead, fed_again, may_answer_ahead, pick, produced, resolve_tokens, went_ahead
 from fxsched.core.emit import plain_token, recipients
-from fxsched.core.events import DeviceFault, TokensSampled
+from fxsched.core.events import LATE_TOKEN, DeviceFault, TokensSampled
 from fxsched.core.faults import fail_sequences
 from fxsched.core.memory import preempt, preemption_victim
-from fxsched.core.phases import AwaitDecode, DecodeLane, NgramStep, PlainDecode, SelfSpecStep, SpecStep
+from fxsched.core.phases import (AwaitAhead, AwaitDecode, DecodeLane, NgramStep, PlainDecode, ResolveAhead,
+                                 SelfSpecStep, SpecStep)
 from fxsched.core.records import replace, with_fields
 from fxsched.core.rows import (by_slot, greedy_request, greedy_row, grow, host_pick, may_speculate,
                               prefill_barrier, slots_increasing)
 from fxsched.core.state import SchedulerState, hot_columns, hot_fields, kept_facts
 from fxsched.core.token_log import extended
 from fxsched.core.watchdog import snapshots_possible
+from fxsched.effects import device_calls as dc
 from fxsched.effects import plans
 from fxsched.effects.base import Effect
 from fxsched.effects.client import StreamOut
@@ -55,6 +58,9 @@ def decode_lane(state: SchedulerState, task: DecodeLane, out: list[Effect]) -> S
 
 
 def plain_decode(state: SchedulerState, task: PlainDecode, out: list[Effect]) -> SchedulerState:
+    config = state.config
+    if config.async_scheduling and (any_ahead(state) or may_answer_ahead(config, state.model, state.rows)):
+        return _pipelined_decode(state, out)
     columns = hot_columns(state)
     if columns is not None and slots_increasing((facts := columns.facts()).slots) and (facts.all_greedy or all(
             greedy_request(s.request, n) for s, n in zip(state.rows, columns.out_len, strict=True))):
@@ -74,8 +80,102 @@ def plain_decode(state: SchedulerState, task: PlainDecode, out: list[Effect]) ->
     return update(state, out, {"rows": active, "settled": None, "waiting": AwaitDecode(plan.seqs)})
 
 
+def _pipelined_decode(state: SchedulerState, out: list[Effect]) -> SchedulerState:
+    """A plain decode with async scheduling (specs/async.md §16.6): it may be answered ahead, it feeds
+    each sequence that is ahead its kept token from the device (``LATE_TOKEN``) unless that token is
+    its last, and its answer resolves every kept token. With no row to feed, the kept tokens are
+    read alone (``ReadAhead``). Rows finished by a resolution this tick wait for the end of tick."""
+    config, model = state.config, state.model
+    active = by_slot(state.active)
+    fed = [s for s in active if not s.finished and (not s.ahead or fed_again(s, config))]
+    resolve = tuple([s.seq_id for s in active if s.ahead])
+    if not fed:
+        if not resolve:  # (every row finished by a resolution: nothing to do until the end of tick)
+            return update(state, out, {"rows": active, "settled": None})
+        return ask(update(state, out, {"rows": active, "settled": None}), out, dc.ReadAhead(resolve),
+                   AwaitAhead(resolve))
+    greedy = all(greedy_request(s.request, produced(s)) for s in fed)
+    plan = plans.Decode(
+        tokens=tuple([LATE_TOKEN if s.ahead else s.last_token for s in fed]),
+        seqs=tuple([s.seq_id for s in fed]),
+        seq_lens=tuple([s.seq_len for s in fed]),
+        picks=() if greedy else tuple(pick(s) for s in fed),
+        ahead=may_answer_ahead(config, model, fed),
+        resolve=resolve,
+    )
+    out.append(plan)
+    return update(state, out, {"rows": active, "settled": None, "waiting": AwaitDecode(plan.seqs, resolve)})
+
+
+def nothing_ahead(state: SchedulerState) -> bool:
+    """``ResolveAhead`` has nothing to do: no sequence holds a token on the device."""
+    return not any_ahead(state)
+
+
+def resolve_ahead(state: SchedulerState, task: ResolveAhead, out: list[Effect]) -> SchedulerState:
+    """Read back every kept token before work that needs the sequences' last tokens."""
+    if nothing_ahead(state):
+        return state
+    ids = tuple([s.seq_id for s in by_slot(state.active) if s.ahead])
+    return ask(state, out, dc.ReadAhead(ids), AwaitAhead(ids))
+
+
+def ahead_read(state: SchedulerState, waiting: AwaitAhead, event: TokensSampled, out: list[Effect]) -> SchedulerState:
+    """The kept tokens of ``waiting.seq_ids`` arrive alone (``ReadAhead``)."""
+    if event.tokens:
+        raise PhaseError(f"a read of kept tokens answered {len(event.tokens)} new tokens")
+    return resolve_tokens(state, waiting.seq_ids, event.earlier, event.earlier_logprobs, out)
+
+
+def _decoded_ahead(state: SchedulerState, waiting: AwaitDecode, event: TokensSampled | DeviceFault,
+                   out: list[Effect]) -> SchedulerState:
+    """The answer of a pipelined decode (specs/async.md §16.6): first the kept tokens it resolves, as
+    their own decode would have taken them; then its own rows, answered ahead (a ``LATE_TOKEN`` each:
+    the sequences go ahead) or with their tokens. A row whose sequence a resolved token just
+    finished was computed ahead for nothing: it is dropped, never streamed (its KV goes with the
+    sequence). A fault that brings the kept tokens resolves them first; one that cannot (the decode
+    that kept them failed after it was answered) fails every sequence of both decodes."""
+    resolve = waiting.resolve
+    if isinstance(event, DeviceFault):
+        if resolve and len(event.earlier) != len(resolve):
+            return fail_sequences(state, set(resolve) | set(waiting.seq_ids), event.message, out)
+        if resolve:
+            state = resolve_tokens(state, resolve, event.earlier, (), out)
+        going = tuple(s for s in state.active if s.seq_id in set(waiting.seq_ids) and not s.finished)
+        if event.kv_exhausted and len(going) > 1:
+            victim = preemption_victim(going)
+            if victim is not None:
+                return push(preempt(state, victim, out), PlainDecode())
+        return fail_sequences(state, [s.seq_id for s in going], event.message, out)
+    if resolve:
+        state = resolve_tokens(state, resolve, event.earlier, event.earlier_logprobs, out)
+    elif event.earlier:
+        raise PhaseError(f"a decode that resolves nothing answered {len(event.earlier)} kept tokens")
+    tokens = event.tokens
+    if len(tokens) != len(waiting.seq_ids):
+        raise PhaseError(f"a decode of {len(waiting.seq_ids)} rows answered {len(tokens)} tokens")
+    late = [t == LATE_TOKEN for t in tokens]
+    if any(late) and not all(late):
+        raise PhaseError("a decode answered some of its rows ahead and some with their tokens")
+    config, block_size = state.config, state.model.block_size
+    rows = dict(zip(waiting.seq_ids, zip(tokens, event.logprobs or (0,) * len(tokens), strict=True), strict=True))
+    active = []
+    for seq in state.active:
+        row = rows.get(seq.seq_id)
+        if row is None or seq.finished:  # not in the decode, or just finished: its row is dropped
+            active.append(seq)
+        elif all(late):
+            active.append(went_ahead(seq, block_size))
+        else:
+            token, size = row
+            active.append(plain_token(grow(seq, seq.seq_len + 1, block_size), token, config, out, size, state.model))
+    return replace(state, active=tuple(active))
+
+
 def decoded(state: SchedulerState, waiting: AwaitDecode, event: TokensSampled | DeviceFault,
             out: list[Effect]) -> SchedulerState:
+    if waiting.resolve or (isinstance(event, TokensSampled) and LATE_TOKEN in event.tokens):
+        return _decoded_ahead(state, waiting, event, out)
     if isinstance(event, DeviceFault):
         if event.kv_exhausted and len(waiting.seq_ids) > 1:
             batch = set(waiting.seq_ids)

@@ -113,15 +113,27 @@ class TokenSampled(Answer):
 
 @attrs.frozen
 class TokensSampled(Answer):
-    """Tokens read from consecutive rows; ``logprobs`` holds per-row record sizes (0: none)."""
+    """Tokens read from consecutive rows; ``logprobs`` holds per-row record sizes (0: none).
+
+    A plain decode answered ahead (specs/async.md §16.6) has a ``LATE_TOKEN`` for each row: its
+    tokens stay on the device. ``earlier`` (with ``earlier_logprobs``) holds the tokens of the
+    sequences whose decode was answered ahead before and that the query named to resolve
+    (``Decode.resolve``, ``ReadAhead.seqs``), in that order; empty otherwise."""
 
     tokens: tuple[int, ...] = attrs.field(converter=int_tuple)
     logprobs: tuple[int, ...] = attrs.field(default=(), converter=int_tuple)
+    earlier: tuple[int, ...] = attrs.field(default=(), converter=int_tuple)
+    earlier_logprobs: tuple[int, ...] = attrs.field(default=(), converter=int_tuple)
 
 
 # A draft the device holds and has not read back (specs/async.md §16.3): a proposal may answer
 # LATE_DRAFT for each draft; the value arrives with the answer of the verify that consumes it.
 LATE_DRAFT = -1
+
+# A decode's token that stays on the device (specs/async.md §16.6): a plain decode answered ahead
+# has one for each row, the next decode feeds it from the device, and its value arrives with the
+# answer of the query that resolves it. Never a token id.
+LATE_TOKEN = -1
 
 
 @attrs.frozen
@@ -177,10 +189,13 @@ class LoraApplied(Answer):
 
 @attrs.frozen
 class DeviceFault(Answer):
-    """The query failed on the device. ``kv_exhausted`` marks the recoverable KV-full case."""
+    """The query failed on the device. ``kv_exhausted`` marks the recoverable KV-full case.
+    ``earlier``: the tokens the failed query was to resolve (specs/async.md §16.6), when the device
+    could still read them; empty otherwise."""
 
     message: str
     kv_exhausted: bool = False
+    earlier: tuple[int, ...] = attrs.field(default=(), converter=int_tuple)
 
 
 quick_inits(globals())  # every record class above: a quicker __init__ (effects/base.py)

@@ -277,7 +277,27 @@ class PlainDecode:
 
 @attrs.frozen
 class AwaitDecode:
-    """Waits for ``TokensSampled`` (or a ``DeviceFault``) of the plain decode of ``seq_ids``."""
+    """Waits for ``TokensSampled`` (or a ``DeviceFault``) of the plain decode of ``seq_ids``;
+    ``resolve``: the sequences whose kept tokens the answer brings (specs/async.md §16.6)."""
+
+    seq_ids: tuple[int, ...]
+    resolve: tuple[int, ...] = ()
+
+
+@attrs.frozen
+class ResolveAhead:
+    """Task: read back the tokens kept on the device by decodes answered ahead, before work that
+    needs every sequence's last token (specs/async.md §16.6)."""
+
+
+@attrs.frozen
+class RetireResolved:
+    """Task: retire the sequences the tokens read at a tick's start finished, before admission."""
+
+
+@attrs.frozen
+class AwaitAhead:
+    """Waits for ``TokensSampled`` with the kept tokens of ``seq_ids`` in ``earlier``."""
 
     seq_ids: tuple[int, ...]
 

@@ -3,6 +3,10 @@
 Invariant: the tokens in the KV are ``(prompt + output)[:seq_len]``; the last output token
 (``last_token``) is produced but not yet fed, so ``seq_len == prompt_len + len(output) - 1``
 between steps. ``blocks`` mirrors the device's block table, which never shrinks until freed.
+
+A sequence whose last decode was answered ahead (``ahead``, specs/async.md §16.6) has fed its last
+output token and holds one more on the device, not yet read: ``last_token`` is ``LATE_TOKEN``, the
+output does not hold it yet, and ``seq_len == prompt_len + len(output)``.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ class Sequence:
     cached: int = 0
     ring: tuple[tuple[int, int], ...] = ()
     ring_cursor: int = 0
+    ahead: bool = False
 
     @property
     def request_id(self) -> int:

@@ -58,6 +58,7 @@ TASKS: dict[type, TaskRule] = {
     ph.EmptyBatchExit: tick.empty_batch_exit,
     ph.EmptyBatchSkip: tick.empty_batch_skip,
     ph.EndOfTick: tick.end_of_tick,
+    ph.RetireResolved: tick.retire_resolved,
     ph.Shutdown: tick.shutdown,
     # control flow
     ph.EmitEffects: flow.emit_effects,
@@ -76,6 +77,7 @@ TASKS: dict[type, TaskRule] = {
     # lane 3
     ph.DecodeLane: decode.decode_lane,
     ph.PlainDecode: decode.plain_decode,
+    ph.ResolveAhead: decode.resolve_ahead,
     ph.SpecStep: spec_step.spec_step,
     ph.Bootstrap: spec_step.bootstrap,
     ph.Verifies: spec_step.verifies,
@@ -105,6 +107,7 @@ IDLE: dict[type, Callable[[SchedulerState], bool]] = {
     ph.EmptyBatchExit: tick.batch_not_empty,
     ph.EmptyBatchSkip: tick.batch_not_empty,
     ph.RequeueResume: lifecycle.no_resume_due,
+    ph.ResolveAhead: decode.nothing_ahead,
     ph.SwapIn: lifecycle.no_swap_in_due,
 }
 
@@ -131,6 +134,7 @@ ANSWERS: dict[type, Phase] = {
                                  prefill.mixed_read),
     # lane 3
     ph.AwaitDecode: Phase((ev.TokensSampled, ev.DeviceFault), RuleTakesFault(), decode.decoded),
+    ph.AwaitAhead: Phase((ev.TokensSampled,), SEQS, decode.ahead_read),
     ph.AwaitCapacity: Phase((ev.DraftCapacity,), FailActive(), spec_step.capacity),
     ph.AwaitProposal: Phase((ev.Drafts,), SEQ, spec_step.proposed),
     ph.AwaitBatchedProposal: Phase((ev.BatchedDrafts,), SEQS, spec_step.batched_proposed),

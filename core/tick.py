@@ -5,6 +5,7 @@ and shutdown (specs/scheduler.md §5.3–5.8, §5.19, §5.21). The lanes live in
 from __future__ import annotations
 
 from fxsched.core import admission
+from fxsched.core.ahead import ahead_past_deadline, any_ahead, needs_settled
 from fxsched.core.agenda import ask, push, update
 from fxsched.core.events import AdapterIds, EventCreated, FreeBlocks, InputReady, LoraApplied, StreamCreated
 from fxsched.core.faults import SHUTDOWN_ABORT, fail_request
@@ -24,6 +25,8 @@ from fxsched.core.phases import (
     IdleCheck,
     Publish,
     RequeueResume,
+    ResolveAhead,
+    RetireResolved,
     Rotate,
     Shutdown,
     StartRequests,
@@ -103,6 +106,8 @@ def drop_cancelled_waiting(state: SchedulerState, out: list[Effect]) -> Schedule
 
 def tick_start(state: SchedulerState, task: TickStart, out: list[Effect]) -> SchedulerState:
     state = drop_cancelled_waiting(drain_inbox(state), out)
+    if any_ahead(state) and needs_settled(state):  # the tokens on the device are read first (§16.6)
+        return push(state, ResolveAhead(), RetireResolved(), TickStart())
     if not in_flight(state) and not state.swapped and not state.preempted and queue_idle(state):
         return ask(push(state, TickStart()), out, dc.WaitForInput(), AwaitInput())
     new: tuple[Request, ...] = ()
@@ -273,7 +278,15 @@ def retire_finished(state: SchedulerState, out: list[Effect], then: tuple[object
     return update(state, out, {"rows": compact(active, out, pinned), "settled": None, "agenda": then + state.agenda})
 
 
+def retire_resolved(state: SchedulerState, task: RetireResolved, out: list[Effect]) -> SchedulerState:
+    """After the tokens on the device were read at a tick's start: the sequences they finished
+    retire before admission counts the seats (as the last end of tick would have retired them)."""
+    return retire_finished(state, out)
+
+
 def end_of_tick(state: SchedulerState, task: EndOfTick, out: list[Effect]) -> SchedulerState:
+    if ahead_past_deadline(state):  # its token is read first, to time it out with the token taken (§16.6)
+        return push(state, ResolveAhead(), EndOfTick())
     state = expire_deadlines(state)
     then = _AFTER_TICK_SPILL if state.config.spill_pool else _AFTER_TICK
     return retire_finished(state, out, then)

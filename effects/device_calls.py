@@ -477,6 +477,16 @@ class ArgmaxOnDevice(DeviceCall):
 
 
 @attrs.frozen
+class ReadAhead(DeviceCall):
+    """Read back the tokens the last decodes of ``seqs`` kept on the device (decodes answered ahead,
+    specs/async.md §16.6); answered by ``TokensSampled`` with them in ``earlier``, in order."""
+
+    CALL: ClassVar[str] = "read_ahead"
+    QUERY: ClassVar[bool] = True
+    seqs: tuple[int, ...] = attrs.field(converter=int_tuple)
+
+
+@attrs.frozen
 class ArgmaxBatch(DeviceCall):
     CALL: ClassVar[str] = "argmax_batch"
     QUERY: ClassVar[bool] = True

@@ -30,6 +30,11 @@ class Decode(Plan):
 
     ``picks`` is empty for the device-argmax readback and holds one host pick per row for the
     host-logits readback. ``seq_lens`` are the KV lengths before the step (for ``commit_ctx``).
+
+    Async scheduling (specs/async.md §16.6): ``ahead`` lets the device answer before it reads the
+    step's tokens (a ``LATE_TOKEN`` each, kept on the device); a ``LATE_TOKEN`` in ``tokens`` feeds
+    the token the sequence's last decode kept; ``resolve`` names the sequences whose kept tokens
+    the answer brings back (``TokensSampled.earlier``), in order.
     """
 
     QUERY: ClassVar[bool] = True
@@ -38,6 +43,8 @@ class Decode(Plan):
     seq_lens: tuple[int, ...] = attrs.field(converter=int_tuple)
     picks: tuple[HostPick, ...] = attrs.field(converter=host_picks, default=())
     ctx: str = "Unified"
+    ahead: bool = False
+    resolve: tuple[int, ...] = attrs.field(default=(), converter=int_tuple)
 
     @property
     def readback(self) -> str:
@@ -45,7 +52,8 @@ class Decode(Plan):
 
     @property
     def label(self) -> str:
-        return f"Decode{{n={len(self.seqs)}, ctx={self.ctx}, readback={self.readback}}}"
+        extra = (", ahead" if self.ahead else "") + (f", resolve={len(self.resolve)}" if self.resolve else "")
+        return f"Decode{{n={len(self.seqs)}, ctx={self.ctx}, readback={self.readback}{extra}}}"
 
 
 quick_inits(globals())  # every record class above: a quicker __init__ (effects/base.py)

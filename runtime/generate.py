@@ -59,6 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence as Seq
 
+import attrs
 import torch
 
 from fxsched.core import events as ev
@@ -325,7 +326,7 @@ def generate(engine: HybridEngine, prompts: Seq[Seq[int]], max_tokens: int, spec
              on_finish: Optional[Callable[[RequestResult], None]] = None,
              sampling: SamplingOptions = GREEDY, record: Optional[str | Path] = None,
              record_meta: Optional[dict[str, Any]] = None, late_drafts: bool = True,
-             overlap: bool = False) -> GenerateResult:
+             overlap: bool = False, async_scheduling: Optional[bool] = None) -> GenerateResult:
     """Generate up to ``max_tokens`` tokens for each prompt through the scheduler (greedy unless
     ``sampling`` says otherwise; see the module docstring).
 
@@ -339,6 +340,8 @@ def generate(engine: HybridEngine, prompts: Seq[Seq[int]], max_tokens: int, spec
     consumes them reads everything back at once (specs/async.md §16.3; expert parallelism turns it
     off: its words carry every input). ``overlap``: carry the device's effects out on a device lane
     (``DeviceLane``, specs/async.md §16.5), so the host's work runs beside the forwards (not with
+    ``wrap_device``). ``async_scheduling``: plain decodes answered ahead, the host one tick ahead of
+    the device (specs/async.md §16.6; None: on for a CUDA engine, off on the CPU and under
     ``wrap_device``). ``record``: write the run's event log there (``fxsched.runtime.eventlog``; replay it
     with ``fxsched replay``), with ``record_meta`` in its header; the file is created only once the
     input has been checked. Raises ``GenerateError`` for bad input (an unwritable ``record`` path
@@ -356,13 +359,17 @@ def generate(engine: HybridEngine, prompts: Seq[Seq[int]], max_tokens: int, spec
         raise GenerateError("--overlap: the device lane does not run under expert parallelism")
     batch = batch if batch is not None else min(len(prompts), cfg.max_slots)
     config, model, proposer = scheduler_setup(cfg, spec, batch, eos_ids)
+    if async_scheduling is None:  # (a wrapped device, expert parallelism's leader, keeps no decode)
+        async_scheduling = engine.device.type == "cuda" and wrap_device is None
+    if async_scheduling:
+        config = attrs.evolve(config, async_scheduling=True)
     if sampling.logprobs > cfg.vocab_size:
         raise GenerateError(f"--logprobs {sampling.logprobs}: must be at most the vocabulary size {cfg.vocab_size}")
     requests = [sampling.request(i, p, max_tokens) for i, p in enumerate(prompts)]
     recorder = _recorder(record, config, model, spec, max_tokens, sampling, record_meta)
     try:
         device = TorchDevice(engine, proposer=proposer, drafter=drafter, strict=strict,
-                             late_drafts=late_drafts)
+                             late_drafts=late_drafts, decode_ahead=async_scheduling)
     except BaseException:
         if recorder is not None:
             recorder.close()

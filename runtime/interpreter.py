@@ -151,6 +151,8 @@ class Interpreter:
         self.steps = 0
         self._waited: list[ev.Event] = []  # what a blocking wait of the current batch returned
         self._take_cancels = getattr(device, "take_cancels", None)  # scripted devices' client cancels
+        # keeps a decode's tokens on the device, answering it ahead (specs/async.md §16.6)
+        self._keep_ahead: Optional[Callable[..., bool]] = getattr(device, "keep_ahead", None)
         # a host that keeps ``Host.take_inputs`` has posted nothing while its list is empty
         self._plain_inputs = type(host).take_inputs is Host.take_inputs
 
@@ -324,17 +326,46 @@ class Interpreter:
         return ev.VerifyRows(rows)
 
     def _decode_plan(self, plan: plans.Decode) -> ev.Event:
+        """A plain decode. With ``plan.ahead`` and a device that keeps a decode's tokens
+        (``keep_ahead``), it is answered before its tokens are read: a ``LATE_TOKEN`` per row
+        (specs/async.md §16.6). The tokens of ``plan.resolve`` (kept by earlier decodes) are read
+        after this decode is launched, so on a GPU the read waits for the earlier decode only."""
         d = self.device
         d.note_fx(f"fx launch {plan.label}")
         try:
             d.decode_batch(plan.tokens, plan.seqs, 0)
         except DeviceError as err:
-            return ev.DeviceFault(err.message, err.kv_exhausted)
+            return ev.DeviceFault(err.message, err.kv_exhausted, self._earlier_if_readable(plan.resolve))
         for row, (seq, base) in enumerate(zip(plan.seqs, plan.seq_lens, strict=True)):
             d.commit_ctx(seq, 1, base, row)
-        if plan.picks:
-            return self._host_picks(0, plan.picks)
-        return ev.TokensSampled(d.argmax_batch(0, len(plan.seqs), 0))
+        keep = self._keep_ahead if plan.ahead else None
+        if keep is not None and keep(0, len(plan.seqs), plan.picks, self.eos_ids):
+            earlier = self._read_ahead(plan.resolve, plan.seqs)
+            return ev.TokensSampled((ev.LATE_TOKEN,) * len(plan.seqs), (), earlier)
+        answer = self._host_picks(0, plan.picks) if plan.picks else ev.TokensSampled(
+            d.argmax_batch(0, len(plan.seqs), 0))
+        if not plan.resolve:
+            return answer
+        return ev.TokensSampled(answer.tokens, answer.logprobs, self._read_ahead(plan.resolve, plan.seqs))
+
+    def _read_ahead(self, seqs: Seq[int], fed: Seq[int] = ()) -> tuple[int, ...]:
+        """The tokens the device kept for ``seqs`` (a ``DeviceError`` when it cannot give them: the
+        decode that kept them failed after it was answered; ``fed``: the sequences of the decode this
+        read answers with, which the failure takes too)."""
+        if not seqs:
+            return ()
+        read = getattr(self.device, "read_ahead", None)
+        if read is None:
+            raise RunError("a decode resolves kept tokens, but the device keeps none (no read_ahead)")
+        return tuple(read(seqs, fed))
+
+    def _earlier_if_readable(self, seqs: Seq[int]) -> tuple[int, ...]:
+        """For a decode that failed at its launch: the kept tokens it was to resolve, when the device
+        can still give them (else none: the fault then covers their sequences too)."""
+        try:
+            return self._read_ahead(seqs)
+        except DeviceError:
+            return ()
 
 
 # --- the handlers: one per effect type, found by ``_handler_for`` ------------------------------------
@@ -537,6 +568,7 @@ _CASES: tuple[tuple[Union[type, tuple[type, ...]], Handler], ...] = (
     (dc.CanBatchVerify, lambda it, e: ev.BatchVerifyAllowed(it.device.can_batch_verify(e.ks))),
     (dc.ArgmaxOnDevice, lambda it, e: ev.TokenSampled(it.device.argmax_on_device(e.row, e.stream))),
     (dc.ArgmaxBatch, lambda it, e: ev.TokensSampled(it.device.argmax_batch(e.row, e.n, e.stream))),
+    (dc.ReadAhead, lambda it, e: ev.TokensSampled((), (), it._read_ahead(e.seqs))),
     (dc.CopyLogitsToHost, lambda it, e: it._host_picks(e.row, e.picks)),
     (dc.GdnFoldAccepted, lambda it, e: it.device.gdn_fold_accepted(e.slots, e.accepted, e.k)),
     (dc.CommitAcceptedPrefix, lambda it, e: it.device.commit_accepted_prefix(e.seq, e.na, e.k)),

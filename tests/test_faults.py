@@ -60,7 +60,8 @@ def _walk_states(found: dict[type, SchedulerState], episodes: int) -> None:
                            decode_fault_at=episode.decode_fault_at, verify_fault_at=episode.verify_fault_at,
                            spill_corrupt_for=episode.spill_corrupt_for,
                            cancel_flags={r.id for r in episode.requests if r.streaming},
-                           can_batch_verify=episode.can_batch_verify)
+                           can_batch_verify=episode.can_batch_verify,
+                           keep_decodes=seed if episode.async_scheduling else None)
         host = WalkHost(episode)
         device.on_tick = host.on_tick
         interpreter = Interpreter(device, host, episode.config().eos_ids, observer=FirstOfEachPhase(found))

@@ -18,7 +18,7 @@ LAYERS = {
     1: {"records", "kv", "token_log", "request", "config", "events"},
     2: {"sequence", "state", "phases"},
     3: {"agenda", "rows", "admission", "chunking", "verdict", "watchdog", "emit", "retire", "faults", "memory",
-        "verifying", "late"},
+        "verifying", "late", "ahead"},
     4: {"tick", "flow", "prefill", "decode", "spec_step", "kverify", "dflash", "mtp_batch", "ngram", "self_spec",
         "lifecycle"},
     5: {"table"},
@@ -101,7 +101,7 @@ def test_every_task_and_waiting_record_has_exactly_one_table_entry():
     assert set(table.ANSWERS) == waiting
     assert set(table.TASKS) == tasks
     assert not set(table.ANSWERS) & set(table.TASKS)
-    assert len(table.ANSWERS) == 40
+    assert len(table.ANSWERS) == 41
 
 
 def test_table_rules_live_in_rule_modules():

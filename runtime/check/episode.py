@@ -89,6 +89,7 @@ class Episode:
     short_proposals: bool = False
     late_drafts: bool = False  # the device answers proposals late now and then (specs/async.md §16.3)
     lane: bool = False  # the device's effects run behind the host, on a deferred lane (specs/async.md §16.5)
+    async_scheduling: bool = False  # plain decodes answered ahead now and then (specs/async.md §16.6)
     capacities: tuple[int, ...] = ()
     ssm_ring: int = 0  # > 0: the model has SSM layers and a snapshot ring of this many slots
     admission_watermark: int = 4096  # the KV reservation's horizon (small: prompts admitted on their own blocks)
@@ -118,7 +119,8 @@ class Episode:
                                swap_space_gb=1.0 if self.spill else 0.0, policy=self.policy,
                                slai_deadline_ms=self.slai_deadline_ms, loop_watchdog=self.watchdog,
                                boundary_tokens=(BOUNDARY,) if self.watchdog else (), max_seq_len=self.max_seq_len,
-                               admission_watermark=self.admission_watermark, **spec)
+                               admission_watermark=self.admission_watermark,
+                               async_scheduling=self.async_scheduling, **spec)
 
     def model(self) -> ModelInfo:
         return ModelInfo(total_blocks=self.total_blocks, has_proposer=self.mode.startswith(("mtp", "dflash")),

@@ -38,7 +38,7 @@ RULE_BOOK: dict[str, tuple] = {
     "AwaitProposal": _ONE, "AwaitKVerify": _ONE, "AwaitMtpDecode": _ONE, "AwaitDflashDrafts": _ONE,
     "AwaitDflashVerify": _ONE, "AwaitNgramDecode": _ONE, "AwaitNgramVerify": _ONE, "AwaitSelfToken": _ONE,
     "AwaitSelfVerify": _ONE,
-    "AwaitBatchedProposal": _MANY, "AwaitBatchedDflash": _MANY, "AwaitMtpBatch": _MANY,
+    "AwaitBatchedProposal": _MANY, "AwaitBatchedDflash": _MANY, "AwaitMtpBatch": _MANY, "AwaitAhead": _MANY,
     "AwaitDflashGate": ("seqs", ("batchable", "rest"), None, False),
     "AwaitMtpGate": ("seqs", ("batch.seq_ids",), None, False),
     "AwaitSwapInSlot": _ONE,
@@ -63,14 +63,37 @@ def requests_held(state: Any) -> dict[int, int]:
     return held
 
 
-def declared(state: Any, kv_exhausted: bool = False) -> tuple[set[int], set[int]]:
+def finishes_on(state: Any, seq_id: int, token: int) -> bool:
+    """Whether sequence ``seq_id`` ends on taking ``token`` (the decode sink's rule, specs/scheduler.md
+    §5.17): EOS, its budget spent, the context full, or a cancel asked for."""
+    config = state.config
+    for seq in state.active:
+        if seq.seq_id == seq_id:
+            return (token in config.eos_ids or seq.remaining <= 1 or seq.seq_len + 1 >= config.max_seq_len
+                    or seq.cancel_requested)
+    return False
+
+
+def declared(state: Any, kv_exhausted: bool = False, earlier: tuple[int, ...] = ()) -> tuple[set[int], set[int]]:
     """(request ids that must get an ``Error``, seq ids that must be gone) for a fault answering the
     query ``state`` waits on. A KV-exhausted plain decode of several rows preempts one instead
-    (§8.4): nobody fails."""
+    (§8.4): nobody fails. A pipelined decode's fault (specs/async.md §16.6 rule 6): with the kept
+    tokens it was to resolve (``earlier``), they are taken first and the fault is the decode's own
+    over the rows whose sequence goes on; without them, every sequence of both decodes fails."""
     waiting = state.waiting
     scope = RULE_BOOK[type(waiting).__name__]
     held = requests_held(state)
     kind = scope[0]
+    resolve = getattr(waiting, "resolve", ())
+    if kind == "rule" and resolve:
+        if len(earlier) != len(resolve):
+            gone = set(resolve) | set(waiting.seq_ids)
+            return {held[i] for i in gone if i in held}, gone
+        done = {s for s, t in zip(resolve, earlier, strict=True) if finishes_on(state, s, t)}
+        going = [s for s in waiting.seq_ids if s not in done]
+        if kv_exhausted and len(going) > 1:
+            return set(), set()
+        return {held[i] for i in going if i in held}, set(going)
     if kind == "seqs":
         _, fields, request_field, all_prefilling = scope
         ids: list[int] = []

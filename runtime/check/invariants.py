@@ -31,7 +31,7 @@ from fxsched.effects import lifecycle as lc
 from fxsched.effects.base import expand_batched
 from fxsched.effects.client import DoneOut, ErrorOut, ResponseOut, TokenOut, TokensOut
 from fxsched.runtime.check.clients import client_final, predicted_final
-from fxsched.runtime.check.fault_scope import RULE_BOOK, declared, fault_scope
+from fxsched.runtime.check.fault_scope import RULE_BOOK, finishes_on, declared, fault_scope
 from fxsched.runtime.check.frames import CUTS_MANY, CUTS_ONE, tokens_after_checkpoints, tokens_after_cut
 from fxsched.runtime.check.progress import Progress, check_blocks, no_idle_with_work, no_shutdown_with_work
 from fxsched.runtime.check.violation import Violation
@@ -794,6 +794,7 @@ class Monitor:
         self.tick_fault = False  # a fault came in the tick now running
         self.capacity_query = (0, 0)  # the last capacity query: (its first answer in the device's log, slots)
         self.kv_fault = False  # the event being stepped is a KV-exhaustion fault
+        self.fault_resolved: dict[int, int] = {}  # seq -> kept token a pipelined decode's fault brought
         self.last_decode_ms = 0.0
         self.selected_in_tick = False  # this tick's admission asked the adapter ids of a selection
         # the state on_state sees next is the one an input event left (the waiting record parked
@@ -871,8 +872,12 @@ class Monitor:
             self.kv_fault = event.kv_exhausted
             state = self.seen_state
             name = type(state.waiting).__name__ if state is not None else ""
+            resolve = getattr(state.waiting, "resolve", ()) if state is not None else ()
+            # a pipelined decode's fault brings the kept tokens it resolves (specs/async.md §16.6)
+            self.fault_resolved = dict(zip(resolve, event.earlier, strict=True)) if (
+                resolve and len(event.earlier) == len(resolve)) else {}
             if state is not None and name in RULE_BOOK:
-                self.fault_expect = (declared(state, event.kv_exhausted)[0], name)
+                self.fault_expect = (declared(state, event.kv_exhausted, event.earlier)[0], name)
                 self.fault_errors = set()
             take = getattr(self.device, "take_blame", None)
             self.blamed = take() if take is not None else None
@@ -975,8 +980,13 @@ class Monitor:
         checker's own record: a sequence requeue-resumed after a preemption is immune until its
         output grows by ``preemption_immunity_tokens`` (§5.19 step 5; a swap-in keeps what it had)."""
         rows: tuple[int, ...] = self.last_decode_rows
-        self.prev_active = {seq.seq_id: (len(seq.output), seq.slot, seq.request.id, seq.seq_id)
+        # a sequence ahead has produced one token more than its output holds (specs/async.md §16.6)
+        self.prev_active = {seq.seq_id: (len(seq.output) + (1 if seq.ahead else 0), seq.slot, seq.request.id,
+                                         seq.seq_id)
                             for seq in (self.seen_state.active if self.seen_state is not None else ())}
+        resolved = self.fault_resolved
+        if resolved and self.seen_state is not None:  # rows a resolved token ended are no victims
+            rows = tuple(i for i in rows if not (i in resolved and finishes_on(self.seen_state, i, resolved[i])))
         for effect in effects:
             if isinstance(effect, plans.Decode):
                 rows = effect.seqs

@@ -41,7 +41,7 @@ import attrs
 
 from fxsched.core.config import SCRIPTED_EOS as EOS
 from fxsched.core import events as ev
-from fxsched.core.phases import AwaitBatchedDflash, AwaitMtpBatch, AwaitPublishBlocks
+from fxsched.core.phases import AwaitAhead, AwaitBatchedDflash, AwaitDecode, AwaitMtpBatch, AwaitPublishBlocks
 from fxsched.core.state import initial_state
 from fxsched.effects import device_calls as dc
 from fxsched.effects import plans
@@ -52,7 +52,7 @@ from fxsched.runtime.check.episode import (ADAPTERS, BOUNDARY, FAULT_PHASES, MOD
                                            _randints)
 from fxsched.runtime.check.invariants import CANCEL, EVENT_KINDS, FAULT, Monitor, Violation
 from fxsched.runtime.devices.lane import DeferredLane
-from fxsched.runtime.devices.simulated import LATE_FAILURE, SimDevice
+from fxsched.runtime.devices.simulated import AHEAD_FAILURE, LATE_FAILURE, SimDevice
 
 try:
     import resource
@@ -228,6 +228,9 @@ def _proposer_quirks(episode: Episode, rng: random.Random) -> Episode:
         episode = attrs.evolve(episode, late_drafts=True)
     if hash_seed(episode) // 2 % 2:  # half of all episodes run their device behind the host (a lane)
         episode = attrs.evolve(episode, lane=True)
+    if episode.mode == "plain" and hash_seed(episode) // 4 % 3:
+        # two plain episodes in three schedule asynchronously: decodes answered ahead now and then
+        episode = attrs.evolve(episode, async_scheduling=True)
     return episode
 
 
@@ -262,6 +265,9 @@ def _suited_to_fault(episode: Episode, rng: random.Random) -> Episode:
                        kv_exhaust_at=(1, 3, 6), max_batch_size=max(episode.max_batch_size, 3))
     if name == "AwaitRotation":
         changes["rotation_tick"] = rng.randint(1, 6)
+    if name == "AwaitAhead":  # kept tokens read alone: async scheduling, arrivals that need them settled
+        changes.update(mode="plain", async_scheduling=True, max_batch_size=max(episode.max_batch_size, 3),
+                       requests=tuple(attrs.evolve(r, arrive_tick=rng.choice((0, 2, 4))) for r in episode.requests))
     if len(episode.requests) < 3 and name not in ("AwaitRotation",):
         extra = [attrs.evolve(r, id=r.id + len(episode.requests)) for r in episode.requests]
         changes.setdefault("requests", episode.requests)
@@ -365,17 +371,39 @@ class WalkObserver(MonitorObserver):
             monitor.fault_step = monitor.kv_fault = monitor.nothing_new = False
             if type(event) is ev.VerifyRows and event.inputs:
                 self.coverage[_LATE.get(type(self.waiting), "feature:late_drafts_serial")] += 1
+            elif type(event) is ev.TokensSampled and (event.earlier or ev.LATE_TOKEN in event.tokens):
+                self._note_ahead(event)
             return
         if kind & (FAULT | CANCEL):
             if kind & FAULT:
                 self.coverage["fault:kv_exhausted" if event.kv_exhausted else "fault:fatal"] += 1
                 if LATE_FAILURE in event.message:
                     self.coverage["feature:late_failure"] += 1
+                if AHEAD_FAILURE in event.message:
+                    self.coverage["feature:ahead_failure"] += 1
             else:
                 self.coverage["fault:cancel"] += 1
                 if event.request_id in self.monitor.requests and not self.monitor._cancel_lands(event.request_id):
                     self.coverage["rare:cancel_without_flag"] += 1
         self.monitor.on_event(event, kind)
+
+    def _note_ahead(self, event: ev.TokensSampled) -> None:
+        """Coverage of async scheduling (specs/async.md §16.6): decodes answered ahead, kept tokens
+        resolved by a decode or read alone, and rows computed ahead for a sequence the resolved EOS
+        ended (dropped)."""
+        coverage, waiting = self.coverage, self.waiting
+        if ev.LATE_TOKEN in event.tokens:
+            coverage["feature:decode_ahead"] += 1
+        if not event.earlier:
+            return
+        if isinstance(waiting, AwaitAhead):
+            coverage["feature:kept_read_alone"] += 1
+            return
+        coverage["feature:kept_resolved"] += 1
+        if isinstance(waiting, AwaitDecode):
+            fed = set(waiting.seq_ids)
+            if any(t == EOS and s in fed for s, t in zip(waiting.resolve, event.earlier, strict=False)):
+                coverage["feature:computed_ahead_dropped"] += 1
 
     def stepped(self, event, state, effects) -> None:
         self.stepping = None
@@ -529,7 +557,8 @@ def run_episode(episode: Episode, coverage: Counter, step_limit: int = 20000, ke
                        max_prefill_tokens=config.max_prefill_tokens, max_batch_tokens=config.max_batch_tokens,
                        short_proposals=hash_seed(episode) if episode.short_proposals else None,
                        capacities=episode.capacities,
-                       late_drafts=hash_seed(episode) + 1 if episode.late_drafts else None)
+                       late_drafts=hash_seed(episode) + 1 if episode.late_drafts else None,
+                       keep_decodes=hash_seed(episode) + 2 if episode.async_scheduling else None)
     device.strict_drafts = counts_acc
     device.ring_slots = episode.ssm_ring
     device.dflash = episode.mode == "dflash"
@@ -597,6 +626,11 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "late proposal failed, its verify answers": ("feature:late_failure",),
     "device behind the host (a lane)": ("feature:lane",),
     "proposal answered ahead": ("feature:answered_ahead",),
+    "decode answered ahead": ("feature:decode_ahead",),
+    "kept tokens resolved by the next decode": ("feature:kept_resolved",),
+    "kept tokens read alone": ("feature:kept_read_alone",),
+    "row computed ahead for a sequence its EOS ended": ("feature:computed_ahead_dropped",),
+    "decode answered ahead failed, its resolve answers": ("feature:ahead_failure",),
 }
 FEATURES.update({f"fault in {name}": (f"fault_phase:{name}",) for name in FAULT_PHASES})
 """Every feature the walk must reach, with the coverage keys whose sum counts it."""

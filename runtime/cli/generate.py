@@ -163,6 +163,10 @@ def add_generate_command(sub) -> None:
     p.add_argument("--overlap", action="store_true",
                    help="carry the device's work out on its own thread while the host steps the scheduler and "
                         "serves the output (specs/async.md §16.5; the summary gains host_s and hidden_host_s)")
+    p.add_argument("--async-scheduling", dest="async_scheduling", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="plain decodes answered ahead: the host plans and launches the next tick before it reads "
+                        "this one's tokens (specs/async.md §16.6; default: on with --device cuda, off on the CPU)")
     from fxsched.runtime.cli.ep import add_ep_ranks_argument
 
     add_ep_ranks_argument(p)
@@ -572,6 +576,9 @@ def run_generate(args, out=None) -> int:
     choice = _model_choice(args)
     if getattr(args, "overlap", False) and choice.ep_ranks > 1:
         raise UsageError(f"--overlap: the device lane does not run under expert parallelism (--ep-ranks {choice.ep_ranks})")
+    if getattr(args, "async_scheduling", None) and choice.ep_ranks > 1:
+        raise UsageError(f"--async-scheduling: not under expert parallelism (--ep-ranks {choice.ep_ranks}): its "
+                         f"words carry every token to the workers")
     from fxsched.runtime.generate import GenerateError, TextOptions, check_prompt, expand_prompts
 
     sampling = _sampling(args)
@@ -615,7 +622,9 @@ def run_generate(args, out=None) -> int:
         from fxsched.runtime.cli.ep import generate_function
 
         run = generate_function(args)
-        lane = {"overlap": True} if getattr(args, "overlap", False) else {}
+        lane: dict[str, Any] = {"overlap": True} if getattr(args, "overlap", False) else {}
+        if getattr(args, "async_scheduling", None) is not None and choice.ep_ranks <= 1:
+            lane["async_scheduling"] = args.async_scheduling
         result = run(engine, token_lists, max_tokens, args.spec, batch,
                      progress=bar.update if bar is not None else None, eos_ids=eos_ids, text=text,
                      on_text=printer.on_text, on_finish=printer.on_finish, sampling=sampling,

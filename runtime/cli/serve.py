@@ -89,6 +89,10 @@ def add_serve_command(sub) -> None:
                    help="on SIGTERM, how long in-flight requests may take to finish before they are cancelled "
                         "(default 30)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--async-scheduling", dest="async_scheduling", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="plain decodes answered ahead: the next tick is planned and launched before this one's "
+                        "tokens are read (specs/async.md §16.6; default: on with --device cuda, off on the CPU)")
     p.add_argument("--threads", default=None, help="torch CPU threads (default 1: the model is tiny)")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request (structlog; turns on -v)")
     p.add_argument("--record", metavar="FILE", default=None,
@@ -286,7 +290,8 @@ def run_serve(args) -> int:
         settings = ServeSettings(model_name=name, spec=spec, max_batch=max_batch, max_waiting=max_waiting,
                                  drain_timeout=drain_timeout, access_log=args.access_log, record=args.record,
                                  api_key=api_key, metrics_open=args.metrics_open, allowed_origins=allowed,
-                                 max_request_bytes=max_request, seed=seed, max_batch_tokens=batch_tokens)
+                                 max_request_bytes=max_request, seed=seed, max_batch_tokens=batch_tokens,
+                                 async_scheduling=args.async_scheduling)
 
         def listening(serving: Serving) -> None:
             print(f"fxsched serve: listening on {serving.url} (model {name}, spec {spec}"

@@ -63,6 +63,11 @@ What a real device varies (the recording device never does, so the goldens stay 
 torch device does (specs/async.md §16.3), and fills them in at the verify that consumes them; now
 and then (``LATE_FAILURE_CHANCE`` of the late ones) such a proposal fails after its answer went
 out, and the verify that consumes its drafts answers that failure;
+``keep_decodes`` (a seed) keeps a plain decode's tokens on the device when its plan allows it
+(``keep_ahead``: the decode is answered ahead, specs/async.md §16.6), feeds them to the next decode
+(``LATE_TOKEN`` inputs) and gives them back at ``read_ahead``; now and then
+(``AHEAD_FAILURE_CHANCE`` of the decodes kept) such a decode fails after its answer went out, and
+the read of its tokens answers that failure;
 ``capacities`` are the answers of ``mtp_slot_draft_capacity`` in turn (0 included); a
 self-speculative draft decode is wrong at the script's ``draft_wrong_every`` positions. The device
 keeps for the invariants the drafts it proposed (``proposed``, ``proposed_at``), the capacities it
@@ -80,7 +85,7 @@ from __future__ import annotations
 import random
 from typing import NamedTuple, Optional
 
-from fxsched.core.events import LATE_DRAFT
+from fxsched.core.events import LATE_DRAFT, LATE_TOKEN
 from fxsched.runtime.devices.device import DeviceError
 from fxsched.runtime.devices.sampling import draw, pick_weights
 from fxsched.runtime.devices.ep_check import EpWordCheck
@@ -92,6 +97,8 @@ from fxsched.runtime.ep.protocol import Verify as EpVerify
 
 LATE_FAILURE = "the late proposal"  # how the fault of a verify whose late proposal failed begins its reason
 LATE_FAILURE_CHANCE = 0.05  # of the proposals answered late
+AHEAD_FAILURE = "the decode answered ahead"  # how the fault of a read of its lost tokens begins its reason
+AHEAD_FAILURE_CHANCE = 0.02  # of the decodes answered ahead
 
 
 class ArgumentError(DeviceError):
@@ -137,7 +144,8 @@ class SimDevice(ScriptedDevice):
                  can_batch_verify: bool = True, slot_draft_capacity: int = 8, count_accepted: bool = True,
                  reclaimable: int = 0, prefix_cache: bool = False, adapters: Optional[dict[int, int]] = None,
                  max_prefill_tokens: int = 0, max_batch_tokens: int = 8192, short_proposals: Optional[int] = None,
-                 capacities: tuple[int, ...] = (), late_drafts: Optional[int] = None):
+                 capacities: tuple[int, ...] = (), late_drafts: Optional[int] = None,
+                 keep_decodes: Optional[int] = None):
         super().__init__(scripts, vocab=vocab, block_size=block_size, total_blocks=total_blocks,
                          held_blocks=held_blocks, reclaimable=min(reclaimable, held_blocks),
                          cancel_flags=cancel_flags, kv_exhaust_at=kv_exhaust_at,
@@ -165,6 +173,15 @@ class SimDevice(ScriptedDevice):
         self.capacities = tuple(capacities)  # answers of mtp_slot_draft_capacity, in turn (empty: the fixed one)
         # late drafts: a seeded draw answers a proposal with LATE_DRAFT placeholders (specs/async.md §16.3)
         self.late_rng = random.Random(late_drafts) if late_drafts is not None else None
+        # decodes answered ahead (specs/async.md §16.6): their tokens stay here until read_ahead
+        self.ahead_rng = random.Random(keep_decodes) if keep_decodes is not None else None
+        self.kept: dict[int, int] = {}  # seq -> the token its last decode kept
+        self.kept_failed: dict[int, str] = {}  # seq -> why the decode that kept its token failed
+        # seq -> the kept token (or failure) a decode has fed and its answer is still to bring back:
+        # that decode keeps a new token for the sequence, and the read must give the one it fed
+        self.fed_kept: dict[int, int | str] = {}
+        self.last_decode: tuple[int, ...] = ()  # the sequences of the last plain decode, in row order
+        self.decodes_kept = 0  # decodes answered ahead
         self.late: set[int] = set()  # sequences whose pending proposal was answered late
         self.late_failed: dict[int, str] = {}  # seq -> the failure of its late proposal, for its verify
         self.drawn_short: dict[int, int] = {}  # seq -> drafts its next proposal keeps, drawn ahead (a lane)
@@ -372,14 +389,84 @@ class SimDevice(ScriptedDevice):
     def decode_batch(self, tokens, seqs, stream: int) -> None:
         if len(set(seqs)) != len(seqs):
             raise self._bad("decode_batch", f"a sequence appears twice in {list(seqs)}")
+        tokens = self._fed(tuple(tokens), tuple(seqs))
         self._runs("decode_batch", decodes=tuple(zip(tokens, seqs, strict=False)))
         self._blame(seqs)
+        self.last_decode = ()
         before = [(i, self._seq(i).seq_len) for i in seqs]
         super().decode_batch(tokens, seqs, stream)
         for i, seq_len in before:  # a plain decode commits one row per sequence (commit_ctx n=1)
             self.verified[i] = (1, seq_len)
             self.verify_io.pop(i, None)
         self.blamed = None
+        self.last_decode = tuple(seqs)
+
+    # --- decodes answered ahead (specs/async.md §16.6) -----------------------------------------------
+
+    def _fed(self, tokens: tuple[int, ...], seqs: tuple[int, ...]) -> tuple[int, ...]:
+        """A decode's inputs with each ``LATE_TOKEN`` replaced by the token its sequence's last
+        decode kept. A sequence that holds a kept token is fed nothing else (its last token is on
+        the device), and a ``LATE_TOKEN`` needs a kept token."""
+        if not self.kept and LATE_TOKEN not in tokens:
+            return tokens
+        fed = []
+        for token, seq in zip(tokens, seqs, strict=True):
+            held = seq in self.kept or seq in self.kept_failed
+            if token == LATE_TOKEN:
+                if not held or seq in self.fed_kept:
+                    raise self._bad("decode_batch", f"sequence {seq} is fed its kept token, but it holds none "
+                                                    f"that was not fed already")
+                if seq in self.kept:
+                    value = self.kept.pop(seq)
+                    self.fed_kept[seq] = value
+                    fed.append(value)
+                else:  # a failed decode's token: the read reports the failure
+                    self.fed_kept[seq] = self.kept_failed.pop(seq)
+                    fed.append(0)
+            elif held or seq in self.fed_kept:
+                raise self._bad("decode_batch", f"sequence {seq} holds a kept token but is fed {token}")
+            else:
+                fed.append(token)
+        return tuple(fed)
+
+    def keep_ahead(self, row: int, n: int, picks, eos_ids) -> bool:
+        """Keep the tokens of the last decode's rows ``row``.. on the device, picked as the
+        interpreter would pick them, and answer it ahead (None for a device without the seed)."""
+        rng = self.ahead_rng
+        seqs = self.last_decode[row:row + n]
+        if rng is None or len(seqs) != n or rng.random() < 0.25:  # now and then answered with the tokens
+            return False
+        for r, seq in enumerate(seqs):
+            answer = self._row(row + r)
+            token = self._pick(answer, picks[r], eos_ids) if picks else answer
+            if rng.random() < AHEAD_FAILURE_CHANCE:
+                self.kept_failed[seq] = f"{AHEAD_FAILURE} of sequence {seq} failed: device error (simulated)"
+            else:
+                self.kept[seq] = token
+        self.decodes_kept += 1
+        return True
+
+    def read_ahead(self, seqs, fed=()) -> list[int]:
+        """The kept tokens of ``seqs``, forgotten once read; a decode that kept one and then failed
+        answers its failure (its tokens are lost, and so is the decode ``fed`` this read answers
+        with: the scheduler fails the sequences of both, specs/async.md §16.6)."""
+        if len(set(seqs)) != len(seqs):
+            raise self._bad("read_ahead", f"a sequence appears twice in {list(seqs)}")
+        got: list[int | str] = []
+        for s in seqs:  # the token a decode fed is the one to give back, else the one still kept
+            if s in self.fed_kept:
+                got.append(self.fed_kept.pop(s))
+            elif s in self.kept:
+                got.append(self.kept.pop(s))
+            elif s in self.kept_failed:
+                got.append(self.kept_failed.pop(s))
+            else:
+                raise self._bad("read_ahead", f"sequence {s} holds no kept token (of {list(seqs)})")
+        failed = [g for g in got if isinstance(g, str)]
+        if failed:  # the decode that kept them failed after its answer: every token read is lost
+            self.blamed = frozenset(self._rid(self.live[s]) for s in (*seqs, *fed) if s in self.live)
+            raise DeviceError(failed[0])
+        return [int(g) for g in got]
 
     def _single_decode(self, name: str, token: int, seq: int, stream: int, cancel: bool) -> None:
         self._runs(name, decodes=((token, seq),))
@@ -763,7 +850,8 @@ class SimDevice(ScriptedDevice):
                      self.verified_tick):
             held.pop(seq, None)
         self.late.discard(seq)
-        for drawn in (self.late_failed, self.drawn_short, self.drawn_late):
+        for drawn in (self.late_failed, self.drawn_short, self.drawn_late, self.kept, self.kept_failed,
+                      self.fed_kept):
             drawn.pop(seq, None)
 
     def cache_sequence(self, seq: int) -> None:

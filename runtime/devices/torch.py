@@ -74,7 +74,7 @@ class TorchDevice(Lifecycle, Forwards, Proposers, Speculative):
     def __init__(self, engine: HybridEngine, proposer: Optional[str] = None, drafter: Optional[Drafter] = None,
                  strict: bool = False, spill_dir: Optional[str | Path] = None,
                  on_tick: Optional[Callable[[int], None]] = None, grammars: Optional[GrammarBook] = None,
-                 late_drafts: bool = False) -> None:
+                 late_drafts: bool = False, decode_ahead: bool = False) -> None:
         if proposer is not None and proposer not in PROPOSERS:
             raise ValueError(f"proposer must be one of {PROPOSERS} or None, got {proposer!r}")
         if proposer == "mtp" and engine.mtp is None and drafter is None:
@@ -107,4 +107,6 @@ class TorchDevice(Lifecycle, Forwards, Proposers, Speculative):
         self.grammars = grammars  # structured output: the rows of a request with a grammar are masked
         self.late_drafts = late_drafts
         self._late: dict[int, torch.Tensor | str] = {}
+        self.decode_ahead = decode_ahead  # keep plain decodes' tokens on the device (specs/async.md §16.6)
+        self._ahead_init()
         self._verify_inputs: list[int] = []

@@ -313,6 +313,9 @@ class DeviceBook:
             with self._errors("drafter context"):
                 engine.ctx_extend(slot, upto)
 
+    def _forget_ahead(self, seq_id: int) -> None:
+        """A freed sequence's tokens kept on the device go with it (``torch_ahead``)."""
+
     def _count(self, kind: str, what: str) -> None:
         self.stats.calls[what] += 1
         self.stats.forwards += 1

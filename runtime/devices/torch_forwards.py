@@ -18,12 +18,13 @@ from fxsched.runtime.devices.spec_sampling import verify_sample_records
 from fxsched.runtime.devices.row_processors import RowProcessors
 from fxsched.runtime.devices.torch_sampling import RowLogprobs, SampledRows, logprob_records, sample_rows
 from fxsched.runtime.torch_model.transfers import send_ints
-from fxsched.runtime.devices.torch_book import DeviceBook, DeviceSeq, DeviceStateError, Pending, PendingKind
+from fxsched.runtime.devices.torch_ahead import Ahead
+from fxsched.runtime.devices.torch_book import DeviceSeq, DeviceStateError, Pending, PendingKind
 
 log = structlog.get_logger("fxsched.torch_device")
 
 
-class Forwards(DeviceBook):
+class Forwards(Ahead):
     """Forwards, verifies and the readers of their rows."""
 
     def prefill(self, seq: int, tokens, stream: int) -> int:
@@ -100,11 +101,17 @@ class Forwards(DeviceBook):
         self._seq(seq)
 
     def decode_batch(self, tokens, seqs, stream: int) -> None:
+        """One plain decode row per sequence; a ``LATE_TOKEN`` input feeds the token the sequence's
+        last decode kept on the device (specs/async.md §16.6, ``torch_ahead``)."""
         ds = [self._seq(i) for i in seqs]
         self._settle_many(ds, "decode_batch")
         self._room_for([(s.slot, 1) for s in ds], "decode_batch")
+        host, on_device = self._late_inputs_of(ds, tokens)
+        starts = [self.engine.seq_len(s.slot) for s in ds]
         with self._errors("decode_batch"), self.streams.use(stream):
-            logits = self.engine.decode_batch([s.slot for s in ds], [int(t) for t in tokens])
+            logits = self.engine.decode_batch([s.slot for s in ds], host, device_tokens=on_device)
+        if on_device is not None:
+            self._fed_late(ds, tokens, starts)
         self._count("decode", "decode_batch")
         self._set_rows(logits, [(s.seq_id, 0) for s in ds])
 

@@ -66,6 +66,7 @@ class Lifecycle(DeviceBook):
             self.engine.free(s.slot)
         self._cached_by_session[s.session] = s.cached_tokens
         self._late.pop(seq, None)
+        self._forget_ahead(seq)
         del self._by_slot[s.slot]
         del self._seqs[seq]
 

@@ -187,11 +187,35 @@ def records_read(raw: torch.Tensor, chosen: torch.Tensor, widths: Seq[int],
     return head, records
 
 
+def picked_tokens(logits: torch.Tensor, picks: Seq[HostPick], eos_ids: Seq[int],
+                  processed: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``sample_rows``' tokens, left on the device (int64 ``[N]``, nothing read back): what a decode
+    answered ahead keeps (specs/async.md §16.6). No row may ask for logprob records."""
+    if any(p.top_logprobs > 0 for p in picks):
+        raise ValueError("picked_tokens: a row asks for logprob records, which need a read")
+    return _picks(logits, picks, eos_ids, processed)[0]
+
+
 def sample_rows(logits: torch.Tensor, picks: Seq[HostPick], eos_ids: Seq[int],
                 processed: Optional[torch.Tensor] = None) -> SampledRows:
     """One token per row of ``logits [N, V]`` by ``picks[r]``, batched (see the module docstring).
     ``processed`` (``[N, V]``, float32): the rows after per-request processing
     (``row_processors``), which the picks draw from; the logprob records stay ``logits``'."""
+    tokens, raw, asked, asked_t = _picks(logits, picks, eos_ids, processed)
+    if raw is None:
+        return SampledRows(tokens.tolist(), [None] * len(picks))
+    read, asked_records = records_read(raw, tokens.index_select(0, asked_t), [picks[r].top_logprobs for r in asked],
+                                       first=tokens)
+    records: list[Optional[RowLogprobs]] = [None] * len(picks)
+    for r, record in zip(asked, asked_records, strict=True):
+        records[r] = record
+    return SampledRows([int(t) for t in read], records)
+
+
+def _picks(logits: torch.Tensor, picks: Seq[HostPick], eos_ids: Seq[int], processed: Optional[torch.Tensor]
+           ) -> tuple[torch.Tensor, Optional[torch.Tensor], list[int], torch.Tensor]:
+    """(the tokens on the device, the raw log-softmax of the rows asking for records or None, those
+    rows, their index on the device): the picks of ``sample_rows`` before anything is read."""
     if logits.dim() != 2 or logits.shape[0] != len(picks):
         raise ValueError(f"sample_rows: logits of shape {tuple(logits.shape)} for {len(picks)} picks")
     vocab = logits.shape[1]
@@ -211,14 +235,7 @@ def sample_rows(logits: torch.Tensor, picks: Seq[HostPick], eos_ids: Seq[int],
     if hot:
         probs = filtered_probs(x.index_select(0, hot_t), hot_picks, filters_from(f_int_t, f_float_t))
         tokens.index_copy_(0, hot_t, inverse_cdf(probs, u_t[:, None]))
-    if raw is None:
-        return SampledRows(tokens.tolist(), [None] * len(picks))
-    read, asked_records = records_read(raw, tokens.index_select(0, asked_t), [picks[r].top_logprobs for r in asked],
-                                       first=tokens)
-    records: list[Optional[RowLogprobs]] = [None] * len(picks)
-    for r, record in zip(asked, asked_records, strict=True):
-        records[r] = record
-    return SampledRows([int(t) for t in read], records)
+    return tokens, raw, asked, asked_t
 
 
 def logprob_records(logits: torch.Tensor, tokens: Seq[int], widths: Seq[int],

@@ -417,7 +417,8 @@ class ServeEngine:
                  wrap_device: Optional[Callable[[TorchDevice], Device]] = None,
                  metrics: Optional[ServeMetrics] = None, record: Optional[str | Path] = None,
                  record_meta: Optional[dict[str, Any]] = None, eos_ids: Optional[Seq[int]] = None,
-                 max_batch_tokens: Optional[int] = None, late_drafts: bool = True):
+                 max_batch_tokens: Optional[int] = None, late_drafts: bool = True,
+                 async_scheduling: Optional[bool] = None):
         ensure_configured()
         cfg = engine.cfg
         self.engine = engine
@@ -434,6 +435,12 @@ class ServeEngine:
         self.drafter = drafter
         self.wrap_device = wrap_device
         self.late_drafts = late_drafts  # specs/async.md §16.3; off under expert parallelism
+        # plain decodes answered ahead (specs/async.md §16.6): on CUDA unless told, never under EP
+        if async_scheduling is None:
+            async_scheduling = engine.device.type == "cuda"
+        self.async_scheduling = async_scheduling and wrap_device is None
+        if self.async_scheduling:
+            self.config = attrs.evolve(self.config, async_scheduling=True)
         self.metrics = metrics if metrics is not None else ServeMetrics(spec, cfg.num_blocks, cfg.max_slots)
         self.record = Path(record) if record is not None else None
         self.record_meta = record_meta or {}
@@ -593,7 +600,8 @@ class ServeEngine:
     def _life(self, life: int) -> bool:
         """One scheduler life; True when it ended as asked (closed), False after a fault."""
         device = TorchDevice(self.engine, proposer=self.proposer, drafter=self.drafter, on_tick=self._tick,
-                             grammars=self.grammars, late_drafts=self.late_drafts)
+                             grammars=self.grammars, late_drafts=self.late_drafts,
+                             decode_ahead=self.async_scheduling)
         device.row_processors = self.host.processors
         self._device = device
         self.metrics.reset_speculation()

@@ -71,6 +71,7 @@ class ServeSettings:
     max_request_bytes: Optional[int] = None  # None: DEFAULT_MAX_REQUEST_BYTES
     seed: Optional[int] = None
     max_batch_tokens: Optional[int] = None  # the most rows of one forward (None: the scheduler's budget)
+    async_scheduling: Optional[bool] = None  # plain decodes answered ahead (specs/async.md §16.6; None: on CUDA)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -196,7 +197,8 @@ class Serving:
         self.engine = ServeEngine(engine, tokenizer, settings.spec, settings.max_batch, settings.max_waiting,
                                   drafter=drafter, wrap_device=wrap_device, record=settings.record,
                                   record_meta=record_meta, max_batch_tokens=settings.max_batch_tokens,
-                                  late_drafts=wrap_device is None)  # the EP words carry every input
+                                  late_drafts=wrap_device is None,  # the EP words carry every input
+                                  async_scheduling=settings.async_scheduling)
         self.limits = Limits((settings.model_name,), cfg.vocab_size, max_prompt_len(cfg), context_limit(cfg),
                              self.engine.speculative)
         self.state = ServeState()

@@ -540,11 +540,22 @@ class HybridEngine:
         return torch.cat(parts).index_select(0, torch.tensor(back, device=parts[0].device))
 
     @torch.no_grad()
-    def decode_batch(self, slots: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
-        """Append and commit one token per slot; returns logits [B, V] for the next position."""
-        out = self._forward(slots, [[t] for t in tokens], in_place=gdn_decode_in_place(self.device))
+    def decode_batch(self, slots: Sequence[int], tokens: Sequence[int],
+                     device_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Append and commit one token per slot; returns logits [B, V] for the next position.
+        device_tokens [B] (int64, on the device): the tokens fed instead of ``tokens``, whose values
+        the host has not read (``tokens`` then holds placeholders, set later with ``fill_token``)."""
+        out = self._forward(slots, [[t] for t in tokens], in_place=gdn_decode_in_place(self.device),
+                            device_tokens=device_tokens)
         self.gdn_fold_accepted(slots, [1] * len(slots))
         return out.logits[:, 0]
+
+    def fill_token(self, slot: int, position: int, token: int) -> None:
+        """The value of a committed token fed from the device (``decode_batch``'s device_tokens)."""
+        state = self._slot(slot)
+        if not 0 <= position < len(state.tokens):
+            raise SlotError(f"slot {slot}: no committed token at position {position}")
+        state.tokens[position] = int(token)
 
     @torch.no_grad()
     def verify(self, slot: int, tokens: Sequence[int]) -> torch.Tensor:

@@ -1,0 +1,122 @@
+"""Decodes answered ahead: what a pipelined plain decode may feed and what its late tokens do
+(specs/async.md §16.6). Pure helpers of ``decode`` and ``tick``.
+
+With ``async_scheduling`` a plain decode may be answered before its tokens are read: each row's
+token stays on the device (the sequence is ``ahead``), the next decode feeds it from there, and
+its value comes back with the answer of the query that resolves it (the next ``Decode``'s
+``resolve``, or a ``ReadAhead``). Every decision a token's value drives (streaming, EOS, the
+output) waits for its value; every decision its count drives (the budget, the context ceiling)
+is taken at once, so a sequence whose kept token is its last is never fed again.
+
+A resolved token is taken as the synchronous decode's sink takes a token: streamed, EOS, budget,
+and a cancel asked for since its decode ends the sequence with the token untaken (nothing is
+streamed after a cancel). A deadline passed while a token is on the device is judged at the end
+of that tick, once the token is read (``ahead_past_deadline``). Work that needs every sequence's
+last token (admission, prefill, a speculative step, memory pressure, a rotation) resolves first
+(``needs_settled``), and the sequences a resolved token finished retire before admission.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from fxsched.core.agenda import PhaseError
+from fxsched.core.config import ModelInfo, SchedulerConfig
+from fxsched.core.emit import plain_token
+from fxsched.core.events import LATE_TOKEN
+from fxsched.core.kv import blocks_for
+from fxsched.core.records import replace, with_fields
+from fxsched.core.sequence import Sequence
+from fxsched.core.state import SchedulerState
+from fxsched.core.watchdog import snapshots_possible
+from fxsched.effects import device_calls as dc
+from fxsched.effects.base import Effect
+
+__all__ = ["ahead_past_deadline", "any_ahead", "fed_again", "may_answer_ahead", "needs_settled", "pick", "produced",
+           "resolve_tokens", "went_ahead"]
+
+
+def any_ahead(state: SchedulerState) -> bool:
+    """Some active sequence holds a token on the device."""
+    return any(s.ahead for s in state.rows)
+
+
+def produced(seq: Sequence) -> int:
+    """Output tokens the sequence has produced, the one kept on the device included."""
+    return len(seq.output) + (1 if seq.ahead else 0)
+
+
+def pick(seq: Sequence) -> dc.HostPick:
+    """The pick of the sequence's next decode row: its seed counts the kept token too."""
+    req, n = seq.request, produced(seq)
+    return dc.HostPick(req.temperature, req.seed + n, n < req.min_tokens, req.top_logprobs,
+                       top_p=req.top_p, top_k=req.top_k, min_p=req.min_p)
+
+
+def may_answer_ahead(config: SchedulerConfig, model: ModelInfo, rows: Iterable[Sequence]) -> bool:
+    """Whether a plain decode of ``rows`` may be answered ahead: async scheduling on, no speculation
+    (its steps read every token), no watchdog or SSM snapshot (they act on a token's value before
+    the next is fed) and no row asking for logprob records."""
+    return (config.async_scheduling and config.base_draft_count(model) == 0 and not config.loop_watchdog
+            and not snapshots_possible(config, model) and all(s.request.top_logprobs == 0 for s in rows))
+
+
+def fed_again(seq: Sequence, config: SchedulerConfig) -> bool:
+    """Whether a sequence that is ahead joins the next decode: not when its kept token is its last
+    (the budget or the context ends with it) or when a cancel or a timeout already ends it."""
+    return (seq.remaining > 1 and seq.seq_len + 1 < config.max_seq_len and not seq.cancel_requested
+            and seq.guard is None)
+
+
+def went_ahead(seq: Sequence, block_size: int) -> Sequence:
+    """``seq`` after a decode answered ahead fed it: one more token in the KV, one kept on the
+    device. A cancel already asked for ends it now, the kept token untaken (as the synchronous
+    decode's sink would)."""
+    seq_len = seq.seq_len + 1
+    changes: dict[str, object] = {"seq_len": seq_len, "blocks": max(seq.blocks, blocks_for(seq_len, block_size))}
+    if seq.cancel_requested:
+        changes["finished"] = True
+    else:
+        changes["ahead"] = True
+        changes["last_token"] = LATE_TOKEN
+    return with_fields(seq, changes)
+
+
+def resolve_tokens(state: SchedulerState, seq_ids: tuple[int, ...], tokens: tuple[int, ...],
+                   logprobs: tuple[int, ...], out: list[Effect]) -> SchedulerState:
+    """The kept tokens of ``seq_ids`` arrive: each sequence takes its token as the synchronous
+    decode's sink takes one (streamed, EOS, budget; a cancel asked for since ends it, the token
+    untaken: nothing is streamed after a cancel)."""
+    if len(tokens) != len(seq_ids) or (logprobs and len(logprobs) != len(seq_ids)):
+        raise PhaseError(f"{len(tokens)} kept tokens (and {len(logprobs)} logprob sizes) answered for the "
+                         f"{len(seq_ids)} sequences to resolve")
+    config, model = state.config, state.model
+    taken = dict(zip(seq_ids, zip(tokens, logprobs or (0,) * len(tokens), strict=True), strict=True))
+    active = []
+    for seq in state.active:
+        got = taken.pop(seq.seq_id, None)
+        if got is None:
+            active.append(seq)
+            continue
+        if not seq.ahead:
+            raise PhaseError(f"sequence {seq.seq_id} holds no token on the device, but one was resolved")
+        token, size = got
+        settled = with_fields(seq, {"ahead": False, "last_token": seq.output.last})
+        active.append(plain_token(settled, token, config, out, size, model))
+    if taken:
+        raise PhaseError(f"kept tokens resolved for sequences {sorted(taken)}, which are not active")
+    return replace(state, active=tuple(active))
+
+
+def ahead_past_deadline(state: SchedulerState) -> bool:
+    """Some sequence that is ahead has passed its deadline: the end of tick reads its token first,
+    so that it times out in this tick with the token taken, as the synchronous run's would."""
+    now = state.now_ms
+    return any(s.ahead and s.request.deadline_ms is not None and s.request.deadline_ms <= now for s in state.rows)
+
+
+def needs_settled(state: SchedulerState) -> bool:
+    """Whether this tick may do work that needs every sequence's last token, so that the tokens
+    kept on the device are read first: anything but a plain decode of the running batch."""
+    return bool(state.new_requests or state.pending or state.prefilling or state.rotations or state.swapped
+                or state.preempted or not may_answer_ahead(state.config, state.model, ()))

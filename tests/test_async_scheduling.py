@@ -1,0 +1,130 @@
+"""Async scheduling (specs/async.md §16.6): plain decodes answered ahead, their tokens kept on the
+device, fed to the next decode from there and read one tick late.
+
+* The model checker's episodes with the simulated device keeping decodes (now and then) give every
+  client exactly the frames of the same episode scheduled synchronously, whenever nothing in the
+  episode depends on timing (no cancel, deadline or injected fault); and they reach every part
+  of the protocol (kept tokens resolved by the next decode or read alone, a row computed ahead for
+  a sequence its EOS ended, a kept decode that fails afterwards).
+* On the torch device the greedy and the sampled tokens are those of the synchronous run, requests
+  ending at EOS at different steps included, and an async tick still reads back once.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import attrs
+import pytest
+
+from support.walk_episode import episode_outputs
+
+from fxsched.effects.client import ErrorOut
+from fxsched.runtime.check.walk import random_episode, run_episode
+
+
+def _timing_free(episode) -> bool:
+    """No input whose effect depends on when the host learns a token, or on which call of the device
+    it lands (faults counted by call)."""
+    return not (episode.fault_phase or episode.decode_fault_at or episode.kv_exhaust_at or episode.rotation_tick) and all(
+        r.cancel_at is None and r.deadline_ms is None and r.host_cancel_tick is None for r in episode.requests)
+
+
+def test_walk_episodes_give_the_clients_what_the_synchronous_run_gives(monkeypatch):
+    from fxsched.runtime.devices import simulated
+
+    monkeypatch.setattr(simulated, "AHEAD_FAILURE_CHANCE", 0.0)  # a kept decode that fails is a fault: timing
+    rng = random.Random(50)
+    compared = 0
+    coverage: Counter = Counter()
+    while compared < 30:
+        episode = random_episode(rng)
+        if episode.mode != "plain" or not _timing_free(episode):
+            continue
+        ahead, ahead_violation, reached = episode_outputs(attrs.evolve(episode, async_scheduling=True), monkeypatch)
+        level, level_violation, _ = episode_outputs(attrs.evolve(episode, async_scheduling=False), monkeypatch)
+        assert ahead_violation is None and level_violation is None, (ahead_violation, level_violation)
+        if any(isinstance(out, ErrorOut) for out in ahead + level):
+            continue  # a tight pool: the rows computed ahead take KV a little earlier (a fault is timing)
+        assert ahead == level, episode
+        coverage.update(reached)
+        compared += 1
+    assert coverage["feature:decode_ahead"] > 0 and coverage["feature:kept_resolved"] > 0
+
+
+def test_walk_reaches_every_part_of_the_protocol_without_a_violation():
+    rng = random.Random(7)
+    coverage: Counter = Counter()
+    episodes = 0
+    while episodes < 120:
+        episode = random_episode(rng)
+        if episode.mode != "plain":
+            continue
+        result = run_episode(attrs.evolve(episode, async_scheduling=True), coverage)
+        assert result.violation is None, (result.violation, episode)
+        episodes += 1
+    for feature in ("decode_ahead", "kept_resolved", "kept_read_alone", "computed_ahead_dropped", "ahead_failure"):
+        assert coverage[f"feature:{feature}"] > 0, feature
+
+
+# --- the torch device ------------------------------------------------------------------------------
+
+torch = pytest.importorskip("torch")
+
+
+def _engine():
+    from fxsched.runtime.torch_model import HybridEngine
+    from fxsched.runtime.torch_model.default_model import default_model_dir
+    return HybridEngine.from_pretrained(default_model_dir(), max_slots=8)
+
+
+PROMPTS = [[5 + i, 17, 42, 7 + i] * (1 + i % 3) for i in range(6)]
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_greedy_tokens_equal_the_synchronous_run_with_requests_ending_at_eos():
+    from fxsched.runtime.generate import generate
+    free = generate(_engine(), PROMPTS, 24, eos_ids=()).outputs
+    eos = free[0][6]  # a token that ends request 1 at its 7th token and others wherever it comes
+    runs = {}
+    for asynchronous in (False, True):
+        result = generate(_engine(), PROMPTS, 24, eos_ids=(eos,), async_scheduling=asynchronous)
+        runs[asynchronous] = result.outputs
+    assert runs[True] == runs[False]
+    assert len(runs[True][0]) == 7 and runs[True][0][-1] == eos
+    assert any(len(o) == 24 for o in runs[True])  # others run to their budget past the early ends
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_sampled_tokens_equal_the_synchronous_run():
+    from fxsched.runtime.generate import SamplingOptions, generate
+    sampling = SamplingOptions(temperature=0.8, top_p=0.9, top_k=20, seed=11)
+    runs = {a: generate(_engine(), PROMPTS, 20, eos_ids=(), sampling=sampling, async_scheduling=a).outputs
+            for a in (False, True)}
+    assert runs[True] == runs[False]
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_the_device_keeps_decodes_and_an_async_tick_reads_back_once(monkeypatch):
+    from support.host_syncs import SyncCounter
+
+    from fxsched.runtime.devices import torch as torch_device
+    from fxsched.runtime.generate import generate
+
+    made = []
+    original = torch_device.TorchDevice.__init__
+
+    def init(self, *a, **k):
+        original(self, *a, **k)
+        made.append(self)
+    monkeypatch.setattr(torch_device.TorchDevice, "__init__", init)
+    counter, engine = SyncCounter(), _engine()
+    with counter:
+        result = generate(engine, PROMPTS[:3], 16, eos_ids=(), async_scheduling=True)
+    device = made[0]
+    ticks = result.summary.target_forwards
+    assert device.stats.calls["keep_ahead"] >= ticks - 3 and device.stats.calls["read_ahead"] >= ticks - 3
+    reads = sum(counter.counts[k] for k in ("tolist", "item", "cpu", "numpy", "__int__", "__bool__", "__float__"))
+    assert reads <= ticks + 2, dict(counter.counts)  # one read per tick (the prefill's first token included)
+    assert counter.counts["blocking_copy"] == 0, dict(counter.counts)
