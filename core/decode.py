@@ -169,7 +169,12 @@ def _decoded_ahead(state: SchedulerState, waiting: AwaitDecode, event: TokensSam
         else:
             token, size = row
             active.append(plain_token(grow(seq, seq.seq_len + 1, block_size), token, config, out, size, state.model))
-    return replace(state, active=tuple(active))
+    after = replace(state, active=tuple(active))
+    if any(late) and not any(s.ahead and fed_again(s, config) for s in active):
+        # no kept token will be fed again (each is its sequence's last): read them now, in this tick,
+        # rather than in a next tick's decode with no row to run (specs/async.md §16.6 rule 2)
+        return push(after, ResolveAhead())
+    return after
 
 
 def decoded(state: SchedulerState, waiting: AwaitDecode, event: TokensSampled | DeviceFault,

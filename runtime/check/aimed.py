@@ -25,6 +25,9 @@ uniformly. The states they are for, and why each matters:
   token, so nothing runs while the spilled one waits: it must come back at once (§5.9, §5.14),
   neither wait for input nor be shut down, whether or not more input comes; now and then its
   restore fails (a fault answering ``AwaitRestore``), and only it ends, with the error.
+- ``ahead``: async scheduling (specs/async.md §16.6) with deadlines, faults at a decode's launch,
+  budgets and a context ceiling that end on a token kept on the device, cancels, logprob rows and
+  late arrivals.
 - ``waiting_work``: one long request and a late arrival far behind it, KV exhaustion injected
   twice in a row (a preemption, then the survivor alone fails), with the inbox open or closed: the
   loop must resume the preempted sequence, neither wait for input nor shut down (§5.4, §5.8).
@@ -33,7 +36,7 @@ uniformly. The states they are for, and why each matters:
 from __future__ import annotations
 
 import random
-from typing import Callable
+from typing import Any, Callable
 
 import attrs
 
@@ -142,9 +145,42 @@ def spilled_alone(rng: random.Random) -> Episode:
                    fault_phase=rng.choice(("", "", "", "AwaitRestore")), aim="spilled_alone")
 
 
+def ahead(rng: random.Random) -> Episode:
+    """Async scheduling under pressure (specs/async.md §16.6): decodes answered ahead while deadlines
+    pass, faults strike a decode's launch with kept tokens to resolve, budgets and a context ceiling
+    end on a kept token, clients cancel, rows ask for logprobs and late arrivals settle the tokens."""
+    n = rng.randint(2, 5)
+    requests = []
+    for r in _requests(rng, n, prompt=(2, 30), budget=(3, 20)):
+        changes: dict[str, Any] = {}
+        if rng.random() < 0.4:
+            changes["deadline_ms"] = TICK_MS * rng.randint(2, 9) + (0.0 if rng.random() < 0.5 else rng.randint(1, 9))
+        if rng.random() < 0.3:  # EOS somewhere: a row computed ahead for nothing
+            cut = rng.randint(1, len(r.tokens))
+            changes["tokens"] = r.tokens[:cut] + (63,)
+        if rng.random() < 0.15 and r.streaming:
+            changes["host_cancel_tick"] = rng.randint(2, 8)
+        if rng.random() < 0.1:
+            changes["top_logprobs"] = 2
+        if rng.random() < 0.3:
+            changes["arrive_tick"] = rng.randint(2, 8)
+        requests.append(attrs.evolve(r, **changes))
+    decode_fault_at: tuple[int, ...] = ()
+    kv_exhaust_at: tuple[int, ...] = ()
+    if rng.random() < 0.5:
+        if rng.random() < 0.4:
+            decode_fault_at = (rng.randint(2, 8),)
+        else:
+            kv_exhaust_at = (rng.randint(2, 8),)
+    return Episode(mode="plain", max_batch_size=rng.choice((n, 4, 8)), max_prefill_tokens=rng.choice((0, 0, 8)),
+                   spill=False, total_blocks=1000, held_blocks=0, requests=tuple(requests), close_tick=0,
+                   max_seq_len=rng.choice((4096, 4096, 40)), decode_fault_at=decode_fault_at,
+                   kv_exhaust_at=kv_exhaust_at, async_scheduling=True, aim="ahead")
+
+
 AIMS: dict[str, Callable[[random.Random], Episode]] = {
     "deadlines": deadlines, "full_batch": full_batch, "whole_pool": whole_pool, "rejected_cross": rejected_cross,
-    "waiting_work": waiting_work, "gate_fault": gate_fault, "spilled_alone": spilled_alone,
+    "waiting_work": waiting_work, "gate_fault": gate_fault, "spilled_alone": spilled_alone, "ahead": ahead,
 }
 
 

@@ -422,6 +422,27 @@ def device_arguments(device) -> None:
         raise Violation("device_arguments", refused)
 
 
+def decode_rows_within_limits(state: SchedulerState) -> None:
+    """decode rows within limits (specs/scheduler.md §5.17, async.md §16.6): a plain decode feeds only
+    sequences that have a token of their budget left and room for it below the context ceiling,
+    counting a token kept on the device as produced (a sequence whose kept token is its last is
+    only resolved, never fed again)."""
+    waiting = state.waiting
+    fed = set(waiting.seq_ids)
+    limit = state.config.max_seq_len
+    for seq in state.active:
+        if seq.seq_id not in fed:
+            continue
+        # a row writes its input at position seq_len: below the ceiling; a kept token fed again would
+        # itself have ended the sequence at the ceiling (the sink's seq_len + 1 >= max_seq_len)
+        left = seq.remaining - (1 if seq.ahead else 0)
+        if left < 1 or seq.seq_len + (1 if seq.ahead else 0) >= limit:
+            raise Violation("decode_rows_within_limits",
+                            f"sequence {seq.seq_id} (request {seq.request_id}) is fed with {left} tokens of its "
+                            f"budget left and KV {seq.seq_len} of a {limit}-token context"
+                            + (" (a token kept on the device)" if seq.ahead else ""))
+
+
 def batch_bound(state: SchedulerState) -> None:
     """batch size: active + prefilling never exceed ``max_batch_size`` (specs/scheduler.md §5.4)."""
     n = len(state.rows) + len(state.prefilling)
@@ -1166,6 +1187,8 @@ class Monitor:
         if self.evicted and self.config is not None:
             self._resumed(state.active, self.config)
         self.seen_state = state
+        if type(state.waiting) is phases.AwaitDecode and state.config.async_scheduling:
+            decode_rows_within_limits(state)
         rows, prefilling, restoring = state.rows, state.prefilling, state.restoring  # (see ``running_sequences``)
         epoch = device.epoch if self.counts_epochs else None
         device_new = epoch is None or epoch != self.seen_epoch

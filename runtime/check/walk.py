@@ -41,7 +41,8 @@ import attrs
 
 from fxsched.core.config import SCRIPTED_EOS as EOS
 from fxsched.core import events as ev
-from fxsched.core.phases import AwaitAhead, AwaitBatchedDflash, AwaitDecode, AwaitMtpBatch, AwaitPublishBlocks
+from fxsched.core.phases import (AwaitAhead, AwaitBatchedDflash, AwaitDecode, AwaitMtpBatch, AwaitPublishBlocks,
+                                 EndOfTick)
 from fxsched.core.state import initial_state
 from fxsched.effects import device_calls as dc
 from fxsched.effects import plans
@@ -360,6 +361,7 @@ class WalkObserver(MonitorObserver):
         self.waiting: Any = None  # the phase the last batch left the scheduler waiting in
         self.effect_types: list[type] = []  # the type of every effect stepped, counted by ``count_effects``
         self.lane: Optional[DeferredLane] = None  # the episode's lane: device work runs behind the host
+        self.outputs: Optional[list] = None  # every client output, when the episode's twin compares them
 
     def before_step(self, event) -> None:
         self.stepping = event
@@ -381,6 +383,8 @@ class WalkObserver(MonitorObserver):
                     self.coverage["feature:late_failure"] += 1
                 if AHEAD_FAILURE in event.message:
                     self.coverage["feature:ahead_failure"] += 1
+                if event.earlier:
+                    self.coverage["feature:fault_brings_kept"] += 1
             else:
                 self.coverage["fault:cancel"] += 1
                 if event.request_id in self.monitor.requests and not self.monitor._cancel_lands(event.request_id):
@@ -409,6 +413,8 @@ class WalkObserver(MonitorObserver):
         self.stepping = None
         self.steps += 1
         self.waiting = state.waiting
+        if type(state.waiting) is AwaitAhead and state.agenda and type(state.agenda[0]) is EndOfTick:
+            self.coverage["feature:ahead_deadline_read"] += 1
         if effects:
             kinds = tuple(map(type, effects))
             self.monitor.on_effects(effects, kinds)
@@ -462,6 +468,8 @@ class WalkObserver(MonitorObserver):
             raise Violation("step_limit", f"the episode did not end within {self.step_limit} steps")
 
     def output(self, output) -> None:
+        if self.outputs is not None:
+            self.outputs.append(output)
         if isinstance(output, RotationAck):
             self.coverage["rotation_ack"] += 1
             return
@@ -540,9 +548,29 @@ def hash_seed(episode: Episode) -> int:
     return h
 
 
-def run_episode(episode: Episode, coverage: Counter, step_limit: int = 20000, keep_log: bool = False) -> EpisodeResult:
+def _comparable(episode: Episode) -> bool:
+    """Whether an episode scheduled asynchronously must give its clients what its synchronous twin
+    gives them (specs/async.md §16.6 rule 3): nothing in it may depend on when the host learns a
+    token (a client's cancel) or on which device call a fault lands."""
+    requests = episode.requests
+    if any(r.deadline_ms is not None for r in requests) and (
+            any(r.arrive_tick > 0 for r in requests) or len(requests) > episode.max_batch_size
+            or episode.total_blocks < 1000 or episode.max_prefill_tokens):
+        return False  # when a request starts depends on when others end: its deadline cuts it elsewhere
+    return not (episode.fault_phase or episode.decode_fault_at or episode.kv_exhaust_at or episode.verify_fault_at
+                or episode.rotation_tick) and all(r.cancel_at is None and r.host_cancel_tick is None
+                                                  for r in requests)
+
+
+def run_episode(episode: Episode, coverage: Counter, step_limit: int = 20000, keep_log: bool = False,
+                outputs: Optional[list] = None) -> EpisodeResult:
     """Run one episode to its end on the interpreter's drive loop; the first broken invariant
-    stops it."""
+    stops it. ``outputs`` collects every client output. An episode scheduled asynchronously whose
+    outcome may not depend on timing runs its synchronous twin too: the same client outputs, unless
+    a fault (a pool the rows computed ahead fill a little earlier, a kept decode failed) makes the
+    comparison say nothing."""
+    if outputs is None and episode.async_scheduling and _comparable(episode):
+        outputs = []
     scripts = {r.id: r.script() for r in episode.requests}
     counts_acc = episode.mode.startswith(("mtp", "dflash"))
     config = episode.config()
@@ -564,6 +592,7 @@ def run_episode(episode: Episode, coverage: Counter, step_limit: int = 20000, ke
     device.dflash = episode.mode == "dflash"
     monitor = Monitor(episode.requests, device, counts_acc=counts_acc, config=config, model=model)
     watch = WalkObserver(monitor, coverage, step_limit, keep_log, episode)
+    watch.outputs = outputs
     host = WalkHost(episode)
     device.on_tick = host.on_tick
     lane = DeferredLane() if episode.lane else None
@@ -596,9 +625,39 @@ def run_episode(episode: Episode, coverage: Counter, step_limit: int = 20000, ke
     if device.reclaimable < min(episode.reclaimable, episode.held_blocks):
         coverage["feature:reclaim"] += 1
     events = tuple(watch.log or ())
+    if violation is None and outputs is not None and episode.async_scheduling and _comparable(episode):
+        violation = _against_twin(episode, outputs, step_limit)
     if violation is None:
         return EpisodeResult(watch.steps, None, None, events)
     return EpisodeResult(watch.steps, violation, watch.steps, events)
+
+
+def _against_twin(episode: Episode, outputs: list, step_limit: int) -> Optional[Violation]:
+    """async equals sync (specs/async.md §16.6 rule 3): the client outputs of the synchronous twin."""
+    twin: list = []
+    if run_episode(attrs.evolve(episode, async_scheduling=False), Counter(), step_limit, outputs=twin).violation:
+        return None  # the twin's own violation is found when the walk draws it
+    if any(isinstance(o, ErrorOut) for o in outputs + twin):
+        return None
+    mine, theirs = _by_request(outputs), _by_request(twin)  # (frames of different requests interleave otherwise)
+    for rid in sorted(set(mine) | set(theirs)):
+        got, want = mine.get(rid, []), theirs.get(rid, [])
+        if got != want:
+            at = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), min(len(got), len(want)))
+            return Violation("async_equals_sync", f"request {rid}'s frame {at} is "
+                                                  f"{got[at] if at < len(got) else 'missing'}; the synchronous run's "
+                                                  f"is {want[at] if at < len(want) else 'missing'}")
+    return None
+
+
+def _by_request(outputs: list) -> dict[int, list]:
+    """Each request's client frames, in order."""
+    frames: dict[int, list] = {}
+    for o in outputs:
+        rid = getattr(o, "request_id", None)
+        if rid is not None:
+            frames.setdefault(rid, []).append(o)
+    return frames
 
 
 FEATURES: dict[str, tuple[str, ...]] = {
@@ -631,6 +690,8 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "kept tokens read alone": ("feature:kept_read_alone",),
     "row computed ahead for a sequence its EOS ended": ("feature:computed_ahead_dropped",),
     "decode answered ahead failed, its resolve answers": ("feature:ahead_failure",),
+    "fault at a pipelined decode's launch, its kept tokens read first": ("feature:fault_brings_kept",),
+    "deadline passed with a token on the device": ("feature:ahead_deadline_read",),
 }
 FEATURES.update({f"fault in {name}": (f"fault_phase:{name}",) for name in FAULT_PHASES})
 """Every feature the walk must reach, with the coverage keys whose sum counts it."""
