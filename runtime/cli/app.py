@@ -344,8 +344,8 @@ def cmd_bench(args) -> int:
         if jobs > 1:
             print(f"{jobs} processes / 1: {medians[jobs] / medians[1]:.2f}")
         return 0
-    print(f"fxsched bench: unknown benchmark '{args.what}' (known: step, kernels, check, generate, gdn-prefill, serve, e2e)",
-          file=sys.stderr)
+    print(f"fxsched bench: unknown benchmark '{args.what}' (known: step, kernels, check, generate, gdn-prefill, "
+          f"serve, e2e, host)", file=sys.stderr)
     return EXIT_USAGE
 
 
@@ -447,7 +447,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", help="print speed figures (medians of repeats); `bench gdn-prefill --help` "
                                          "for the GDN prefill memory figures, `bench e2e --help` for fxsched "
-                                         "against transformers and vLLM end to end")
+                                         "against transformers and vLLM end to end, `bench host --help` for "
+                                         "the host's time per tick around a free forward")
     bench.add_argument("what", choices=["step", "kernels", "check"])
     bench.add_argument("--sizes", type=sizes_arg, default=(1, 8, 64, 256),
                        help="running sequences, comma-separated, each 1..4096 (step; default 1,8,64,256)")
@@ -505,6 +506,10 @@ def main(argv=None) -> int:
         from fxsched.runtime.bench.serve import main as bench_serve_main
 
         return bench_serve_main(words[2:])
+    if words[:2] == ["bench", "host"]:  # its own options (runtime/bench/host.py)
+        from fxsched.runtime.bench.host import main as bench_host_main
+
+        return bench_host_main(words[2:])
     parser = build_parser()
     try:
         args = parser.parse_args(words)
