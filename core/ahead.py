@@ -26,31 +26,40 @@ from fxsched.core.emit import plain_token
 from fxsched.core.events import LATE_TOKEN
 from fxsched.core.kv import blocks_for
 from fxsched.core.records import replace, with_fields
+from fxsched.core.rows import pick_for
 from fxsched.core.sequence import Sequence
-from fxsched.core.state import SchedulerState
+from fxsched.core.state import SchedulerState, hot_columns
 from fxsched.core.watchdog import snapshots_possible
 from fxsched.effects import device_calls as dc
 from fxsched.effects.base import Effect
 
-__all__ = ["ahead_past_deadline", "any_ahead", "fed_again", "may_answer_ahead", "needs_settled", "pick", "produced",
-           "resolve_tokens", "went_ahead"]
+__all__ = ["ahead_past_deadline", "any_ahead", "fed_again", "kept_is_last", "may_answer_ahead", "needs_settled", "pick",
+           "produced", "produced_count", "resolve_tokens", "went_ahead"]
 
 
 def any_ahead(state: SchedulerState) -> bool:
-    """Some active sequence holds a token on the device."""
+    """Some active sequence holds a token on the device (the hot columns' ``last_token`` when a
+    batched step left them: the records' may be older)."""
+    columns = hot_columns(state)
+    if columns is not None:
+        return LATE_TOKEN in columns.last_token
     return any(s.ahead for s in state.rows)
 
 
 def produced(seq: Sequence) -> int:
     """Output tokens the sequence has produced, the one kept on the device included."""
-    return len(seq.output) + (1 if seq.ahead else 0)
+    return produced_count(len(seq.output), seq.last_token)
+
+
+def produced_count(out_len: int, last_token: int) -> int:
+    """``produced`` of a row whose output holds ``out_len`` tokens and whose last token is
+    ``last_token`` (``LATE_TOKEN``: one more is kept on the device)."""
+    return out_len + (1 if last_token == LATE_TOKEN else 0)
 
 
 def pick(seq: Sequence) -> dc.HostPick:
     """The pick of the sequence's next decode row: its seed counts the kept token too."""
-    req, n = seq.request, produced(seq)
-    return dc.HostPick(req.temperature, req.seed + n, n < req.min_tokens, req.top_logprobs,
-                       top_p=req.top_p, top_k=req.top_k, min_p=req.min_p)
+    return pick_for(seq.request, produced(seq))
 
 
 def may_answer_ahead(config: SchedulerConfig, model: ModelInfo, rows: Iterable[Sequence]) -> bool:
@@ -64,8 +73,13 @@ def may_answer_ahead(config: SchedulerConfig, model: ModelInfo, rows: Iterable[S
 def fed_again(seq: Sequence, config: SchedulerConfig) -> bool:
     """Whether a sequence that is ahead joins the next decode: not when its kept token is its last
     (the budget or the context ends with it) or when a cancel or a timeout already ends it."""
-    return (seq.remaining > 1 and seq.seq_len + 1 < config.max_seq_len and not seq.cancel_requested
-            and seq.guard is None)
+    return not kept_is_last(seq.remaining, seq.seq_len, config) and not seq.cancel_requested and seq.guard is None
+
+
+def kept_is_last(remaining: int, seq_len: int, config: SchedulerConfig) -> bool:
+    """Whether the token a sequence keeps on the device (``remaining`` and ``seq_len`` counted with it
+    fed, not taken) is its last: the budget or the context ends with it."""
+    return remaining <= 1 or seq_len + 1 >= config.max_seq_len
 
 
 def went_ahead(seq: Sequence, block_size: int) -> Sequence:
@@ -77,7 +91,6 @@ def went_ahead(seq: Sequence, block_size: int) -> Sequence:
     if seq.cancel_requested:
         changes["finished"] = True
     else:
-        changes["ahead"] = True
         changes["last_token"] = LATE_TOKEN
     return with_fields(seq, changes)
 
@@ -101,7 +114,7 @@ def resolve_tokens(state: SchedulerState, seq_ids: tuple[int, ...], tokens: tupl
         if not seq.ahead:
             raise PhaseError(f"sequence {seq.seq_id} holds no token on the device, but one was resolved")
         token, size = got
-        settled = with_fields(seq, {"ahead": False, "last_token": seq.output.last})
+        settled = with_fields(seq, {"last_token": seq.output.last})
         active.append(plain_token(settled, token, config, out, size, model))
     if taken:
         raise PhaseError(f"kept tokens resolved for sequences {sorted(taken)}, which are not active")
@@ -111,8 +124,10 @@ def resolve_tokens(state: SchedulerState, seq_ids: tuple[int, ...], tokens: tupl
 def ahead_past_deadline(state: SchedulerState) -> bool:
     """Some sequence that is ahead has passed its deadline: the end of tick reads its token first,
     so that it times out in this tick with the token taken, as the synchronous run's would."""
-    now = state.now_ms
-    return any(s.ahead and s.request.deadline_ms is not None and s.request.deadline_ms <= now for s in state.rows)
+    now, columns = state.now_ms, hot_columns(state)
+    lasts = columns.last_token if columns is not None else [s.last_token for s in state.rows]
+    return any(last == LATE_TOKEN and s.request.deadline_ms is not None and s.request.deadline_ms <= now
+               for s, last in zip(state.rows, lasts, strict=True))
 
 
 def needs_settled(state: SchedulerState) -> bool:

@@ -11,6 +11,7 @@ from collections.abc import Sequence as Seq
 from typing import Any
 
 from fxsched.core.agenda import PhaseError, ask, batch_rows, by_id, keep_batch, push, update
+from fxsched.core.ahead_columns import answered_from_columns, planned_from_columns
 from fxsched.core.ahead import any_ahead, fed_again, may_answer_ahead, pick, produced, resolve_tokens, went_ahead
 from fxsched.core.emit import plain_token, recipients
 from fxsched.core.events import LATE_TOKEN, DeviceFault, TokensSampled
@@ -19,7 +20,7 @@ from fxsched.core.memory import preempt, preemption_victim
 from fxsched.core.phases import (AwaitAhead, AwaitDecode, DecodeLane, NgramStep, PlainDecode, ResolveAhead,
                                  SelfSpecStep, SpecStep)
 from fxsched.core.records import replace, with_fields
-from fxsched.core.rows import (by_slot, greedy_request, greedy_row, grow, host_pick, may_speculate,
+from fxsched.core.rows import (by_slot, greedy_request, greedy_row, grow, host_pick, may_speculate, pick_for,
                               prefill_barrier, slots_increasing)
 from fxsched.core.state import SchedulerState, hot_columns, hot_fields, kept_facts
 from fxsched.core.token_log import extended
@@ -62,10 +63,13 @@ def plain_decode(state: SchedulerState, task: PlainDecode, out: list[Effect]) ->
     if config.async_scheduling and (any_ahead(state) or may_answer_ahead(config, state.model, state.rows)):
         return _pipelined_decode(state, out)
     columns = hot_columns(state)
-    if columns is not None and slots_increasing((facts := columns.facts()).slots) and (facts.all_greedy or all(
-            greedy_request(s.request, n) for s, n in zip(state.rows, columns.out_len, strict=True))):
+    if columns is not None and slots_increasing((facts := columns.facts()).slots):
         # the rows are in slot order already and the columns hold their newest hot fields
-        plan = plans.Decode(tokens=columns.last_token, seqs=facts.ids, seq_lens=columns.seq_len, picks=())
+        picks: tuple[dc.HostPick, ...] = ()
+        if not facts.all_greedy and not all(greedy_request(s.request, n)
+                                            for s, n in zip(state.rows, columns.out_len, strict=True)):
+            picks = tuple(map(pick_for, [s.request for s in state.rows], columns.out_len))
+        plan = plans.Decode(tokens=columns.last_token, seqs=facts.ids, seq_lens=columns.seq_len, picks=picks)
         out.append(plan)
         return update(state, out, {"waiting": AwaitDecode(plan.seqs)})
     active = by_slot(state.active)
@@ -85,6 +89,10 @@ def _pipelined_decode(state: SchedulerState, out: list[Effect]) -> SchedulerStat
     each sequence that is ahead its kept token from the device (``LATE_TOKEN``) unless that token is
     its last, and its answer resolves every kept token. With no row to feed, the kept tokens are
     read alone (``ReadAhead``). Rows finished by a resolution this tick wait for the end of tick."""
+    steady = planned_from_columns(state)
+    if steady is not None:  # the rows as they are: the columns stay
+        out.append(steady)
+        return update(state, out, {"waiting": AwaitDecode(steady.seqs, steady.resolve)})
     config, model = state.config, state.model
     active = by_slot(state.active)
     fed = [s for s in active if not s.finished and (not s.ahead or fed_again(s, config))]
@@ -147,6 +155,9 @@ def _decoded_ahead(state: SchedulerState, waiting: AwaitDecode, event: TokensSam
             if victim is not None:
                 return push(preempt(state, victim, out), PlainDecode())
         return fail_sequences(state, [s.seq_id for s in going], event.message, out)
+    steady = answered_from_columns(state, waiting, event, out)
+    if steady is not None:
+        return steady
     if resolve:
         state = resolve_tokens(state, resolve, event.earlier, event.earlier_logprobs, out)
     elif event.earlier:

@@ -19,7 +19,8 @@ Layers (each imports only those above it; a test keeps it so):
 3. pure helpers: ``agenda`` (ask, push, lookups), ``rows``, ``admission``, ``chunking``,
    ``verdict``, ``watchdog``, ``emit`` (token sinks), ``retire``, ``faults``, ``memory``,
    ``verifying`` (what the speculative paths share), ``late`` (late drafts filled into a verify's
-   waiting record), ``ahead`` (decodes answered ahead: what they feed, their tokens resolved);
+   waiting record), ``ahead`` (decodes answered ahead: what they feed, their tokens resolved),
+   ``ahead_columns`` (the same for a steady batch, over the hot columns);
 4. rule modules, which never import each other: ``tick`` (loop, inbox, admission check, snapshot,
    rotation, idle, end of tick, shutdown), ``flow`` (forward continuations), ``prefill`` (lanes 1
    and 2), ``decode`` (lane 3 dispatch, plain decode), ``spec_step`` (MTP / DFlash step),

@@ -51,9 +51,13 @@ def greedy_row(seq: Sequence) -> bool:
 
 def host_pick(seq: Sequence) -> dc.HostPick:
     """A decode row's pick: seed + output length, EOS masked below ``min_tokens``, the request's filters."""
-    req = seq.request
-    return dc.HostPick(req.temperature, req.seed + len(seq.output), len(seq.output) < req.min_tokens,
-                       req.top_logprobs, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p)
+    return pick_for(seq.request, len(seq.output))
+
+
+def pick_for(req: Request, produced: int) -> dc.HostPick:
+    """The pick of a decode row of ``req`` that fills output position ``produced``."""
+    return dc.HostPick(req.temperature, req.seed + produced, produced < req.min_tokens, req.top_logprobs,
+                       top_p=req.top_p, top_k=req.top_k, min_p=req.min_p)
 
 
 def row_picks(request: Request, produced: int, k: int) -> tuple[dc.HostPick, ...]:

@@ -16,6 +16,7 @@ from typing import Optional
 
 import attrs
 
+from fxsched.core.events import LATE_TOKEN
 from fxsched.core.request import Request
 from fxsched.core.token_log import TokenLog, as_log
 
@@ -51,7 +52,12 @@ class Sequence:
     cached: int = 0
     ring: tuple[tuple[int, int], ...] = ()
     ring_cursor: int = 0
-    ahead: bool = False
+
+    @property
+    def ahead(self) -> bool:
+        """Whether the sequence's last decode was answered ahead: its next token is on the device
+        (``last_token`` is ``LATE_TOKEN``, specs/async.md §16.6)."""
+        return self.last_token == LATE_TOKEN
 
     @property
     def request_id(self) -> int:

@@ -210,7 +210,8 @@ class RowFacts:
     the earliest deadline of an unfinished one (None: none has a deadline), whether every one goes
     on (none finished, none with its cancel flag set), whether every request is greedy from its
     first token (``Request.greedy``), and what a streamed row sends its client: which rows stream,
-    the request ids of those (in order) and their record sizes (empty when every one is 0). A
+    the request ids of those (in order) and their record sizes (empty when every one is 0), and
+    whether any request asks for logprob records at all. A
     batched verify or plain decode whose rows all go on reads these instead of every record and
     request (specs/scheduler.md §5.2)."""
 
@@ -224,12 +225,13 @@ class RowFacts:
     streaming: tuple[bool, ...] = ()
     stream_ids: tuple[int, ...] = ()
     stream_logprobs: tuple[int, ...] = ()
+    any_top_logprobs: bool = False  # some request asks for logprob records
 
 
 def row_facts(rows: tuple[Sequence, ...]) -> RowFacts:
     """The ``RowFacts`` of ``rows``, in one pass over the records."""
     ids, slots, streaming, stream_ids, stream_logprobs = [], [], [], [], []
-    finished = guarded = cancel = sampled = False
+    finished = guarded = cancel = sampled = records = False
     deadline: Optional[float] = None
     for seq in rows:
         fields = seq.__dict__
@@ -248,12 +250,14 @@ def row_facts(rows: tuple[Sequence, ...]) -> RowFacts:
             cancel = True
         if not request.greedy:
             sampled = True
+        if request.top_logprobs:
+            records = True
         streaming.append(request.streaming)
         if request.streaming:
             stream_ids.append(request.id)
             stream_logprobs.append(request.top_logprobs if fields["logprob_records"] else 0)
     return RowFacts(tuple(ids), tuple(slots), finished, not guarded, deadline, not (finished or cancel), not sampled,
-                    tuple(streaming), tuple(stream_ids), tuple(stream_logprobs) if any(stream_logprobs) else ())
+                    tuple(streaming), tuple(stream_ids), tuple(stream_logprobs) if any(stream_logprobs) else (), records)
 
 
 def kept_facts(state: "SchedulerState") -> Optional[RowFacts]:

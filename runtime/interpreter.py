@@ -454,9 +454,9 @@ def _truncate_sequences(it: Interpreter, e) -> None:
 
 
 def _marconi_checkpoints(it: Interpreter, e) -> None:
-    d = it.device
+    d, line = it.device, e.fx_line
     for seq in e.seqs:
-        d.note_fx(e.fx_line)
+        d.note_fx(line)
         d.decode_marconi_checkpoint(seq)
 
 

@@ -22,7 +22,7 @@ from fxsched.runtime.bench import e2e, e2e_models
 from fxsched.runtime.cli.app import main as cli_main
 
 ARGS = ["--batches", "1,2", "--rounds", "1", "--prompt-len", "8", "--max-tokens", "4",
-        "--engines", "fxsched,fxsched-overlap,transformers", "--json"]
+        "--engines", "fxsched,fxsched-overlap,fxsched-async,transformers", "--json"]
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def report(ckpt: Path) -> dict:
 
 def test_every_cell_has_positive_rates(report):
     cells = {(c["engine"], c["batch"]): c for c in report["cells"]}
-    assert set(cells) == {(e, b) for e in ("fxsched", "fxsched-overlap", "transformers") for b in (1, 2)}
+    assert set(cells) == {(e, b) for e in ("fxsched", "fxsched-overlap", "fxsched-async", "transformers") for b in (1, 2)}
     for (engine, batch), c in cells.items():
         assert "error" not in c, c
         assert c["decode_tok_s"] > 0 and c["prefill_tok_s"] > 0 and c["ttft_s"] > 0 and c["peak_rss_gb"] > 0

@@ -18,7 +18,7 @@ torch = pytest.importorskip("torch")
 
 from fxsched.runtime.generate import generate  # noqa: E402
 from fxsched.runtime.torch_model import HybridEngine  # noqa: E402
-from fxsched.runtime.torch_model import engine as engine_module  # noqa: E402
+from fxsched.runtime.torch_model import decode_path as decode_path_module  # noqa: E402
 from fxsched.runtime.torch_model.default_model import default_model_dir  # noqa: E402
 from fxsched.runtime.torch_model.graphs import buckets  # noqa: E402
 
@@ -27,7 +27,7 @@ PROMPTS = ([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21], [3, 
 
 @pytest.fixture
 def no_in_place_decode(monkeypatch):
-    monkeypatch.setattr(engine_module, "gdn_decode_in_place", lambda device: False)
+    monkeypatch.setattr(decode_path_module, "gdn_decode_in_place", lambda device: False)
 
 
 def _engine(static: bool) -> HybridEngine:

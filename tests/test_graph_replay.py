@@ -27,7 +27,7 @@ from support.hf_tiny import build  # noqa: E402
 from support.hf_tiny_dflash import write_tiny_dflash_for  # noqa: E402
 
 from fxsched.runtime.torch_model import HybridEngine  # noqa: E402
-from fxsched.runtime.torch_model import engine as engine_module  # noqa: E402
+from fxsched.runtime.torch_model import decode_path as decode_path_module  # noqa: E402
 
 TOL = 1e-4
 PROMPTS = ([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15], [3, 4, 5], [9, 8, 7, 6, 5, 4, 3], [21, 22, 23, 24, 25])
@@ -46,7 +46,7 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture
 def cuda_decode_path(monkeypatch):
     """The GDN decode of a CUDA engine (no in-place CPU kernel), so decodes take the static form."""
-    monkeypatch.setattr(engine_module, "gdn_decode_in_place", lambda device: False)
+    monkeypatch.setattr(decode_path_module, "gdn_decode_in_place", lambda device: False)
 
 
 def _pair(checkpoints, family: str) -> tuple[HybridEngine, HybridEngine, TraceReplayRecorder]:

@@ -32,7 +32,7 @@ from fxsched.runtime import generate as generate_module  # noqa: E402
 from fxsched.runtime.devices.streams import StreamSet  # noqa: E402
 from fxsched.runtime.generate import SamplingOptions, generate  # noqa: E402
 from fxsched.runtime.torch_model import HybridEngine  # noqa: E402
-from fxsched.runtime.torch_model import engine as engine_module  # noqa: E402
+from fxsched.runtime.torch_model import decode_path as decode_path_module  # noqa: E402
 from fxsched.runtime.torch_model.default_model import default_model_dir  # noqa: E402
 from fxsched.runtime.torch_model.kernel_paths import (  # noqa: E402
     attention_kernels_apply,
@@ -298,7 +298,7 @@ def cuda_paths(monkeypatch, one_torch_thread):
     if reason:
         pytest.skip(reason)
     monkeypatch.setenv("FXSCHED_KERNELS", "triton")
-    monkeypatch.setattr(engine_module, "gdn_decode_in_place", lambda device: False)
+    monkeypatch.setattr(decode_path_module, "gdn_decode_in_place", lambda device: False)
     probe = torch.zeros(1)
     assert attention_kernels_apply(probe) and gdn_recurrence_kernel_applies(probe) and gdn_fold_kernel_applies(probe)
 

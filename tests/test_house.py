@@ -18,7 +18,7 @@ LAYERS = {
     1: {"records", "kv", "token_log", "request", "config", "events"},
     2: {"sequence", "state", "phases"},
     3: {"agenda", "rows", "admission", "chunking", "verdict", "watchdog", "emit", "retire", "faults", "memory",
-        "verifying", "late", "ahead"},
+        "verifying", "late", "ahead", "ahead_columns"},
     4: {"tick", "flow", "prefill", "decode", "spec_step", "kverify", "dflash", "mtp_batch", "ngram", "self_spec",
         "lifecycle"},
     5: {"table"},

@@ -182,8 +182,9 @@ def test_every_generated_token_has_a_logprob_the_first_included(server, tok, hf_
         whole = client.completions.create(model=MODEL, prompt=CONTEXT, max_tokens=5, logprobs=2,
                                           temperature=temperature, seed=7).choices[0].logprobs
         assert len(whole.token_logprobs) == 5 and None not in whole.token_logprobs
-        token = tok.encode(whole.tokens[0])[0]
-        assert whole.token_logprobs[0] == pytest.approx(first[token], abs=2e-4)
+        # the ids whose text is the first token's (several when it is part of a character: U+FFFD)
+        ids_of_text = [t for t in range(len(first)) if tok.decode([t]) == whole.tokens[0]]
+        assert any(whole.token_logprobs[0] == pytest.approx(first[t], abs=2e-4) for t in ids_of_text)
         streamed = [c.choices[0].logprobs for c in client.completions.create(
             model=MODEL, prompt=CONTEXT, max_tokens=5, logprobs=2, temperature=temperature, seed=7, stream=True)
             if c.choices and c.choices[0].logprobs]

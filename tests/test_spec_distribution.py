@@ -193,10 +193,11 @@ def test_every_token_gets_the_targets_logprob_with_speculation(cfg, mode, temper
     """The first token included; greedy speculation with logprobs keeps the greedy tokens."""
     prompts = [PROMPT, PROMPT[3:]]
     options = SamplingOptions(temperature=temperature, seed=3, logprobs=2)
-    result = generate(HybridEngine(cfg), prompts, 6, mode, 2 if mode != "ngram" else 1, sampling=options,
+    # 12 tokens: a sampled n-gram run speculates only once its tokens repeat the prompt's
+    result = generate(HybridEngine(cfg), prompts, 12, mode, 2 if mode != "ngram" else 1, sampling=options,
                       drafter=None if mode == "ngram" else lookup_drafter, strict=True)
     if temperature == 0:
-        greedy = generate(HybridEngine(cfg), prompts, 6, "none", 2).outputs
+        greedy = generate(HybridEngine(cfg), prompts, 12, "none", 2).outputs
         assert result.outputs == greedy
     for prompt, res in zip(prompts, result.results, strict=True):
         assert res.logprobs is not None and len(res.logprobs) == len(res.tokens)

@@ -4,8 +4,9 @@ smoke test of it).
 
 Models: ``--like`` (a comma list of ``e2e_models.LIKE``, built once under ``--models-dir``) or
 ``--model DIR``. Engines: fxsched (``HybridEngine.from_pretrained`` + ``generate``, the API of
-``fxsched generate --model``, greedy, ``--spec`` none by default; ``fxsched-overlap`` the same with
-the device lane, specs/async.md §16.5), transformers (``generate`` of
+``fxsched generate --model``, greedy, ``--spec`` none by default, async scheduling off;
+``fxsched-overlap`` the same with the device lane, specs/async.md §16.5; ``fxsched-async`` the same
+with async scheduling, §16.6), transformers (``generate`` of
 AutoModelForCausalLM, greedy, ``min_new_tokens`` = ``max_new_tokens``) and, with ``--vllm-python
 PY`` where ``PY -c "import vllm"`` works, vLLM's offline ``LLM.generate`` (``ignore_eos``). Every
 (round, batch, engine) cell is a fresh process (``e2e_worker``), rounds interleaved (round r: each
@@ -355,7 +356,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int_arg(0, 2**31), default=0, help="prompts and built weights")
     ap.add_argument("--engines", default="fxsched,transformers,vllm",
                     help="comma list of fxsched, fxsched-overlap (with the device lane, as generate --overlap), "
-                         "transformers, vllm (vllm only with --vllm-python)")
+                         "fxsched-async (as generate --async-scheduling), transformers, vllm (vllm only with "
+                         "--vllm-python)")
     ap.add_argument("--vllm-python", default=None, metavar="PY", help="a Python where `import vllm` works")
     ap.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
                     help="fxsched's KV cache budget (default: sized for batch x (prompt + tokens))")

@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Any, Callable
 
-ENGINES = ("fxsched", "fxsched-overlap", "transformers", "vllm")
+ENGINES = ("fxsched", "fxsched-overlap", "fxsched-async", "transformers", "vllm")
 WARMUP_TOKENS = 2
 
 
@@ -75,10 +75,11 @@ def _timed(run: Callable[[list[list[int]], int], list[list[int]]], prompts: list
     return time.perf_counter() - start, tokens
 
 
-def _fxsched_runner(args: argparse.Namespace, batch: int,
-                    overlap: bool = False) -> Callable[[list[list[int]], int], list[list[int]]]:
+def _fxsched_runner(args: argparse.Namespace, batch: int, overlap: bool = False,
+                    async_scheduling: bool = False) -> Callable[[list[list[int]], int], list[list[int]]]:
     """fxsched's cell: the engine and ``generate`` that ``fxsched generate --model`` runs, at --spec
-    (``overlap``: with the device lane, as ``--overlap``)."""
+    (``overlap``: with the device lane, as ``--overlap``; ``async_scheduling``: as
+    ``--async-scheduling``, else ``--no-async-scheduling``)."""
     import torch
 
     from fxsched.runtime.generate import generate
@@ -91,7 +92,8 @@ def _fxsched_runner(args: argparse.Namespace, batch: int,
     engine = HybridEngine.from_pretrained(args.model, **kwargs)
 
     def run(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-        result = generate(engine, prompts, max_tokens, args.spec, len(prompts), eos_ids=(), overlap=overlap)
+        result = generate(engine, prompts, max_tokens, args.spec, len(prompts), eos_ids=(), overlap=overlap,
+                          async_scheduling=async_scheduling)
         failed = [r.error for r in result.results if r.error]
         if failed:
             raise RuntimeError(f"fxsched: {failed[0]}")
@@ -188,8 +190,9 @@ def run_cell(args: argparse.Namespace) -> dict[str, Any]:
     with open(args.prompts) as f:
         sets = json.load(f)
     prompts = sets["run"]
-    if args.engine in ("fxsched", "fxsched-overlap"):
-        run = _fxsched_runner(args, len(prompts), overlap=args.engine == "fxsched-overlap")
+    if args.engine in ("fxsched", "fxsched-overlap", "fxsched-async"):
+        run = _fxsched_runner(args, len(prompts), overlap=args.engine == "fxsched-overlap",
+                              async_scheduling=args.engine == "fxsched-async")
     elif args.engine == "transformers":
         run = _transformers_runner(args)
     else:

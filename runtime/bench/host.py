@@ -237,12 +237,13 @@ def run_once(mode: str, batch: int, *, ticks: int, warm: int = 3, prompt_len: in
 
 def measure(mode: str, batch: int, *, ticks: int = 64, rounds: int = 3, warm: int = 3, prompt_len: int = 96,
             device: str = "cpu", accept: float = 1.0, seed: int = 0, static: bool = False, bare: bool = False,
-            max_slots: int = 256, profile: bool = False) -> tuple[dict[str, Any], Optional[pstats.Stats]]:
+            max_slots: int = 256, profile: bool = False,
+            async_scheduling: bool = False) -> tuple[dict[str, Any], Optional[pstats.Stats]]:
     """One row: medians over ``rounds`` of a clean and an instrumented run (module docstring), and
     with ``profile`` the cProfile statistics of one more clean run's window."""
     kw: dict[str, Any] = dict(ticks=ticks, warm=warm, prompt_len=prompt_len, device=device, accept=accept,
                               seed=seed, static=static, bare=bare and mode not in ("mtp", "dflash"),
-                              max_slots=max_slots)
+                              max_slots=max_slots, async_scheduling=async_scheduling)
     clean: list[dict[str, Any]] = []
     probed: list[dict[str, Any]] = []
     for _ in range(rounds):
@@ -255,6 +256,7 @@ def measure(mode: str, batch: int, *, ticks: int = 64, rounds: int = 3, warm: in
         stats = pstats.Stats(profiler)
     total = statistics.median(r["cpu"] for r in clean)
     row: dict[str, Any] = {"mode": mode, "batch": batch, "ticks": ticks, "rounds": rounds, "device": device,
+                           "async_scheduling": async_scheduling,
                            "engine": "bare" if kw["bare"] else "drafters", "us_per_tick": total,
                            "wall_us_per_tick": statistics.median(r["total"] for r in clean)}
     for r in probed:  # what no label took (never negative: the labels' own times are disjoint)
@@ -288,7 +290,7 @@ def apply_targets(rows: list[dict[str, Any]]) -> None:
 def run_host_bench(batches: Sequence[int], modes: Sequence[str], *, ticks: int = 64, rounds: int = 3,
                    warm: int = 3, prompt_len: int = 96, device: str = "cpu", accept: float = 1.0, seed: int = 0,
                    static: bool = False, bare: bool = False, threads: int = 1, profile: bool = False,
-                   on_row: Callable[[dict[str, Any]], None] = lambda row: None
+                   async_scheduling: bool = False, on_row: Callable[[dict[str, Any]], None] = lambda row: None
                    ) -> tuple[list[dict[str, Any]], dict[tuple[str, int], pstats.Stats]]:
     """Every (mode, batch) row, with targets; the profiles of each row when ``profile``. Runs with
     ``threads`` torch threads (restored after)."""
@@ -300,7 +302,8 @@ def run_host_bench(batches: Sequence[int], modes: Sequence[str], *, ticks: int =
             for batch in batches:
                 row, stats = measure(mode, batch, ticks=ticks, rounds=rounds, warm=warm, prompt_len=prompt_len,
                                      device=device, accept=accept, seed=seed, static=static, bare=bare,
-                                     max_slots=max(256, *batches), profile=profile)
+                                     max_slots=max(256, *batches), profile=profile,
+                                     async_scheduling=async_scheduling)
                 log.info("bench_host_row", mode=mode, batch=batch, us_per_tick=round(row["us_per_tick"], 1))
                 rows.append(row)
                 if stats is not None:
@@ -335,7 +338,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     drafts = sorted({r["drafts"] for r in rows if r["drafts"] != "-"})
     bad = [f"{r['mode']}@{r['batch']}" for r in rows if not (r["counting"] and r["untouched"])]
     engines = sorted({r["engine"] for r in rows})
-    lines.append(f"drafts: {', '.join(drafts) or '-'}; engine: {', '.join(engines)}; every output counts: "
+    asynchronous = "on" if any(r.get("async_scheduling") for r in rows) else "off"
+    lines.append(f"drafts: {', '.join(drafts) or '-'}; engine: {', '.join(engines)}; async scheduling: "
+                 f"{asynchronous}; every output counts: "
                  + ("yes" if not bad else f"NO ({', '.join(bad)})"))
     return "\n".join(lines)
 
@@ -380,6 +385,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="none, sampled and ngram on an engine without MTP head and DFlash drafter (no hidden rows "
                          "kept); mtp and dflash keep theirs")
     ap.add_argument("--seed", type=int_arg(0, 2**31), default=0)
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=False,
+                    help="plain decodes answered ahead, their tokens read one tick late (specs/async.md §16.6; "
+                         "default off: the host's own work per tick; --forward-ms runs both)")
     ap.add_argument("--json", action="store_true", help="one JSON object per row instead of the table")
     ap.add_argument("--profile", action="store_true",
                     help="one more run per row under cProfile: its window's top functions on stderr")
@@ -420,7 +428,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         rows, profiles = run_host_bench(args.batches, modes, ticks=args.ticks, rounds=args.rounds, warm=args.warm,
                                         prompt_len=args.prompt_len, device=args.device, accept=args.accept,
                                         seed=args.seed, static=args.static, bare=args.bare, threads=args.threads,
-                                        profile=args.profile, on_row=lambda row: bar.update())
+                                        profile=args.profile, async_scheduling=args.async_scheduling,
+                                        on_row=lambda row: bar.update())
     for (mode, batch), stats in profiles.items():
         print(profile_text(stats, mode, batch, args.ticks, args.profile_top), file=sys.stderr)
         if args.profile_dir is not None:

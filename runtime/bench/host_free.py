@@ -47,13 +47,14 @@ ACCEPT_POOL = 4096  # rows of the seeded table of wrong drafts (accept < 1)
 
 
 def bench_config(max_slots: int, max_seq_len: int, num_blocks: int, bare: bool = False) -> ModelConfig:
-    """The default model's sizes (hidden 64, vocab 64) with the internal MTP head and a DFlash
-    drafter of ``GAMMA`` drafts (``bare``: neither, so no hidden rows are kept), and caches sized by
-    the caller."""
+    """The default model's sizes (hidden 64, vocab 64) in bfloat16 with an attention head dim of 32,
+    as a real checkpoint runs on the CPU (the row kernel serves its decodes: the decode plan a bf16
+    engine builds), with the internal MTP head and a DFlash drafter of ``GAMMA`` drafts (``bare``:
+    neither, so no hidden rows are kept), and caches sized by the caller."""
     cfg = default_config()
     bs = cfg.block_size
     max_seq_len = -(-max_seq_len // bs) * bs
-    return dataclasses.replace(cfg, mtp=not bare, dflash_gamma=0 if bare else GAMMA, max_slots=max_slots,
+    return dataclasses.replace(cfg, dtype="bfloat16", head_dim=32, mtp=not bare, dflash_gamma=0 if bare else GAMMA, max_slots=max_slots,
                                max_seq_len=max_seq_len, num_blocks=max(num_blocks, max_seq_len // bs))
 
 

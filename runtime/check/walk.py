@@ -43,7 +43,7 @@ from fxsched.core.config import SCRIPTED_EOS as EOS
 from fxsched.core import events as ev
 from fxsched.core.phases import (AwaitAhead, AwaitBatchedDflash, AwaitDecode, AwaitMtpBatch, AwaitPublishBlocks,
                                  EndOfTick)
-from fxsched.core.state import initial_state
+from fxsched.core.state import hot_columns, initial_state
 from fxsched.effects import device_calls as dc
 from fxsched.effects import plans
 from fxsched.effects.client import DoneOut, ErrorOut, ResponseOut, RotationAck
@@ -415,6 +415,10 @@ class WalkObserver(MonitorObserver):
         self.waiting = state.waiting
         if type(state.waiting) is AwaitAhead and state.agenda and type(state.agenda[0]) is EndOfTick:
             self.coverage["feature:ahead_deadline_read"] += 1
+        if type(event) is ev.TokensSampled and event.earlier and ev.LATE_TOKEN in event.tokens:
+            columns = hot_columns(state)  # a steady batch answered over the columns (specs/async.md §16.6 rule 7)
+            if columns is not None and ev.LATE_TOKEN in columns.last_token:
+                self.coverage["feature:ahead_columns"] += 1
         if effects:
             kinds = tuple(map(type, effects))
             self.monitor.on_effects(effects, kinds)
@@ -692,6 +696,7 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "decode answered ahead failed, its resolve answers": ("feature:ahead_failure",),
     "fault at a pipelined decode's launch, its kept tokens read first": ("feature:fault_brings_kept",),
     "deadline passed with a token on the device": ("feature:ahead_deadline_read",),
+    "a steady batch ahead, in columns": ("feature:ahead_columns",),
 }
 FEATURES.update({f"fault in {name}": (f"fault_phase:{name}",) for name in FAULT_PHASES})
 """Every feature the walk must reach, with the coverage keys whose sum counts it."""

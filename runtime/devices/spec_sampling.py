@@ -48,7 +48,7 @@ from fxsched.runtime.torch_model.transfers import send_values
 
 
 def uniforms(seed: int) -> tuple[float, float]:
-    """``(u_draw, u_acc)`` of a row with this seed: the first two float64 of a seeded CPU generator."""
+    """``(u_draw, u_acc)`` of a row with this seed: the first two draws of its stream (``draws``)."""
     pair = draws([seed], 2).tolist()
     return pair[0], pair[1]
 

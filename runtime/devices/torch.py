@@ -57,7 +57,7 @@ from fxsched.runtime.devices.grammar_mask import GrammarBook
 from fxsched.runtime.devices.streams import StreamSet
 from fxsched.runtime.devices.torch_book import DeviceSeq, DeviceStateError, DeviceStats, Drafter
 from fxsched.runtime.devices.torch_forwards import Forwards
-from fxsched.runtime.devices.torch_lifecycle import Lifecycle
+from fxsched.runtime.devices.torch_lifecycle import Lifecycle, fx_logger
 from fxsched.runtime.devices.torch_proposers import Proposers
 from fxsched.runtime.devices.torch_speculative import Speculative
 from fxsched.runtime.logs import ensure_configured
@@ -109,4 +109,5 @@ class TorchDevice(Lifecycle, Forwards, Proposers, Speculative):
         self._late: dict[int, torch.Tensor | str] = {}
         self.decode_ahead = decode_ahead  # keep plain decodes' tokens on the device (specs/async.md §16.6)
         self._ahead_init()
+        self._fx_log = fx_logger()  # None unless debug events are on: fx lines cost nothing then
         self._verify_inputs: list[int] = []

@@ -105,11 +105,13 @@ class Forwards(Ahead):
         last decode kept on the device (specs/async.md §16.6, ``torch_ahead``)."""
         ds = [self._seq(i) for i in seqs]
         self._settle_many(ds, "decode_batch")
-        self._room_for([(s.slot, 1) for s in ds], "decode_batch")
+        slots = [s.slot for s in ds]
+        with self._errors("decode_batch"):
+            self._make_room(self.engine.decode_blocks_needed(slots), "decode_batch")
         host, on_device = self._late_inputs_of(ds, tokens)
-        starts = [self.engine.seq_len(s.slot) for s in ds]
+        starts = [self.engine.seq_len(slot) for slot in slots] if on_device is not None else []
         with self._errors("decode_batch"), self.streams.use(stream):
-            logits = self.engine.decode_batch([s.slot for s in ds], host, device_tokens=on_device)
+            logits = self.engine.decode_batch(slots, host, device_tokens=on_device)
         if on_device is not None:
             self._fed_late(ds, tokens, starts)
         self._count("decode", "decode_batch")

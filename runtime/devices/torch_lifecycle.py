@@ -3,9 +3,11 @@ truncate), adapters and EP words (a single rank), streams and teardown."""
 
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import structlog
 import torch
@@ -17,8 +19,18 @@ from fxsched.runtime.devices.torch_book import DeviceBook, DeviceSeq, DeviceStat
 log = structlog.get_logger("fxsched.torch_device")
 
 
+def fx_logger() -> Any:
+    """A logger bound now for the device's fx lines (one per effect, hundreds per tick at a large
+    batch), or None when debug events are filtered out, so a line costs one attribute test."""
+    bound = log.bind()
+    enabled = getattr(bound, "is_enabled_for", None)
+    return bound if enabled is None or enabled(logging.DEBUG) else None
+
+
 class Lifecycle(DeviceBook):
     """Sequences, streams and the device's end."""
+
+    _fx_log: Any = None  # fx_logger(), set by TorchDevice
 
     def bind_gpu_to_thread(self) -> None:
         if self.engine.device.type == "cuda":
@@ -196,4 +208,5 @@ class Lifecycle(DeviceBook):
         self._closed = True
 
     def note_fx(self, line: str) -> None:
-        log.debug("fx", line=line)
+        if self._fx_log is not None:
+            self._fx_log.debug("fx", line=line)

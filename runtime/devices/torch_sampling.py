@@ -11,12 +11,12 @@
    ``min_p`` × the largest; in the order of probability (descending, stable: the lower id
    first on ties), **top-k** keeps the first ``top_k`` (0: all); **top-p** keeps each entry whose
    preceding kept mass is below ``top_p`` × the kept total (1: all); then one uniform
-   ``u ∈ [0, 1)`` from a CPU ``torch.Generator`` seeded with the row's seed picks, walking the ids
+   ``u ∈ [0, 1)``, the first draw of the SplitMix64 stream of the row's seed (``draws``), picks, walking the ids
    in order, the first whose float64 running sum exceeds ``u`` × the total (inverse CDF; zeroed
    entries are never picked). Only rows with top-k or top-p on are sorted, and the sort only
    decides which entries are cut, so skipping it changes no token.
 
-Invariant: nothing crosses rows and every draw has its own generator, so a row's token depends
+Invariant: nothing crosses rows and every draw is a hash of its row's seed, so a row's token depends
 only on its logits, its pick and the EOS ids, never on the batch, the row's position in it, or
 the device the logits live on (the uniform is drawn on the CPU everywhere).
 
@@ -42,12 +42,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence as Seq
 
+import numpy as np
 import torch
 
 from fxsched.effects.device_calls import HostPick
 from fxsched.runtime.torch_model.transfers import Floats, send_ints, send_values
 
-SEED_MASK = (1 << 64) - 1  # torch.Generator.manual_seed takes seeds modulo 2**64
+SEED_MASK = (1 << 64) - 1  # seeds are taken modulo 2**64
 
 
 @dataclass(frozen=True)
@@ -68,19 +69,25 @@ class SampledRows:
 
 
 def draws(seeds: Seq[int], count: int) -> torch.Tensor:
-    """Host float64 ``[len(seeds) * count]``, row-major: the first ``count`` draws of a CPU generator
-    seeded with each seed. Written in place and never read on the host, so they go over with a
-    call's other inputs (``send_values``)."""
-    out = torch.empty(len(seeds), count, dtype=torch.float64)
-    gen = torch.Generator(device="cpu")
-    for i, seed in enumerate(seeds):
-        gen.manual_seed(seed & SEED_MASK)
-        torch.rand(count, generator=gen, dtype=torch.float64, out=out[i])
-    return out.reshape(-1)
+    """Host float64 ``[len(seeds) * count]``, row-major: the first ``count`` draws of the SplitMix64
+    stream of each seed (specs/scheduler.md §5.11). Counter-based, so every row's draws are one
+    vectorised hash of (seed, k), with no generator to seed per row. Written in place and never
+    read on the host, so they go over with a call's other inputs (``send_values``)."""
+    state = np.array([seed & SEED_MASK for seed in seeds], dtype=np.uint64)[:, None]
+    z = state + np.arange(1, count + 1, dtype=np.uint64)[None, :] * _GOLDEN  # uint64: wraps modulo 2**64
+    z = (z ^ (z >> _S30)) * _MIX1
+    z = (z ^ (z >> _S27)) * _MIX2
+    z = z ^ (z >> _S31)
+    return torch.from_numpy(((z >> _S11).astype(np.float64) * _ULP).reshape(-1))
+
+
+_GOLDEN, _MIX1, _MIX2 = np.uint64(0x9E3779B97F4A7C15), np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+_S11, _S27, _S30, _S31 = np.uint64(11), np.uint64(27), np.uint64(30), np.uint64(31)
+_ULP = 2.0 ** -53  # the top 53 bits as a float in [0, 1)
 
 
 def uniform(seed: int) -> float:
-    """The draw of a pick with this seed: the first float64 of a CPU generator seeded with it."""
+    """The draw of a pick with this seed: the first of its SplitMix64 stream (``draws``)."""
     return float(draws([seed], 1)[0])
 
 
@@ -144,22 +151,33 @@ def filtered_probs(x: torch.Tensor, picks: Seq[HostPick], filters: Optional[Filt
         ints, floats = filter_fields(picks, x.shape[1])
         filters = filters_from(*send_values(ints, floats, x.device))
     probs = torch.softmax((x - x.max(dim=-1, keepdim=True).values) / filters.temperature, dim=-1)
-    probs = torch.where(probs < filters.min_p * probs.max(dim=-1, keepdim=True).values, 0.0, probs)
-    if filters.cuts:
-        probs.index_copy_(0, filters.cut, _top_k_top_p(probs.index_select(0, filters.cut), filters))
+    # the steps a row's settings make no-ops are skipped as a whole when every row's are (the host
+    # knows the picks): no min-p (nothing is below 0), no top-k (every rank is in), every row cut
+    if any(p.min_p > 0 for p in picks):
+        probs = torch.where(probs < filters.min_p * probs.max(dim=-1, keepdim=True).values, 0.0, probs)
+    top_k = any(p.top_k > 0 for p in picks)
+    if filters.cuts == len(picks):
+        probs = _top_k_top_p(probs, filters, top_k)
+    elif filters.cuts:
+        probs.index_copy_(0, filters.cut, _top_k_top_p(probs.index_select(0, filters.cut), filters, top_k))
     return probs
 
 
-def _top_k_top_p(probs: torch.Tensor, filters: Filters) -> torch.Tensor:
-    """``probs [C, V]`` with the entries top-k and top-p cut set to 0 (order: stable descending)."""
+def _top_k_top_p(probs: torch.Tensor, filters: Filters, top_k: bool = True) -> torch.Tensor:
+    """``probs [C, V]`` with the entries top-k and top-p cut set to 0 (order: stable descending);
+    ``top_k`` False: no row has a top-k (every rank is in)."""
     vocab = probs.shape[1]
     ranked, order = probs.sort(dim=-1, descending=True, stable=True)
-    ranks = torch.arange(vocab, device=probs.device)[None, :]
-    in_k = ranks < filters.top_k
-    mass = torch.where(in_k, ranked, 0.0).to(torch.float64)
+    if top_k:
+        in_k = torch.arange(vocab, device=probs.device)[None, :] < filters.top_k
+        mass = torch.where(in_k, ranked, 0.0).to(torch.float64)
+    else:
+        mass = ranked.to(torch.float64)
     running = mass.cumsum(dim=-1)
     top_p = filters.top_p
-    keep = in_k & ((running - mass < top_p * running[:, -1:]) | (top_p >= 1))
+    keep = (running - mass < top_p * running[:, -1:]) | (top_p >= 1)
+    if top_k:
+        keep &= in_k
     kept = torch.zeros_like(keep).scatter_(-1, order, keep)
     return torch.where(kept, probs, 0.0)
 
@@ -226,11 +244,15 @@ def _picks(logits: torch.Tensor, picks: Seq[HostPick], eos_ids: Seq[int], proces
     u: Floats = draws([p.seed for p in hot_picks], 1)
     (asked_t, masked_t, eos_t, hot_t, *f_int_t), (*f_float_t, u_t) = send_values(
         [asked, *eos_fields(picks, eos_ids, vocab), hot, *f_ints], [*f_floats, u], logits.device)
-    x = logits.to(torch.float32, copy=True)
+    masking = bool(masked_t.shape[0] and eos_t.shape[0])  # only EOS masking writes into x
+    x = logits.to(torch.float32, copy=masking)
     raw = torch.log_softmax(x.index_select(0, asked_t), dim=-1) if asked else None
     if processed is not None:
-        x = processed.to(torch.float32, copy=True)
+        x = processed.to(torch.float32, copy=masking)
     mask_eos(x, masked_t, eos_t)
+    if len(hot) == len(picks):  # every row draws: no argmax, no rows picked out
+        return inverse_cdf(filtered_probs(x, hot_picks, filters_from(f_int_t, f_float_t)), u_t[:, None]), raw, asked, \
+            asked_t
     tokens = torch.argmax(x, dim=-1)
     if hot:
         probs = filtered_probs(x.index_select(0, hot_t), hot_picks, filters_from(f_int_t, f_float_t))

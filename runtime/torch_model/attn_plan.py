@@ -33,11 +33,11 @@ engine already holds), so building it costs no device synchronisation. The trace
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["AttnPlan", "RowKeys", "SeqKeys", "plan_keys"]
+__all__ = ["AttnPlan", "RowKeys", "SeqKeys", "decode_plan", "plan_keys"]
 
 # An entry adding at most this many rows to a committed prefix goes to the row kernel (decode: 1,
 # verify: drafts + 1); longer chunks are prefill work for SDPA.
@@ -73,13 +73,25 @@ class RowKeys:
     tables: torch.Tensor
 
 
-@dataclass(frozen=True)
 class AttnPlan:
     """A forward's attention plan: every entry's keys, and the rows the row kernel serves (None:
-    every entry goes through SDPA)."""
+    every entry goes through SDPA). ``seqs`` may be given as a function that builds them when first
+    read: a decode whose every row the row kernel serves needs them only if the kernel cannot run."""
 
-    seqs: tuple[SeqKeys, ...]
-    rows: RowKeys | None = None
+    __slots__ = ("_seqs", "_build", "rows")
+
+    def __init__(self, seqs: tuple[SeqKeys, ...] | Callable[[], tuple[SeqKeys, ...]],
+                 rows: RowKeys | None = None) -> None:
+        self._seqs: tuple[SeqKeys, ...] | None = None if callable(seqs) else seqs
+        self._build: Callable[[], tuple[SeqKeys, ...]] | None = seqs if callable(seqs) else None
+        self.rows = rows
+
+    @property
+    def seqs(self) -> tuple[SeqKeys, ...]:
+        if self._seqs is None:
+            assert self._build is not None
+            self._seqs = self._build()
+        return self._seqs
 
 
 def _row_keys(block_tables: Sequence[Sequence[int]], starts: Sequence[int], rows: Sequence[int],
@@ -111,7 +123,16 @@ def plan_keys(block_tables: Sequence[Sequence[int]], starts: Sequence[int], rows
               block_size: int, device: torch.device, row_kernel: bool = False) -> AttnPlan:
     """The plan of a forward whose entry b adds rows[b] rows at starts[b] to a sequence whose
     block table (covering start + rows positions) is block_tables[b]; row_kernel: list the
-    decode and verify rows for the CPU row kernel (host tensors)."""
+    decode and verify rows for the CPU row kernel (host tensors). When the row kernel serves every
+    entry, the per-entry keys are built only if read (the kernel cannot run)."""
+    kernel_rows = _row_keys(block_tables, starts, rows, block_size) if row_kernel else None
+    if kernel_rows is not None and len(kernel_rows.entries) == len(starts):
+        return AttnPlan(lambda: _seq_keys(block_tables, starts, rows, block_size, device), kernel_rows)
+    return AttnPlan(_seq_keys(block_tables, starts, rows, block_size, device), kernel_rows)
+
+
+def _seq_keys(block_tables: Sequence[Sequence[int]], starts: Sequence[int], rows: Sequence[int],
+              block_size: int, device: torch.device) -> tuple[SeqKeys, ...]:
     plan = []
     for table, start, n in zip(block_tables, starts, rows, strict=True):
         ctx = start + n
@@ -128,5 +149,15 @@ def plan_keys(block_tables: Sequence[Sequence[int]], starts: Sequence[int], rows
         else:
             ids = torch.tensor(list(table[:blocks]), dtype=torch.long, device=device)
             plan.append(SeqKeys(n, start, "gather", blocks=ids, mask=mask))
-    kernel_rows = _row_keys(block_tables, starts, rows, block_size) if row_kernel else None
-    return AttnPlan(tuple(plan), kernel_rows)
+    return tuple(plan)
+
+
+def decode_plan(block_tables: Sequence[Sequence[int]], starts: Sequence[int], tables: torch.Tensor,
+                block_size: int, device: torch.device) -> AttnPlan:
+    """``plan_keys`` of a decode on the CPU row kernel (one row per entry, every entry at a start
+    above 0), its kernel rows made from the batch's own tensors: ``tables`` [B, nb] the block tables
+    as sent with the batch. The per-entry keys are built only if read (the kernel cannot run)."""
+    b = len(starts)
+    rows = RowKeys(frozenset(range(b)), torch.arange(b, dtype=torch.int32),
+                   torch.tensor(starts, dtype=torch.int32).add_(1), tables.to(torch.int32))
+    return AttnPlan(lambda: _seq_keys(block_tables, starts, [1] * b, block_size, device), rows)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -39,12 +38,13 @@ import torch
 from fxsched.kernels.gdn_fold import gdn_fold, gdn_fold_rows
 
 from .config import ModelConfig, default_config
+from .decode_path import DecodePath
 from .drafters import DFlashDrafter, MtpHead
 from .errors import OutOfBlocksError, SlotError
 from .gdn import GdnSnapshot, GdnStateCache
 from .gdn_chunked import KeepPlan
 from .hf_drafters import PublishedDFlash, PublishedMtp, load_dflash_drafter
-from .kernel_paths import attention_kernels_apply, gdn_decode_in_place, gdn_fold_kernel_applies
+from .kernel_paths import attention_kernels_apply, gdn_fold_kernel_applies
 from .attn_plan import plan_keys
 from .batch_groups import forward_rows, row_groups
 from .graphs import CudaGraphRecorder, ForwardGraphs, Recorder, buckets, cuda_graphs_wanted
@@ -56,6 +56,7 @@ from .paged_kv import BlockPool, PagedKVCache, blocks_for, flat_indices
 from .prefix_cache import CachedBlock, PrefixCache
 from .sequence_io import check_sequence, export_sequence, import_sequence
 from .spill import read_spill, write_spill
+from .slots import Captured, PendingRows, SlotState, in_cache
 from .transfers import send_ints
 from .weights import Weights, init_weights, load_weights, torch_dtype
 
@@ -78,35 +79,7 @@ def _subnormals_flushed(device: torch.device) -> Iterator[None]:
         torch.set_flush_denormal(False)
 
 
-def _in_cache(out: ForwardOutput) -> bool:
-    """Whether the forward committed its GDN states in the cache itself (gdn_layer's in_place)."""
-    return bool(out.gdn_rows) and out.gdn_rows[0].in_cache
-
-
-@dataclass
-class SlotState:
-    """Bookkeeping of one allocated slot (see module docstring for the invariants)."""
-
-    adapter_id: int = 0
-    seq_len: int = 0
-    tokens: list[int] = field(default_factory=list)
-    block_table: list[int] = field(default_factory=list)
-    boundary_states: dict[int, GdnSnapshot] = field(default_factory=dict)
-    cached_prompt_tokens: int = 0
-
-
-@dataclass
-class PendingRows:
-    """Uncommitted rows of a slot's last forward: row i is tokens[i] at position start + i."""
-
-    start: int
-    tokens: list[int]
-    out: ForwardOutput
-    batch_index: int
-    features: torch.Tensor | None = None  # [rows, F]: a checkpoint DFlash drafter's context features
-
-
-class HybridEngine:
+class HybridEngine(DecodePath):
     """Hybrid GDN/attention model with paged KV cache, per-slot GDN state, drafters and prefix cache."""
 
     def __init__(self, cfg: ModelConfig | None = None, weights: Weights | None = None,
@@ -155,8 +128,8 @@ class HybridEngine:
         self._mtp_hidden_set = [False] * cfg.max_slots
         self._slots: list[SlotState | None] = [None] * cfg.max_slots
         self._pending: list[PendingRows | None] = [None] * cfg.max_slots
-        self._captured: list[torch.Tensor | None] = [None] * cfg.max_slots
-        self._captured_features: list[torch.Tensor | None] = [None] * cfg.max_slots
+        self._captured: list[Captured | None] = [None] * cfg.max_slots
+        self._captured_features: list[Captured | None] = [None] * cfg.max_slots
         self.graphs: ForwardGraphs | None = None
         if cuda_graphs_wanted(self.device, cuda_graphs):
             self.use_graphs(capture=True)
@@ -291,7 +264,7 @@ class HybridEngine:
         captured = self._captured[slot]
         if captured is None:
             raise SlotError(f"slot {slot} has no forward yet")
-        return captured
+        return captured.rows()
 
     # ---- blocks -------------------------------------------------------------------------------
     def num_free_blocks(self) -> int:
@@ -359,18 +332,23 @@ class HybridEngine:
         """
         batch = self.prepare(slots, token_lists, commit_all=commit_all, in_place=in_place, device_tokens=device_tokens)
         states = [self._slot(s) for s in slots]
+        out, features = self._run(batch)
+        for b, (slot, state, toks) in enumerate(zip(slots, states, token_lists, strict=True)):
+            rows = features[b, :len(toks)] if features is not None else None
+            self._pending[slot] = PendingRows(state.seq_len, [int(t) for t in toks], out, b, rows)
+            self._captured[slot] = Captured(out.hidden, b, len(toks))
+            self._captured_features[slot] = Captured(rows) if rows is not None else None
+        return out
+
+    def _run(self, batch: RowBatch) -> tuple[ForwardOutput, torch.Tensor | None]:
+        """The model's forward of ``batch`` (its static form where one takes it), and a checkpoint
+        DFlash drafter's context features of it [B, T, F] (None without one)."""
         with _subnormals_flushed(self.device):
             out = self.graphs.forward(batch) if self.graphs is not None else None
             if out is None:
                 out = self.model.forward(batch, self.kv, self.gdn, capture_layers=self.capture_layers)
         drafter = self.dflash if isinstance(self.dflash, PublishedDFlash) else None
-        features = self._context_features(drafter, out) if drafter is not None else None
-        for b, (slot, state, toks) in enumerate(zip(slots, states, token_lists, strict=True)):
-            rows = features[b, :len(toks)] if features is not None else None
-            self._pending[slot] = PendingRows(state.seq_len, [int(t) for t in toks], out, b, rows)
-            self._captured[slot] = out.hidden[b, :len(toks)]
-            self._captured_features[slot] = rows
-        return out
+        return out, self._context_features(drafter, out) if drafter is not None else None
 
     def _context_features(self, drafter: PublishedDFlash, out: ForwardOutput) -> torch.Tensor:
         """A checkpoint DFlash drafter's context features [B, T, F] of a forward: its captured target
@@ -504,9 +482,9 @@ class HybridEngine:
         state.cached_prompt_tokens = cached
         logits = self.prefill_chunk(slot, tokens[cached:], cached)
         if self.keeps_hidden:  # the whole prompt's rows, cached ones included (MTP reads the last)
-            self._captured[slot] = self.hidden_history[slot, :len(tokens)].clone()
+            self._captured[slot] = Captured(self.hidden_history[slot, :len(tokens)].clone())
         if self.dflash_features is not None:
-            self._captured_features[slot] = self.dflash_features[slot, :len(tokens)].clone()
+            self._captured_features[slot] = Captured(self.dflash_features[slot, :len(tokens)].clone())
         return logits
 
     @torch.no_grad()
@@ -538,17 +516,6 @@ class HybridEngine:
         ran = [i for g in groups for i in g]  # the order the logits rows come in
         back = sorted(range(len(ran)), key=ran.__getitem__)
         return torch.cat(parts).index_select(0, torch.tensor(back, device=parts[0].device))
-
-    @torch.no_grad()
-    def decode_batch(self, slots: Sequence[int], tokens: Sequence[int],
-                     device_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Append and commit one token per slot; returns logits [B, V] for the next position.
-        device_tokens [B] (int64, on the device): the tokens fed instead of ``tokens``, whose values
-        the host has not read (``tokens`` then holds placeholders, set later with ``fill_token``)."""
-        out = self._forward(slots, [[t] for t in tokens], in_place=gdn_decode_in_place(self.device),
-                            device_tokens=device_tokens)
-        self.gdn_fold_accepted(slots, [1] * len(slots))
-        return out.logits[:, 0]
 
     def fill_token(self, slot: int, position: int, token: int) -> None:
         """The value of a committed token fed from the device (``decode_batch``'s device_tokens)."""
@@ -619,7 +586,7 @@ class HybridEngine:
             for k in range(old // bs + 1, (old + n) // bs + 1):
                 if k % self.cfg.gdn_snapshot_blocks:  # snapshots are kept every gdn_snapshot_blocks blocks
                     continue
-                if _in_cache(pending.out):  # a one-row forward: the boundary state is the slot's own
+                if in_cache(pending.out):  # a one-row forward: the boundary state is the slot's own
                     state.boundary_states[k] = self.gdn.snapshot(slot)
                     continue
                 state.boundary_states[k] = [(r.clone(), c.clone()) for r, c in
@@ -642,7 +609,7 @@ class HybridEngine:
         """
         groups: dict[int, tuple[ForwardOutput, list[int], list[int]]] = {}
         for slot, n, pending in zip(slots, accepted, pendings, strict=True):
-            if n <= 0 or _in_cache(pending.out):
+            if n <= 0 or in_cache(pending.out):
                 continue
             out = pending.out
             if id(out) not in groups:
@@ -739,7 +706,7 @@ class HybridEngine:
         if isinstance(drafter, PublishedDFlash):
             features = self._captured_features[slot]
             assert features is not None  # every forward of an engine with this drafter records them
-            rows = features
+            rows = features.rows()
         if not 0 <= n <= rows.shape[0]:
             raise ValueError(f"slot {slot}: cannot commit {n} of {rows.shape[0]} captured rows")
         drafter.append(slot, rows[:n])
