@@ -10,7 +10,7 @@ from fxsched.core.phases import AwaitForward
 from fxsched.core.records import copy_fields, with_fields
 from fxsched.core.request import Request
 from fxsched.core.sequence import Sequence
-from fxsched.core.state import (HOT_COLUMNS, NO_DRAFTS, DraftTable, SchedulerState, Settled, hot_columns, hot_fields,
+from fxsched.core.state import (HOT_COLUMNS, NO_DRAFTS, DraftTable, RowFacts, SchedulerState, Settled, hot_columns, hot_fields,
                                 hot_row, kept_facts)
 from fxsched.effects.base import Effect
 
@@ -122,16 +122,18 @@ def batch_rows(state: SchedulerState, ids: tuple[int, ...]) -> tuple[bool, Seque
 
 
 def keep_batch(state: SchedulerState, ordered: bool, rows: Sequence_[Sequence], hot: Sequence_[Sequence_[Any]],
-               rebuilt: Mapping[int, Sequence], more: Optional[dict[str, Any]] = None) -> SchedulerState:
+               rebuilt: Mapping[int, Sequence], more: Optional[dict[str, Any]] = None,
+               facts: Optional[RowFacts] = None) -> SchedulerState:
     """The state after a batched step over ``rows`` (from ``batch_rows``): the new hot columns
     ``hot``, except rows ``rebuilt`` (by index) whose records a sink already made. When the batch
     is every active sequence and no row was rebuilt, the records stay and the columns are kept as
     ``state.settled`` (specs/scheduler.md §5.2); otherwise each record is copied once. ``more``:
-    other fields of the state to set in the same copy."""
+    other fields of the state to set in the same copy; ``facts``: the records' ``RowFacts``, when
+    the caller worked them out (else those of the columns it started from, if any)."""
     extra = more or {}
     if ordered and not rebuilt:
         settled = Settled(state.rows, *[tuple(c) for c in hot])
-        facts = kept_facts(state)
+        facts = facts if facts is not None else kept_facts(state)
         if facts is not None:  # the same records: their facts carry over to the new columns
             object.__setattr__(settled, "_facts", facts)
         return with_fields(state, {"settled": settled, **extra})

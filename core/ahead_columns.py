@@ -27,7 +27,7 @@ from fxsched.core.kv import blocks_for
 from fxsched.core.phases import AwaitDecode, ResolveAhead
 from fxsched.core.records import with_fields
 from fxsched.core.rows import greedy_request, pick_for, slots_increasing
-from fxsched.core.state import RowFacts, SchedulerState, Settled, hot_columns, hot_fields
+from fxsched.core.state import RowFacts, SchedulerState, Settled, hot_columns, hot_fields, hot_row, row_facts
 from fxsched.core.token_log import extended
 from fxsched.effects import plans
 from fxsched.effects.base import Effect
@@ -42,9 +42,12 @@ def _steady(state: SchedulerState) -> Optional[tuple[Settled, RowFacts]]:
     if columns is None:
         return None
     facts = columns.facts()
-    if not (facts.all_going and facts.all_unguarded and not facts.any_top_logprobs and slots_increasing(facts.slots)):
-        return None
-    return columns, facts
+    return (columns, facts) if _goes_on(facts) else None
+
+
+def _goes_on(facts: RowFacts) -> bool:
+    """Every row goes on the common way, in slot order, none asking for logprob records."""
+    return facts.all_going and facts.all_unguarded and not facts.any_top_logprobs and slots_increasing(facts.slots)
 
 
 def planned_from_columns(state: SchedulerState) -> Optional[plans.Decode]:
@@ -77,11 +80,11 @@ def answered_from_columns(state: SchedulerState, waiting: AwaitDecode, event: To
     row, no logprobs), taken over the columns: each resolved token as ``resolve_tokens`` takes it,
     then each row that goes on ahead as ``went_ahead`` sends it; None when the decode or its answer
     is not of that form."""
-    steady = _steady(state)
-    if steady is None or event.logprobs or event.earlier_logprobs:
+    if event.logprobs or event.earlier_logprobs:
         return None
-    columns, facts = steady
-    if facts.ids != waiting.seq_ids or len(event.earlier) != len(waiting.resolve):
+    columns = hot_columns(state)  # or, the first time, the records' hot fields: the columns start here
+    facts = columns.facts() if columns is not None else row_facts(state.rows)
+    if not _goes_on(facts) or facts.ids != waiting.seq_ids or len(event.earlier) != len(waiting.resolve):
         return None
     if not event.tokens or any(t != LATE_TOKEN for t in event.tokens):
         return None
@@ -89,7 +92,8 @@ def answered_from_columns(state: SchedulerState, waiting: AwaitDecode, event: To
     eos = config.eos_set
     resolve, earlier = waiting.resolve, event.earlier
     streaming = facts.streaming
-    seq_len, blocks, acc, out_buf, out_base, end, content_base, last_token = columns.columns()
+    hot = columns.columns() if columns is not None else tuple(zip(*map(hot_row, state.rows), strict=True))
+    seq_len, blocks, acc, out_buf, out_base, end, content_base, last_token = hot
     new_len: list[int] = []
     new_blocks: list[int] = []
     new_buf: list[Any] = list(out_buf)
@@ -134,8 +138,9 @@ def answered_from_columns(state: SchedulerState, waiting: AwaitDecode, event: To
         out.append(StreamOut(tuple(stream_ids), tuple(stream_tokens)))
     lasts = [last_token[i] if i in rebuilt else LATE_TOKEN for i in range(len(new_len))]
     new_out_base, new_end, new_content_base = shifted if shifted is not None else (out_base, end, content_base)
-    hot = (new_len, new_blocks, acc, new_buf, new_out_base, new_end, new_content_base, lasts)
-    after = keep_batch(state, True, state.rows, hot, rebuilt)
+    after = keep_batch(state, True, state.rows,
+                       (new_len, new_blocks, acc, new_buf, new_out_base, new_end, new_content_base, lasts), rebuilt,
+                       facts=facts)
     fed_again = any(i not in rebuilt and not kept_is_last(new_end[i] - new_len[i], new_len[i], config)
                     for i in range(len(new_len)))
     # no kept token will be fed again: read them in this tick (specs/async.md §16.6 rule 2)

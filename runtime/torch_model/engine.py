@@ -519,10 +519,18 @@ class HybridEngine(DecodePath):
 
     def fill_token(self, slot: int, position: int, token: int) -> None:
         """The value of a committed token fed from the device (``decode_batch``'s device_tokens)."""
-        state = self._slot(slot)
-        if not 0 <= position < len(state.tokens):
-            raise SlotError(f"slot {slot}: no committed token at position {position}")
-        state.tokens[position] = int(token)
+        self.fill_tokens([slot], [position], [token])
+
+    def fill_tokens(self, slots: Sequence[int], positions: Sequence[int], tokens: Sequence[int]) -> None:
+        """``fill_token`` of each (slot, position, token)."""
+        table_of, count = self._slots, self.cfg.max_slots
+        for slot, position, token in zip(slots, positions, tokens, strict=True):
+            state = table_of[slot] if 0 <= slot < count else None
+            if state is None:
+                state = self._slot(slot)  # raises the slot's error
+            if not 0 <= position < len(state.tokens):
+                raise SlotError(f"slot {slot}: no committed token at position {position}")
+            state.tokens[position] = int(token)
 
     @torch.no_grad()
     def verify(self, slot: int, tokens: Sequence[int]) -> torch.Tensor:
