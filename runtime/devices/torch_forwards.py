@@ -146,6 +146,9 @@ class Forwards(Ahead):
         consumes them once its forward has run, so a forward that fails leaves them for a retry)."""
         if not any(LATE_DRAFT in toks for toks in lists):
             return None, lists
+        steady = self._late_rows(seqs, lists)
+        if steady is not None:
+            return steady
         flat: list[int] = []
         at: list[int] = []
         kept: list[torch.Tensor] = []
@@ -169,6 +172,47 @@ class Forwards(Ahead):
             start += len(toks)
         return inputs, host
 
+    def _late_rows(self, seqs: list[DeviceSeq], lists: list[list[int]]) -> Optional[tuple[torch.Tensor, list[list[int]]]]:
+        """``_late_inputs`` of the steady case, without a per-row scatter: every sequence verifies
+        its anchor and K - 1 late drafts, the same K, each holding at least K - 1 (None otherwise:
+        the general path checks and names what is wrong)."""
+        k = len(lists[0])
+        if k < 2 or any(len(toks) != k or toks[0] == LATE_DRAFT or any(t != LATE_DRAFT for t in toks[1:])
+                        for toks in lists):
+            return None
+        held = [self._late.get(s.seq_id) for s in seqs]
+        if not all(isinstance(h, torch.Tensor) and h.numel() >= k - 1 for h in held):
+            return None
+        anchors = send_ints([[toks[0] for toks in lists]], self.engine.device)[0]
+        drafts = torch.stack([h.reshape(-1)[:k - 1] for h in held])  # type: ignore[union-attr]
+        inputs = torch.cat([anchors.view(-1, 1), drafts.to(anchors.dtype)], 1).reshape(-1)
+        return inputs, [[toks[0]] + [0] * (k - 1) for toks in lists]
+
+    @staticmethod
+    def _agreed(answers: torch.Tensor, lists: list[list[int]], late: Optional[torch.Tensor]) -> torch.Tensor:
+        """Per sequence, how many leading drafts the target's rows agree with (greedy_accept's
+        accepted count), on the device: one comparison over [B, K - 1] when every sequence verifies
+        the same K rows, the ragged kernel otherwise."""
+        ks = [len(t) for t in lists]
+        k = ks[0]
+        if all(x == k for x in ks):
+            if k == 1:  # an anchor alone: nothing to agree with
+                return torch.zeros(len(ks), dtype=torch.int64, device=answers.device)
+            if late is None:
+                drafts = send_ints([[t for toks in lists for t in toks[1:]]], answers.device)[0]
+            else:
+                drafts = late.view(-1, k)[:, 1:]
+            same = answers.view(-1, k)[:, :k - 1] == drafts.reshape(-1, k - 1)
+            return same.cumprod(1).sum(1)
+        if late is None:
+            ks_t, drafts = send_ints([ks, [t for toks in lists for t in toks[1:]]], answers.device)
+        else:
+            starts = accumulate(ks[:-1], initial=0)
+            ks_t, draft_at = send_ints([ks, [a + j for a, k in zip(starts, ks, strict=True) for j in range(1, k)]],
+                                       answers.device)
+            drafts = late[draft_at]
+        return greedy_accept(answers, drafts, row_offsets_from_counts(ks_t))[0]
+
     def _verify_many(self, seqs: list[DeviceSeq], lists: list[list[int]], what: str) -> list[int]:
         self._settle_many(seqs, what)
         self._room_for([(s.slot, len(t)) for s, t in zip(seqs, lists, strict=True)], what)
@@ -187,14 +231,7 @@ class Forwards(Ahead):
         logits = self._constrain(logits, owners)  # a draft the grammar refuses is never the row's answer
         answers = row_argmax(logits)
         ks = [len(t) for t in lists]
-        if late is None:
-            ks_t, drafts = send_ints([ks, [t for toks in lists for t in toks[1:]]], logits.device)
-        else:
-            starts = accumulate(ks[:-1], initial=0)
-            ks_t, draft_at = send_ints([ks, [a + j for a, k in zip(starts, ks, strict=True) for j in range(1, k)]],
-                                       logits.device)
-            drafts = late[draft_at]
-        accepted, _ = greedy_accept(answers, drafts, row_offsets_from_counts(ks_t))
+        accepted = self._agreed(answers, lists, late)
         # the verify's one read: rows, agreements, then (late drafts) the inputs that ran
         parts = [answers, accepted] if late is None else [answers, accepted, late]
         read = torch.cat(parts).tolist()

@@ -95,12 +95,14 @@ class Proposers(DeviceBook):
         for s, pos in zip(ds, positions, strict=True):
             self._check_position(s, pos, "run_mtp_propose_batched")
         if self.proposer == "mtp":
+            hiddens = []
             for s, index in zip(ds, stash, strict=True):
                 owner, hidden = self._stash_entry(index)
                 if owner != s.seq_id:
                     raise DeviceStateError(f"run_mtp_propose_batched: stash entry {index} belongs to sequence "
                                            f"{owner}, not {s.seq_id}")
-                self.engine.set_mtp_hidden(s.slot, hidden)
+                hiddens.append(hidden)
+            self.engine.set_mtp_hiddens([s.slot for s in ds], hiddens)
         with self.streams.use(stream):
             return self._propose(ds, [int(t) for t in tokens], n, "run_mtp_propose_batched")
 

@@ -80,11 +80,13 @@ class Speculative(DeviceBook):
         self.engine.set_mtp_hidden(self._seq(owner).slot, hidden)
 
     def stash_verify_hidden_rows(self, rows, stream: int) -> None:
-        stash = []
-        for row in rows:
-            s, local = self._owner(row)
-            stash.append((s.seq_id, self.engine.captured_hidden(s.slot)[local].clone()))
-        self._stash = stash
+        owners = [self._owner(row) for row in rows]
+        if not owners:
+            self._stash = []
+            return
+        with self._errors("stash_verify_hidden_rows"):
+            hidden = self.engine.captured_rows([s.slot for s, _ in owners], [local for _, local in owners])
+        self._stash = [(s.seq_id, hidden[i]) for i, (s, _) in enumerate(owners)]
 
     def stash_verify_catchup_rows(self, pairs) -> None:
         """Rows for an MTP KV catch-up: nothing to keep (the internal head keeps no KV; a checkpoint's

@@ -44,7 +44,7 @@ from .errors import OutOfBlocksError, SlotError
 from .gdn import GdnSnapshot, GdnStateCache
 from .gdn_chunked import KeepPlan
 from .hf_drafters import PublishedDFlash, PublishedMtp, load_dflash_drafter
-from .kernel_paths import attention_kernels_apply, gdn_fold_kernel_applies
+from .kernel_paths import attention_kernels_apply, gdn_fold_kernel_applies, kernels_opted_in
 from .attn_plan import plan_keys
 from .batch_groups import forward_rows, row_groups
 from .graphs import CudaGraphRecorder, ForwardGraphs, Recorder, buckets, cuda_graphs_wanted
@@ -265,6 +265,21 @@ class HybridEngine(DecodePath):
         if captured is None:
             raise SlotError(f"slot {slot} has no forward yet")
         return captured.rows()
+
+    def captured_rows(self, slots: Sequence[int], rows: Sequence[int]) -> torch.Tensor:
+        """Hidden row rows[i] of the last forward of slots[i], copied, [N, D]: one gather when every
+        slot's rows come from the same batched forward."""
+        for slot in slots:
+            self._slot(slot)
+        caps = [self._captured[slot] for slot in slots]
+        first = caps[0] if caps else None
+        if first is not None and first.b is not None:
+            same = [c.b for c, r in zip(caps, rows, strict=True)
+                    if c is not None and c.batched is first.batched and c.b is not None and 0 <= r < c.n]
+            if len(same) == len(caps):
+                b_t, row_t = send_ints([same, list(rows)], self.device)
+                return first.batched[b_t, row_t]
+        return torch.stack([self.captured_hidden(slot)[row] for slot, row in zip(slots, rows, strict=True)])
 
     # ---- blocks -------------------------------------------------------------------------------
     def num_free_blocks(self) -> int:
@@ -628,6 +643,13 @@ class HybridEngine(DecodePath):
             rows[pending.batch_index] = out.gdn_rows[0].index(n - 1) if out.gdn_rows else n - 1
         for out, slot_ids, rows in groups.values():
             live = [b for b, s in enumerate(slot_ids) if s >= 0]
+            if len(live) == 1 and not kernels_opted_in(out.hidden):  # one entry on the torch path: its rows copied as views
+                b = live[0]
+                slot, row = slot_ids[b], rows[b]
+                for layer, gdn_rows in enumerate(out.gdn_rows):
+                    self.gdn.recurrent[layer][slot].copy_(gdn_rows.states[b, row])
+                    self.gdn.conv[layer][slot].copy_(gdn_rows.windows[b, :, row, 1:])
+                continue
             slot_t, rows_t, live_t, live_rows_t, live_slots_t = send_ints(
                 [slot_ids, rows, live, [rows[b] for b in live], [slot_ids[b] for b in live]], self.device)
             for layer, gdn_rows in enumerate(out.gdn_rows):
@@ -664,6 +686,22 @@ class HybridEngine(DecodePath):
         self._slot(slot)
         self.mtp_hidden[slot] = hidden
         self._mtp_hidden_set[slot] = True
+
+    def set_mtp_hiddens(self, slots: Sequence[int], hiddens: Sequence[torch.Tensor]) -> None:
+        """``set_mtp_hidden`` of each (slot, hidden [D]), in one write."""
+        if len(slots) != len(hiddens):
+            raise ValueError(f"{len(slots)} slots but {len(hiddens)} hidden rows")
+        if len(slots) == 1:
+            self.set_mtp_hidden(slots[0], hiddens[0])
+            return
+        if len(set(slots)) != len(slots):
+            raise SlotError(f"duplicate slots in one write: {list(slots)}")
+        for slot in slots:
+            self._slot(slot)
+        self.mtp_hidden.index_copy_(0, send_ints([list(slots)], self.device)[0],
+                                    torch.stack(list(hiddens)).to(self.mtp_hidden.dtype))
+        for slot in slots:
+            self._mtp_hidden_set[slot] = True
 
     def mtp_propose(self, slots: Sequence[int], last_tokens: Sequence[int], num_drafts: int) -> list[list[int]]:
         """`mtp_drafts`, read back."""

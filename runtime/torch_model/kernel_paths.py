@@ -42,12 +42,18 @@ from fxsched.kernels import paged_kv_append as _paged_kv_append
 from fxsched.kernels._triton import use_triton
 
 __all__ = ["attention_kernels_apply", "gdn_decode_in_place", "gdn_fold_kernel_applies",
-           "gdn_recurrence_kernel_applies"]
+           "gdn_recurrence_kernel_applies", "kernels_opted_in"]
 
 
 def _device_opted_in(tensor: torch.Tensor) -> bool:
     """CUDA (or any non-CPU) tensors always; CPU tensors only with FXSCHED_KERNELS=triton."""
     return tensor.device.type != "cpu" or os.environ.get("FXSCHED_KERNELS", "").strip().lower() == "triton"
+
+
+def kernels_opted_in(tensor: torch.Tensor) -> bool:
+    """Whether the Triton kernels may run on `tensor`'s device at all (CUDA; the CPU by opt-in):
+    False means every ``*_kernel_applies`` is False there, without building their arguments."""
+    return _device_opted_in(tensor)
 
 
 def attention_kernels_apply(*tensors: torch.Tensor) -> bool:
