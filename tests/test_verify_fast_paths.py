@@ -4,8 +4,9 @@
   over [B, K - 1] when every sequence verifies the same K, the ragged kernel otherwise: equal to
   ``greedy_accept_reference`` (an independent scatter-min formulation) on random rows.
 - ``HybridEngine.gdn_fold_accepted`` of a verify with one live entry copies that entry's rows as
-  views; a verify with several entries goes through ``gdn_fold_rows``: the same committed GDN
-  states, lengths and block tables for the slot both ways.
+  views; a verify with several entries goes through ``gdn_fold_rows`` and writes the accepted hidden
+  rows in one indexed copy: the same committed GDN states, lengths, block tables and hidden history
+  for the slot both ways, and the state a forward of exactly the kept rows leaves.
 - ``HybridEngine.captured_rows`` (one gather) equals each slot's ``captured_hidden`` row, and
   ``set_mtp_hiddens`` (one write) equals ``set_mtp_hidden`` slot by slot.
 """
@@ -35,9 +36,13 @@ def _reference(answers: list[int], lists: list[list[int]]) -> list[int]:
     return accepted.tolist()
 
 
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
 @pytest.mark.parametrize("ragged", [False, True])
 @pytest.mark.parametrize("late", [False, True])
-def test_agreed_counts_the_leading_matches_as_the_reference(ragged, late):
+def test_agreed_counts_the_leading_matches_as_the_reference(ragged, late, kernels, monkeypatch):
+    # "triton": the device opted in, so a ragged batch takes greedy_accept (its Triton kernel where
+    # Triton runs, else its reference); "torch": the padded comparison
+    monkeypatch.setenv("FXSCHED_KERNELS", kernels)
     rng = random.Random(7 + 2 * ragged + late)
     for _ in range(60):
         batch = rng.randint(1, 9)
@@ -81,10 +86,15 @@ def test_one_entry_fold_commits_what_the_batched_fold_commits(keep):
     alone.verify_batched([0], [rows])
     alone.gdn_fold_accepted([0], [keep])
     batched.verify_batched([0, 1], [rows, [2, 7, 1]])
+    batched_rows = torch.stack([batched.captured_hidden(0)[:3], batched.captured_hidden(1)[:3]])
     batched.gdn_fold_accepted([0, 1], [keep, 2])
     a, b = alone.slot_state(0), batched.slot_state(0)
     assert (a.seq_len, a.tokens, a.block_table) == (b.seq_len, b.tokens, b.block_table)
     assert a.seq_len == len(PROMPTS[0]) + keep
+    torch.testing.assert_close(alone.hidden_rows(0, 0, a.seq_len), batched.hidden_rows(0, 0, b.seq_len),
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(batched.hidden_rows(1, len(PROMPTS[1]), len(PROMPTS[1]) + 2),
+                               batched_rows[1, :2], rtol=0, atol=0)
     for x, y in zip(alone.gdn_state(0), batched.gdn_state(0), strict=True):
         for p, q in zip(x, y, strict=True):
             torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-5)

@@ -17,6 +17,7 @@ from fxsched.runtime.devices.device import DeviceError
 from fxsched.runtime.devices.spec_sampling import verify_sample_records
 from fxsched.runtime.devices.row_processors import RowProcessors
 from fxsched.runtime.devices.torch_sampling import RowLogprobs, SampledRows, logprob_records, sample_rows
+from fxsched.runtime.torch_model.kernel_paths import kernels_opted_in
 from fxsched.runtime.torch_model.transfers import send_ints
 from fxsched.runtime.devices.torch_ahead import Ahead
 from fxsched.runtime.devices.torch_book import DeviceSeq, DeviceStateError, Pending, PendingKind
@@ -174,44 +175,65 @@ class Forwards(Ahead):
 
     def _late_rows(self, seqs: list[DeviceSeq], lists: list[list[int]]) -> Optional[tuple[torch.Tensor, list[list[int]]]]:
         """``_late_inputs`` of the steady case, without a per-row scatter: every sequence verifies
-        its anchor and K - 1 late drafts, the same K, each holding at least K - 1 (None otherwise:
-        the general path checks and names what is wrong)."""
-        k = len(lists[0])
-        if k < 2 or any(len(toks) != k or toks[0] == LATE_DRAFT or any(t != LATE_DRAFT for t in toks[1:])
-                        for toks in lists):
+        its anchor and k - 1 late drafts and holds at least K - 1 (K: the widest verify), so the
+        held drafts stack into [B, K - 1] beside the anchors, and a ragged batch's rows are picked
+        from that in one gather (None otherwise: the general path checks and names what is wrong)."""
+        ks = [len(toks) for toks in lists]
+        width = max(ks)
+        if width < 2 or any(toks[0] == LATE_DRAFT or any(t != LATE_DRAFT for t in toks[1:]) for toks in lists):
             return None
         held = [self._late.get(s.seq_id) for s in seqs]
-        if not all(isinstance(h, torch.Tensor) and h.numel() >= k - 1 for h in held):
+        if not all(isinstance(h, torch.Tensor) and h.numel() >= width - 1 for h in held):
             return None
-        anchors = send_ints([[toks[0] for toks in lists]], self.engine.device)[0]
-        drafts = torch.stack([h.reshape(-1)[:k - 1] for h in held])  # type: ignore[union-attr]
-        inputs = torch.cat([anchors.view(-1, 1), drafts.to(anchors.dtype)], 1).reshape(-1)
-        return inputs, [[toks[0]] + [0] * (k - 1) for toks in lists]
+        anchors = [toks[0] for toks in lists]
+        host = [[toks[0]] + [0] * (len(toks) - 1) for toks in lists]
+        drafts = torch.stack([h.reshape(-1)[:width - 1] for h in held])  # type: ignore[union-attr]
+        if all(k == width for k in ks):
+            anchors_t = send_ints([anchors], self.engine.device)[0]
+            return torch.cat([anchors_t.view(-1, 1), drafts.to(anchors_t.dtype)], 1).reshape(-1), host
+        at = [b * width + j for b, k in enumerate(ks) for j in range(k)]
+        anchors_t, at_t = send_ints([anchors, at], self.engine.device)
+        padded = torch.cat([anchors_t.view(-1, 1), drafts.to(anchors_t.dtype)], 1).reshape(-1)
+        return padded.index_select(0, at_t), host
 
     @staticmethod
     def _agreed(answers: torch.Tensor, lists: list[list[int]], late: Optional[torch.Tensor]) -> torch.Tensor:
         """Per sequence, how many leading drafts the target's rows agree with (greedy_accept's
-        accepted count), on the device: one comparison over [B, K - 1] when every sequence verifies
-        the same K rows, the ragged kernel otherwise."""
+        accepted count), on the device: one comparison over [B, K - 1] (K: the widest verify; a
+        shorter one's pad columns never agree), then the leading run of agreements; a ragged batch
+        where the Triton kernels run takes greedy_accept's one launch instead."""
         ks = [len(t) for t in lists]
-        k = ks[0]
-        if all(x == k for x in ks):
-            if k == 1:  # an anchor alone: nothing to agree with
-                return torch.zeros(len(ks), dtype=torch.int64, device=answers.device)
+        width = max(ks)
+        if width == 1:  # anchors alone: nothing to agree with
+            return torch.zeros(len(ks), dtype=torch.int64, device=answers.device)
+        if all(k == width for k in ks):
             if late is None:
                 drafts = send_ints([[t for toks in lists for t in toks[1:]]], answers.device)[0]
             else:
-                drafts = late.view(-1, k)[:, 1:]
-            same = answers.view(-1, k)[:, :k - 1] == drafts.reshape(-1, k - 1)
+                drafts = late.view(-1, width)[:, 1:]
+            same = answers.view(-1, width)[:, :width - 1] == drafts.reshape(-1, width - 1)
             return same.cumprod(1).sum(1)
-        if late is None:
-            ks_t, drafts = send_ints([ks, [t for toks in lists for t in toks[1:]]], answers.device)
-        else:
-            starts = accumulate(ks[:-1], initial=0)
-            ks_t, draft_at = send_ints([ks, [a + j for a, k in zip(starts, ks, strict=True) for j in range(1, k)]],
-                                       answers.device)
-            drafts = late[draft_at]
-        return greedy_accept(answers, drafts, row_offsets_from_counts(ks_t))[0]
+        if kernels_opted_in(answers):  # the ragged kernel: one launch (greedy_accept)
+            ks_t, *rest = send_ints([ks, [t for toks in lists for t in toks[1:]] if late is None else
+                                     [a + j for a, k in zip(accumulate(ks[:-1], initial=0), ks, strict=True)
+                                      for j in range(1, k)]], answers.device)
+            drafts = rest[0] if late is None else late[rest[0]]
+            return greedy_accept(answers, drafts, row_offsets_from_counts(ks_t))[0]
+        rows, drafts_at, valid = [], [], []  # per (sequence, column): a target row, its draft, whether real
+        start = 0
+        for toks in lists:
+            k = len(toks)
+            for j in range(width - 1):
+                real = j < k - 1
+                rows.append(start + j if real else start)
+                drafts_at.append((toks[j + 1] if late is None else start + j + 1) if real else 0)
+                valid.append(int(real))
+            start += k
+        rows_t, drafts_t, valid_t = send_ints([rows, drafts_at, valid], answers.device)
+        if late is not None:
+            drafts_t = late[drafts_t]
+        same = (answers[rows_t] == drafts_t) & valid_t.bool()
+        return same.view(-1, width - 1).cumprod(1).sum(1)
 
     def _verify_many(self, seqs: list[DeviceSeq], lists: list[list[int]], what: str) -> list[int]:
         self._settle_many(seqs, what)

@@ -595,6 +595,7 @@ class HybridEngine(DecodePath):
                 raise ValueError(f"slot {slot}: cannot accept {n} of {len(pending.tokens)} rows")
             pendings.append(pending)
         self._fold_gdn_states(slots, accepted, pendings)
+        per_slot_hidden = self.keeps_hidden and not self._hidden_rows_at_once(slots, accepted, pendings)
         bs = self.cfg.block_size
         for slot, n, pending in zip(slots, accepted, pendings, strict=True):
             state = self._slot(slot)
@@ -602,7 +603,7 @@ class HybridEngine(DecodePath):
             b = pending.batch_index
             state.tokens.extend(pending.tokens[:n])
             state.seq_len = old + n
-            if self.keeps_hidden:
+            if per_slot_hidden:
                 self.hidden_history[slot, old:old + n] = pending.out.hidden[b, :n]
             if self.dflash_features is not None and pending.features is not None:
                 self.dflash_features[slot, old:old + n] = pending.features[:n]
@@ -619,6 +620,29 @@ class HybridEngine(DecodePath):
                 self.pool.decref(block)
             del state.block_table[keep:]
             self._pending[slot] = None
+
+    def _hidden_rows_at_once(self, slots: Sequence[int], accepted: Sequence[int],
+                             pendings: Sequence[PendingRows]) -> bool:
+        """The accepted hidden rows of several slots' pending rows of one forward written to the
+        history in one indexed copy (before their lengths grow); False when there is one slot or the
+        rows come from several forwards (the caller writes slot by slot)."""
+        out = pendings[0].out if pendings else None
+        if len(slots) < 2 or out is None or any(p.out is not out for p in pendings):
+            return False
+        at_slot: list[int] = []
+        at_pos: list[int] = []
+        from_b: list[int] = []
+        from_row: list[int] = []
+        for slot, n, pending in zip(slots, accepted, pendings, strict=True):
+            old = self._slot(slot).seq_len
+            at_slot += [slot] * n
+            at_pos += range(old, old + n)
+            from_b += [pending.batch_index] * n
+            from_row += range(n)
+        if at_slot:
+            slot_t, pos_t, b_t, row_t = send_ints([at_slot, at_pos, from_b, from_row], self.device)
+            self.hidden_history.index_put_((slot_t, pos_t), out.hidden[b_t, row_t].to(self.hidden_history.dtype))
+        return True
 
     def _fold_gdn_states(self, slots: Sequence[int], accepted: Sequence[int],
                          pendings: Sequence[PendingRows]) -> None:
