@@ -94,6 +94,8 @@ class Episode:
     ssm_ring: int = 0  # > 0: the model has SSM layers and a snapshot ring of this many slots
     admission_watermark: int = 4096  # the KV reservation's horizon (small: prompts admitted on their own blocks)
     aim: str = ""  # the rare state an aimed episode was drawn for (runtime/check/aimed.py), "" for none
+    # other SchedulerConfig fields, (name, value) sorted by name (runtime/check/options.py)
+    options: tuple[tuple[str, Any], ...] = ()
 
     def to_json(self) -> dict:
         return attrs.asdict(self)
@@ -107,7 +109,8 @@ class Episode:
             raise ValueError("the episode plants bugs, which the checker no longer does "
                              "(planted bugs are source mutations run by the tests)")
         requests = tuple(SimRequest(**_lists_as_tuples(r)) for r in data.pop("requests"))
-        return cls(requests=requests, **_lists_as_tuples(data))
+        options = tuple((name, tuple(v) if isinstance(v, list) else v) for name, v in data.pop("options", ()))
+        return cls(requests=requests, options=options, **_lists_as_tuples(data))
 
     def config(self) -> SchedulerConfig:
         modes: dict[str, dict[str, Any]] = dict(
@@ -120,7 +123,7 @@ class Episode:
                                slai_deadline_ms=self.slai_deadline_ms, loop_watchdog=self.watchdog,
                                boundary_tokens=(BOUNDARY,) if self.watchdog else (), max_seq_len=self.max_seq_len,
                                admission_watermark=self.admission_watermark,
-                               async_scheduling=self.async_scheduling, **spec)
+                               async_scheduling=self.async_scheduling, **spec, **dict(self.options))
 
     def model(self) -> ModelInfo:
         return ModelInfo(total_blocks=self.total_blocks, has_proposer=self.mode.startswith(("mtp", "dflash")),

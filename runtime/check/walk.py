@@ -16,7 +16,9 @@ sequences wait preempted or swapped, which coverage still shows unreached), gree
 script says EOS below ``min_tokens``, and host-side cancels (perhaps while the prompt still
 prefills). Half the proposer episodes answer proposals late now and then (some of which then
 fail, at their verify), and half of all episodes run the device's work behind the host on a
-deferred lane (specs/async.md §16.3, §16.5).
+deferred lane (specs/async.md §16.3, §16.5). ``options.with_options`` then draws production's
+settings (chunked prefill under a token budget, prompts prefilled together) in over half the
+random episodes (over a third of all), and every other scheduler knob now and then.
 
 Coverage: ``FEATURES`` names every feature the walk must reach; ``feature_counts`` reads a
 walk's counts for them, one per feature (``fxsched check`` prints one line each, and
@@ -52,6 +54,7 @@ from fxsched.runtime.check.aimed import AIMED_SHARE, aimed_episode
 from fxsched.runtime.check.episode import (ADAPTERS, BOUNDARY, FAULT_PHASES, MODES, TICK_MS, Episode, SimRequest,
                                            _randints)
 from fxsched.runtime.check.invariants import CANCEL, EVENT_KINDS, FAULT, Monitor, Violation
+from fxsched.runtime.check.options import with_options
 from fxsched.runtime.devices.lane import DeferredLane
 from fxsched.runtime.devices.simulated import AHEAD_FAILURE, LATE_FAILURE, SimDevice
 
@@ -152,6 +155,7 @@ def random_episode(rng: random.Random) -> Episode:
         fault_phase_at=rng.choice([0, 0, 0, 1, 3]) if fault_phase else 0,
     )
     episode = _proposer_quirks(episode, rng)
+    episode = with_options(episode, (hash_seed(episode) * 2_654_435_761 + 97) & 0xFFFFFFFF)
     return _suited_to_fault(episode, rng) if fault_phase else episode
 
 
@@ -261,6 +265,10 @@ def _suited_to_fault(episode: Episode, rng: random.Random) -> Episode:
                                     for r in episode.requests) * 1
     if name in ("AwaitSwapInSlot", "AwaitRestore"):
         changes.update(spill=True, total_blocks=8, kv_exhaust_at=(2, 5), max_batch_size=max(episode.max_batch_size, 3))
+        if name == "AwaitSwapInSlot":  # a sequence swapped out by preemption: unchunked prompts, which
+            # reserve no room for their output (options.py's production chunks reserve it)
+            changes.update(max_prefill_tokens=0, options=tuple(
+                (k, v) for k, v in episode.options if k not in ("prefill_new_together", "max_batch_tokens")))
     if name.startswith("AwaitResume"):
         changes.update(spill=False, total_blocks=rng.choice((12, 24)), held_blocks=4, reclaimable=4,
                        kv_exhaust_at=(1, 3, 6), max_batch_size=max(episode.max_batch_size, 3))

@@ -46,7 +46,10 @@ checker reports as ``device_refused``, never a fault the scheduler may absorb):
 
 Prefix cache (``prefix_cache``): ``cache_sequence`` remembers the body of the sequence's prompt
 (every token after the first, which is the request id); a later first prefill whose body shares
-whole blocks with a remembered one reports those tokens as cached (``cached[request id]``). The
+whole blocks with a remembered one reports those tokens as cached (``cached[request id]``). Only a
+prefill or prefill chunk of one sequence looks the cache up, as on the torch device: a batched or
+mixed forward's first chunk computes every row (its answer, ``ForwardDone``, has one count, not one
+per sequence), so it finds nothing cached. The
 ``reclaimable`` blocks are part of ``held_blocks``: a reclaim moves them to the free pool.
 Adapters: ``adapters`` maps an adapter slot to its id (slot -1, the base model, is id 0).
 
@@ -317,13 +320,14 @@ class SimDevice(ScriptedDevice):
             if start > 0 and not last and length >= 4 and length % 4:
                 raise self._bad(call, f"a non-last chunk of {length} tokens is no multiple of 4")
 
-    def _first_prefill(self, s: ScriptedSequence, prompt) -> int:
-        """The prefix-cache hit a first prefill reports (0 when the cache is off or misses)."""
+    def _first_prefill(self, s: ScriptedSequence, prompt, looks_up: bool = True) -> int:
+        """The prefix-cache hit a first prefill reports (0 when the cache is off or misses, or the
+        forward does not look the cache up: ``looks_up`` false, a batched or mixed forward)."""
         rid = self._rid(s)
         if rid in self.prefilled:
             return 0
         self.prefilled.add(rid)
-        if not self.prefix_cache:
+        if not self.prefix_cache or not looks_up:
             return 0
         body = tuple(prompt[1:])
         best = 0
@@ -366,7 +370,7 @@ class SimDevice(ScriptedDevice):
             self._check_slice(call, self._seq(sl.seq), sl.prompt, sl.start, sl.length, sl.last)
             if sl.start == 0:
                 self._ring_reset(self._seq(sl.seq))
-                self._first_prefill(self._seq(sl.seq), sl.prompt)
+                self._first_prefill(self._seq(sl.seq), sl.prompt, looks_up=False)
 
     def mixed_forward(self, decode_tokens, decode_seqs, prefill, stream: int) -> None:
         self._blame(list(decode_seqs) + [prefill.seq])
