@@ -27,7 +27,10 @@ uniformly. The states they are for, and why each matters:
   restore fails (a fault answering ``AwaitRestore``), and only it ends, with the error.
 - ``ahead``: async scheduling (specs/async.md §16.6) with deadlines, faults at a decode's launch,
   budgets and a context ceiling that end on a token kept on the device, cancels, logprob rows and
-  late arrivals.
+  late arrivals; or prompts a few tokens short of a block boundary with cancel flags raised in the
+  first ticks (rows cross a boundary in ticks that leave the steady columns); or budgets one apart
+  with a fault at a decode's launch around their ends; or deadlines alone in a batch its
+  synchronous twin must match.
 - ``waiting_work``: one long request and a late arrival far behind it, KV exhaustion injected
   twice in a row (a preemption, then the survivor alone fails), with the inbox open or closed: the
   loop must resume the preempted sequence, neither wait for input nor shut down (§5.4, §5.8).
@@ -148,11 +151,29 @@ def spilled_alone(rng: random.Random) -> Episode:
 def ahead(rng: random.Random) -> Episode:
     """Async scheduling under pressure (specs/async.md §16.6): decodes answered ahead while deadlines
     pass, faults strike a decode's launch with kept tokens to resolve, budgets and a context ceiling
-    end on a kept token, clients cancel, rows ask for logprobs and late arrivals settle the tokens."""
+    end on a kept token, clients cancel, rows ask for logprobs and late arrivals settle the tokens.
+    Three set-ups besides: prompts a few tokens short of a block boundary with cancel flags raised in
+    the first ticks (rows cross a boundary in ticks that leave the steady columns); budgets one apart
+    with a fault at a decode's launch around their ends (a kept token that is its sequence's last
+    must be taken before the fault fails the rest); deadlines alone, every request there at once, no
+    chunking (the episode's synchronous twin must give the same frames, walk._comparable)."""
     n = rng.randint(2, 5)
+    setup = rng.choices(("plain", "near_boundary", "staggered", "timed"), weights=(4, 2, 2, 2))[0]
+    base = rng.randint(3, 8)
     requests = []
-    for r in _requests(rng, n, prompt=(2, 30), budget=(3, 20)):
+    for i, r in enumerate(_requests(rng, n, prompt=(2, 30), budget=(3, 20))):
         changes: dict[str, Any] = {}
+        if setup == "staggered":
+            changes.update(max_tokens=base + i, tokens=tuple(_randints(rng, 2, 40, base + i)))
+            requests.append(attrs.evolve(r, **changes))
+            continue
+        if setup == "near_boundary":  # cancel flags raised one by one in those ticks: the records' path
+            changes.update(prompt_len=16 * rng.randint(1, 2) - rng.randint(1, 4), streaming=True,
+                           cancel_at=i + rng.randint(1, 3))
+        if setup == "timed":  # deadlines alone, in a batch that its synchronous twin must match
+            changes["deadline_ms"] = TICK_MS * rng.randint(2, 9) + (0.0 if rng.random() < 0.5 else rng.randint(1, 9))
+            requests.append(attrs.evolve(r, **changes))
+            continue
         if rng.random() < 0.4:
             changes["deadline_ms"] = TICK_MS * rng.randint(2, 9) + (0.0 if rng.random() < 0.5 else rng.randint(1, 9))
         if rng.random() < 0.3:  # EOS somewhere: a row computed ahead for nothing
@@ -167,12 +188,15 @@ def ahead(rng: random.Random) -> Episode:
         requests.append(attrs.evolve(r, **changes))
     decode_fault_at: tuple[int, ...] = ()
     kv_exhaust_at: tuple[int, ...] = ()
-    if rng.random() < 0.5:
+    if setup == "staggered":
+        decode_fault_at = (rng.randint(max(0, base - 3), base + n),)
+    elif setup != "timed" and rng.random() < 0.5:
         if rng.random() < 0.4:
             decode_fault_at = (rng.randint(2, 8),)
         else:
             kv_exhaust_at = (rng.randint(2, 8),)
-    return Episode(mode="plain", max_batch_size=rng.choice((n, 4, 8)), max_prefill_tokens=rng.choice((0, 0, 8)),
+    chunk = 0 if setup == "timed" else rng.choice((0, 0, 8))
+    return Episode(mode="plain", max_batch_size=rng.choice((n, 4, 8)), max_prefill_tokens=chunk,
                    spill=False, total_blocks=1000, held_blocks=0, requests=tuple(requests), close_tick=0,
                    max_seq_len=rng.choice((4096, 4096, 40)), decode_fault_at=decode_fault_at,
                    kv_exhaust_at=kv_exhaust_at, async_scheduling=True, aim="ahead")
