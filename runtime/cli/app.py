@@ -164,90 +164,6 @@ def cmd_run(args) -> int:
     return 0
 
 
-def _print_coverage(coverage: dict) -> None:
-    """The effects, finish reasons and faults on a line each, then one line per feature of the
-    walk's ``FEATURES`` with its count (a feature never reached says ``0  NOT REACHED``)."""
-    from fxsched.runtime.check.walk import feature_counts
-
-    groups: dict[str, dict[str, int]] = {"effects": {}, "finish reasons": {}, "faults": {}}
-    for key, count in coverage.items():
-        if key.startswith("finish:"):
-            groups["finish reasons"][key[7:]] = count
-        elif key.startswith("fault:"):
-            groups["faults"][key[6:]] = count
-        elif key != "rotation_ack" and ":" not in key:
-            groups["effects"][key] = count
-    for title, counts in groups.items():
-        cells = ", ".join(f"{k}={v}" for k, v in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
-        print(f"  {title}: {cells or '-'}")
-    features = feature_counts(coverage)
-    width = max(len(name) for name in features)
-    print("  features:")
-    for name, count in features.items():
-        print(f"    {name:<{width}}  {count}{'  NOT REACHED' if count == 0 else ''}")
-
-
-def cmd_check(args) -> int:
-    from tqdm import tqdm
-
-    from fxsched.runtime.check.replay import write_replay
-    from fxsched.runtime.check.walk import usable_cpus, walk
-
-    if (args.steps is None) == (args.time is None):
-        print("fxsched check: give exactly one of --steps N or --time SECONDS", file=sys.stderr)
-        return EXIT_USAGE
-    if args.replay_file is not None:
-        problem = _unwritable(Path(args.replay_file))
-        if problem:
-            print(f"fxsched check: --replay-file {args.replay_file}: {problem}", file=sys.stderr)
-            return EXIT_USAGE
-    total = args.steps if args.steps is not None else None
-    show = args.progress if args.progress is not None else (args.time or 0) > 3 or (args.steps or 0) > 50_000
-    bar = tqdm(total=total, unit="step", desc="check", disable=not show, leave=False)
-    try:
-        report = walk(args.seed, steps=args.steps, seconds=args.time, progress=bar.update,
-                      jobs=args.jobs if args.jobs is not None else usable_cpus())
-    except ValueError as err:
-        bar.close()
-        print(f"fxsched check: {err}", file=sys.stderr)
-        return EXIT_USAGE
-    except RuntimeError as err:  # a worker process failed or died (specs/checker.md §11.5)
-        bar.close()
-        print(f"fxsched check: {err}", file=sys.stderr)
-        return 1
-    bar.close()
-    on = f"{report.jobs} processes" if report.jobs > 1 else "1 process"
-    print(f"seed {report.seed}: {report.steps} steps in {report.episodes} episodes, {report.seconds:.2f} s on {on}, "
-          f"{report.steps_per_second:,.0f} steps/s ({report.steps_per_cpu_second:,.0f} per CPU second)")
-    _print_coverage(report.coverage)
-    if report.violation is None:
-        print("no invariant broken")
-        return 0
-    path = Path(args.replay_file or f"fxsched-replay-{report.seed}.json")
-    v = report.violation
-    print(f"VIOLATION {v['invariant']} at step {v['step']} of episode {v['episode_index']}: {v['message']}",
-          flush=True)
-    try:
-        write_replay(report, path)
-    except OSError as err:
-        print(f"fxsched check: --replay-file {path}: cannot write it ({err.strerror or err})", file=sys.stderr)
-        return 1
-    print(f"replay file: {path}  (fxsched replay {path})")
-    return 1
-
-
-def _unwritable(path: Path) -> str:
-    """Why a file cannot be written at ``path`` (its folder is missing, it is a folder), or ''."""
-    folder = path.parent
-    if path.is_dir():
-        return "is a directory (give a file name)"
-    if not folder.is_dir():
-        return f"no such folder {str(folder)!r}"
-    if not os.access(folder, os.W_OK):
-        return f"the folder {str(folder)!r} is not writable"
-    return ""
-
-
 def _replay_event_log(args) -> int:
     """``fxsched replay`` of an event log (``--record``): identical, or the first departing event."""
     from fxsched.runtime.eventlog import EventLogError, render_output, replay_log
@@ -423,16 +339,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_ep_ranks_argument(run)
     run.set_defaults(func=cmd_run)
 
-    check = sub.add_parser("check", help="model-check step with a seeded random walk")
-    check.add_argument("--seed", type=int_arg(-MAX_SEED, MAX_SEED), default=0)
-    check.add_argument("--steps", type=int_arg(1, 10**12), help="stop after this many steps")
-    check.add_argument("--time", type=seconds_arg, help="stop after this many seconds")
-    check.add_argument("--replay-file", help="where to write the replay file of a violation")
-    check.add_argument("--jobs", type=int_arg(1, 256), default=None,
-                       help="processes running episodes (default: the usable CPUs; the report is the same for any)")
-    check.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
-                       help="show a progress bar (default: on runs longer than a few seconds)")
-    check.set_defaults(func=cmd_check)
+    from fxsched.runtime.cli.check import add_check_command
+
+    add_check_command(sub)
 
     rep = sub.add_parser("replay", help="re-run a checker replay file to its violation, or an event log "
                                         "(--record) through step, reporting the first departing event")
