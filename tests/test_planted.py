@@ -26,10 +26,10 @@ NOT_AN_INVARIANT = {"device_refused", "step_raises", "batch_ends_in_one_query", 
 
 
 def invariant_names() -> set[str]:
-    """Every ``Violation`` name the checker's invariants raise."""
+    """Every ``Violation`` name the checker's modules raise."""
     from fxsched.runtime.check import invariants
 
-    text = Path(invariants.__file__).read_text()
+    text = "".join(path.read_text() for path in sorted(Path(invariants.__file__).parent.glob("*.py")))
     return set(re.findall(r'Violation\(\s*"(\w+)"', text))
 
 
