@@ -1,4 +1,4 @@
-"""``fxsched check``: the model checker's random walk (specs/checker.md §11), one seed or a sweep.
+"""``fxsched check``: the model checker's random walk (specs/checker.md §11.1), one seed or a sweep.
 
 ``--seed S`` walks one seed and prints its coverage; ``--seeds 1-200`` (a range, or a comma list of
 seeds and ranges) walks each seed in turn for the same ``--steps`` / ``--time``, prints a line per
