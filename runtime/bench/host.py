@@ -321,20 +321,28 @@ COLUMNS = ("mode", "batch", "ticks", "us_per_tick", *PARTS, "wall_us_per_tick", 
            "target_us", "pass")
 
 
+def fixed_width(rows: list[dict[str, Any]], columns: Sequence[str], heads: Sequence[str], min_width: int,
+                two_places: Callable[[str], bool]) -> list[str]:
+    """A header line and a line per row, right-aligned: True/False as PASS/FAIL, floats with two
+    decimals in the columns ``two_places`` names and none elsewhere."""
+    widths = [max(len(h), min_width) for h in heads]
+    lines = ["  ".join(f"{h:>{w}}" for h, w in zip(heads, widths, strict=True))]
+    for r in rows:
+        cells = []
+        for c, w in zip(columns, widths, strict=True):
+            v = r[c]
+            text = ("PASS" if v is True else "FAIL" if v is False else f"{v:.2f}" if two_places(c)
+                    else f"{v:.0f}" if isinstance(v, float) else str(v))
+            cells.append(f"{text:>{w}}")
+        lines.append("  ".join(cells))
+    return lines
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
     """The rows as a fixed-width table (us per tick), with a line on the drafts and the counting."""
     heads = [{"us_per_tick": "cpu us", "wall_us_per_tick": "wall us"}.get(c, c.replace("_per_tick", "/tick"))
              for c in COLUMNS]
-    widths = [max(len(h), 6) for h in heads]
-    lines = ["  ".join(f"{h:>{w}}" for h, w in zip(heads, widths, strict=True))]
-    for r in rows:
-        cells = []
-        for c, w in zip(COLUMNS, widths, strict=True):
-            v = r[c]
-            text = "PASS" if v is True else "FAIL" if v is False else f"{v:.2f}" if c.endswith("s_per_tick") and \
-                not c.endswith("us_per_tick") else f"{v:.0f}" if isinstance(v, float) else str(v)
-            cells.append(f"{text:>{w}}")
-        lines.append("  ".join(cells))
+    lines = fixed_width(rows, COLUMNS, heads, 6, lambda c: c.endswith("s_per_tick") and not c.endswith("us_per_tick"))
     drafts = sorted({r["drafts"] for r in rows if r["drafts"] != "-"})
     bad = [f"{r['mode']}@{r['batch']}" for r in rows if not (r["counting"] and r["untouched"])]
     engines = sorted({r["engine"] for r in rows})

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from fxsched.runtime.bench.host import EXIT_USAGE, run_once
+from fxsched.runtime.bench.host import EXIT_USAGE, fixed_width, run_once
 
 OVERLAP_FACTOR = 1.1  # async ticks at most 1.1 x max(host, forward)
 
@@ -60,16 +60,7 @@ OVERLAP_COLUMNS = ("mode", "batch", "forward_ms", "host_us", "device_us", "tick_
 def format_overlap(rows: list[dict[str, Any]]) -> str:
     """The overlap rows as a fixed-width table."""
     heads = [c.replace("_percent", " %").replace("hidden_of_sum", "hidden of sum") for c in OVERLAP_COLUMNS]
-    widths = [max(len(h), 7) for h in heads]
-    lines = ["  ".join(f"{h:>{w}}" for h, w in zip(heads, widths, strict=True))]
-    for r in rows:
-        cells = []
-        for c, w in zip(OVERLAP_COLUMNS, widths, strict=True):
-            v = r[c]
-            text = ("PASS" if v is True else "FAIL" if v is False else f"{v:.2f}" if c in ("on/off", "off/sum", "forward_ms")
-                    else f"{v:.0f}" if isinstance(v, float) else str(v))
-            cells.append(f"{text:>{w}}")
-        lines.append("  ".join(cells))
+    lines = fixed_width(rows, OVERLAP_COLUMNS, heads, 7, lambda c: c in ("on/off", "off/sum", "forward_ms"))
     lines.append("every output counts: " + ("yes" if all(r["counting"] for r in rows) else "NO"))
     return "\n".join(lines)
 

@@ -130,7 +130,6 @@ def _sweep(args) -> int:
     broken: list[int] = []
     steps = 0
     seconds = 0.0
-    status = 0
     for seed in seeds:
         try:
             report = _walk(args, seed, None)
@@ -151,13 +150,13 @@ def _sweep(args) -> int:
             continue
         broken.append(seed)
         bar.clear()
-        status = max(status, _violation(report, Path(f"fxsched-replay-{seed}.json"), prefix=f"seed {seed}: "))
+        _violation(report, Path(f"fxsched-replay-{seed}.json"), prefix=f"seed {seed}: ")
     bar.close()
     never = [name for name, count in feature_counts(dict(coverage)).items() if count == 0]
     print(f"seeds {_span(seeds)}: {len(seeds)} walked, {steps} steps in {seconds:.1f} s, "
           f"{len(broken)} with a violation{': ' + ', '.join(map(str, broken)) if broken else ''}")
     print(f"features no seed reached: {', '.join(never) if never else 'none'}")
-    return 1 if broken else status
+    return 1 if broken else 0
 
 
 def _span(seeds: tuple[int, ...]) -> str:
