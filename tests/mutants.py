@@ -667,6 +667,27 @@ MUTANTS: tuple[Mutant, ...] = (
        "    if ahead_past_deadline(state):  # its token is read first, to time it out with the token taken (§16.6)\n",
        "    if False:  # its token is read first, to time it out with the token taken (§16.6)\n",
        "a sequence past its deadline while its token is on the device times out without that token"),
+    # --- ledgers and the EP words that report a result (issue 52 items 3-4) -----------------------------
+    _m("lifecycle_resume_skips_adapter", "lifecycle",
+       "    out.append(dc.AcquireAdapterSlot(seq.request.adapter_slot))\n    ep_prefill_preamble(",
+       "    ep_prefill_preamble(",
+       "a requeued sequence is prefilled again without acquiring its adapter slot"),
+    _m("lifecycle_resume_acquires_base_adapter", "lifecycle",
+       "    out.append(dc.AcquireAdapterSlot(seq.request.adapter_slot))\n    ep_prefill_preamble(",
+       "    out.append(dc.AcquireAdapterSlot(-1))\n    ep_prefill_preamble(",
+       "a requeued sequence comes back on the base model instead of its request's adapter"),
+    _m("lifecycle_restore_fail_releases_stale_slot", "lifecycle",
+       "        out.append(ReleaseSeq(seq.seq_id, waiting.slot, cache=False, reason=ReleaseReason.SEND_ERROR))\n",
+       "        out.append(ReleaseSeq(seq.seq_id, seq.slot, cache=False, reason=ReleaseReason.SEND_ERROR))\n",
+       "a failed swap-in releases the slot the sequence held before its spill, not the one it was just given"),
+    _m("lifecycle_swap_in_keeps_swapped", "lifecycle",
+       "    state = replace(state, swapped=tuple(w for w in state.swapped if w is not fitting),\n",
+       "    state = replace(state, swapped=state.swapped,\n",
+       "a swapped-in sequence stays on the swapped list too: it is restored a second time later"),
+    _m("ngram_accept_word_inverted", "ngram",
+       "    out.append(dc.EpBroadcastCmd(1 if accepted else 0))\n",
+       "    out.append(dc.EpBroadcastCmd(0 if accepted else 1))\n",
+       "the n-gram verify's accept word reports the opposite of what the verify accepted (workers keep wrong rows)"),
 )
 
 BY_ID = {m.id: m for m in MUTANTS}

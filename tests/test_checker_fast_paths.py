@@ -207,7 +207,9 @@ def test_every_change_to_the_pool_or_the_slots_moves_the_epoch():
         assert device.epoch > before, call.__name__
 
     moves(device.alloc_sequence, 0, 1)
+    device.acquire_adapter_slot(-1)
     moves(device.alloc_sequence, 1, 2)
+    device.acquire_adapter_slot(-1)
     moves(device.prefill, 0, [1, 2, 3], 0)  # its first block
     moves(device.decode_batch, [10], [0], 0)  # 4 tokens: a second block
     moves(device.free_sequence, 1)
@@ -217,6 +219,7 @@ def test_every_change_to_the_pool_or_the_slots_moves_the_epoch():
     device.free_sequence(0)
     device.alloc_sequence(0, 1)
     moves(device.restore_sequence_state, 0, 2)
+    device.acquire_adapter_slot(-1)
     assert device.used_blocks == 2 and device.live[0].blocks == 2
 
 
@@ -227,6 +230,7 @@ def test_the_pool_checks_run_again_once_the_device_changes():
     monitor.on_state(state)
     device.used_blocks += 1  # a leak the pool no longer balances
     device.alloc_sequence(0, 1)
+    device.acquire_adapter_slot(-1)
     with pytest.raises(Violation, match="blocks_balance"):
         monitor.on_state(state)
 
@@ -285,7 +289,9 @@ def _running_two(max_batch_size: int = 8) -> tuple[Monitor, SimDevice, Scheduler
     """A monitor that has seen sequences 1 and 2 active in slots 0 and 1, on a device holding both."""
     monitor, device = _monitor()
     device.alloc_sequence(1, 1)
+    device.acquire_adapter_slot(-1)
     device.alloc_sequence(2, 2)
+    device.acquire_adapter_slot(-1)
     state = attrs.evolve(initial_state(SchedulerConfig(max_batch_size=max_batch_size), ModelInfo()),
                          active=(_sequence(1, 0), _sequence(2, 1)))
     monitor.on_state(state)
@@ -314,6 +320,7 @@ def test_a_sequence_dropped_without_its_release_is_caught():
 def test_a_sequence_replaced_by_another_in_its_slot_is_caught_when_the_old_one_is_held():
     monitor, device, state = _running_two()
     device.alloc_sequence(3, 3)
+    device.acquire_adapter_slot(-1)
     monitor.on_state(state)  # the device changed: three held, two running (the tick checks catch the third)
     replaced = (state.active[0], _sequence(3, 1))  # the same slots, another sequence: 2 stopped running
     with pytest.raises(Violation, match="no_orphan_sequence"):
@@ -323,6 +330,7 @@ def test_a_sequence_replaced_by_another_in_its_slot_is_caught_when_the_old_one_i
 def test_a_batch_grown_past_its_bound_is_caught():
     monitor, device, state = _running_two(max_batch_size=2)
     device.alloc_sequence(3, 3)
+    device.acquire_adapter_slot(-1)
     with pytest.raises(Violation, match="batch_bound"):
         monitor.on_state(attrs.evolve(state, active=state.active + (_sequence(3, 2),)))
 

@@ -23,6 +23,7 @@ def _device(**kwargs) -> SimDevice:
     scripts = {1: Script(4, (10, 11, 12, 13, 14, 15))}
     device = SimDevice(scripts, **kwargs)
     device.alloc_sequence(0, 1)
+    device.acquire_adapter_slot(-1)
     device.prefill(0, [1, 2, 3, 4], 0)
     return device
 
@@ -95,6 +96,7 @@ def test_decode_rows_come_in_slot_order_with_seeds_by_output_length():
     device = SimDevice(scripts)
     for seq, rid in ((0, 1), (1, 2)):
         device.alloc_sequence(seq, rid)
+        device.acquire_adapter_slot(-1)
         device.prefill(seq, [rid, 2, 3, 4], 0)
     requests = {1: SimRequest(id=1, prompt_len=4, tokens=(10,), max_tokens=3),
                 2: SimRequest(id=2, prompt_len=4, tokens=(20,), max_tokens=3)}

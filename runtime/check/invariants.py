@@ -39,7 +39,7 @@ from fxsched.runtime.check.roles import (ALLOC, ARRIVAL, BATCH_ROLES, batch_role
                                          CLOCK, COMMIT, COMPACT, CUT, DECODE, DECODE_LANE, DRAFT, DRAFT_RULED,
                                          effect_role, EVENT_KINDS, FAULT, FOLD, INPUT, NAMES, OUT, PLAN, RELEASE,
                                          ROLES, SHUTDOWN)
-from fxsched.runtime.check.state_checks import (acc_accounting, admission_order, batch_bound, blocks_balance,
+from fxsched.runtime.check.state_checks import (acc_accounting, admission_order, batch_bound, blocks_balance, ledgers_closed,
                                                 blocks_free_at_quiescence, committed_kv, compaction_target_free,
                                                 decode_rows, decode_rows_within_limits, device_arguments,
                                                 drafts_verified, fold_before_commit, kv_mirror,
@@ -594,6 +594,7 @@ class Monitor:
 
     def at_end(self, state: SchedulerState) -> None:
         blocks_free_at_quiescence(state, self.device)
+        ledgers_closed(self.device, self.final)
         missing = [rid for rid in self.requests if rid not in self.final]
         if missing:
             raise Violation("one_terminal_output", f"requests {missing} never got a final frame")

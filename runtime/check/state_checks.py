@@ -13,6 +13,7 @@ from fxsched.core.state import SchedulerState
 from fxsched.core import phases
 from fxsched.effects import device_calls as dc
 from fxsched.effects import lifecycle as lc
+from fxsched.effects.client import ErrorOut
 from fxsched.runtime.check.violation import Violation
 from fxsched.runtime.check.roles import ALLOC, ENTRIES, NAMES, NAMING, RELEASE, ROLES, SEQ, SEQS
 
@@ -376,3 +377,18 @@ def decode_rows(effect, device, requests) -> None:
         if pick.seed != seed or pick.mask_eos != (out < getattr(request, "min_tokens", 0)):
             raise Violation("decode_rows", f"request {request.id} with {out} tokens out picks with seed {pick.seed} "
                                            f"mask_eos={pick.mask_eos}; the rule says seed {seed}")
+
+
+def ledgers_closed(device, final: dict) -> None:
+    """ledgers: when the run ends, the simulated device's accounts (runtime/devices/ledger.py) hold
+    nothing but the spill files of requests that ended in an error (the engine's teardown deletes
+    those with its private folder; a request that finished or was served left one behind only by a
+    path that saved its state and never restored it)."""
+    ledger = getattr(device, "ledger", None)
+    if ledger is None:
+        return
+    for kind, held in ledger.open().items():
+        if kind == "spill file":
+            held = {seq: rid for seq, rid in held.items() if not isinstance(final.get(rid), ErrorOut)}
+        if held:
+            raise Violation("ledgers_closed", f"the run ended with {kind}s still held: {held} (key: holder)")

@@ -90,7 +90,7 @@ def random_episode(rng: random.Random) -> Episode:
         n = rng.randint(1, 3)
     beams = rng.random() < 0.15  # beam-heavy episodes: several blocking beam requests at once
     sampling = rng.random() < 0.2
-    adapters = rng.random() < 0.15
+    adapters = rng.random() < 0.3  # adapter slots (issue 54 serves them): the acquire rules of every path
     requests = []
     last_arrival = 0
     for i in range(n):
@@ -594,6 +594,8 @@ def run_episode(episode: Episode, coverage: Counter, step_limit: int = 20000, ke
                        cancel_flags={r.id for r in episode.requests if r.streaming},
                        can_batch_verify=episode.can_batch_verify, count_accepted=counts_acc,
                        reclaimable=episode.reclaimable, prefix_cache=episode.prefix_cache, adapters=ADAPTERS,
+                       adapter_of={r.id: r.adapter_slot for r in episode.requests},
+                       wave_budget=config.prefill_new_together,
                        max_prefill_tokens=config.max_prefill_tokens, max_batch_tokens=config.max_batch_tokens,
                        short_proposals=hash_seed(episode) if episode.short_proposals else None,
                        capacities=episode.capacities,

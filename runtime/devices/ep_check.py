@@ -3,14 +3,17 @@ leader broadcasts are parsed as a worker parses them (``runtime/ep/protocol.py``
 forward they announce for a slot must be what the next forward on that slot runs there: for a
 prefill the same chunk start, chunk length and prompt, for a decode the same token, for a verify
 the same input tokens. A worker writes what the words say into its copy of the slot (the mirror),
-so wrong words leave it holding another chunk than the leader's KV.
+so wrong words leave it holding another chunk than the leader's KV. The words that report a result
+are read too: a verify's accept count is kept in ``accepted`` for the device to hold against what
+that verify accepted, and the release word is checked by the device against the slot it freed.
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple, Optional, Union, cast
 
-from fxsched.runtime.ep.protocol import CommandParser, Decode, Kind, Message, Prefill, ProtocolError, Release, Verify
+from fxsched.runtime.ep.protocol import (Accept, CommandParser, Decode, Kind, Message, Prefill, ProtocolError, Release,
+                                         Verify)
 
 Announced = Union[Prefill, Decode, Verify]
 
@@ -34,6 +37,7 @@ class EpWordCheck:
         self.parser = CommandParser()
         self.number = 0
         self.announced: dict[int, Announced] = {}  # slot -> the forward announced for it, not run yet
+        self.accepted: Optional[Accept] = None  # the accept count just parsed, until the device reads it
 
     def feed(self, kind: Kind, a: int = 0, b: int = 0, payload=()) -> Optional[str]:
         """One broadcast; a message that breaks the protocol is the error returned. (An announcement
@@ -47,6 +51,8 @@ class EpWordCheck:
             self.announced[command.slot] = command
         elif isinstance(command, Release):
             self.announced.pop(command.slot, None)
+        elif isinstance(command, Accept):
+            self.accepted = command
         return None
 
     def take(self, call: str, runs: tuple[Announced, ...]) -> Optional[str]:

@@ -42,7 +42,13 @@ checker reports as ``device_refused``, never a fault the scheduler may absorb):
   a bootstrap decode and the Marconi one after a K = 2 verify, never the async one otherwise;
 - ``save_sequence_state`` saves a sequence not saved already; ``restore_sequence_state`` needs a
   saved, sound file (``spill_corrupt_for`` damages one, ``spill_missing_for`` loses it) into a
-  fresh sequence.
+  fresh sequence;
+- the ledgers (``ledger``, specs/checker.md §11.8): slots, adapter slots and spill files are
+  acquired and released once each; ``acquire_adapter_slot`` takes the adapter slot of the sequence
+  allocated last (its request's, ``adapter_of``) and no forward runs a sequence before it; the EP
+  release word names a slot a release freed, a verify's accept word the drafts it accepted; with
+  ``wave_budget`` (prefill_new_together) a batched forward of two or more prompts fits
+  ``max_batch_tokens``.
 
 Prefix cache (``prefix_cache``): ``cache_sequence`` remembers the body of the sequence's prompt
 (every token after the first, which is the request id); a later first prefill whose body shares
@@ -89,9 +95,11 @@ import random
 from typing import NamedTuple, Optional
 
 from fxsched.core.events import LATE_DRAFT, LATE_TOKEN
+from fxsched.effects.ep_words import RELEASE_CMD
 from fxsched.runtime.devices.device import DeviceError
 from fxsched.runtime.devices.sampling import draw, pick_weights
 from fxsched.runtime.devices.ep_check import EpWordCheck
+from fxsched.runtime.devices.ledger import ADAPTER, SLOT, SPILL, Ledger
 from fxsched.runtime.devices.scripted import Script, ScriptedDevice, ScriptedSequence, script_verify
 from fxsched.runtime.ep.protocol import Decode as EpDecode
 from fxsched.runtime.ep.protocol import Kind
@@ -148,7 +156,8 @@ class SimDevice(ScriptedDevice):
                  reclaimable: int = 0, prefix_cache: bool = False, adapters: Optional[dict[int, int]] = None,
                  max_prefill_tokens: int = 0, max_batch_tokens: int = 8192, short_proposals: Optional[int] = None,
                  capacities: tuple[int, ...] = (), late_drafts: Optional[int] = None,
-                 keep_decodes: Optional[int] = None):
+                 keep_decodes: Optional[int] = None, adapter_of: Optional[dict[int, int]] = None,
+                 wave_budget: bool = False):
         super().__init__(scripts, vocab=vocab, block_size=block_size, total_blocks=total_blocks,
                          held_blocks=held_blocks, reclaimable=min(reclaimable, held_blocks),
                          cancel_flags=cancel_flags, kv_exhaust_at=kv_exhaust_at,
@@ -166,6 +175,7 @@ class SimDevice(ScriptedDevice):
         self.adapters = {-1: 0} if adapters is None else dict(adapters)
         self.max_prefill_tokens = max_prefill_tokens
         self.max_batch_tokens = max_batch_tokens
+        self.wave_budget = wave_budget  # prefill_new_together: a batched wave fits max_batch_tokens
         self.verified: dict[int, tuple[int, int]] = {}  # seq -> (rows, KV length before) of its last verify
         self.stash = 0  # entries of the last hidden-row stash
         self.blamed: Optional[frozenset[int]] = None  # request ids the last failed call worked on
@@ -208,6 +218,10 @@ class SimDevice(ScriptedDevice):
         self.epoch = 0  # changes to the pool and the slots so far (see the module docstring)
         self.verify_order: tuple[tuple[int, bool], ...] = ()  # the last verify's sequences (counted?) in row order
         self.ep_words = EpWordCheck()  # the EP words as a worker reads them, against the forwards that run
+        self.ledger = Ledger()  # slots, adapter slots and spill files, acquired and released (ledger.py)
+        self.adapter_of = dict(adapter_of or {})  # request id -> the adapter slot it asked for (when known)
+        self.awaiting_adapter: Optional[int] = None  # the sequence allocated last, until it acquires its adapter
+        self.freed_slots: set[int] = set()  # slots freed since, not allocated again nor announced released
 
     # --- strict bookkeeping ---------------------------------------------------------------------------
 
@@ -227,25 +241,39 @@ class SimDevice(ScriptedDevice):
 
     # --- EP words: each announced forward is the one that runs next ------------------------------------
 
-    def _ep(self, call: str, error: Optional[str]) -> None:
+    def _refuse(self, call: str, error: Optional[str]) -> None:
         if error is not None:
             raise self._bad(call, error)
 
     def ep_broadcast_cmd_for_seq(self, seq_slot: int, cmd: int) -> None:
         super().ep_broadcast_cmd_for_seq(seq_slot, cmd)
-        self._ep("ep_broadcast_cmd_for_seq", self.ep_words.feed(Kind.CMD_FOR_SEQ, seq_slot, cmd))
+        if cmd == RELEASE_CMD:  # names the slot a release just freed (specs/scheduler.md §5.20)
+            if seq_slot not in self.freed_slots:
+                held = self.ledger.holder(SLOT, seq_slot)
+                raise self._bad("ep_broadcast_cmd_for_seq", f"the EP release word names slot {seq_slot}, which no "
+                                                            f"release freed (held by sequence {held})")
+            self.freed_slots.discard(seq_slot)
+        self._refuse("ep_broadcast_cmd_for_seq", self.ep_words.feed(Kind.CMD_FOR_SEQ, seq_slot, cmd))
 
     def ep_broadcast_cmd(self, cmd: int) -> None:
         super().ep_broadcast_cmd(cmd)
-        self._ep("ep_broadcast_cmd", self.ep_words.feed(Kind.CMD, 0, cmd))
+        self._refuse("ep_broadcast_cmd", self.ep_words.feed(Kind.CMD, 0, cmd))
+        accept = self.ep_words.accepted
+        if accept is not None:  # a verify's result word: the drafts that verify accepted
+            self.ep_words.accepted = None
+            seq = self.ledger.holder(SLOT, accept.slot)
+            io = self.verify_io.get(seq) if isinstance(seq, int) else None
+            if io is not None and accept.accepted != _agreed(*io):
+                raise self._bad("ep_broadcast_cmd", f"the EP accept word says {accept.accepted} for slot "
+                                                    f"{accept.slot}, whose verify accepted {_agreed(*io)} drafts")
 
     def ep_broadcast_tokens(self, tokens) -> None:
         super().ep_broadcast_tokens(tokens)
-        self._ep("ep_broadcast_tokens", self.ep_words.feed(Kind.TOKENS, 0, 0, tokens))
+        self._refuse("ep_broadcast_tokens", self.ep_words.feed(Kind.TOKENS, 0, 0, tokens))
 
     def ep_sync_vision_embeds(self, n: int) -> None:
         super().ep_sync_vision_embeds(n)
-        self._ep("ep_sync_vision_embeds", self.ep_words.feed(Kind.VISION, n))
+        self._refuse("ep_sync_vision_embeds", self.ep_words.feed(Kind.VISION, n))
 
     def _runs(self, call: str, decodes=(), prefills=(), verifies=()) -> None:
         """The forward ``call`` feeds ``decodes`` ((token, seq) pairs), prefill slices and
@@ -257,7 +285,14 @@ class SimDevice(ScriptedDevice):
                      + [EpPrefill(live[sl.seq].slot, sl.start, sl.length, tuple(sl.prompt))
                         for sl in prefills if sl.seq in live]
                      + [EpVerify(live[q].slot, tuple(tokens)) for q, tokens in verifies if q in live])
-        self._ep(call, self.ep_words.take(call, runs))
+        self._refuse(call, self.ep_words.take(call, runs))
+
+    def _adapted(self, call: str, seqs) -> None:
+        """Every sequence a forward runs has acquired its adapter slot since its allocation."""
+        held = self.ledger.accounts[ADAPTER]
+        for seq in seqs:
+            if seq not in held and seq in self.live:
+                raise self._bad(call, f"sequence {seq} runs before it acquired its adapter slot")
 
     def _blame(self, seqs) -> None:
         self.blamed = frozenset(self._rid(self.live[i]) for i in seqs if i in self.live)
@@ -299,7 +334,25 @@ class SimDevice(ScriptedDevice):
         if seq in self.live:
             raise self._bad("alloc_sequence", f"sequence {seq} is already allocated")
         self.epoch += 1
-        return super()._alloc(seq, session)
+        slot = super()._alloc(seq, session)
+        self._refuse("alloc_sequence", self.ledger.acquire(SLOT, slot, seq))
+        self.freed_slots.discard(slot)
+        self.awaiting_adapter = seq
+        return slot
+
+    def acquire_adapter_slot(self, slot: int) -> int:
+        """The adapter slot of the sequence allocated last (specs/scheduler.md §5.10 step 2), once."""
+        seq = self.awaiting_adapter
+        if seq is None:
+            raise self._bad("acquire_adapter_slot", f"adapter slot {slot}, but no sequence was allocated since the "
+                                                    f"last acquire")
+        self.awaiting_adapter = None
+        want = self.adapter_of.get(self._rid(self.live[seq]))
+        if want is not None and want != slot:
+            raise self._bad("acquire_adapter_slot", f"adapter slot {slot} for sequence {seq}, whose request asked "
+                                                    f"for {want}")
+        self._refuse("acquire_adapter_slot", self.ledger.acquire(ADAPTER, seq, slot))
+        return super().acquire_adapter_slot(slot)
 
     def _check_slice(self, call: str, s: ScriptedSequence, prompt, start: int, length: int, last: bool) -> None:
         if start != s.seq_len:
@@ -347,6 +400,7 @@ class SimDevice(ScriptedDevice):
         s = self._seq(seq)
         if s.seq_len or not tokens:
             raise self._bad("prefill", f"{len(tokens)} tokens into sequence {seq}, which holds {s.seq_len}")
+        self._adapted("prefill", (seq,))
         self._runs("prefill", prefills=(_Slice(seq, tuple(tokens), 0, len(tokens)),))
         super().prefill(seq, tokens, stream)
         self._ring_reset(s)
@@ -355,6 +409,7 @@ class SimDevice(ScriptedDevice):
     def prefill_chunk(self, seq: int, prompt, start: int, length: int, last: bool, stream: int):
         s = self._seq(seq)
         self._check_slice("prefill_chunk", s, prompt, start, length, last)
+        self._adapted("prefill_chunk", (seq,))
         self._runs("prefill_chunk", prefills=(_Slice(seq, tuple(prompt), start, length),))
         if start == 0:
             self._ring_reset(s)
@@ -365,6 +420,12 @@ class SimDevice(ScriptedDevice):
         names = list(decode_seqs) + [sl.seq for sl in prefills]
         if len(names) != len(set(names)):
             raise self._bad(call, f"a sequence appears twice in {names}")
+        self._adapted(call, names)
+        if self.wave_budget and len(prefills) > 1:  # specs/scheduler.md §5.13 A: the first entry always rides
+            rows = len(decode_seqs) + sum(sl.length for sl in prefills)
+            if rows > self.max_batch_tokens:
+                raise self._bad(call, f"{len(decode_seqs)} decode rows and chunks {[sl.length for sl in prefills]} "
+                                      f"in one forward, over max_batch_tokens {self.max_batch_tokens}")
         self._runs(call, decodes=tuple(zip(decode_tokens, decode_seqs, strict=False)), prefills=prefills)
         for sl in prefills:
             self._check_slice(call, self._seq(sl.seq), sl.prompt, sl.start, sl.length, sl.last)
@@ -393,6 +454,7 @@ class SimDevice(ScriptedDevice):
     def decode_batch(self, tokens, seqs, stream: int) -> None:
         if len(set(seqs)) != len(seqs):
             raise self._bad("decode_batch", f"a sequence appears twice in {list(seqs)}")
+        self._adapted("decode_batch", seqs)
         tokens = self._fed(tuple(tokens), tuple(seqs))
         self._runs("decode_batch", decodes=tuple(zip(tokens, seqs, strict=False)))
         self._blame(seqs)
@@ -475,6 +537,7 @@ class SimDevice(ScriptedDevice):
         return [int(g) for g in got]
 
     def _single_decode(self, name: str, token: int, seq: int, stream: int, cancel: bool) -> None:
+        self._adapted(name, (seq,))
         self._runs(name, decodes=((token, seq),))
         super()._single_decode(name, token, seq, stream, cancel)
         self.last_forward[seq] = name
@@ -531,6 +594,7 @@ class SimDevice(ScriptedDevice):
             raise self._bad(name, f"{len(tokens)} tokens for a width-{width} verify")
         if name == "decode_verify_dflash" and len(tokens) < 5:  # keep >= 4 (specs/speculation.md §6.5)
             raise self._bad(name, f"a block verify of {len(tokens) - 1} drafts (four or more take it)")
+        self._adapted(name, (seq,))
         self._runs(name, verifies=((seq, tokens),))  # the EP words announced the inputs as the query holds them
         tokens = self._resolve(name, seq, tokens)
         if name != "decode_verify":
@@ -552,6 +616,7 @@ class SimDevice(ScriptedDevice):
     def decode_verify_batched(self, tokens, ks, seqs, stream: int, woa: bool) -> list[int]:
         if len(set(seqs)) != len(seqs) or len(ks) != len(seqs) or sum(ks) != len(tokens):
             raise self._bad("decode_verify_batched", f"ks={list(ks)} seqs={list(seqs)} for {len(tokens)} tokens")
+        self._adapted("decode_verify_batched", seqs)
         self._blame(seqs)
         verifies, offset = [], 0
         for k, seq_id in zip(ks, seqs, strict=True):
@@ -845,12 +910,21 @@ class SimDevice(ScriptedDevice):
         s = self._seq(seq)
         if new_slot != s.slot and any(o.slot == new_slot for o in self.live.values() if o is not s):
             raise DeviceError(f"compaction target slot {new_slot} is held by another sequence")
+        if new_slot != s.slot:
+            self._refuse("compact_sequence", self.ledger.release(SLOT, s.slot))
+            self._refuse("compact_sequence", self.ledger.acquire(SLOT, new_slot, seq))
         self.epoch += 1
         super().compact_sequence(seq, new_slot)
 
     def free_sequence(self, seq: int) -> None:
+        slot = self._seq(seq).slot
         self.epoch += 1
         super().free_sequence(seq)
+        self._refuse("free_sequence", self.ledger.release(SLOT, slot))
+        self.ledger.accounts[ADAPTER].pop(seq, None)  # (none when it failed before its acquire)
+        self.freed_slots.add(slot)
+        if self.awaiting_adapter == seq:
+            self.awaiting_adapter = None
         self.verified.pop(seq, None)
         for held in (self.verify_io, self.proposed, self.proposed_at, self.last_forward, self.checkpoint_due,
                      self.verified_tick):
@@ -942,9 +1016,8 @@ class SimDevice(ScriptedDevice):
 
     def save_sequence_state(self, seq: int) -> None:
         s = self._seq(seq)
-        if seq in self.spilled:
-            raise self._bad("save_sequence_state", f"sequence {seq} is saved already")
         self._script(s)
+        self._refuse("save_sequence_state", self.ledger.acquire(SPILL, seq, s.request_id))
         self.spill_owner[seq] = s.request_id
         if s.request_id in self.spill_missing_for:
             return
@@ -956,6 +1029,7 @@ class SimDevice(ScriptedDevice):
         if s.seq_len or s.blocks:
             raise self._bad("restore_sequence_state", f"into sequence {seq}, which holds {s.seq_len} tokens")
         saved = self.spilled.pop(seq, None)
+        self._refuse("restore_sequence_state", self.ledger.release(SPILL, seq))
         if saved is None:
             self.blamed = frozenset((self.spill_owner.get(seq, 0),))
             raise DeviceError(f"spill file for sequence {seq} is missing")
