@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from fxsched.effects.client import DoneOut, ErrorOut, FinishReason
-from fxsched.effects.ep_words import RELEASE_CMD, VERIFY_CMD
+from fxsched.effects.ep_words import RELEASE_CMD, SHUTDOWN_CMD, VERIFY_CMD
 from fxsched.runtime.check.state_checks import ledgers_closed
 from fxsched.runtime.check.violation import Violation
 from fxsched.runtime.devices.ledger import ADAPTER, SLOT, SPILL, Ledger
@@ -124,3 +124,10 @@ def test_at_the_end_only_the_spill_files_of_failed_requests_may_be_left():
     with pytest.raises(Violation, match="slots still held"):
         ledgers_closed(device, {1: ErrorOut(1, "aborted", True)})
     assert device.ledger.open()[SPILL] == {0: 1}
+
+
+def test_no_ep_word_follows_the_shutdown_word():
+    device = _device()
+    device.ep_broadcast_cmd_for_seq(0, SHUTDOWN_CMD)
+    with pytest.raises(ArgumentError, match="after the shutdown word"):
+        device.ep_broadcast_cmd_for_seq(0, 10)

@@ -6,6 +6,7 @@ the same input tokens. A worker writes what the words say into its copy of the s
 so wrong words leave it holding another chunk than the leader's KV. The words that report a result
 are read too: a verify's accept count is kept in ``accepted`` for the device to hold against what
 that verify accepted, and the release word is checked by the device against the slot it freed.
+The shutdown word is the last: no word follows it.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from typing import NamedTuple, Optional, Union, cast
 
 from fxsched.runtime.ep.protocol import (Accept, CommandParser, Decode, Kind, Message, Prefill, ProtocolError, Release,
-                                         Verify)
+                                         Shutdown, Verify)
 
 Announced = Union[Prefill, Decode, Verify]
 
@@ -38,11 +39,14 @@ class EpWordCheck:
         self.number = 0
         self.announced: dict[int, Announced] = {}  # slot -> the forward announced for it, not run yet
         self.accepted: Optional[Accept] = None  # the accept count just parsed, until the device reads it
+        self.shut = False  # the shutdown word came
 
     def feed(self, kind: Kind, a: int = 0, b: int = 0, payload=()) -> Optional[str]:
         """One broadcast; a message that breaks the protocol is the error returned. (An announcement
         may replace one whose forward never ran: its sequence failed, finished or left the step.)"""
         self.number += 1
+        if self.shut:
+            return f"EP word {self.number} ({kind.name}) after the shutdown word"
         try:
             command = self.parser.feed(cast(Message, _Word(kind, a, b, tuple(payload), self.number)))
         except ProtocolError as err:
@@ -53,6 +57,8 @@ class EpWordCheck:
             self.announced.pop(command.slot, None)
         elif isinstance(command, Accept):
             self.accepted = command
+        elif isinstance(command, Shutdown):
+            self.shut = True
         return None
 
     def take(self, call: str, runs: tuple[Announced, ...]) -> Optional[str]:
