@@ -688,6 +688,62 @@ MUTANTS: tuple[Mutant, ...] = (
        "    out.append(dc.EpBroadcastCmd(1 if accepted else 0))\n",
        "    out.append(dc.EpBroadcastCmd(0 if accepted else 1))\n",
        "the n-gram verify's accept word reports the opposite of what the verify accepted (workers keep wrong rows)"),
+    # --- issue 52: orders between two effects (runtime/check/orderings.py, specs/checker.md §11.7) ----------
+    _m("rows_barrier_wait_before_record", "rows",
+       "    out.append(dc.RecordEvent(state.prefill_event, state.prefill_stream))\n"
+       "    out.append(dc.StreamWaitEvent(0, state.prefill_event))\n",
+       "    out.append(dc.StreamWaitEvent(0, state.prefill_event))\n"
+       "    out.append(dc.RecordEvent(state.prefill_event, state.prefill_stream))\n",
+       "the prefill barrier waits for its event before recording it: the decode stream reads a chunk's rows "
+       "without waiting for them"),
+    _m("decode_lane_no_barrier", "decode",
+       "    if state.prefilling:\n        prefill_barrier(state, out)\n",
+       "",
+       "lane 3 runs while a prompt still prefills without the barrier on the prefill stream"),
+    _m("verifying_sync_after_words", "verifying",
+       "    out.append(dc.SyncSecondaryCall())\n"
+       "    out.append(dc.EpBroadcastCmdForSeq(seq.slot, VERIFY_CMD[k]))\n"
+       "    for token in inputs:\n"
+       "        out.append(dc.EpBroadcastCmd(token))\n",
+       "    out.append(dc.EpBroadcastCmdForSeq(seq.slot, VERIFY_CMD[k]))\n"
+       "    for token in inputs:\n"
+       "        out.append(dc.EpBroadcastCmd(token))\n"
+       "    out.append(dc.SyncSecondaryCall())\n",
+       "a K verify's EP words go out before its sync_secondary"),
+    _m("mtp_batch_verify_unsynced", "mtp_batch",
+       "    out.append(dc.SyncSecondaryCall())\n    seqs = [active[i] for i in batch.seq_ids]\n",
+       "    seqs = [active[i] for i in batch.seq_ids]\n",
+       "a batched MTP verify runs without the sync_secondary before it"),
+    _m("dflash_batched_unstashed", "dflash",
+       "    out.append(dc.StashVerifyHiddenRows(tuple(map(add, range(0, k * count, k), nas))))\n",
+       "",
+       "a batched DFlash verify re-proposes without stashing its hidden rows (the proposal reads an older stash)"),
+    _m("mtp_batch_catchup_before_its_rows", "mtp_batch",
+       "    if pairs:\n        out.append(dc.StashVerifyCatchupRows(tuple(pairs)))\n",
+       "",
+       "a batched MTP verify stashes its catch-up rows after the catch-up that reads them",
+       (Edit("core/mtp_batch.py",
+             "            pos=tuple(active[seq_id].seq_len - len(c) for (_, seq_id), c in zip(pending, caught, strict=True)),\n"
+             "        ))\n",
+             "            pos=tuple(active[seq_id].seq_len - len(c) for (_, seq_id), c in zip(pending, caught, strict=True)),\n"
+             "        ))\n"
+             "        if pairs:\n            out.append(dc.StashVerifyCatchupRows(tuple(pairs)))\n"),)),
+    _m("self_spec_checkpoint_before_rewind", "self_spec",
+       "    if seq.seq_len > pre:\n"
+       "        out.append(dc.TruncateSequence(seq.seq_id, pre))\n"
+       "    out.append(dc.CheckpointSsmStates(seq.seq_id))\n",
+       "    out.append(dc.CheckpointSsmStates(seq.seq_id))\n"
+       "    if seq.seq_len > pre:\n"
+       "        out.append(dc.TruncateSequence(seq.seq_id, pre))\n",
+       "the self-speculative step checkpoints the SSM states before rewinding its draft decodes"),
+    _m("emit_checkpoint_before_snapshot", "emit",
+       "    if model is not None and snapshot_wanted(seq, token, config, model):\n"
+       "        seq = save_snapshot(seq, model, out)\n"
+       "    out.append(MarconiCheckpoint(seq.seq_id))\n",
+       "    out.append(MarconiCheckpoint(seq.seq_id))\n"
+       "    if model is not None and snapshot_wanted(seq, token, config, model):\n"
+       "        seq = save_snapshot(seq, model, out)\n",
+       "the plain sink checkpoints a boundary token before saving its SSM snapshot"),
 )
 
 BY_ID = {m.id: m for m in MUTANTS}

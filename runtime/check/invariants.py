@@ -29,6 +29,7 @@ from fxsched.effects.client import DoneOut, ErrorOut, ResponseOut, TokenOut, Tok
 from fxsched.runtime.check.clients import client_final, predicted_final
 from fxsched.runtime.check.fault_scope import RULE_BOOK, finishes_on, declared, fault_scope
 from fxsched.runtime.check.frames import tokens_after_checkpoints, tokens_after_cut
+from fxsched.runtime.check.orderings import Orderings
 from fxsched.runtime.check.progress import Progress, check_blocks, no_idle_with_work, no_shutdown_with_work
 from fxsched.runtime.check.violation import Violation
 from fxsched.effects import plans
@@ -115,6 +116,7 @@ class Monitor:
         self.released: set = set()
         self.live: set = set()
         self.shutdown_tail: list[str] = []
+        self.orderings = Orderings()  # the orders between two effects no other check sees
         self.cancelled: set = set()
         self.admitted_by: dict[int, int] = {}
         self.running: set[int] = set()
@@ -245,6 +247,7 @@ class Monitor:
             return
         if kinds is None:
             kinds = tuple(map(type, effects))
+        self.orderings.check(effects, kinds, self.fault_step)
         roles = BATCH_ROLES[kinds]
         if not roles and not self.shutdown_tail:
             return
