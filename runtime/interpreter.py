@@ -24,7 +24,6 @@ answer is what its last effect, the query, returned. An effect type no case cove
 from __future__ import annotations
 
 from collections import deque
-from concurrent.futures import Future
 from operator import attrgetter
 from typing import Any, Callable, Iterable, Optional, Sequence as Seq, Union
 
@@ -143,7 +142,7 @@ class Interpreter:
         # how many drafts each sequence of a proposal gets when the device answers it late (None: not late)
         self._late_proposal: Optional[Callable[[tuple[int, ...], int], Optional[int]]] = (
             getattr(device, "late_proposal", None) if lane is not None else None)
-        self._ahead: Optional[tuple[Future, ev.Event]] = None  # a launched query answered ahead, unchecked
+        self._ahead: Optional[tuple[Any, ev.Event]] = None  # a launched query answered ahead, unchecked
         self.answered_ahead = 0  # queries answered before the device ran them
         self.host = host
         self.eos_ids = eos_ids
@@ -276,7 +275,7 @@ class Interpreter:
             return None if n is None else ev.BatchedDrafts([[ev.LATE_DRAFT] * n for _ in query.seqs])
         return None
 
-    def _wait(self, job: Future) -> Any:
+    def _wait(self, job: Any) -> Any:
         self._settle_ahead()
         assert self.lane is not None
         return self.lane.wait(job)
