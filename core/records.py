@@ -53,17 +53,26 @@ def slotted_plan(cls: type) -> _Plan | None:
     if cls in _PLANS:
         return _PLANS[cls]
     fields = attrs.fields(cls)
-    code = getattr(cls.__init__, "__code__", None)
+    code = getattr(cls.__dict__.get("__init__"), "__code__", None)
     plan: _Plan | None = None
     if (fields and code is not None and code.co_filename.startswith("<attrs generated")
             and all(a.init and not a.kw_only for a in fields)):
         names = tuple(a.name for a in fields)
-        getter: Callable[[Any], Any] = attrgetter(*names)
-        if len(names) == 1:  # (a getter of one name gives the value itself)
-            getter = lambda record, _one=getter: (_one(record),)  # noqa: E731
+        getter: Callable[[Any], Any] = attrgetter(*names) if len(names) > 1 else _one_field(names[0])
         plan = (getter, {a.alias: i for i, a in enumerate(fields)})
     _PLANS[cls] = plan
     return plan
+
+
+def _one_field(name: str) -> Callable[[Any], tuple[Any, ...]]:
+    """The getter of a record of one field: its value in a tuple (``attrgetter`` of one name gives the
+    value itself)."""
+    get = attrgetter(name)
+
+    def getter(record: Any) -> tuple[Any, ...]:
+        return (get(record),)
+
+    return getter
 
 
 _new = object.__new__
