@@ -49,6 +49,8 @@ from fxsched.effects.base import Effect
 
 __all__ = ["PhaseError", "advance", "step"]
 
+_new_batch = list.__new__  # ``Batch(state)`` without its ``__init__`` frame: the caller is set after
+
 
 def _take_input(state: SchedulerState, event: Event) -> SchedulerState:
     """An input event recorded in the state (none of the fields it sets converts or validates, so
@@ -156,7 +158,8 @@ def _answered(state: SchedulerState, rule: Any, waiting: Any,
 
     The rule sees the answered waiting record still parked: it ends with a query (which parks the
     next one) or it does not, and then the record is cleared here. One state copy fewer per answer."""
-    out = Batch(state)
+    out = _new_batch(Batch)
+    out.caller = state
     after = rule(state, waiting, event, out)
     if not out or not out[-1].QUERY:
         after = _unpark(after, state)

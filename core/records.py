@@ -15,6 +15,7 @@ dict-backed frozen attrs classes copied directly:
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Any, Callable, TypeVar
 
 import attrs
@@ -28,7 +29,7 @@ _UNSEEN: Any = object()
 
 def field_checks(cls: type) -> tuple[_Check, ...] | None:
     """(name, converter, validator, attribute) of each field of ``cls`` that converts or validates;
-    ``None`` for slotted records, which ``replace`` evolves."""
+    ``None`` for slotted records, which ``replace`` builds anew (``slotted_plan``)."""
     if cls in _CHECKS:
         return _CHECKS[cls]
     found: tuple[_Check, ...] | None = None
@@ -37,6 +38,41 @@ def field_checks(cls: type) -> tuple[_Check, ...] | None:
                       if a.converter is not None or a.validator is not None)
     _CHECKS[cls] = found
     return found
+
+
+_Plan = tuple[Callable[[Any], tuple[Any, ...]], dict[str, int]]
+_PLANS: dict[type, _Plan | None] = {}
+
+
+def slotted_plan(cls: type) -> _Plan | None:
+    """How ``replace`` copies a slotted record of ``cls``: a getter of its fields' values in
+    ``__init__``'s order and the position of each init argument (by its alias), so the copy is
+    ``cls(*values)``: the call ``attrs.evolve`` makes, with its arguments by keyword, without
+    evolve's walk over the fields. ``None`` (evolve it) for a class whose ``__init__`` is not attrs'
+    own or leaves a field out or takes one by keyword only."""
+    if cls in _PLANS:
+        return _PLANS[cls]
+    fields = attrs.fields(cls)
+    code = getattr(cls.__dict__.get("__init__"), "__code__", None)
+    plan: _Plan | None = None
+    if (fields and code is not None and code.co_filename.startswith("<attrs generated")
+            and all(a.init and not a.kw_only for a in fields)):
+        names = tuple(a.name for a in fields)
+        getter: Callable[[Any], Any] = attrgetter(*names) if len(names) > 1 else _one_field(names[0])
+        plan = (getter, {a.alias: i for i, a in enumerate(fields)})
+    _PLANS[cls] = plan
+    return plan
+
+
+def _one_field(name: str) -> Callable[[Any], tuple[Any, ...]]:
+    """The getter of a record of one field: its value in a tuple (``attrgetter`` of one name gives the
+    value itself)."""
+    get = attrgetter(name)
+
+    def getter(record: Any) -> tuple[Any, ...]:
+        return (get(record),)
+
+    return getter
 
 
 _new = object.__new__
@@ -70,8 +106,17 @@ def replace(record: T, **changes: Any) -> T:
     checks = _CHECKS.get(cls, _UNSEEN)
     if checks is _UNSEEN:
         checks = field_checks(cls)
-    if checks is None:
-        return attrs.evolve(record, **changes)  # type: ignore[misc]
+    if checks is None:  # a slotted record: built by its ``__init__``, as ``attrs.evolve`` builds it
+        plan = _PLANS.get(cls, _UNSEEN)
+        if plan is _UNSEEN:
+            plan = slotted_plan(cls)
+        if plan is None or not changes.keys() <= plan[1].keys():
+            return attrs.evolve(record, **changes)  # type: ignore[misc]
+        getter, index = plan
+        values = list(getter(record))
+        for name, value in changes.items():
+            values[index[name]] = value
+        return cls(*values)
     new = object.__new__(cls)
     if checks:
         for name, converter, validator, attribute in checks:

@@ -24,7 +24,6 @@ answer is what its last effect, the query, returned. An effect type no case cove
 from __future__ import annotations
 
 from collections import deque
-from concurrent.futures import Future
 from operator import attrgetter
 from typing import Any, Callable, Iterable, Optional, Sequence as Seq, Union
 
@@ -143,7 +142,7 @@ class Interpreter:
         # how many drafts each sequence of a proposal gets when the device answers it late (None: not late)
         self._late_proposal: Optional[Callable[[tuple[int, ...], int], Optional[int]]] = (
             getattr(device, "late_proposal", None) if lane is not None else None)
-        self._ahead: Optional[tuple[Future, ev.Event]] = None  # a launched query answered ahead, unchecked
+        self._ahead: Optional[tuple[Any, ev.Event]] = None  # a launched query answered ahead, unchecked
         self.answered_ahead = 0  # queries answered before the device ran them
         self.host = host
         self.eos_ids = eos_ids
@@ -157,11 +156,37 @@ class Interpreter:
         self._plain_inputs = type(host).take_inputs is Host.take_inputs
 
     def run(self, state: SchedulerState, first: Iterable[ev.Event]) -> SchedulerState:
-        """Feed ``first`` then every event that follows until the loop stops (or no event is left)."""
+        """Feed ``first`` then every event that follows until the loop stops (or no event is left).
+        (``_turn`` written out in the loop, with what it looks up per turn looked up once.)"""
         queue = deque(first)
-        turn, take = self._turn, queue.popleft
+        take, follow = queue.popleft, queue.extend
+        observer = self.observer
+        before_step, stepped, performed = observer.before_step, observer.stepped, observer.performed
+        perform = self.perform_all if self.lane is None else self._perform_on_lane
+        host, plain_inputs, take_cancels = self.host, self._plain_inputs, self._take_cancels
         while queue:
-            state = turn(state, take(), queue)
+            event = take()
+            before_step(event)
+            state, effects = step(state, event)
+            self.steps += 1
+            if effects and not (effects[-1].QUERY and (len(effects) == 1 or sum(map(_IS_QUERY, effects)) == 1)):
+                check_batch(event, effects, state.stopped)
+            stepped(event, state, effects)
+            answer = perform(effects)
+            performed(state)
+            if self._waited:
+                follow(self._waited)
+                self._waited = []
+            if not plain_inputs or host.inputs:
+                inputs = host.take_inputs()
+                if inputs:
+                    follow(inputs)
+            if take_cancels is not None:
+                cancels = take_cancels()
+                if cancels:
+                    follow(ev.Cancel(r) for r in cancels)
+            if answer is not None:
+                queue.append(answer)
             if state.stopped:
                 break
         self.drain()
@@ -236,13 +261,13 @@ class Interpreter:
         lane = self.lane
         if not effects or lane is None:
             return None
-        handlers = _HANDLERS
+        handlers, host_side = _HANDLERS, _ON_HOST
         on_device: list = []
         on_host: list = []
         for effect in effects:
-            (on_host if handlers[type(effect)] in _HOST_SIDE else on_device).append(effect)
+            (on_host if host_side[type(effect)] else on_device).append(effect)
         query = effects[-1] if effects[-1].QUERY else None
-        if query is not None and handlers[type(query)] in _HOST_SIDE:  # the host's own query: a wait for input
+        if query is not None and host_side[type(query)]:  # the host's own query: a wait for input
             if on_device:
                 self._wait(lane.launch(self.perform_all, on_device))
             return self.perform_all(on_host)
@@ -276,7 +301,7 @@ class Interpreter:
             return None if n is None else ev.BatchedDrafts([[ev.LATE_DRAFT] * n for _ in query.seqs])
         return None
 
-    def _wait(self, job: Future) -> Any:
+    def _wait(self, job: Any) -> Any:
         self._settle_ahead()
         assert self.lane is not None
         return self.lane.wait(job)
@@ -596,6 +621,17 @@ _CASES: tuple[tuple[Union[type, tuple[type, ...]], Handler], ...] = (
 
 _HOST_SIDE = frozenset({_send, _stream_out, _wait_for_input})
 """The handlers that touch the host only: with a lane they run on the host's thread."""
+
+
+class _OnHost(dict[type, bool]):
+    """Whether the handler of each effect type met so far is one of ``_HOST_SIDE``."""
+
+    def __missing__(self, cls: type) -> bool:
+        self[cls] = on_host = _HANDLERS[cls] in _HOST_SIDE
+        return on_host
+
+
+_ON_HOST = _OnHost()
 
 
 class _Handlers(dict[type, Handler]):

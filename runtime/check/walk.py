@@ -43,6 +43,7 @@ import attrs
 
 from fxsched.core.config import SCRIPTED_EOS as EOS
 from fxsched.core import events as ev
+from fxsched.core.records import replace
 from fxsched.core.phases import (AwaitAhead, AwaitBatchedDflash, AwaitDecode, AwaitMtpBatch, AwaitPublishBlocks,
                                  EndOfTick)
 from fxsched.core.state import hot_columns, initial_state
@@ -169,29 +170,29 @@ def _proposer_quirks(episode: Episode, rng: random.Random) -> Episode:
         changes["capacities"] = tuple(rng.choice((0, 1, 2, 3, 8, 8)) for _ in range(rng.randint(2, 7)))
     if episode.mode == "dflash" and not episode.watchdog and rng.random() < 0.5:
         # a gate with uneven blocks: three or more sequences verified at once, short proposals
-        requests = tuple(attrs.evolve(r, arrive_tick=0, max_tokens=max(r.max_tokens, 12), cancel_at=None,
+        requests = tuple(replace(r, arrive_tick=0, max_tokens=max(r.max_tokens, 12), cancel_at=None,
                                       num_beams=1, tokens=tuple(t for t in r.tokens if t != EOS) or (5,))
                          for r in episode.requests)
         while len(requests) < 3:
-            requests += tuple(attrs.evolve(r, id=r.id + len(requests)) for r in requests)
+            requests += tuple(replace(r, id=r.id + len(requests)) for r in requests)
         changes.update(short_proposals=True, can_batch_verify=True, requests=requests[:6],
                        max_batch_size=max(episode.max_batch_size, 4))
     if episode.mode.startswith("mtp") and not episode.watchdog and rng.random() < 0.12:
         # a wide batch: nine or more sequences at once, past the MTP ladder's width of 8
-        requests = tuple(attrs.evolve(r, arrive_tick=0, max_tokens=max(r.max_tokens, 8), cancel_at=None,
+        requests = tuple(replace(r, arrive_tick=0, max_tokens=max(r.max_tokens, 8), cancel_at=None,
                                       num_beams=1, streaming=True) for r in episode.requests)
         while len(requests) < 10:
-            requests += tuple(attrs.evolve(r, id=r.id + len(requests)) for r in requests)
+            requests += tuple(replace(r, id=r.id + len(requests)) for r in requests)
         changes.update(requests=requests[:rng.randint(9, 12)], max_batch_size=12, total_blocks=1000,
                        kv_exhaust_at=(), max_seq_len=4096)
     if not episode.watchdog and not episode.fault_phase and rng.random() < 0.06:
         # more requests than seats on a small block pool, KV exhaustion early, a spill pool half the
         # time (aimed at a full batch while preempted or swapped sequences wait)
-        requests = tuple(attrs.evolve(r, arrive_tick=0, max_tokens=max(r.max_tokens, 10), num_beams=1,
+        requests = tuple(replace(r, arrive_tick=0, max_tokens=max(r.max_tokens, 10), num_beams=1,
                                       prompt_len=min(r.prompt_len, 20), tokens=tuple(t for t in r.tokens if t != EOS)
                                       or (5,)) for r in changes.get("requests", episode.requests))
         while len(requests) < 5:
-            requests += tuple(attrs.evolve(r, id=r.id + len(requests)) for r in requests)
+            requests += tuple(replace(r, id=r.id + len(requests)) for r in requests)
         changes.update(requests=requests[:8], max_batch_size=rng.choice((2, 3)), spill=rng.random() < 0.5,
                        total_blocks=rng.choice((10, 12, 16)), held_blocks=0, reclaimable=0,
                        kv_exhaust_at=(1, 3, 6), max_seq_len=4096, spill_corrupt_for=(), spill_missing_for=())
@@ -202,7 +203,7 @@ def _proposer_quirks(episode: Episode, rng: random.Random) -> Episode:
         r = rs[i]
         if r.num_beams == 1:
             lead = tuple(r.tokens[:rng.randint(0, 2)])
-            rs[i] = attrs.evolve(r, tokens=lead + (EOS,) + tuple(t for t in r.tokens if t != EOS) + (EOS,),
+            rs[i] = replace(r, tokens=lead + (EOS,) + tuple(t for t in r.tokens if t != EOS) + (EOS,),
                                  min_tokens=rng.randint(len(lead) + 1, len(lead) + 4), temperature=0.0,
                                  top_logprobs=0, max_tokens=max(r.max_tokens, 8))
             changes["requests"] = tuple(rs)
@@ -211,7 +212,7 @@ def _proposer_quirks(episode: Episode, rng: random.Random) -> Episode:
         changes["ssm_ring"] = rng.choice((1, 2, 3, 4))
         if rng.random() < 0.7:  # boundary tokens all through the lead-in: saves that go round the ring
             step = rng.randint(5, 12)
-            changes["requests"] = tuple(attrs.evolve(r, tokens=tuple(
+            changes["requests"] = tuple(replace(r, tokens=tuple(
                 BOUNDARY if i % step == step - 1 and i < 90 else t for i, t in enumerate(r.tokens)))
                 for r in changes.get("requests", episode.requests))
     if rng.random() < 0.15:
@@ -219,23 +220,23 @@ def _proposer_quirks(episode: Episode, rng: random.Random) -> Episode:
         rs = list(changes.get("requests", episode.requests))
         i = rng.randrange(len(rs))
         if rs[i].streaming:
-            rs[i] = attrs.evolve(rs[i], host_cancel_tick=rs[i].arrive_tick + rng.randint(1, 4))
+            rs[i] = replace(rs[i], host_cancel_tick=rs[i].arrive_tick + rng.randint(1, 4))
             changes["requests"] = tuple(rs)
     if episode.max_seq_len < 4096 and rng.random() < 0.3:
         rs = list(changes.get("requests", episode.requests))
         i = rng.randrange(len(rs))
-        rs[i] = attrs.evolve(rs[i], prompt_len=episode.max_seq_len)
+        rs[i] = replace(rs[i], prompt_len=episode.max_seq_len)
         changes["requests"] = tuple(rs)
-    episode = attrs.evolve(episode, **changes) if changes else episode
+    episode = replace(episode, **changes) if changes else episode
     if episode.mode.startswith(("mtp", "dflash")) and hash_seed(episode) % 2:
         # half the proposer episodes answer late now and then; decided from the episode, so the
         # generator's draws (and every episode a seed drew before) stay as they were
-        episode = attrs.evolve(episode, late_drafts=True)
+        episode = replace(episode, late_drafts=True)
     if hash_seed(episode) // 2 % 2:  # half of all episodes run their device behind the host (a lane)
-        episode = attrs.evolve(episode, lane=True)
+        episode = replace(episode, lane=True)
     if episode.mode == "plain" and hash_seed(episode) // 4 % 3:
         # two plain episodes in three schedule asynchronously: decodes answered ahead now and then
-        episode = attrs.evolve(episode, async_scheduling=True)
+        episode = replace(episode, async_scheduling=True)
     return episode
 
 
@@ -257,11 +258,11 @@ def _suited_to_fault(episode: Episode, rng: random.Random) -> Episode:
         changes.update(max_batch_size=max(episode.max_batch_size, 4), can_batch_verify=True)
     if name in ("AwaitMixedReadback", "AwaitPrefillToken"):
         changes.update(max_prefill_tokens=4, mode="plain", max_batch_size=max(episode.max_batch_size, 3),
-                       requests=tuple(attrs.evolve(r, prompt_len=max(r.prompt_len, 9), arrive_tick=0)
+                       requests=tuple(replace(r, prompt_len=max(r.prompt_len, 9), arrive_tick=0)
                                       for r in episode.requests))
     if "Beam" in name:
         changes["max_prefill_tokens"] = 0
-        changes["requests"] = tuple(attrs.evolve(r, streaming=False, num_beams=2, cancel_at=None, min_tokens=0)
+        changes["requests"] = tuple(replace(r, streaming=False, num_beams=2, cancel_at=None, min_tokens=0)
                                     for r in episode.requests) * 1
     if name in ("AwaitSwapInSlot", "AwaitRestore"):
         changes.update(spill=True, total_blocks=8, kv_exhaust_at=(2, 5), max_batch_size=max(episode.max_batch_size, 3))
@@ -276,15 +277,15 @@ def _suited_to_fault(episode: Episode, rng: random.Random) -> Episode:
         changes["rotation_tick"] = rng.randint(1, 6)
     if name == "AwaitAhead":  # kept tokens read alone: async scheduling, arrivals that need them settled
         changes.update(mode="plain", async_scheduling=True, max_batch_size=max(episode.max_batch_size, 3),
-                       requests=tuple(attrs.evolve(r, arrive_tick=rng.choice((0, 2, 4))) for r in episode.requests))
+                       requests=tuple(replace(r, arrive_tick=rng.choice((0, 2, 4))) for r in episode.requests))
     if len(episode.requests) < 3 and name not in ("AwaitRotation",):
-        extra = [attrs.evolve(r, id=r.id + len(episode.requests)) for r in episode.requests]
+        extra = [replace(r, id=r.id + len(episode.requests)) for r in episode.requests]
         changes.setdefault("requests", episode.requests)
         changes["requests"] = tuple(changes["requests"]) + tuple(
-            attrs.evolve(r, id=r.id + len(episode.requests)) for r in changes["requests"][:len(extra)])
-    episode = attrs.evolve(episode, **changes)
+            replace(r, id=r.id + len(episode.requests)) for r in changes["requests"][:len(extra)])
+    episode = replace(episode, **changes)
     if episode.mode == "self_spec":  # no min_tokens there (see random_episode)
-        episode = attrs.evolve(episode, requests=tuple(attrs.evolve(r, min_tokens=0) for r in episode.requests))
+        episode = replace(episode, requests=tuple(replace(r, min_tokens=0) for r in episode.requests))
     return episode
 
 
@@ -649,7 +650,7 @@ def run_episode(episode: Episode, coverage: Counter, step_limit: int = 20000, ke
 def _against_twin(episode: Episode, outputs: list, step_limit: int) -> Optional[Violation]:
     """async equals sync (specs/async.md §16.6 rule 3): the client outputs of the synchronous twin."""
     twin: list = []
-    if run_episode(attrs.evolve(episode, async_scheduling=False), Counter(), step_limit, outputs=twin).violation:
+    if run_episode(replace(episode, async_scheduling=False), Counter(), step_limit, outputs=twin).violation:
         return None  # the twin's own violation is found when the walk draws it
     if any(isinstance(o, ErrorOut) for o in outputs + twin):
         return None

@@ -15,6 +15,7 @@ instant is counted twice).
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from time import perf_counter
 from typing import Any, Callable, ContextManager, Optional, Protocol
@@ -23,9 +24,9 @@ from typing import Any, Callable, ContextManager, Optional, Protocol
 class Lane(Protocol):
     """What the interpreter needs of a lane (``DeviceLane``, ``DeferredLane``)."""
 
-    def launch(self, work: Callable[..., Any], *args: Any) -> Future: ...
+    def launch(self, work: Callable[..., Any], *args: Any) -> Any: ...  # a job to wait for
 
-    def wait(self, future: Future) -> Any: ...
+    def wait(self, future: Any) -> Any: ...
 
     def fence(self) -> None: ...
 
@@ -89,6 +90,18 @@ class DeviceLane:
         self._pool.shutdown(wait=True)
 
 
+class _Job:
+    """A piece of the deferred lane's work: its result or what it raised, once it has run (the
+    lane and its host share one thread, so no lock: ``concurrent.futures.Future`` takes one per call)."""
+
+    __slots__ = ("done", "result", "error")
+
+    def __init__(self) -> None:
+        self.done = False
+        self.result: Any = None
+        self.error: Optional[BaseException] = None
+
+
 class DeferredLane:
     """The model checker's lane: work runs only when the host waits for it (or for later work), on
     the host's own thread, in the order launched. It is the slowest device the protocol allows:
@@ -96,27 +109,33 @@ class DeferredLane:
     depends on timing, so a seed replays the same run."""
 
     def __init__(self) -> None:
-        self._queue: list[tuple[Future, Callable[..., Any], tuple[Any, ...]]] = []
+        self._queue: deque[tuple[_Job, Callable[..., Any], tuple[Any, ...]]] = deque()
 
-    def launch(self, work: Callable[..., Any], *args: Any) -> Future:
-        future: Future = Future()
-        self._queue.append((future, work, args))
-        return future
+    def launch(self, work: Callable[..., Any], *args: Any) -> _Job:
+        job = _Job()
+        self._queue.append((job, work, args))
+        return job
 
-    def _run_until(self, future: Optional[Future]) -> None:
-        while self._queue and (future is None or not future.done()):
-            done, work, args = self._queue.pop(0)
+    def _run_until(self, until: Optional[_Job]) -> None:
+        queue = self._queue
+        while queue and (until is None or not until.done):
+            job, work, args = queue.popleft()
             try:
-                done.set_result(work(*args))
-            except BaseException as err:  # kept with its future, as a thread's would be
-                done.set_exception(err)
+                job.result = work(*args)
+            except BaseException as err:  # kept with its job, as a thread's would be with its future
+                job.error = err
+            job.done = True
 
-    def wait(self, future: Future) -> Any:
-        self._run_until(future)
-        return future.result()
+    def wait(self, job: _Job) -> Any:
+        if not job.done:
+            self._run_until(job)
+        if job.error is not None:
+            raise job.error
+        return job.result
 
     def fence(self) -> None:
-        self._run_until(None)
+        if self._queue:
+            self._run_until(None)
 
     def close(self) -> None:
         self.fence()
