@@ -190,6 +190,10 @@ def _read_config(path: Path, max_rank: int) -> tuple[dict[str, Any], int, float]
     peft_type = raw.get("peft_type", "LORA")
     if peft_type != "LORA":
         raise AdapterError(path, f"peft_type {peft_type!r} is not supported (only 'LORA')")
+    params = raw.get("target_parameters")
+    if params not in (None, [], ()):
+        raise AdapterError(path, f"field 'target_parameters' ({params!r}): LoRA on parameters (MoE routed experts, "
+                                 f"routers) is not supported; target linear modules only")
     for field, accepted in _REFUSED_FIELDS.items():
         if field in raw and raw[field] not in accepted:
             raise AdapterError(path, f"field '{field}': {raw[field]!r} is not supported "
