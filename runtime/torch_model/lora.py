@@ -269,17 +269,6 @@ def load_adapter(adapter_dir: str | Path, cfg: ModelConfig, max_rank: int = DEFA
     def excluded(name: str) -> bool:
         return bool(exclude) and _targets_match(exclude, name)
 
-    if targets != "all-linear":  # every entry names something of the model; every match has tensors
-        entries = [targets] if isinstance(targets, str) else list(targets)
-        names = list(modules) + list(found)
-        for entry in entries:
-            if not any(_targets_match(entry if isinstance(targets, str) else [entry], n) for n in names):
-                raise AdapterError(config_path, f"target_modules entry {entry!r} matches no module of "
-                                                f"{cfg.architecture}")
-        for name in modules:
-            if _targets_match(targets, name) and not excluded(name) and name not in found:
-                raise AdapterError(weights_path, f"missing tensors '{_PEFT_PREFIX}{name}.lora_A.weight' / "
-                                                 f"'lora_B.weight' (target_modules names {name})")
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     want = dtype or torch.float32
     for name, pair in sorted(found.items()):
@@ -308,6 +297,17 @@ def load_adapter(adapter_dir: str | Path, cfg: ModelConfig, max_rank: int = DEFA
         for canonical, b_part in zip(module.canonical, module.split(b32), strict=True):
             weights[canonical] = (a32.to(device=device, dtype=want).contiguous(),
                                   b_part.to(device=device, dtype=want).contiguous())
+    if targets != "all-linear":  # every entry names something of the model; every match has tensors
+        entries = [targets] if isinstance(targets, str) else list(targets)
+        names = list(modules) + list(found)
+        for entry in entries:
+            if not any(_targets_match(entry if isinstance(targets, str) else [entry], n) for n in names):
+                raise AdapterError(config_path, f"target_modules entry {entry!r} matches no module of "
+                                                f"{cfg.architecture}")
+        for name in modules:
+            if _targets_match(targets, name) and not excluded(name) and name not in found:
+                raise AdapterError(weights_path, f"missing tensors '{_PEFT_PREFIX}{name}.lora_A.weight' / "
+                                                 f"'lora_B.weight' (target_modules names {name})")
     if not weights:
         raise AdapterError(weights_path, "no LoRA tensors")
     return LoraAdapter(root, rank, scale, weights)
