@@ -49,6 +49,13 @@ QWEN35_ADAPTERS: list[tuple[str, dict[str, Any]]] = [
     ("gdn_q_r6_rs", {"r": 6, "lora_alpha": 4, "use_rslora": True,
                      "target_modules": ["in_proj_qkv", "in_proj_b", "out_proj", "q_proj", "o_proj"]}),
 ]
+# Qwen3.5-MoE: the shared expert (fused at load, moe.fuse_shared_experts) and the GDN / attention
+# projections; routed experts are refused (REFUSALS)
+QWEN35_MOE_ADAPTERS: list[tuple[str, dict[str, Any]]] = [
+    ("shared_r4", {"r": 4, "lora_alpha": 8, "target_modules": ["shared_expert.gate_proj", "shared_expert.up_proj",
+                                                               "shared_expert.down_proj", "shared_expert_gate",
+                                                               "in_proj_z", "k_proj"]}),
+]
 
 
 @dataclass
@@ -86,6 +93,27 @@ def qwen35(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Adapted]:
     with transformers_torch_gdn():
         root = tmp_path_factory.mktemp("lora_qwen35")
         yield _adapters(build("Qwen3_5ForCausalLM", root / "base", seed=1), root, QWEN35_ADAPTERS, seed=20)
+
+
+# Qwen3-Next: the fused, per-key-head interleaved in_proj_qkvz / in_proj_ba (B rows split as the weights')
+QWEN3_NEXT_ADAPTERS: list[tuple[str, dict[str, Any]]] = [
+    ("fused_r4", {"r": 4, "lora_alpha": 8, "target_modules": ["in_proj_qkvz", "in_proj_ba", "out_proj",
+                                                              "shared_expert_gate", "v_proj"]}),
+]
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Adapted]:
+    with transformers_torch_gdn():
+        root = tmp_path_factory.mktemp("lora_qwen3_next")
+        yield _adapters(build("Qwen3NextForCausalLM", root / "base", seed=3), root, QWEN3_NEXT_ADAPTERS, seed=40)
+
+
+@pytest.fixture(scope="module")
+def qwen35_moe(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Adapted]:
+    with transformers_torch_gdn():
+        root = tmp_path_factory.mktemp("lora_qwen35_moe")
+        yield _adapters(build("Qwen3_5MoeForCausalLM", root / "base", seed=2), root, QWEN35_MOE_ADAPTERS, seed=30)
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -182,6 +210,18 @@ def test_qwen35_hybrid_each_adapter_alone_matches_peft(qwen35):
 def test_qwen35_hybrid_mixed_batch_matches_peft(qwen35):
     with transformers_torch_gdn():
         _mixed(qwen35, "Qwen3.5")
+
+
+def test_qwen35_moe_shared_expert_adapter_matches_peft(qwen35_moe):
+    with transformers_torch_gdn():
+        _alone(qwen35_moe, "Qwen3.5-MoE")
+        _mixed(qwen35_moe, "Qwen3.5-MoE")
+
+
+def test_qwen3_next_fused_projection_adapter_matches_peft(qwen3_next):
+    with transformers_torch_gdn():
+        _alone(qwen3_next, "Qwen3-Next")
+        _mixed(qwen3_next, "Qwen3-Next")
 
 
 def test_batch_without_adapted_rows_takes_the_base_path(qwen3):
