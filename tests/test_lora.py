@@ -1,7 +1,9 @@
-"""LoRA adapters (specs/lora.md §18): PEFT adapters loaded into the engine's pool give PEFT's own
-logits, alone and mixed in one batch with each other and the base model, on a tiny Qwen3 and a tiny
-Qwen3.5 hybrid (GDN projections and the gated q_proj adapted); bad adapters are refused with one
-line naming the file; the torch device's adapter calls (specs/lora.md §18.5).
+"""LoRA adapters (specs/lora.md §18.1–18.5): PEFT adapters loaded into the engine's pool give PEFT's
+own logits, alone and mixed in one batch with each other and the base model (prefill, decode and
+verify rows), on tiny checkpoints of the four families: Qwen3; Qwen3.5 (GDN projections and the
+gated q_proj); Qwen3.5-MoE (the fused shared expert); Qwen3-Next (the interleaved in_proj_qkvz and
+in_proj_ba). Bad adapters are refused with one line naming the file; the torch device's adapter
+calls (specs/lora.md §18.5).
 
 The reference is PEFT itself: `peft.get_peft_model` over the transformers model the tiny checkpoint
 was saved from (tests/support/hf_tiny.py), with B initialised non-zero (init_lora_weights=False),
@@ -298,6 +300,11 @@ def _lm_head(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             "base_model.model.lm_head.lora_B.weight": torch.zeros(160, 4)}
 
 
+def _add_lm_head(path: Path) -> None:
+    _edit_config(path, target_modules=["q_proj", "v_proj", "lm_head"])
+    _edit_tensors(path, _lm_head)
+
+
 REFUSALS: list[tuple[str, Any, str, str]] = [
     # (case, edit of a copy of the r=4 q/v adapter, the file named, what the line says)
     ("dims", lambda p: _edit_tensors(p, _bad_shape), "adapter_model.safetensors", "has shape [4, 32], expected [4, 64]"),
@@ -308,8 +315,7 @@ REFUSALS: list[tuple[str, Any, str, str]] = [
      "target_modules does not name it"),
     ("targeted_without_tensors", lambda p: _edit_config(p, target_modules=["q_proj", "v_proj", "k_proj"]),
      "adapter_model.safetensors", "missing tensors"),
-    ("lm_head", lambda p: (_edit_config(p, target_modules=["q_proj", "v_proj", "lm_head"]),
-                           _edit_tensors(p, _lm_head)), "adapter_model.safetensors", "LoRA on the LM head"),
+    ("lm_head", lambda p: _add_lm_head(p), "adapter_model.safetensors", "LoRA on the LM head"),
     ("dora", lambda p: _edit_config(p, use_dora=True), "adapter_config.json", "field 'use_dora'"),
     ("experts", lambda p: _edit_config(p, target_parameters=["gate_up_proj"]), "adapter_config.json",
      "MoE routed experts"),

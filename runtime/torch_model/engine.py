@@ -225,7 +225,7 @@ class HybridEngine(DecodePath):
         self._slots[slot] = SlotState(adapter_id=adapter_id, lora_slot=lora_slot)
         self._clear_slot_tensors(slot)
 
-    # ---- LoRA adapters (specs/lora.md §18) ------------------------------------------------------
+    # ---- LoRA adapters (specs/lora.md §18.1) ------------------------------------------------------
     def _lora_pool(self) -> LoraPool:
         if self.lora is None:
             raise SlotError("this engine has no LoRA pool (max_loras = 0)")

@@ -1,7 +1,7 @@
 """LoRA adapters: PEFT adapter directories loaded into a fixed pool of device slots, and the grouped
-product that adds each row's adapter to a projection (specs/lora.md §18).
+product that adds each row's adapter to a projection (specs/lora.md §18.1–18.6).
 
-Loading (`load_adapter`, specs/lora.md §18.3-4): a PEFT directory (adapter_config.json +
+Loading (`load_adapter`, specs/lora.md §18.3–18.4): a PEFT directory (adapter_config.json +
 adapter_model.safetensors) is checked against the model and converted to the canonical projection
 names of weights.py, the way hf_checkpoint.py converts the checkpoint: an adapter of a fused or
 interleaved checkpoint projection (Qwen3.5's gated q_proj and in_proj_qkv, Qwen3-Next's
