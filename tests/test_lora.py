@@ -396,6 +396,31 @@ def test_device_rotation_binding_and_lru_eviction(qwen3):
     assert base == _ref_greedy(qwen3, None, prompt, STEPS)
 
 
+def test_device_spilled_sequence_keeps_its_adapter(qwen3):
+    """A spilled sequence pins its adapter (rotation cannot evict it) and continues with it after
+    the swap-in's restore and acquire (specs/scheduler.md §5.19 step 4)."""
+    engine = HybridEngine.from_pretrained(qwen3.ck.path, max_loras=1, max_lora_rank=8, **ENGINE_ARGS)
+    dev = TorchDevice(engine, adapters={name: str(path) for name, path in qwen3.dirs.items()})
+    dev.set_active_lora("mlp_o_r2")
+    prompt = _prompt(500, 10)
+    want = _ref_greedy(qwen3, "mlp_o_r2", prompt, 2 * STEPS)
+    got = _greedy_on_device(dev, 1, 0, prompt, STEPS)
+    dev.save_sequence_state(1)
+    dev.free_sequence(1)
+    with pytest.raises(DeviceError, match="all 1 slots hold adapters sequences run with"):
+        dev.set_active_lora("qv_r4")
+    dev.alloc_sequence(1, 0)
+    dev.restore_sequence_state(1, blocks=4)
+    dev.acquire_adapter_slot(0)
+    while len(got) < 2 * STEPS:
+        dev.decode_batch([got[-1]], [1], 0)
+        got.append(dev.argmax_batch(0, 1, 0)[0])
+    assert got == want
+    dev.free_sequence(1)
+    dev.set_active_lora("qv_r4")  # nothing pins the slot now
+    assert dev.adapter_slot_of("qv_r4") == 0
+
+
 def test_device_refuses_a_bad_registered_adapter_in_one_line(qwen3, tmp_path):
     bad = _copy(qwen3.dirs["qv_r4"], tmp_path / "bad")
     _edit_config(bad, r=99)

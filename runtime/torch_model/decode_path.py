@@ -142,7 +142,7 @@ class DecodePath:
         fields = [positions, tables, write, list(slots)]
         if device_tokens is None:
             fields.append(host)
-        lora_slots = [s.lora_slot for s in states]
+        lora_slots = [s.lora_slot for s in states] if self.lora is not None else []
         lora_fields = self.lora.row_fields(lora_slots, [1] * b, 1) if self.lora is not None else None
         if lora_fields is not None:
             fields += lora_fields

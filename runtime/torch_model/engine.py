@@ -489,7 +489,7 @@ class HybridEngine(DecodePath):
         lengths = [len(toks) for toks in token_lists]
         uniform = all(n == t for n in lengths)
         fields = [tokens, positions, tables, write, list(slots), lengths]
-        lora_slots = [s.lora_slot for s in states]
+        lora_slots = [s.lora_slot for s in states] if self.lora is not None else []
         lora_fields = self.lora.row_fields(lora_slots, lengths, t) if self.lora is not None else None
         if lora_fields is not None:
             fields += lora_fields
