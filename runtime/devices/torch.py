@@ -49,7 +49,7 @@ Host synchronisation follows specs/async.md §16.2.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 
@@ -74,13 +74,16 @@ class TorchDevice(Lifecycle, Forwards, Proposers, Speculative):
     def __init__(self, engine: HybridEngine, proposer: Optional[str] = None, drafter: Optional[Drafter] = None,
                  strict: bool = False, spill_dir: Optional[str | Path] = None,
                  on_tick: Optional[Callable[[int], None]] = None, grammars: Optional[GrammarBook] = None,
-                 late_drafts: bool = False, decode_ahead: bool = False) -> None:
+                 late_drafts: bool = False, decode_ahead: bool = False,
+                 adapters: Optional[Mapping[str, str | Path]] = None) -> None:
         if proposer is not None and proposer not in PROPOSERS:
             raise ValueError(f"proposer must be one of {PROPOSERS} or None, got {proposer!r}")
         if proposer == "mtp" and engine.mtp is None and drafter is None:
             raise ValueError("proposer 'mtp' needs a model with an MTP head (config mtp = true)")
         if proposer == "dflash" and engine.dflash is None and drafter is None:
             raise ValueError("proposer 'dflash' needs a model with a DFlash drafter (config dflash_gamma > 0)")
+        if adapters and engine.lora is None:
+            raise ValueError("LoRA adapters need an engine with a LoRA pool (max_loras > 0)")
         ensure_configured()
         self.engine = engine
         self.cfg = engine.cfg
@@ -111,3 +114,4 @@ class TorchDevice(Lifecycle, Forwards, Proposers, Speculative):
         self._ahead_init()
         self._fx_log = fx_logger()  # None unless debug events are on: fx lines cost nothing then
         self._verify_inputs: list[int] = []
+        self._lora_init(adapters)

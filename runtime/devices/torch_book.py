@@ -57,6 +57,7 @@ class DeviceSeq:
     slot: int
     pending: Optional[Pending] = None
     cached_tokens: int = 0
+    adapter_slot: int = -1  # the LoRA slot it acquired (-1: the base model, specs/lora.md §18.5)
 
 
 @dataclass

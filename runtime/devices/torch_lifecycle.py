@@ -7,7 +7,7 @@ import logging
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Optional
 
 import structlog
 import torch
@@ -31,6 +31,18 @@ class Lifecycle(DeviceBook):
     """Sequences, streams and the device's end."""
 
     _fx_log: Any = None  # fx_logger(), set by TorchDevice
+    _adapters: dict[str, Path]  # the LoRA registry: name -> PEFT adapter directory
+    _lora_names: dict[int, str]  # LoRA pool slot -> the name of the adapter it holds
+    _lora_used: dict[int, int]  # LoRA pool slot -> when it was last loaded, rotated to or acquired
+    _lora_clock: int
+    _spill_adapters: dict[int, int]  # spilled sequence -> the LoRA slot it ran with
+    _admitting: Optional[int]  # the sequence allocated last, until it acquires its adapter slot
+
+    def _lora_init(self, adapters: Optional[Mapping[str, str | Path]]) -> None:
+        self._adapters = {str(name): Path(path) for name, path in (adapters or {}).items()}
+        self._lora_names, self._lora_used, self._lora_clock = {}, {}, 0
+        self._spill_adapters = {}
+        self._admitting = None
 
     def bind_gpu_to_thread(self) -> None:
         if self.engine.device.type == "cuda":
@@ -65,6 +77,7 @@ class Lifecycle(DeviceBook):
             self.grammars.bind(seq, session)
         self._seqs[seq] = DeviceSeq(seq, session, slot)
         self._by_slot[slot] = seq
+        self._admitting = seq  # until acquire_adapter_slot binds it (specs/scheduler.md §5.10 step 2)
         return slot
 
     def alloc_sequence_for(self, seq: int, session: int, budget: int) -> int:
@@ -81,6 +94,8 @@ class Lifecycle(DeviceBook):
         self._forget_ahead(seq)
         del self._by_slot[s.slot]
         del self._seqs[seq]
+        if self._admitting == seq:
+            self._admitting = None
 
     def cache_sequence(self, seq: int) -> None:
         s = self._seq(seq)
@@ -114,6 +129,8 @@ class Lifecycle(DeviceBook):
         with self._errors(f"save_sequence_state(seq {seq}, {path})"):
             self.engine.save_sequence_state(s.slot, path)
         self._spills[seq] = path
+        if s.adapter_slot >= 0:  # its adapter stays loaded until it comes back (specs/lora.md §18.5)
+            self._spill_adapters[seq] = s.adapter_slot
         self.stats.spills += 1
 
     def restore_sequence_state(self, seq: int, blocks: int) -> None:
@@ -126,6 +143,7 @@ class Lifecycle(DeviceBook):
         with self._errors(f"restore_sequence_state(seq {seq}, {path})"):
             self.engine.restore_sequence_state(s.slot, path)
         del self._spills[seq]
+        self._spill_adapters.pop(seq, None)
         path.unlink(missing_ok=True)
         held = len(self.engine.block_table(s.slot))
         if held != blocks:
@@ -150,16 +168,79 @@ class Lifecycle(DeviceBook):
         raise DeviceStateError(f"truncate_sequence: sequence {seq} has {committed} committed + {rows} pending "
                                f"rows, cannot grow to {seq_len}")
 
+    # ---- LoRA adapters (specs/lora.md §18.5) ----------------------------------------------------
     def adapter_id_for(self, slot: int) -> int:
-        """0 for the active (base) adapter, slot -1; no LoRA adapter is loaded, so any other slot
-        is unknown (-1)."""
-        return 0 if slot == -1 else -1
+        """0 for the base model (slot -1); the id of the adapter a LoRA slot holds; -1 for an
+        empty or unknown slot."""
+        if slot == -1:
+            return 0
+        pool = self.engine.lora
+        if pool is None or not 0 <= slot < pool.max_loras:
+            return -1
+        return pool.adapter_id(slot) or -1
 
     def acquire_adapter_slot(self, slot: int) -> int:
+        """Bind the sequence allocated last (the one being admitted, or swapped or resumed back in)
+        to LoRA slot `slot` (-1: the base model): its rows run with that adapter from now on."""
+        seq, self._admitting = self._admitting, None
+        if seq is None or seq not in self._seqs:
+            if slot == -1:
+                return slot
+            raise DeviceStateError(f"acquire_adapter_slot({slot}): no sequence was allocated since the last acquire")
+        s = self._seqs[seq]
+        with self._errors(f"acquire_adapter_slot({slot}) for sequence {seq}"):
+            self.engine.bind_adapter(s.slot, slot)
+        s.adapter_slot = slot
+        if slot >= 0:
+            self._touch_lora(slot)
         return slot
 
     def set_active_lora(self, name: str) -> None:
-        raise DeviceError(f"LoRA adapter {name!r}: the torch model has no LoRA adapters")
+        """Rotation: make the registered adapter `name` loaded (a no-op but for its recency when it
+        is), in the lowest empty LoRA slot, else in the least recently used slot no sequence (live
+        or spilled) runs with."""
+        pool = self.engine.lora
+        if pool is None:
+            raise DeviceError(f"LoRA adapter {name!r}: the torch model has no LoRA adapters")
+        loaded = self.adapter_slot_of(name)
+        if loaded >= 0:
+            self._touch_lora(loaded)
+            return
+        path = self._adapters.get(name)
+        if path is None:
+            known = ", ".join(sorted(self._adapters)) or "none"
+            raise DeviceError(f"LoRA adapter {name!r} is not registered (registered: {known})")
+        slot = self._lora_victim([pool.adapter_id(s) for s in range(pool.max_loras)])
+        with self._errors(f"set_active_lora({name!r})"):
+            self.engine.load_adapter(slot, path)
+        old = self._lora_names.pop(slot, None)
+        if old is not None:
+            log.info("lora_evicted", name=old, slot=slot)
+        self._lora_names[slot] = name
+        self._touch_lora(slot)
+        log.info("lora_loaded", name=name, slot=slot, path=str(path))
+
+    def adapter_slot_of(self, name: str) -> int:
+        """The LoRA slot holding the registered adapter `name`, or -1 if it is not loaded."""
+        return next((slot for slot, held in self._lora_names.items() if held == name), -1)
+
+    def _touch_lora(self, slot: int) -> None:
+        self._lora_clock += 1
+        self._lora_used[slot] = self._lora_clock
+
+    def _lora_victim(self, ids: list[int]) -> int:
+        """The slot a new adapter goes to (`ids`: the id each slot holds, 0 when empty): the lowest
+        empty one, else the least recently used one that no live or spilled sequence runs with
+        (DeviceError when every slot is in use)."""
+        count = len(ids)
+        empty = [s for s in range(count) if not ids[s]]
+        if empty:
+            return empty[0]
+        busy = {s.adapter_slot for s in self._seqs.values()} | set(self._spill_adapters.values())
+        idle = [s for s in range(count) if s not in busy]
+        if not idle:
+            raise DeviceError(f"no LoRA slot to load into: all {count} slots hold adapters sequences run with")
+        return min(idle, key=lambda s: self._lora_used.get(s, 0))
 
     def ep_broadcast_cmd_for_seq(self, seq_slot: int, cmd: int) -> None:
         log.debug("ep_broadcast_cmd_for_seq", slot=seq_slot, cmd=hex(cmd))

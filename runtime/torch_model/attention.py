@@ -25,7 +25,8 @@ from fxsched.kernels.paged_kv_append import paged_kv_append
 from .attn_plan import AttnPlan
 from .config import ModelConfig
 from .kernel_paths import attention_kernels_apply
-from .ops import linear, rms_norm
+from .lora import LoraRows, project
+from .ops import rms_norm
 from .paged_kv import PagedKVCache
 
 
@@ -88,20 +89,21 @@ def model_rope_tables(positions: torch.Tensor, cfg: ModelConfig, dtype: torch.dt
 
 
 def attention_qkv(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig,
-                  positions: torch.Tensor, rope: RopeTables | None = None
+                  positions: torch.Tensor, rope: RopeTables | None = None, lora: LoraRows | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Queries, keys, values and output gate of attention block `prefix` over x [..., T, D].
 
     Returns q [..., T, Hq, Dh], k and v [..., T, Hkv, Dh] (q and k normed if cfg.qk_norm, then roped
     over cfg.rotary_dim at positions [..., T], by `rope` when the caller computed the tables once
     for several blocks) and the pre-sigmoid gate [..., T, Hq, Dh] when cfg.attn_output_gate, else None.
+    lora: the batch's adapters, added to each projection (specs/lora.md §18.2).
     """
     lead = x.shape[:-1]
     hq, hkv, dh = cfg.num_attention_heads, cfg.num_kv_heads, cfg.head_dim
-    q = linear(x, w[f"{prefix}.q_proj"]).view(*lead, hq, dh)
-    k = linear(x, w[f"{prefix}.k_proj"]).view(*lead, hkv, dh)
-    v = linear(x, w[f"{prefix}.v_proj"]).view(*lead, hkv, dh)
-    gate = linear(x, w[f"{prefix}.gate_proj"]).view(*lead, hq, dh) if cfg.attn_output_gate else None
+    q = project(x, w, f"{prefix}.q_proj", lora).view(*lead, hq, dh)
+    k = project(x, w, f"{prefix}.k_proj", lora).view(*lead, hkv, dh)
+    v = project(x, w, f"{prefix}.v_proj", lora).view(*lead, hkv, dh)
+    gate = project(x, w, f"{prefix}.gate_proj", lora).view(*lead, hq, dh) if cfg.attn_output_gate else None
     if cfg.qk_norm:
         q = rms_norm(q, w[f"{prefix}.q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, w[f"{prefix}.k_norm"], cfg.rms_norm_eps)
@@ -113,11 +115,11 @@ def attention_qkv(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg:
 
 
 def attention_out(attn: torch.Tensor, gate: torch.Tensor | None, w: dict[str, torch.Tensor],
-                  prefix: str) -> torch.Tensor:
+                  prefix: str, lora: LoraRows | None = None) -> torch.Tensor:
     """Output of attention block `prefix`: o_proj(attn * sigmoid(gate)) for attn [..., T, Hq, Dh]."""
     if gate is not None:
         attn = attn * torch.sigmoid(gate)
-    return linear(attn.reshape(*attn.shape[:-2], -1), w[f"{prefix}.o_proj"])
+    return project(attn.reshape(*attn.shape[:-2], -1), w, f"{prefix}.o_proj", lora)
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
@@ -195,7 +197,8 @@ def attention_layer(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, *,
                     block_tables: torch.Tensor, uniform: bool = False, cfg: ModelConfig | None = None,
                     num_heads: int = 0, num_kv_heads: int = 0, head_dim: int = 0,
                     rope_theta: float = 0.0, valid_rows: torch.Tensor | None = None,
-                    plan: AttnPlan | None = None, rope: RopeTables | None = None) -> torch.Tensor:
+                    plan: AttnPlan | None = None, rope: RopeTables | None = None,
+                    lora: LoraRows | None = None) -> torch.Tensor:
     """One target attention layer over a right-padded batch x [B, T, D].
 
     The block's shape and options come from `cfg` (`attention_qkv`); without cfg, from num_heads,
@@ -216,12 +219,13 @@ def attention_layer(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, *,
     valid_rows [N]: the flat indices (b * T + t) of the valid rows, so the cache write needs no
     boolean mask (None: every row is valid when uniform, else `valid` is used).
     rope: the forward's rotary tables at `positions` (computed here when None).
+    lora: the batch's adapters (specs/lora.md §18.2).
     """
     if cfg is None:
         cfg = ModelConfig(num_attention_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                           rope_theta=rope_theta, mtp=False, dflash_gamma=0)
     t = x.shape[1]
-    q, k, v, gate = attention_qkv(x, w, prefix, cfg, positions, rope)
+    q, k, v, gate = attention_qkv(x, w, prefix, cfg, positions, rope, lora)
     k_cache, v_cache = cache.k[cache_layer], cache.v[cache_layer]
     kernels = attention_kernels_apply(q, k, v, k_cache, v_cache, block_tables, positions)
     if uniform and kernels:
@@ -244,4 +248,4 @@ def attention_layer(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, *,
         else:
             out = paged_attention(q, k_cache, v_cache, block_tables,
                                   torch.where(valid, positions, torch.zeros_like(positions)))
-    return attention_out(out, gate, w, prefix)
+    return attention_out(out, gate, w, prefix, lora)

@@ -23,6 +23,7 @@ from .attn_plan import decode_plan, plan_keys
 from .config import ModelConfig
 from .errors import OutOfBlocksError, SlotError
 from .gdn import GdnStateCache
+from .lora import LoraPool
 from .kernel_paths import gdn_decode_in_place, gdn_fold_kernel_applies
 from .model import ForwardOutput, RowBatch
 from .paged_kv import BlockPool, PagedKVCache
@@ -41,6 +42,7 @@ class DecodePath:
     keeps_hidden: bool
     hidden_history: torch.Tensor
     dflash_features: torch.Tensor | None
+    lora: LoraPool | None
     _slots: list[SlotState | None]
     _pending: list[PendingRows | None]
     _captured: list[Captured | None]
@@ -140,9 +142,17 @@ class DecodePath:
         fields = [positions, tables, write, list(slots)]
         if device_tokens is None:
             fields.append(host)
+        lora_slots = [s.lora_slot for s in states] if self.lora is not None else []
+        lora_fields = self.lora.row_fields(lora_slots, [1] * b, 1) if self.lora is not None else None
+        if lora_fields is not None:
+            fields += lora_fields
         sent = send_ints(fields, dev)
         positions_t, tables_t, write_t, slots_t = sent[:4]
         tokens_t = sent[4] if device_tokens is None else device_tokens.to(torch.int64)
+        lora = None
+        if lora_fields is not None:
+            assert self.lora is not None
+            lora = self.lora.batch_rows(lora_slots, lora_fields[1], *sent[-2:])
         tables_t = tables_t.view(b, nb)
         plan = None
         if not self._attention_kernels:
@@ -154,7 +164,7 @@ class DecodePath:
                 plan = plan_keys(tables_host, positions, [1] * b, bs, dev, row_kernel=row_kernel)
         valid = torch.ones(b, 1, dtype=torch.bool, device=dev)
         return RowBatch(tokens_t.view(b, 1), positions_t.view(b, 1), valid, write_t, tables_t, slots_t, True, None,
-                        attn=plan, gdn_in_place=gdn_decode_in_place(dev))
+                        attn=plan, gdn_in_place=gdn_decode_in_place(dev), lora=lora)
 
     def _decode_commit(self, slots: Sequence[int], states: list[SlotState], host: list[int], batch: RowBatch,
                        out: ForwardOutput, features: torch.Tensor | None) -> None:

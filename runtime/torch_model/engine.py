@@ -45,6 +45,7 @@ from .gdn import GdnSnapshot, GdnStateCache
 from .gdn_chunked import KeepPlan
 from .hf_drafters import PublishedDFlash, PublishedMtp, load_dflash_drafter
 from .kernel_paths import attention_kernels_apply, gdn_fold_kernel_applies, kernels_opted_in
+from .lora import DEFAULT_MAX_LORA_RANK, LoraPool
 from .attn_plan import plan_keys
 from .batch_groups import forward_rows, row_groups
 from .graphs import CudaGraphRecorder, ForwardGraphs, Recorder, buckets, cuda_graphs_wanted
@@ -84,7 +85,8 @@ class HybridEngine(DecodePath):
 
     def __init__(self, cfg: ModelConfig | None = None, weights: Weights | None = None,
                  device: str | torch.device = "cpu", draft_model: str | Path | None = None,
-                 cuda_graphs: bool | None = None) -> None:
+                 cuda_graphs: bool | None = None, max_loras: int = 0,
+                 max_lora_rank: int = DEFAULT_MAX_LORA_RANK) -> None:
         self.cfg = cfg = cfg or default_config()
         self.device = torch.device(device)
         dtype = torch_dtype(cfg)  # KV / GDN caches and hidden rows are kept in the model's dtype
@@ -130,6 +132,9 @@ class HybridEngine(DecodePath):
         self._pending: list[PendingRows | None] = [None] * cfg.max_slots
         self._captured: list[Captured | None] = [None] * cfg.max_slots
         self._captured_features: list[Captured | None] = [None] * cfg.max_slots
+        # LoRA adapters (specs/lora.md §18.1): max_loras slots of at most max_lora_rank, or none
+        self.lora: LoraPool | None = (LoraPool(cfg, max_loras, max_lora_rank, self.device, dtype)
+                                      if max_loras else None)
         self.graphs: ForwardGraphs | None = None
         if cuda_graphs_wanted(self.device, cuda_graphs):
             self.use_graphs(capture=True)
@@ -169,7 +174,8 @@ class HybridEngine(DecodePath):
                         max_seq_len: int | None = None, max_slots: int = 16, num_blocks: int | None = None,
                         block_size: int = 16, draft_model: str | Path | None = None,
                         expert_shard: tuple[int, int] | None = None,
-                        kv_cache_memory: int | None = None, cuda_graphs: bool | None = None) -> "HybridEngine":
+                        kv_cache_memory: int | None = None, cuda_graphs: bool | None = None,
+                        max_loras: int = 0, max_lora_rank: int = DEFAULT_MAX_LORA_RANK) -> "HybridEngine":
         """Engine over a Hugging Face checkpoint directory (see hf_checkpoint.load_pretrained, whose
         arguments these are; a bad directory raises ModelDirError). draft_model: a DFlash drafter
         directory (public format, see hf_drafters.load_dflash_drafter) to draft with. expert_shard:
@@ -177,7 +183,8 @@ class HybridEngine(DecodePath):
         need the run's group bound to them (runtime/ep/experts.py) before a forward. kv_cache_memory:
         the cache budget in bytes, KV blocks and GDN states (hf_checkpoint.cache_sizes), instead of
         num_blocks. cuda_graphs: capture decodes and uniform verifies as CUDA graphs at start-up
-        (CUDA only; None: unless FXSCHED_CUDA_GRAPHS=0)."""
+        (CUDA only; None: unless FXSCHED_CUDA_GRAPHS=0). max_loras, max_lora_rank: the LoRA pool
+        (specs/lora.md §18.1; 0 slots: none)."""
         from .hf_checkpoint import load_pretrained
 
         cfg, weights = load_pretrained(model_dir, device=device, dtype=dtype, max_seq_len=max_seq_len,
@@ -186,7 +193,8 @@ class HybridEngine(DecodePath):
         # packed here, consuming the loader's dict, so the model is never held twice (ops.pack_for_cpu)
         weights = fuse_shared_experts(weights, cfg)
         weights = pack_for_cpu(weights, cfg, consume=True)
-        return cls(cfg, weights, device, draft_model=draft_model, cuda_graphs=cuda_graphs)
+        return cls(cfg, weights, device, draft_model=draft_model, cuda_graphs=cuda_graphs, max_loras=max_loras,
+                   max_lora_rank=max_lora_rank)
 
     # ---- slots --------------------------------------------------------------------------------
     def _slot(self, slot: int) -> SlotState:
@@ -205,14 +213,66 @@ class HybridEngine(DecodePath):
         """Unallocated slots in increasing order."""
         return [s for s in range(self.cfg.max_slots) if self._slots[s] is None]
 
-    def alloc(self, slot: int, adapter_id: int = 0) -> None:
-        """Make `slot` hold an empty sequence (seq_len 0, zero GDN state) for adapter `adapter_id`."""
+    def alloc(self, slot: int, adapter_id: int = 0, lora_slot: int = -1) -> None:
+        """Make `slot` hold an empty sequence (seq_len 0, zero GDN state) for adapter `adapter_id`, or
+        with lora_slot >= 0 for the LoRA adapter in that pool slot (its id: `bind_adapter`)."""
         if not 0 <= slot < self.cfg.max_slots:
             raise SlotError(f"slot {slot} out of range [0, {self.cfg.max_slots})")
         if self._slots[slot] is not None:
             raise SlotError(f"slot {slot} is already allocated")
-        self._slots[slot] = SlotState(adapter_id=adapter_id)
+        if lora_slot >= 0:
+            adapter_id = self._lora_id(lora_slot)
+        self._slots[slot] = SlotState(adapter_id=adapter_id, lora_slot=lora_slot)
         self._clear_slot_tensors(slot)
+
+    # ---- LoRA adapters (specs/lora.md §18.1) ------------------------------------------------------
+    def _lora_pool(self) -> LoraPool:
+        if self.lora is None:
+            raise SlotError("this engine has no LoRA pool (max_loras = 0)")
+        return self.lora
+
+    def _lora_id(self, lora_slot: int) -> int:
+        pool = self._lora_pool()
+        if not 0 <= lora_slot < pool.max_loras:
+            raise SlotError(f"adapter slot {lora_slot} out of range [0, {pool.max_loras})")
+        adapter_id = pool.adapter_id(lora_slot)
+        if not adapter_id:
+            raise SlotError(f"adapter slot {lora_slot} holds no adapter")
+        return adapter_id
+
+    def load_adapter(self, lora_slot: int, adapter_dir: str | Path) -> int:
+        """Load the PEFT adapter in `adapter_dir` into pool slot `lora_slot` (AdapterError for a bad
+        adapter, the slot unchanged); returns its id. SlotError while a sequence runs with the
+        adapter the slot holds."""
+        pool = self._lora_pool()
+        if not 0 <= lora_slot < pool.max_loras:
+            raise SlotError(f"adapter slot {lora_slot} out of range [0, {pool.max_loras})")
+        self._check_unused(lora_slot)
+        return pool.load(lora_slot, adapter_dir)
+
+    def unload_adapter(self, lora_slot: int) -> None:
+        """Empty pool slot `lora_slot` (SlotError while a sequence runs with its adapter)."""
+        self._lora_id(lora_slot)
+        self._check_unused(lora_slot)
+        self._lora_pool().clear(lora_slot)
+
+    def _check_unused(self, lora_slot: int) -> None:
+        users = [s for s, state in enumerate(self._slots) if state is not None and state.lora_slot == lora_slot]
+        if users:
+            raise SlotError(f"adapter slot {lora_slot}: slots {users} run with its adapter")
+
+    def bind_adapter(self, slot: int, lora_slot: int) -> int:
+        """Make the sequence in `slot` run with the adapter in pool slot `lora_slot` (-1: the base
+        model); returns the adapter id. A sequence that already holds tokens keeps its adapter id
+        (its KV was computed with it): SlotError if the slot's adapter is another (a restored
+        sequence whose adapter was replaced while it was spilled)."""
+        state = self._slot(slot)
+        adapter_id = self._lora_id(lora_slot) if lora_slot >= 0 else 0
+        if (state.seq_len or state.block_table) and adapter_id != state.adapter_id:
+            raise SlotError(f"slot {slot} holds {state.seq_len} tokens of adapter id {state.adapter_id}, "
+                            f"cannot run them with adapter id {adapter_id} (adapter slot {lora_slot})")
+        state.adapter_id, state.lora_slot = adapter_id, lora_slot
+        return adapter_id
 
     def free(self, slot: int) -> None:
         """Release `slot`: drop its block references (cached blocks stay in the prefix cache)."""
@@ -429,6 +489,10 @@ class HybridEngine(DecodePath):
         lengths = [len(toks) for toks in token_lists]
         uniform = all(n == t for n in lengths)
         fields = [tokens, positions, tables, write, list(slots), lengths]
+        lora_slots = [s.lora_slot for s in states] if self.lora is not None else []
+        lora_fields = self.lora.row_fields(lora_slots, lengths, t) if self.lora is not None else None
+        if lora_fields is not None:
+            fields += lora_fields
         if not uniform:
             fields.append(valid_rows)
         if last_logits:
@@ -439,6 +503,11 @@ class HybridEngine(DecodePath):
         sent = send_ints(fields, dev)
         tokens_t, positions_t, tables_t, write_t, slots_t, lengths_t = sent[:6]
         extra = iter(sent[6:])
+        lora = None
+        if lora_fields is not None:
+            assert self.lora is not None
+            rows_t, ends_t = next(extra), next(extra)
+            lora = self.lora.batch_rows(lora_slots, lora_fields[1], rows_t, ends_t)
         valid_t = None if uniform else next(extra)
         logit_rows = next(extra) if last_logits else None
         keep_index = keep.index([next(extra) for _ in keep.fields]) if keep is not None else None
@@ -454,7 +523,8 @@ class HybridEngine(DecodePath):
             [s.block_table for s in states], [s.seq_len for s in states], lengths, bs, dev,
             row_kernel=dev.type == "cpu" and bool(self.kv.k) and self.kv.k[0].dtype == torch.bfloat16)
         return RowBatch(tokens_t.view(b, t), positions_t.view(b, t), valid, write_t, tables_t.view(b, nb), slots_t,
-                        uniform, keep_rows, valid_rows=valid_t, attn=plan, logit_rows=logit_rows, gdn_keep=keep_index)
+                        uniform, keep_rows, valid_rows=valid_t, attn=plan, logit_rows=logit_rows, gdn_keep=keep_index,
+                        lora=lora)
 
     @torch.no_grad()
     def prefill(self, slot: int, tokens: Sequence[int]) -> torch.Tensor:
@@ -882,7 +952,7 @@ class HybridEngine(DecodePath):
 
     # ---- reference generation -----------------------------------------------------------------
     def greedy_generate(self, prompt: Sequence[int], max_tokens: int, slot: int | None = None,
-                        adapter_id: int = 0, free_slot: bool = True) -> list[int]:
+                        adapter_id: int = 0, free_slot: bool = True, lora_slot: int = -1) -> list[int]:
         """Plain greedy decoding (prefill, then one decode per token): up to max_tokens new tokens,
         stopping after eos_id or when the sequence reaches max_seq_len."""
         if max_tokens <= 0:
@@ -892,7 +962,7 @@ class HybridEngine(DecodePath):
             if not free:
                 raise SlotError("no free slot for greedy_generate")
             slot = free[0]
-        self.alloc(slot, adapter_id)
+        self.alloc(slot, adapter_id, lora_slot)
         try:
             token = int(self.prefill(slot, prompt).argmax())
             out = [token]

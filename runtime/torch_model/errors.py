@@ -53,3 +53,14 @@ class ModelDirError(TorchModelError, ValueError):
         self.path = str(path)
         self.problem = " ".join(str(problem).split())  # one line, whatever the cause's message held
         super().__init__(f"{self.path}: {self.problem}")
+
+
+class AdapterError(TorchModelError, ValueError):
+    """A LoRA adapter directory cannot be loaded into this model; str is ONE line naming the file and
+    the defect (specs/lora.md §18.4: missing file, bad config field, rank above the pool's, a
+    target the model lacks or fxsched cannot adapt, missing / unexpected / mis-shaped tensor)."""
+
+    def __init__(self, path: object, problem: str) -> None:
+        self.path = str(path)
+        self.problem = " ".join(str(problem).split())
+        super().__init__(f"{self.path}: {self.problem}")

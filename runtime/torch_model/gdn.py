@@ -40,7 +40,8 @@ from .config import ModelConfig
 from .gdn_chunked import KeepIndex, KeepPlan, chunked_gated_delta
 from .gdn_fla import fla_prefill_applies, segmented_gated_delta
 from .kernel_paths import gdn_recurrence_kernel_applies
-from .ops import l2_normalize, linear, rms_norm
+from .lora import LoraRows, project
+from .ops import l2_normalize, rms_norm
 
 GdnSnapshot = list[tuple[torch.Tensor, torch.Tensor]]  # per GDN layer: (recurrent [Hv,Dk,Dv], conv [C,W-1])
 
@@ -144,7 +145,7 @@ def gdn_layer(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg: Mod
               state0: torch.Tensor | None, conv0: torch.Tensor | None,
               keep_rows: tuple[int, ...] | None = None,
               in_place: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-              keep_index: KeepIndex | None = None) -> tuple[torch.Tensor, GdnRows]:
+              keep_index: KeepIndex | None = None, lora: LoraRows | None = None) -> tuple[torch.Tensor, GdnRows]:
     """One GDN layer over x [B, T, D] from initial states state0 [B,Hv,Dk,Dv], conv0 [B,C,W-1].
 
     Returns (output [B, T, D], states in state0's / conv0's dtype). keep_rows None: the state after
@@ -160,11 +161,13 @@ def gdn_layer(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg: Mod
     runs: the states are read from and written back to the caches' rows `slots` (the recurrence by
     `fxsched.kernels.cpu_gdn.gdn_step`), state0 and conv0 are not used, and the returned GdnRows is
     `GdnRows.committed()` -- the caller must not fold it again.
+
+    lora: the batch's adapters, added to each projection (specs/lora.md §18.2).
     """
     if in_place is not None:
-        return _decode_in_place(x, w, prefix, cfg, *in_place)
+        return _decode_in_place(x, w, prefix, cfg, *in_place, lora=lora)
     assert state0 is not None and conv0 is not None  # only the in-place form goes without them
-    q, k, v, log_decay, beta, windows = _project(x, w, prefix, cfg, conv0)
+    q, k, v, log_decay, beta, windows = _project(x, w, prefix, cfg, conv0, lora)
     if keep_rows is not None:
         if keep_index is None or keep_index.plan.rows != tuple(keep_rows):
             keep_index = KeepPlan.of(keep_rows, x.shape[1]).send(x.device)
@@ -180,7 +183,7 @@ def gdn_layer(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg: Mod
         o, states = gated_delta(q, k, v, log_decay, beta, state0, scale=1.0)  # [B,T,Hv,Dv], [B,T,Hv,Dk,Dv]
     else:
         o, states = _recurrence(q, k, v, torch.exp(log_decay), beta, state0)
-    return _output(o, x, w, prefix, cfg), GdnRows(states, windows, keep_rows)
+    return _output(o, x, w, prefix, cfg, lora), GdnRows(states, windows, keep_rows)
 
 
 # Rows per sequence up to which the short convolution is taken as window products (decode, verify)
@@ -188,14 +191,14 @@ def gdn_layer(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg: Mod
 _FEW_ROWS = 16
 
 
-def _project(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig, conv0: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _project(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig, conv0: torch.Tensor,
+             lora: LoraRows | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v (fp32, normalised, grouped heads repeated), log-decay, beta and the conv windows
     [B, C, T, W] of x [B, T, D] after conv state conv0 [B, C, W-1]."""
     b, t, _ = x.shape
     hk, hv, dk, dv, width = cfg.gdn_num_heads, cfg.gdn_v_heads, cfg.gdn_key_dim, cfg.gdn_value_dim, cfg.conv_width
-    qkv = torch.cat([linear(x, w[f"{prefix}.q_proj"]), linear(x, w[f"{prefix}.k_proj"]),
-                     linear(x, w[f"{prefix}.v_proj"])], dim=-1)  # [B, T, C]
+    qkv = torch.cat([project(x, w, f"{prefix}.q_proj", lora), project(x, w, f"{prefix}.k_proj", lora),
+                     project(x, w, f"{prefix}.v_proj", lora)], dim=-1)  # [B, T, C]
     conv_in = torch.cat([conv0.transpose(1, 2), qkv.to(conv0.dtype)], dim=1)  # [B, W-1+T, C]
     windows = conv_in.unfold(1, width, 1).transpose(1, 2)  # [B, C, T, W] (a view: the conv state after each row)
     weight = w[f"{prefix}.conv"].float()
@@ -214,31 +217,33 @@ def _project(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg: Mode
     if hv != hk:
         q = q.repeat_interleave(hv // hk, dim=2)
         k = k.repeat_interleave(hv // hk, dim=2)
-    beta = torch.sigmoid(linear(x, w[f"{prefix}.b_proj"])).float()
+    beta = torch.sigmoid(project(x, w, f"{prefix}.b_proj", lora)).float()
     log_decay = -torch.exp(w[f"{prefix}.A_log"].float()) * F.softplus(
-        linear(x, w[f"{prefix}.a_proj"]).float() + w[f"{prefix}.dt_bias"].float())
+        project(x, w, f"{prefix}.a_proj", lora).float() + w[f"{prefix}.dt_bias"].float())
     return q, k, v.reshape(b, t, hv, dv), log_decay, beta, windows
 
 
-def _output(o: torch.Tensor, x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig) -> torch.Tensor:
+def _output(o: torch.Tensor, x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig,
+            lora: LoraRows | None = None) -> torch.Tensor:
     """o_proj(RMSNorm(o) * silu(x W_g)) for recurrence outputs o [B, T, Hv, Dv]."""
     b, t, _ = x.shape
     hv, dv = cfg.gdn_v_heads, cfg.gdn_value_dim
-    gate = F.silu(linear(x, w[f"{prefix}.g_proj"])).view(b, t, hv, dv)
+    gate = F.silu(project(x, w, f"{prefix}.g_proj", lora)).view(b, t, hv, dv)
     o = rms_norm(o.to(x.dtype), w[f"{prefix}.o_norm"], cfg.rms_norm_eps)
     o = (o.float() * gate.float()).to(x.dtype)
-    return linear(o.reshape(b, t, hv * dv), w[f"{prefix}.o_proj"])
+    return project(o.reshape(b, t, hv * dv), w, f"{prefix}.o_proj", lora)
 
 
 def _decode_in_place(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig,
-                     recurrent: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, GdnRows]:
+                     recurrent: torch.Tensor, conv: torch.Tensor, slots: torch.Tensor,
+                     lora: LoraRows | None = None) -> tuple[torch.Tensor, GdnRows]:
     """`gdn_layer`'s one-row forward committed in the caches (see its in_place)."""
     if x.shape[1] != 1:
         raise ValueError(f"an in-place GDN forward takes one row per sequence, not {x.shape[1]}")
-    q, k, v, log_decay, beta, windows = _project(x, w, prefix, cfg, conv.index_select(0, slots))
+    q, k, v, log_decay, beta, windows = _project(x, w, prefix, cfg, conv.index_select(0, slots), lora)
     conv.index_copy_(0, slots, windows[:, :, 0, 1:].to(conv.dtype))
     o = gdn_step(q[:, 0], k[:, 0], v[:, 0], log_decay[:, 0], beta[:, 0], recurrent, slots)
-    return _output(o[:, None], x, w, prefix, cfg), GdnRows.committed()
+    return _output(o[:, None], x, w, prefix, cfg, lora), GdnRows.committed()
 
 
 def _recurrence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,

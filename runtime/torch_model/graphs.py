@@ -220,8 +220,8 @@ class ForwardGraphs:
     def find(self, batch: RowBatch) -> Optional[StaticForward]:
         """The static forward that takes ``batch``, or None (it runs eagerly)."""
         if (not batch.uniform or batch.gdn_in_place or batch.gdn_keep_rows is not None
-                or batch.logit_rows is not None):
-            return None
+                or batch.logit_rows is not None or batch.lora is not None):
+            return None  # (an adapted batch runs eagerly: its rows' slots are not a static input)
         n, t = batch.tokens.shape
         size = next((b for b in self.sizes if b >= n), None)
         return None if size is None else self.forwards.get((size, t))

@@ -27,6 +27,7 @@ from .attn_plan import AttnPlan
 from .config import ModelConfig
 from .gdn import GdnRows, GdnStateCache, gdn_layer
 from .gdn_chunked import KeepIndex, KeepPlan
+from .lora import LoraRows
 from .moe import fuse_shared_experts, sparse_moe
 from .ops import embed_rows, linear, rms_norm, swiglu_mlp
 from .packing import pack_for_cpu
@@ -34,12 +35,14 @@ from .paged_kv import PagedKVCache
 from .weights import Weights, check_weights
 
 
-def mlp_block(x: torch.Tensor, w: Weights, layer_prefix: str, cfg: ModelConfig, layer_index: int) -> torch.Tensor:
+def mlp_block(x: torch.Tensor, w: Weights, layer_prefix: str, cfg: ModelConfig, layer_index: int,
+              lora: LoraRows | None = None) -> torch.Tensor:
     """Feed-forward of the layer under `layer_prefix` (e.g. "layers.3" or "mtp.layers.0") on x [..., D]:
-    `{layer_prefix}.mlp` SwiGLU or `{layer_prefix}.moe` sparse MoE, by cfg.mlp_kind(layer_index)."""
+    `{layer_prefix}.mlp` SwiGLU or `{layer_prefix}.moe` sparse MoE, by cfg.mlp_kind(layer_index), with
+    the batch's adapters (`lora`, specs/lora.md §18.2)."""
     if cfg.mlp_kind(layer_index) == "moe":
-        return sparse_moe(x, w, f"{layer_prefix}.moe", cfg)
-    return swiglu_mlp(x, w, f"{layer_prefix}.mlp")
+        return sparse_moe(x, w, f"{layer_prefix}.moe", cfg, lora)
+    return swiglu_mlp(x, w, f"{layer_prefix}.mlp", lora)
 
 
 @dataclass
@@ -62,7 +65,8 @@ class RowBatch:
     GDN layers update the slots' states in the state cache as they run (gdn_layer's in_place), the
     one exception to the invariant below. gdn_keep: gdn_keep_rows' plan with its index tensors,
     sent with the batch's other inputs in its one copy (gdn_chunked.KeepIndex; a batch without it
-    gets one per forward, specs/async.md §16.2).
+    gets one per forward, specs/async.md §16.2). lora: the adapted rows of a batch where a sequence
+    has a LoRA adapter (None otherwise: the forward is the base model's, specs/lora.md §18.2).
     """
 
     tokens: torch.Tensor
@@ -78,6 +82,7 @@ class RowBatch:
     logit_rows: torch.Tensor | None = None
     gdn_in_place: bool = False
     gdn_keep: KeepIndex | None = None
+    lora: LoraRows | None = None
 
 
 @dataclass
@@ -130,17 +135,19 @@ class HybridModel:
         gdn_rows: list[GdnRows] = []
         layer_hidden: dict[int, torch.Tensor] = {}
         gdn_index = attn_index = 0
+        lora = batch.lora
         for i, kind in enumerate(cfg.layer_pattern):
             x = rms_norm(h, w[f"layers.{i}.input_norm"], cfg.rms_norm_eps)
             if kind == "gdn":
                 if batch.gdn_in_place:
                     out, rows = gdn_layer(x, w, f"layers.{i}.gdn", cfg, None, None,
-                                          in_place=(gdn.recurrent[gdn_index], gdn.conv[gdn_index], batch.slots))
+                                          in_place=(gdn.recurrent[gdn_index], gdn.conv[gdn_index], batch.slots),
+                                          lora=lora)
                 else:
                     out, rows = gdn_layer(x, w, f"layers.{i}.gdn", cfg,
                                           gdn.recurrent[gdn_index].index_select(0, batch.slots),
                                           gdn.conv[gdn_index].index_select(0, batch.slots), batch.gdn_keep_rows,
-                                          keep_index=keep)
+                                          keep_index=keep, lora=lora)
                 gdn_rows.append(rows)
                 gdn_index += 1
             else:
@@ -148,10 +155,11 @@ class HybridModel:
                                       positions=batch.positions, valid=batch.valid,
                                       write_index=batch.write_index, block_tables=batch.block_tables,
                                       uniform=batch.uniform, valid_rows=batch.valid_rows, plan=batch.attn,
-                                      rope=rope)
+                                      rope=rope, lora=lora)
                 attn_index += 1
             h = h + out
-            h = h + mlp_block(rms_norm(h, w[f"layers.{i}.post_norm"], cfg.rms_norm_eps), w, f"layers.{i}", cfg, i)
+            h = h + mlp_block(rms_norm(h, w[f"layers.{i}.post_norm"], cfg.rms_norm_eps), w, f"layers.{i}", cfg, i,
+                              lora)
             if i in capture_layers:
                 layer_hidden[i] = h
         read = h if batch.logit_rows is None else h.reshape(-1, h.shape[-1]).index_select(0, batch.logit_rows)

@@ -44,7 +44,7 @@ range, so the sum over ranks is the single-rank routed sum up to the order of th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +55,9 @@ from .config import ModelConfig
 from .ops import linear, swiglu_mlp
 from .weights import param_shapes
 
+if TYPE_CHECKING:
+    from .lora import LoraRows
+
 EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")  # the stacked [E, ...] tensors of a MoE layer
 _STACKED_SUFFIXES = tuple(f".moe.{part}" for part in EXPERT_PARTS)
 
@@ -63,9 +66,11 @@ class ExpertShardError(RuntimeError):
     """A sharded expert tensor was used as a whole, or a shard has no expert-parallel group."""
 
 
-def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k routing of tokens x [N, D]: (weights [N, k] in x's dtype, expert ids [N, k])."""
-    probs = torch.softmax(linear(x, router).float(), dim=-1)
+def route(x: torch.Tensor, router: torch.Tensor, top_k: int, renormalize: bool,
+          logits: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routing of tokens x [N, D]: (weights [N, k] in x's dtype, expert ids [N, k]); `logits`:
+    the router's logits [N, E] when the caller computed them (an adapted router)."""
+    probs = torch.softmax((linear(x, router) if logits is None else logits).float(), dim=-1)
     weights, experts = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -267,11 +272,15 @@ def weight_bytes(weights: dict[str, torch.Tensor]) -> tuple[int, int]:
     return experts, other
 
 
-def sparse_moe(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig) -> torch.Tensor:
-    """MoE feed-forward of x [..., D] with the weights under `prefix`; returns [..., D]."""
+def sparse_moe(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg: ModelConfig,
+               lora: "Optional[LoraRows]" = None) -> torch.Tensor:
+    """MoE feed-forward of x [..., D] with the weights under `prefix`; returns [..., D]. `lora`: the
+    batch's adapters of the router and the shared expert (specs/lora.md §18.3: routed experts take none)."""
     shape = x.shape
     flat = x.reshape(-1, shape[-1])
-    weights, experts = route(flat, w[f"{prefix}.router"], cfg.num_experts_per_tok, cfg.norm_topk_prob)
+    router = w[f"{prefix}.router"]
+    logits = None if lora is None else lora.add(f"{prefix}.router", flat, linear(flat, router))
+    weights, experts = route(flat, router, cfg.num_experts_per_tok, cfg.norm_topk_prob, logits)
     gate_w, up_w, down_w = w[f"{prefix}.gate_proj"], w[f"{prefix}.up_proj"], w[f"{prefix}.down_proj"]
     if isinstance(gate_w, ShardedExperts):
         shard = gate_w.shard
@@ -283,7 +292,7 @@ def sparse_moe(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, cfg: Mo
     else:
         out = routed_sum(flat, weights, experts, gate_w, up_w, down_w)
     if cfg.shared_expert_intermediate_size:
-        out = out + shared_expert(flat, w, prefix)
+        out = out + shared_expert(flat, w, prefix, lora)
     return out.reshape(shape)
 
 
@@ -326,15 +335,26 @@ def fuse_shared_experts(weights: dict[str, torch.Tensor], cfg: ModelConfig) -> d
     return out
 
 
-def shared_expert(flat: torch.Tensor, w: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+def shared_expert(flat: torch.Tensor, w: dict[str, torch.Tensor], prefix: str,
+                  lora: "Optional[LoraRows]" = None) -> torch.Tensor:
     """sigmoid(x W_shared_gate^T) * SwiGLU_shared(x) for tokens flat [N, D]: with the fused layout
     one product gives the gate, up and shared-gate columns, then one the down projection (four
     products otherwise)."""
     fused = fused_shared(w, prefix)
     if fused is None:
-        gated = torch.sigmoid(linear(flat, w[f"{prefix}.shared_gate"]))
-        return gated * swiglu_mlp(flat, w, f"{prefix}.shared")
+        sgate = linear(flat, w[f"{prefix}.shared_gate"])
+        if lora is not None:
+            sgate = lora.add(f"{prefix}.shared_gate", flat, sgate)
+        return torch.sigmoid(sgate) * swiglu_mlp(flat, w, f"{prefix}.shared", lora)
     s = (fused.shape[0] - 1) // 2
     proj = linear(flat, fused)
-    act = F.silu(proj[:, :s]) * proj[:, s:2 * s]
-    return torch.sigmoid(proj[:, 2 * s:]) * linear(act, w[f"{prefix}.shared.down_proj"])
+    gate, up, sgate = proj[:, :s], proj[:, s:2 * s], proj[:, 2 * s:]
+    if lora is not None:  # each part's adapter on its columns of the fused product
+        gate = lora.add(f"{prefix}.shared.gate_proj", flat, gate)
+        up = lora.add(f"{prefix}.shared.up_proj", flat, up)
+        sgate = lora.add(f"{prefix}.shared_gate", flat, sgate)
+    act = F.silu(gate) * up
+    down = linear(act, w[f"{prefix}.shared.down_proj"])
+    if lora is not None:
+        down = lora.add(f"{prefix}.shared.down_proj", act, down)
+    return torch.sigmoid(sgate) * down

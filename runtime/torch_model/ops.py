@@ -7,10 +7,15 @@ float32 inputs every function here is exactly the plain fp32 formula (the casts 
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
 from fxsched.kernels import cpu_amx, cpu_gemv, cpu_pointwise, cpu_widen
+
+if TYPE_CHECKING:
+    from .lora import LoraRows
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -54,13 +59,16 @@ def embed_rows(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return cpu_amx.rows(table, ids) if cpu_amx.is_packed(table) else table[ids]
 
 
-def swiglu_mlp(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+def swiglu_mlp(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, lora: "LoraRows | None" = None) -> torch.Tensor:
     """down(silu(gate(x)) * up(x)) with weights `{prefix}.gate_proj/up_proj/down_proj` (on a CPU bf16
-    forward the product is one pass rounding once, kernels/cpu_pointwise.py)."""
+    forward the product is one pass rounding once, kernels/cpu_pointwise.py); `lora`: the batch's
+    adapters, added to each projection (specs/lora.md §18.2)."""
     gate, up = linear(x, w[f"{prefix}.gate_proj"]), linear(x, w[f"{prefix}.up_proj"])
-    if cpu_pointwise.takes(gate, up):
-        return linear(cpu_pointwise.silu_mul_bf16(gate, up), w[f"{prefix}.down_proj"])
-    return linear(F.silu(gate) * up, w[f"{prefix}.down_proj"])
+    if lora is not None:
+        gate, up = lora.add(f"{prefix}.gate_proj", x, gate), lora.add(f"{prefix}.up_proj", x, up)
+    act = cpu_pointwise.silu_mul_bf16(gate, up) if cpu_pointwise.takes(gate, up) else F.silu(gate) * up
+    out = linear(act, w[f"{prefix}.down_proj"])
+    return out if lora is None else lora.add(f"{prefix}.down_proj", act, out)
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -17,7 +17,8 @@ from .model import ForwardOutput
 class SlotState:
     """Bookkeeping of one allocated slot (see engine.py's module docstring for the invariants)."""
 
-    adapter_id: int = 0
+    adapter_id: int = 0  # the id of the LoRA adapter the sequence runs with (0: the base model)
+    lora_slot: int = -1  # the adapter's slot in the engine's LoRA pool (-1: none, specs/lora.md §18.1)
     seq_len: int = 0
     tokens: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
