@@ -31,7 +31,7 @@ What ``GET /metrics`` shows (names as exported):
   disconnect or the drain timeout, error), ``fxsched_requests_rejected_total{status}`` (429, 503),
   ``fxsched_engine_faults_total`` (exceptions out of the drive loop; the engine restarted),
   ``fxsched_unknown_fields_total{endpoint}`` (request fields ignored as unknown, one per field:
-  the field policy of runtime/serve/protocol.py; the names go to the debug log, never a label).
+  the field policy of runtime/serve/request_models.py; the names go to the debug log, never a label).
 """
 
 from __future__ import annotations
