@@ -179,7 +179,7 @@ def _brief(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def parse_request(cls: type[_Common], body: bytes, on_unknown: Optional[Callable[[list[str]], None]] = None
+def parse_request(cls: type[BaseModel], body: bytes, on_unknown: Optional[Callable[[list[str]], None]] = None
                   ) -> Any:
     """The request of a JSON body; ``APIError`` (400) for malformed JSON or a bad field;
     ``on_unknown`` gets the names of the fields ignored (when there are any)."""
@@ -192,7 +192,7 @@ def parse_request(cls: type[_Common], body: bytes, on_unknown: Optional[Callable
     return request_from_data(cls, data, on_unknown)
 
 
-def request_from_data(cls: type[_Common], data: Any, on_unknown: Optional[Callable[[list[str]], None]] = None
+def request_from_data(cls: type[BaseModel], data: Any, on_unknown: Optional[Callable[[list[str]], None]] = None
                       ) -> Any:
     """The request of a decoded JSON body; ``APIError`` (400) for a bad field; ``on_unknown`` as
     ``parse_request``'s."""
