@@ -43,6 +43,12 @@ PROMPTS = ["The quick brown fox", "Once upon a time there was", "In the beginnin
 MAX_TOKENS = 16
 
 
+def vkey(name: str, **labels: str) -> str:
+    """The ``Server.metrics()`` key of a vLLM-named sample of the served model (specs/serve.md §12.8)."""
+    labels = {"engine": "0", "model_name": MODEL, **labels}
+    return f"vllm:{name}{{{','.join(f'{k}={v}' for k, v in sorted(labels.items()))}}}"
+
+
 def load_engine() -> HybridEngine:
     return HybridEngine.from_pretrained(default_model_dir())
 
@@ -73,7 +79,7 @@ class Server:
         return httpx.post(self.url + path, timeout=60, **kw)
 
     def metrics(self) -> dict[str, float]:
-        """Every sample of /metrics by name and labels, e.g. ``fxsched_requests_finished_total{finish_reason=abort}``."""
+        """Every sample of /metrics by name and labels, e.g. ``fxsched_requests_rejected_total{status=429}``."""
         text = httpx.get(self.url + "/metrics", timeout=10).text
         out = {}
         for family in text_string_to_metric_families(text):
@@ -85,7 +91,7 @@ class Server:
     def idle(self, timeout: float = 30.0) -> None:
         """Wait until the engine holds no choice, then for the gauges of the idle wait."""
         deadline = time.monotonic() + timeout
-        while self.engine.live or self.metrics()["fxsched_requests_running"]:
+        while self.engine.live or self.metrics()[vkey("num_requests_running")]:
             assert time.monotonic() < deadline, f"still {self.engine.live} choices live"
             time.sleep(0.02)
 
@@ -116,8 +122,8 @@ def chat_prompt(tok, text: str) -> list[int]:
 def assert_free(server: Server) -> None:
     """Nothing is held: from /metrics, and from the engine's own counters."""
     m = server.metrics()
-    for name in ("fxsched_kv_blocks_used", "fxsched_slots_used", "fxsched_requests_running",
-                 "fxsched_requests_waiting", "fxsched_requests_swapped"):
+    for name in ("fxsched_kv_blocks_used", "fxsched_slots_used", vkey("num_requests_running"),
+                 vkey("num_requests_waiting"), vkey("kv_cache_usage_perc"), "fxsched_requests_swapped"):
         assert m[name] == 0, (name, m[name])
     held = snapshot(server.engine)
     assert (held.slots_used, held.blocks_used, held.live) == (0, 0, 0)
@@ -215,7 +221,7 @@ def test_models_health_and_metrics(server):
     m = server.metrics()
     assert m["fxsched_kv_blocks_total"] == server.engine.engine.cfg.num_blocks
     assert m["fxsched_slots_total"] == server.engine.engine.cfg.max_slots
-    assert m["fxsched_generation_tokens_total"] > 0 and m["fxsched_time_to_first_token_seconds_count"] > 0
+    assert m[vkey("generation_tokens_total")] > 0 and m[vkey("time_to_first_token_seconds_count")] > 0
     assert m["fxsched_step_seconds_count"] > 0
 
 
@@ -277,9 +283,9 @@ def test_64_streams_16_disconnect_mid_stream_then_everything_is_free(server, tok
     assert all(f.finish_reason == ABORT and f.completion_tokens < long for f in cancelled)
     assert all(f.finish_reason == "length" and f.completion_tokens == max_tokens for f in finals if not f.cancelled)
     after = server.metrics()
-    key = "fxsched_requests_finished_total{finish_reason=%s}"
-    assert after[key % ABORT] - before.get(key % ABORT, 0) == 16
-    assert after[key % "length"] - before.get(key % "length", 0) == 48
+    for reason, count in ((ABORT, 16), ("length", 48)):
+        key = vkey("request_success_total", finished_reason=reason)
+        assert after[key] - before.get(key, 0) == count
     assert_free(server)
 
 
@@ -382,12 +388,13 @@ def test_speculative_server_samples_for_the_openai_client_streamed_and_not(tok):
         # per-position acceptance: position 0 saw every verify's first draft; the kept drafts add up
         m = s.metrics()
         drafted = {k: v for k, v in m.items() if k.startswith("fxsched_spec_drafts_per_position_total")}
-        kept = {k: v for k, v in m.items() if k.startswith("fxsched_spec_accepted_per_position_total")}
+        kept = {k: v for k, v in m.items() if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total")}
         assert drafted["fxsched_spec_drafts_per_position_total{mode=mtp,position=0}"] == \
-            m["fxsched_spec_verifies_total{mode=mtp}"] > 0
-        assert sum(kept.values()) == m["fxsched_spec_accepted_tokens_total{mode=mtp}"]
+            m[vkey("spec_decode_num_drafts_total")] > 0
+        assert sum(drafted.values()) == m[vkey("spec_decode_num_draft_tokens_total")]
+        assert sum(kept.values()) == m[vkey("spec_decode_num_accepted_tokens_total")]
         rate = m["fxsched_spec_acceptance_per_position{mode=mtp,position=0}"]
-        assert rate == kept["fxsched_spec_accepted_per_position_total{mode=mtp,position=0}"] / \
+        assert rate == kept[vkey("spec_decode_num_accepted_tokens_per_pos_total", position="0")] / \
             drafted["fxsched_spec_drafts_per_position_total{mode=mtp,position=0}"]
     finally:
         s.close()
@@ -465,16 +472,16 @@ def test_a_client_that_leaves_while_queued_frees_its_place_without_a_seat_or_a_p
                 with http.stream("POST", "/v1/completions", json=dict(body, prompt=PROMPTS[1])) as queued:
                     assert queued.status_code == 200
                     deadline = time.monotonic() + 10
-                    while s.metrics()["fxsched_requests_waiting"] != 1:
+                    while s.metrics()[vkey("num_requests_waiting")] != 1:
                         assert time.monotonic() < deadline
                         time.sleep(0.01)
                 # the queued client has gone; the running one has most of its 300 tokens to go
                 deadline = time.monotonic() + 10
-                while s.metrics()["fxsched_requests_waiting"] != 0:
+                while s.metrics()[vkey("num_requests_waiting")] != 0:
                     assert time.monotonic() < deadline, "the cancelled request still waits"
                     time.sleep(0.01)
                 m = s.metrics()
-                assert m["fxsched_requests_running"] == 1
+                assert m[vkey("num_requests_running")] == 1
                 finals = list(s.engine.recent)[recent_before:]
                 assert len(finals) == 1 and finals[0].cancelled and finals[0].completion_tokens == 0
                 assert [line for line in lines if line][-1] == "data: [DONE]"
@@ -574,7 +581,7 @@ def test_engine_fault_fails_the_requests_it_touched_and_the_server_keeps_serving
         s.idle()
         m = s.metrics()
         assert m["fxsched_engine_faults_total"] == 2
-        assert m["fxsched_requests_finished_total{finish_reason=error}"] == 4
+        assert m["fxsched_requests_failed_total"] == 4
         assert_free(s)
     finally:
         s.close()

@@ -359,13 +359,15 @@ def test_openapi_describes_the_routes_and_their_request_models(server):
 # --- a bounded schemathesis run against /openapi.json -----------------------------------------------
 
 FUZZ_EXAMPLES = 30  # per operation; derandomized, so every run sends the same requests
-BUDGETS = ("max_tokens", "max_completion_tokens", "min_tokens", "n", "best_of")
+BUDGETS = ("max_tokens", "max_completion_tokens", "max_output_tokens", "min_tokens", "n", "best_of")
 
 
 def _bounded(body: Any) -> Any:
     """Keep the fuzzed bodies cheap to serve: budgets above 4 become 4 (out-of-range values, negative
     or beyond the context, stay as generated: they must get their 400)."""
     if isinstance(body, dict):
+        if "input" in body and "max_output_tokens" not in body:  # /v1/responses: the default budget is the context
+            body["max_output_tokens"] = 4
         for key in BUDGETS:
             value = body.get(key)
             if isinstance(value, int) and not isinstance(value, bool) and 4 < value < 10**6:
@@ -395,7 +397,8 @@ def test_schemathesis_finds_no_server_error(server):
             assert response.status_code < 500, (case.operation.label, case.body, response.text[:300])
 
         check()
-    assert {"POST /v1/completions", "POST /v1/chat/completions"} <= set(seen)
+    assert {"POST /v1/completions", "POST /v1/chat/completions", "POST /v1/responses", "POST /tokenize",
+            "POST /detokenize"} <= set(seen)
     assert 200 in seen["POST /v1/completions"] and 400 in seen["POST /v1/completions"]
     server.idle()
     assert_free(server)

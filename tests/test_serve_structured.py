@@ -256,7 +256,7 @@ def test_speculative_drafts_are_checked_against_the_grammar(server, tok):
                 validate(json.loads(sampled.choices[0].text), SCHEMA)
             metrics = httpx.get(serving.url + "/metrics", timeout=10).text
             kept = [float(line.split()[-1]) for line in metrics.splitlines()
-                    if line.startswith("fxsched_spec_accepted_tokens_total{")]
+                    if line.startswith("vllm:spec_decode_num_accepted_tokens_total{")]
             # the unconstrained drafts are refused by the grammar (row masks); the constrained ones are
             # accepted (the masks of the verify rows follow the draft path)
             assert kept and (kept[0] >= len(constrained) // 2 if accepted else kept[0] <= 2), kept

@@ -18,7 +18,7 @@ Figures per row (``COLUMNS``): ``req/s`` and ``out tok/s`` (completion tokens, f
 usage) over the wall time of the run; ``ttft`` (request sent -> first chunk with text) and ``itl``
 (gap between a stream's successive text chunks: a chunk of k tokens is one gap, as vLLM measures),
 p50/p90/p99 in milliseconds; ``tpot`` the median over requests of (e2e - ttft) / (tokens - 1);
-``mean_acc_len`` the server's tokens gained per verify over the run (``fxsched_spec_*`` counters of
+``mean_acc_len`` the server's tokens gained per verify over the run (``vllm:spec_decode_*`` counters of
 ``/metrics``, before and after; ``-`` without verifies). ``--json``: one JSON object per row.
 
 The clients are threads using ``http.client`` (no dependency beyond the standard library on the
@@ -193,12 +193,12 @@ def _get(url: str, path: str) -> str:
 
 
 def speculation_counters(url: str) -> tuple[float, float]:
-    """(verifies, accepted draft tokens) summed over modes, from the server's /metrics."""
+    """(verifies, accepted draft tokens), from the server's /metrics (vLLM's names: specs/serve.md §12.8)."""
     verifies = accepted = 0.0
     for line in _get(url, "/metrics").splitlines():
-        if line.startswith("fxsched_spec_verifies_total{"):
+        if line.startswith("vllm:spec_decode_num_drafts_total{"):
             verifies += float(line.rsplit(" ", 1)[1])
-        elif line.startswith("fxsched_spec_accepted_tokens_total{"):
+        elif line.startswith("vllm:spec_decode_num_accepted_tokens_total{"):
             accepted += float(line.rsplit(" ", 1)[1])
     return verifies, accepted
 

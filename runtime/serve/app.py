@@ -505,6 +505,11 @@ def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] 
         return await _serve(request, plan, tools)
 
     app.openapi = functools.partial(_openapi, app)  # type: ignore[method-assign]
+    # /tokenize, /detokenize, /version, /docs, /v1/responses, /v1/embeddings (specs/serve.md §12.5–8)
+    from fxsched.runtime.serve import routes_extra
+
+    routes_extra.register(app, routes_extra.Served(engine, limits, state, screen, _submit, _constrained, _unknown,
+                                                   _EventStream, _disconnected))
     return app
 
 

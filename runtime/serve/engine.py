@@ -72,6 +72,8 @@ import torch
 from fxsched.core import events as ev
 from fxsched.core.request import Request
 from fxsched.core.state import SchedulerState, initial_state
+from fxsched.effects import device_calls as dc
+from fxsched.effects.lifecycle import ReleaseReason, ReleaseSeq
 from fxsched.runtime.devices.device import Device, DeviceError
 from fxsched.runtime.devices.grammar_mask import GrammarBook
 from fxsched.runtime.devices.row_processors import Penalties, RowProcessors
@@ -133,6 +135,8 @@ class _Choice:
     spec: ChoiceSpec
     sink: Callable[[ChoiceEvent], None]
     submitted: float
+    scheduled: Optional[float] = None  # when the scheduler first allocated its sequence
+    first_token: Optional[float] = None
     last_frame: Optional[float] = None
     started: bool = False
     cancelled: bool = False
@@ -169,14 +173,31 @@ _CLOSE = "close"
 _CANCEL_ALL = "cancel-all"
 
 
-class _Watch(Observer):
-    """Keeps the last scheduler state the loop performed (the metrics read it on ticks)."""
+_ALLOCS = (dc.AllocSequence, dc.AllocSequenceFor)
+_PREEMPTIONS = frozenset((ReleaseReason.PREEMPT_REQUEUE, ReleaseReason.SPILL_OUT_SEQUENCE))
 
-    def __init__(self) -> None:
+
+class _Watch(Observer):
+    """Keeps the last scheduler state the loop performed (the metrics read it on ticks), and reads
+    two things off each batch of effects for the metrics (specs/serve.md §12.8): a request's first
+    sequence allocation (it is scheduled: its queue time ends) and a sequence released for memory
+    (a preemption, requeued or spilled)."""
+
+    def __init__(self, scheduled: Callable[[int], None] = lambda rid: None,
+                 preempted: Callable[[], None] = lambda: None) -> None:
         self.state: Optional[SchedulerState] = None
+        self._scheduled = scheduled
+        self._preempted = preempted
 
     def stepped(self, event: ev.Event, state: SchedulerState, effects: Seq) -> None:
         self.state = state
+        for effect in effects:
+            kind = type(effect)
+            if kind in _ALLOCS:
+                if effect.session:  # a swap-in names session 0: not a first schedule
+                    self._scheduled(effect.session)
+            elif kind is ReleaseSeq and effect.reason in _PREEMPTIONS:
+                self._preempted()
 
 
 class ServeHost(GenerateHost):
@@ -455,7 +476,7 @@ class ServeEngine:
         self._t0 = time.monotonic()
         self._thread: Optional[threading.Thread] = None
         self._device: Optional[TorchDevice] = None
-        self._watch = _Watch()
+        self._watch = _Watch(self._scheduled, lambda: self.metrics.preemptions.inc())  # the child name_model binds
         self._last_tick: Optional[float] = None
         self._idled = False
         self._served = 0  # choices finished without an error
@@ -683,15 +704,25 @@ class ServeEngine:
             m.speculation(self._device.stats.verifies, self._device.stats.kept_rows)
             m.positions(self._device.stats.drafts_at, self._device.stats.accepted_at)
 
+    def _scheduled(self, rid: int) -> None:
+        """The scheduler allocated request ``rid``'s sequence (its first allocation ends its queue time)."""
+        choice = self.host.choices.get(rid)
+        if choice is not None and choice.scheduled is None:
+            choice.scheduled = time.perf_counter()
+
     def _frame(self, choice: _Choice, n: int) -> None:
+        """A frame of ``n`` tokens reached the client (specs/serve.md §12.8: tokens are counted as
+        they come; the prompt, and its prefix cache hits, with the first token)."""
         now = time.perf_counter()
         if n:
-            if choice.last_frame is None:
-                self.metrics.ttft.observe(now - choice.submitted)
+            m = self.metrics
+            if choice.first_token is None:
+                choice.first_token = now
+                m.first_token(now - choice.submitted, len(choice.spec.prompt), self._cached_tokens(choice.id))
             else:
-                gap = (now - choice.last_frame) / n
-                for _ in range(n):
-                    self.metrics.itl.observe(gap)
+                assert choice.last_frame is not None
+                m.itl.observe(now - choice.last_frame)
+            m.generation_tokens.inc(n)
             choice.last_frame = now
         if not choice.started:
             choice.started = True
@@ -700,10 +731,13 @@ class ServeEngine:
 
     def _finished(self, choice: _Choice, event: ChoiceEvent, completion_tokens: int) -> None:
         m = self.metrics
-        m.e2e.observe(time.perf_counter() - choice.submitted)
-        m.prompt_tokens.inc(len(choice.spec.prompt))
-        m.generation_tokens.inc(completion_tokens)
-        m.finished.labels(event.finish_reason).inc()
+        if event.error is not None:
+            m.failed.inc()
+        elif choice.first_token is not None and choice.last_frame is not None:  # a choice never started counts nowhere
+            first, last = choice.first_token, choice.last_frame
+            scheduled = choice.scheduled if choice.scheduled is not None else first
+            m.finished(event.finish_reason or "", time.perf_counter() - choice.submitted, scheduled - choice.submitted,
+                       first - scheduled, last - first, last - scheduled)
         self.recent.append(FinalRecord(choice.id, event.finish_reason or "", completion_tokens, choice.cancelled,
                                        event.error))
         if event.error is None:

@@ -403,19 +403,22 @@ class Screen:
         self._limiter = anyio.CapacityLimiter(PLANNERS)
         self._seeds = random.Random(policy.seed) if policy.seed is not None else None
 
-    async def plan(self, body: bytes, chat: bool, build: Callable[[dict[str, Any], Any], T]) -> T:
+    async def plan(self, body: bytes, chat: Optional[bool], build: Callable[[dict[str, Any], Any], T]) -> T:
         """``build(data, tokenizer)`` of the decoded body, on a worker thread, after the checks;
-        an ``APIError`` of the checks or of ``build`` is raised here without the request's data."""
+        an ``APIError`` of the checks or of ``build`` is raised here without the request's data.
+        ``chat``: whether the body's prompt is ``messages`` (None: when the body has that key)."""
         outcome = await anyio.to_thread.run_sync(self._plan, body, chat, build, limiter=self._limiter)
         del body
         if isinstance(outcome, _Refused):
             raise APIError(outcome.status, outcome.message, outcome.type, outcome.param, outcome.code)
         return outcome
 
-    def _plan(self, body: bytes, chat: bool, build: Callable[[dict[str, Any], Any], T]) -> Any:
+    def _plan(self, body: bytes, chat: Optional[bool], build: Callable[[dict[str, Any], Any], T]) -> Any:
         try:
             data = decode_body(body)
             del body
+            if chat is None:
+                chat = isinstance(data, dict) and "messages" in data
             if isinstance(data, dict):
                 self._measure(data, chat)
                 if self._seeds is not None and data.get("seed") is None:

@@ -9,7 +9,7 @@ Fields (one of them per request; two are a 400 naming the second):
   "grammar": str, "json_object": true}`` (one key), and its older top-level spellings
   ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar`` (``guided_decoding_backend``
   is accepted and ignored: there is one backend; ``guided_whitespace_pattern`` is refused,
-  protocol.REFUSED). All are declared request fields (protocol.py's field policy);
+  request_models.REFUSED). All are declared request fields (request_models.py's field policy);
 * ``tool_choice`` ``"required"`` or a named function (runtime/serve/tools.py makes the grammar).
 
 Why llguidance (not xgrammar): it computes each mask lazily from the grammar (an Earley parser over
@@ -36,7 +36,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from fxsched.runtime.serve.protocol import APIError, bad_request
+from fxsched.runtime.serve.request_models import APIError, bad_request
 
 JSON_DEFAULTS: Any = {"whitespace_flexible": False}  # llguidance's JsonCompileOptions (a TypedDict)
 MAX_GRAMMAR_CHARS = 1 << 20  # a grammar or schema of more characters is refused

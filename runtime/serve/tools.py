@@ -38,7 +38,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
-from fxsched.runtime.serve.protocol import bad_request
+from fxsched.runtime.serve.request_models import bad_request
 
 OPEN = "<tool_call>"
 CLOSE = "</tool_call>"
