@@ -29,11 +29,12 @@ class CheckpointProblem(ValueError):
     """A model directory the command cannot use; the message is one line naming the file."""
 
 
-def read_json_object(path: Path, option: str, required: bool = True) -> Optional[dict[str, Any]]:
-    """The JSON object in ``path`` (None when it is absent and not ``required``)."""
+def read_json_object(path: Path, option: str, required: bool = True, why: str = "") -> Optional[dict[str, Any]]:
+    """The JSON object in ``path`` (None when it is absent and not ``required``; ``why`` says, in a
+    missing file's message, what needs it)."""
     if not path.exists():
         if required:
-            raise CheckpointProblem(f"{option}: {path}: missing (a checkpoint directory needs {path.name})")
+            raise CheckpointProblem(f"{option}: {path}: missing" + (f" ({why})" if why else ""))
         return None
     if not path.is_file():
         raise CheckpointProblem(f"{option}: {path}: not a file")
@@ -59,7 +60,7 @@ def check_checkpoint(directory: str, label: str) -> dict[str, Any]:
     root = Path(directory)
     if not root.is_dir():
         raise CheckpointProblem(f"{label}: no such directory")
-    config = read_json_object(root / CONFIG_FILE, label)
+    config = read_json_object(root / CONFIG_FILE, label, why=f"a checkpoint directory needs {CONFIG_FILE}")
     assert config is not None
     return config
 

@@ -170,7 +170,7 @@ def _generation_eos(flags: Flags, tokenizer, model_dir: Optional[str]) -> None:
         return
     if flags.generation_config == "vllm":
         eos = tokenizer.special_tokens.get("eos_token")
-        token = tokenizer.token_to_id(eos) if eos is not None else None
+        token = tokenizer.token_id(eos) if eos is not None else None
         if token is not None:
             tokenizer.eos_ids = (token,)
         return

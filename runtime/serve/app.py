@@ -317,7 +317,8 @@ def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] 
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, err: APIError) -> JSONResponse:
-        err.message = scrub_paths(err.message, hidden)
+        if err.type != "NotFoundError":  # a wrong model's 404 shows only the client's own `model` (models.py)
+            err.message = scrub_paths(err.message, hidden)
         return _error(err)
 
     @app.exception_handler(StarletteHTTPException)
