@@ -14,18 +14,28 @@ stderr once it listens: ``fxsched serve: listening on http://HOST:PORT (model NA
 SIGTERM (or Ctrl-C) drains: no new requests, the ones in flight finish (at most
 ``--drain-timeout`` seconds, then they are cancelled with a final chunk), exit 0.
 
-vLLM's names work too (serve-security.md §14.2): the model as the positional ``MODEL``, ``--max-model-len``
-(``--max-seq-len``), ``--max-num-seqs`` (``--max-batch``), ``--max-num-batched-tokens``,
-``--speculative-config JSON`` (``--spec``), ``--seed``, ``--chat-template``, ``--dtype
-auto|bf16|half|float``; ``--ep-ranks N`` runs the engine on expert-parallel ranks
-(runtime/ep/serve.py). The front door's flags (serve-security.md §14.1): ``--api-key`` (or
-``FXSCHED_API_KEY``), ``--metrics-open``, ``--allowed-origins``, ``--max-request-bytes``.
+vLLM's ``vllm serve`` flags work with vLLM's meanings, in vLLM's help groups (runtime/cli/serve_args.py,
+serve-security.md §14.2): the model as the positional ``MODEL`` (served under that name as given,
+``--served-model-name`` overriding: serve.md §12.5), ``--max-model-len`` (``--max-seq-len``),
+``--max-num-seqs`` (``--max-batch``), ``--max-num-batched-tokens``, ``--speculative-config JSON``
+(``--spec``), ``--seed``, ``--chat-template``, ``--dtype``, ``--generation-config``,
+``--gpu-memory-utilization``, ``--enable-prefix-caching``, ``--tensor-parallel-size 1``,
+``--enable-auto-tool-choice`` / ``--tool-call-parser hermes``, ``--uvicorn-log-level``,
+``--enable-log-requests`` (serve.md §12.6); a flag this server cannot honour is refused naming what
+it supports. ``--ep-ranks N`` runs the engine on expert-parallel ranks (runtime/ep/serve.py). The
+front door's flags (serve-security.md §14.1): ``--api-key`` (or ``FXSCHED_API_KEY``),
+``--metrics-open``, ``--allowed-origins``, ``--max-request-bytes``; the connections'
+``--request-read-timeout`` and ``--timeout-keep-alive`` (serve.md §12.7).
 
-Bad input (an unknown ``--spec`` or one the model cannot run, a missing model directory, a model
-without a tokenizer, a port in use or a host that cannot be bound, an unwritable or existing
-``--record`` path without ``--force``, the ``serve`` extra not installed) is one line on stderr and
-exit 2, before anything listens; what needs no model (numbers, JSON, origins, sizes, files) before
-torch is imported.
+``open_serving(args)`` builds the ``Serving`` of parsed arguments without running it (tests run it
+on a thread); ``run_serve`` runs it until drained.
+
+Bad input (an unknown ``--spec`` or one the model cannot run, a missing model directory, one
+without config.json or a tokenizer, a port in use or a host that cannot be bound, an unwritable or
+existing ``--record`` path without ``--force``, the ``serve`` extra not installed, a vLLM flag
+value this server cannot honour) is one line on stderr and exit 2, before anything listens; what
+needs no model (numbers, JSON, origins, sizes, files, the model directory's config.json and
+tokenizer.json) before torch is imported (serve.md §12.8).
 """
 
 from __future__ import annotations
@@ -246,6 +256,9 @@ def open_serving(args, on_started: Optional[Callable] = None) -> Iterator:
         problem = record_problem(args.record, args.force)
         if problem:
             raise UsageError(f"--record {args.record}: {problem}")
+    if args.ep_ranks > 1 and not flags.prefix_caching:
+        raise UsageError(f"--no-enable-prefix-caching: not under expert parallelism (--ep-ranks {args.ep_ranks}): "
+                         f"the workers' replicas keep their own prefix caches")
     if args.ep_ranks > 1 and args.model is None:
         raise UsageError(f"--ep-ranks {args.ep_ranks}: needs a --model directory (the server speaks text, and the "
                          f"internal model EP runs without one has no tokenizer)")
