@@ -1,10 +1,11 @@
-"""Logging setup: structlog key-value events on stderr, quiet unless asked (``-v``)."""
+"""Logging setup: structlog events on stderr, key=value lines or JSON (``--log-format json``), quiet
+unless asked (``-v``)."""
 
 from __future__ import annotations
 
 import logging
 import sys
-from typing import TextIO, cast
+from typing import Any, Optional, TextIO, cast
 
 import structlog
 
@@ -19,14 +20,28 @@ class _CurrentStderr:
         sys.stderr.flush()
 
 
-def configure_logging(verbose: bool = False) -> None:
-    """Send structlog events to stderr: INFO and up with ``verbose``, else WARNING and up."""
-    level = logging.INFO if verbose else logging.WARNING
+LOG_FORMATS = ("text", "json")
+_format = "text"
+
+
+def configure_logging(verbose: bool = False, fmt: Optional[str] = None, level: Optional[int] = None) -> None:
+    """Send structlog events to stderr: INFO and up with ``verbose``, else WARNING and up (``level``
+    sets another). ``fmt``: ``text`` (key=value lines) or ``json`` (one JSON object per line,
+    structlog's JSONRenderer); None keeps the format of the last call (text at first)."""
+    global _format
+    if fmt is not None:
+        if fmt not in LOG_FORMATS:
+            raise ValueError(f"log format {fmt!r}: choose from {', '.join(LOG_FORMATS)}")
+        _format = fmt
+    if level is None:
+        level = logging.INFO if verbose else logging.WARNING
+    renderer: Any = (structlog.processors.JSONRenderer() if _format == "json"
+                     else structlog.dev.ConsoleRenderer(colors=False))
     structlog.configure(
         processors=[
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso"),
-            structlog.dev.ConsoleRenderer(colors=False),
+            renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(level),
         # structlog only writes and flushes its file, which is all _CurrentStderr offers

@@ -303,7 +303,7 @@ def _error_body(response, status: int, param):
 
 
 @pytest.mark.parametrize("path,payload,param", [
-    ("/v1/completions", {"prompt": "hi", "model": "gpt-4o"}, "model"),
+    ("/v1/completions", {"prompt": "hi", "model": 5}, "model"),  # another model's name: 404 (test_serve_cli.py)
     ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": "5"}, "max_tokens"),
     ("/v1/completions", {"prompt": "hi", "max_tokens": 5000}, "max_tokens"),

@@ -320,7 +320,7 @@ def _cuda() -> bool:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = ArgumentParser(prog="fxsched", description="LLM inference scheduling as a pure step function")
-    parser.add_argument("-v", "--verbose", action="store_true", help="structlog events on stderr")
+    _add_log_options(parser, False, "text")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run a scenario on the recording device and print its trace")
@@ -384,7 +384,23 @@ def build_parser() -> argparse.ArgumentParser:
     from fxsched.runtime.cli.serve import add_serve_command  # imports fastapi only when serve runs
 
     add_serve_command(sub)
+    for command in sub.choices.values():  # -v and --log-format before or after the sub-command
+        _add_log_options(command, argparse.SUPPRESS, argparse.SUPPRESS)
     return parser
+
+
+def _add_log_options(parser: argparse.ArgumentParser, verbose_default: object, format_default: object) -> None:
+    """``-v`` and ``--log-format`` on ``parser``; a sub-command's take ``SUPPRESS`` as their default,
+    so the value given before the sub-command stands unless repeated after it."""
+    from fxsched.runtime.logs import LOG_FORMATS
+
+    names = {s for a in parser._actions for s in a.option_strings}
+    if "-v" not in names:
+        parser.add_argument("-v", "--verbose", action="store_true", default=verbose_default,
+                            help="structlog events on stderr (INFO and up)")
+    parser.add_argument("--log-format", choices=LOG_FORMATS, default=format_default,
+                        help="structlog events as key=value lines (text, the default) or one JSON object per line "
+                             "(json)")
 
 
 _OUTPUT_ERRORS = (errno.ENOSPC, errno.EIO, errno.EFBIG, errno.EDQUOT)
@@ -424,7 +440,7 @@ def main(argv=None) -> int:
         args = parser.parse_args(words)
     except SystemExit as stop:  # --help, or a refusal already printed as one line
         return stop.code if isinstance(stop.code, int) else EXIT_USAGE
-    configure_logging(args.verbose or getattr(args, "verbose_run", False))
+    configure_logging(args.verbose or getattr(args, "verbose_run", False), fmt=args.log_format)
     command = f"fxsched {args.command}"
     try:
         code = args.func(args)

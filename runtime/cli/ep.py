@@ -56,7 +56,7 @@ def _seconds(text: str) -> float:
     return s
 
 
-def add_ep_ranks_argument(parser: argparse.ArgumentParser) -> None:
+def add_ep_ranks_argument(parser: "argparse._ActionsContainer") -> None:
     """``--ep-ranks N`` and ``--ep-timeout S`` on a ``run`` or ``generate`` parser."""
     parser.add_argument("--ep-ranks", type=_ranks, default=1, metavar="N",
                         help="expert-parallel ranks: rank 0 schedules, ranks 1..N-1 are worker processes "

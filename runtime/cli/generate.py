@@ -98,8 +98,8 @@ def _add_model_arguments(p: argparse.ArgumentParser, what: str = "") -> None:
     add_kv_memory_argument(p, what)
 
 
-def add_kv_memory_argument(p: argparse.ArgumentParser, what: str = "") -> None:
-    p.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
+def add_kv_memory_argument(p: "argparse._ActionsContainer", what: str = "", *aliases: str) -> None:
+    p.add_argument("--kv-cache-memory", *aliases, dest="kv_cache_memory", default=None, metavar="SIZE",
                    help=f"memory for the KV cache (and GDN states) of a --model checkpoint, e.g. 2GiB, 512MiB or bytes (default: "
                         f"every slot at the context length, at most 4 GiB){what}")
 
@@ -327,6 +327,13 @@ def _model_choice(args) -> ModelChoice:
     if not Path(model).is_dir():
         what = "the default model" if default else "--model"
         raise UsageError(f"{what} {model}: no such directory")
+    if not default:  # config.json first, before torch is imported (runtime/cli/checkpoint.py)
+        from fxsched.runtime.cli.checkpoint import CheckpointProblem, check_checkpoint
+
+        try:
+            check_checkpoint(model, f"--model {model}")
+        except CheckpointProblem as err:
+            raise UsageError(str(err)) from None
     if draft_model is not None and not Path(draft_model).is_dir():
         raise UsageError(f"--draft-model {draft_model}: no such directory")
     length = _int(max_seq_len, "--max-seq-len", 16) if max_seq_len is not None else None
@@ -404,6 +411,19 @@ def _blame(choice: ModelChoice, err: BaseException) -> str:
 
 def _one_line(err: BaseException) -> str:
     return " ".join(line.strip() for line in str(err).splitlines() if line.strip()) or type(err).__name__
+
+
+def _check_text_model(args, choice: ModelChoice, option: str) -> None:
+    """A text prompt needs a tokenizer: checked on the files, before torch is imported (the
+    tokenizer itself is loaded and checked later, by ``_tokenizer``)."""
+    from fxsched.runtime.cli.checkpoint import has_tokenizer
+
+    if option not in ("--prompt", "--prompt-file") or getattr(args, "tokenizer", None) is not None:
+        return
+    if choice.model is not None and not choice.default and not has_tokenizer(choice.model):
+        ids_option = "--prompt-ids" if option == "--prompt" else "--prompt-ids-file"
+        raise UsageError(f"{option}: the model has no tokenizer (no tokenizer.json in --model {choice.model}), so "
+                         f"it takes token ids: use {ids_option} (or --tokenizer DIR)")
 
 
 def _tokenizer(args, choice: ModelChoice):
@@ -574,6 +594,7 @@ def run_generate(args, out=None) -> int:
         if problem:
             raise UsageError(f"--record {record}: {problem}")
     choice = _model_choice(args)
+    _check_text_model(args, choice, option)
     if getattr(args, "overlap", False) and choice.ep_ranks > 1:
         raise UsageError(f"--overlap: the device lane does not run under expert parallelism (--ep-ranks {choice.ep_ranks})")
     if getattr(args, "async_scheduling", None) and choice.ep_ranks > 1:
@@ -666,15 +687,19 @@ def _record_options(record: Optional[str], choice: ModelChoice, prompts: list) -
 
 
 def _reporting(command: str, run: Callable[[], int]) -> int:
-    """Run a command; a usage error or a failed run is one line on stderr and its exit code."""
-    from fxsched.runtime.interpreter import RunError
-
+    """Run a command; a usage error or a failed run is one line on stderr and its exit code. (The
+    interpreter, and with it the scheduler, is imported only once a run has failed: a RunError can
+    only come from a run that imported it, and a usage error needs neither.)"""
     try:
         return run()
     except UsageError as err:
         print(f"fxsched {command}: {err}", file=sys.stderr)
         return EXIT_USAGE
-    except RunError as err:
+    except Exception as err:
+        from fxsched.runtime.interpreter import RunError
+
+        if not isinstance(err, RunError):
+            raise
         print(f"fxsched {command}: {err}", file=sys.stderr)
         return EXIT_FAILED
 

@@ -14,115 +14,69 @@ stderr once it listens: ``fxsched serve: listening on http://HOST:PORT (model NA
 SIGTERM (or Ctrl-C) drains: no new requests, the ones in flight finish (at most
 ``--drain-timeout`` seconds, then they are cancelled with a final chunk), exit 0.
 
-vLLM's names work too (serve-security.md §14.2): the model as the positional ``MODEL``, ``--max-model-len``
-(``--max-seq-len``), ``--max-num-seqs`` (``--max-batch``), ``--max-num-batched-tokens``,
-``--speculative-config JSON`` (``--spec``), ``--seed``, ``--chat-template``, ``--dtype
-auto|bf16|half|float``; ``--ep-ranks N`` runs the engine on expert-parallel ranks
-(runtime/ep/serve.py). The front door's flags (serve-security.md §14.1): ``--api-key`` (or
-``FXSCHED_API_KEY``), ``--metrics-open``, ``--allowed-origins``, ``--max-request-bytes``.
+vLLM's ``vllm serve`` flags work with vLLM's meanings, in vLLM's help groups (runtime/cli/serve_args.py,
+serve-security.md §14.2): the model as the positional ``MODEL`` (served under that name as given,
+``--served-model-name`` overriding: serve.md §12.9), ``--max-model-len`` (``--max-seq-len``),
+``--max-num-seqs`` (``--max-batch``), ``--max-num-batched-tokens``, ``--speculative-config JSON``
+(``--spec``), ``--seed``, ``--chat-template``, ``--dtype``, ``--generation-config``,
+``--gpu-memory-utilization``, ``--enable-prefix-caching``, ``--tensor-parallel-size 1``,
+``--enable-auto-tool-choice`` / ``--tool-call-parser hermes``, ``--uvicorn-log-level``,
+``--enable-log-requests`` (serve.md §12.10); a flag this server cannot honour is refused naming what
+it supports. ``--ep-ranks N`` runs the engine on expert-parallel ranks (runtime/ep/serve.py). The
+front door's flags (serve-security.md §14.1): ``--api-key`` (or ``FXSCHED_API_KEY``),
+``--metrics-open``, ``--allowed-origins``, ``--max-request-bytes``; the connections'
+``--request-read-timeout`` and ``--timeout-keep-alive`` (serve.md §12.11).
 
-Bad input (an unknown ``--spec`` or one the model cannot run, a missing model directory, a model
-without a tokenizer, a port in use or a host that cannot be bound, an unwritable or existing
-``--record`` path without ``--force``, the ``serve`` extra not installed) is one line on stderr and
-exit 2, before anything listens; what needs no model (numbers, JSON, origins, sizes, files) before
-torch is imported.
+``open_serving(args)`` builds the ``Serving`` of parsed arguments without running it (tests run it
+on a thread); ``run_serve`` runs it until drained.
+
+Bad input (an unknown ``--spec`` or one the model cannot run, a missing model directory, one
+without config.json or a tokenizer, a port in use or a host that cannot be bound, an unwritable or
+existing ``--record`` path without ``--force``, the ``serve`` extra not installed, a vLLM flag
+value this server cannot honour) is one line on stderr and exit 2, before anything listens; what
+needs no model (numbers, JSON, origins, sizes, files, the model directory's config.json and
+tokenizer.json) before torch is imported (serve.md §12.12).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
-import os
 import sys
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Iterator, Optional
 
-from fxsched.runtime.cli.generate import DTYPES, SPECS, UsageError, _int, _reporting, add_kv_memory_argument
+import structlog
 
-DEFAULT_PORT = 8000
-API_KEY_ENV = "FXSCHED_API_KEY"
+from fxsched.runtime.cli.generate import SPECS, UsageError, _int, _reporting
+from fxsched.runtime.cli.serve_args import (
+    API_KEY_ENV,
+    DEFAULT_PORT,
+    MTP_METHODS,
+    Flags,
+    add_serve_arguments,
+    check_flags,
+    checkpoint_bytes,
+    kv_budget_from_utilization,
+    seconds,
+    served_names,
+)
+
+__all__ = ["API_KEY_ENV", "DEFAULT_PORT", "add_serve_command", "open_serving", "run_serve"]
+
 MAX_TEMPLATE_BYTES = 1024 * 1024
+log = structlog.get_logger("fxsched.serve")
 
 
 def add_serve_command(sub) -> None:
     """Register ``serve`` (with its own ``func``) on an ``add_subparsers`` object."""
     p = sub.add_parser("serve", help="serve the model over an OpenAI-compatible HTTP API",
                        description="An OpenAI-compatible server (/v1/completions, /v1/chat/completions, /v1/models, "
-                                   "/health, /metrics) on the scheduler's continuous-batching loop.")
-    p.add_argument("model_tag", nargs="?", metavar="MODEL", default=None,
-                   help="a Hugging Face model directory, as `vllm serve MODEL` takes it (the same as --model)")
-    p.add_argument("--model", metavar="DIR", help="a Hugging Face model directory (default: the embedded default "
-                                                  "model)")
-    p.add_argument("--dtype", default=None, metavar="{auto," + ",".join(DTYPES) + ",bf16,half,float}",
-                   help="weights and compute dtype of a --model checkpoint (default, or auto: the checkpoint's)")
-    p.add_argument("--max-seq-len", "--max-model-len", dest="max_seq_len", default=None, metavar="N",
-                   help="context length to allocate for --model")
-    add_kv_memory_argument(p)
-    p.add_argument("--draft-model", metavar="DIR", default=None,
-                   help="a DFlash drafter directory (--spec dflash; the default model has no drafter of its own)")
-    p.add_argument("--tokenizer", metavar="DIR", help="a directory with tokenizer.json (default: the model's)")
-    p.add_argument("--served-model-name", metavar="NAME", default=None,
-                   help="the model name clients give (default: fxsched-default, or the --model directory's name)")
-    p.add_argument("--spec", default=None,
-                   help="speculation: none, mtp, dflash or ngram (default none); sampled requests are verified by "
-                        "rejection sampling, which keeps the model's distribution")
-    p.add_argument("--speculative-config", metavar="JSON", default=None,
-                   help='vLLM\'s form of --spec: \'{"method": "mtp", "num_speculative_tokens": 3}\' (method: mtp, '
-                        'dflash (with "model": DRAFTER_DIR) or ngram; num_speculative_tokens: the drafts the mode '
-                        'runs)')
-    p.add_argument("--seed", default=None, metavar="N",
-                   help="seed of the requests that give none (default: a random one each), so a restarted server "
-                        "answers the same requests alike")
-    p.add_argument("--chat-template", metavar="FILE|TEMPLATE", default=None,
-                   help="a Jinja chat template (a file, or the template itself) in place of the model's")
-    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    p.add_argument("--port", default=str(DEFAULT_PORT), help=f"port (default {DEFAULT_PORT}; 0: a free one)")
-    p.add_argument("--max-batch", "--max-num-seqs", dest="max_batch", default=None, metavar="N",
-                   help="sequences running at once (default: the model's slots)")
-    p.add_argument("--max-num-batched-tokens", default=None, metavar="N",
-                   help="the most tokens one forward takes, prompt chunks and decodes together (default: the "
-                        "scheduler's prefill budget, 8192)")
-    p.add_argument("--max-waiting", default="1024", metavar="N",
-                   help="choices waiting to start before new requests get 429 (default 1024)")
-    p.add_argument("--drain-timeout", default="30", metavar="SECONDS",
-                   help="on SIGTERM, how long in-flight requests may take to finish before they are cancelled "
-                        "(default 30)")
-    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    p.add_argument("--async-scheduling", dest="async_scheduling", action=argparse.BooleanOptionalAction,
-                   default=None,
-                   help="plain decodes answered ahead: the next tick is planned and launched before this one's "
-                        "tokens are read (specs/async.md §16.6; default: on with --device cuda, off on the CPU)")
-    p.add_argument("--threads", default=None, help="torch CPU threads (default 1: the model is tiny)")
-    p.add_argument("--access-log", action="store_true", help="log every HTTP request (structlog; turns on -v)")
-    p.add_argument("--record", metavar="FILE", default=None,
-                   help="write the scheduler's event log to FILE (fxsched replay FILE re-runs it without the "
-                        "model; after an engine fault the next scheduler life writes FILE.1, ...); an existing FILE "
-                        "is refused unless --force")
-    p.add_argument("--force", action="store_true", help="let --record overwrite an existing file")
-    from fxsched.runtime.cli.ep import add_ep_ranks_argument
-
-    add_ep_ranks_argument(p)
-    sec = p.add_argument_group("security (specs/serve-security.md, the front door)")
-    sec.add_argument("--api-key", metavar="KEY", default=None,
-                     help=f"require 'Authorization: Bearer KEY' on every route but /health (default: the "
-                          f"{API_KEY_ENV} environment variable; none: no key)")
-    sec.add_argument("--metrics-open", action="store_true", help="serve /metrics without the API key")
-    sec.add_argument("--allowed-origins", metavar="ORIGINS", default=None,
-                     help='web origins allowed to call the server (CORS), comma-separated or a JSON list such as '
-                          '\'["http://localhost:3000"]\'; "*": any (default: none, cross-origin requests are refused)')
-    sec.add_argument("--max-request-bytes", metavar="SIZE", default=None,
-                     help="the largest request body taken, e.g. 8MiB (default 8 MiB); a larger one gets 413")
+                                   "/health, /metrics) on the scheduler's continuous-batching loop. vLLM's `vllm "
+                                   "serve` flags are taken with vLLM's meanings (a flag this server cannot honour is "
+                                   "refused, naming what it supports), in vLLM's help groups.")
+    add_serve_arguments(p)
     p.set_defaults(func=cmd_serve)
-
-
-def _seconds(text: str, name: str) -> float:
-    from fxsched.runtime.cli.app import seconds_arg
-
-    try:
-        return seconds_arg(text)
-    except argparse.ArgumentTypeError as err:
-        raise UsageError(f"{name} {err}") from None
 
 
 SPEC_METHODS = ("mtp", "dflash", "ngram")
@@ -148,6 +102,8 @@ def speculation(args) -> tuple[str, Optional[int]]:
         raise UsageError(f"--speculative-config: unknown key {unknown[0]!r} (known: method, num_speculative_tokens, "
                          f"model)")
     method = config.get("method")
+    if method in MTP_METHODS:  # vLLM's model-specific MTP names: its "mtp"
+        method = "mtp"
     if method not in SPEC_METHODS:
         raise UsageError(f"--speculative-config: method {json.dumps(method)}: choose from {', '.join(SPEC_METHODS)}")
     drafts = config.get("num_speculative_tokens")
@@ -207,8 +163,67 @@ def origins(value: Optional[str]) -> tuple[str, ...]:
     return out
 
 
-def run_serve(args) -> int:
-    """``fxsched serve``; raises UsageError for bad input, returns 0 once drained."""
+def _listening(names: tuple[str, ...], spec: str, api_key: Optional[str]) -> Callable:
+    def listening(serving) -> None:
+        print(f"fxsched serve: listening on {serving.url} (model {names[0]}, spec {spec}"
+              f"{', API key required' if api_key else ''}); SIGTERM or Ctrl-C drains", file=sys.stderr, flush=True)
+
+    return listening
+
+
+def _generation_eos(flags: Flags, tokenizer, model_dir: Optional[str]) -> None:
+    """``--generation-config``: the EOS ids of the generation config it names (auto: the model's,
+    already the tokenizer's), or none of a generation config (vllm: the tokenizer's EOS token)."""
+    from fxsched.runtime.cli.checkpoint import GENERATION_CONFIG_FILE, CheckpointProblem, read_json_object
+
+    if flags.generation_config == "auto":
+        return
+    if flags.generation_config == "vllm":
+        eos = tokenizer.special_tokens.get("eos_token")
+        token = tokenizer.token_id(eos) if eos is not None else None
+        if token is not None:
+            tokenizer.eos_ids = (token,)
+        return
+    path = Path(flags.generation_config) / GENERATION_CONFIG_FILE
+    try:
+        data = read_json_object(path, f"--generation-config {flags.generation_config}") or {}
+    except CheckpointProblem as err:
+        raise UsageError(str(err)) from None
+    value = data.get("eos_token_id")
+    ids = [value] if isinstance(value, int) and not isinstance(value, bool) else value
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise UsageError(f"--generation-config {flags.generation_config}: {path.name}: eos_token_id: expected an id "
+                         f"or a list of ids, got {json.dumps(value)[:60]}")
+    tokenizer.eos_ids = tuple(dict.fromkeys(ids))
+
+
+def _kv_budget(flags: Flags, args, device: str, model_dir: Optional[str]) -> None:
+    """``--gpu-memory-utilization``: on CUDA the KV budget (``--kv-cache-memory`` given wins, as
+    vLLM's ``kv_cache_memory_bytes`` does); on the CPU not applicable, logged."""
+    fraction = flags.gpu_memory_utilization
+    if fraction is None:
+        return
+    if not device.startswith("cuda"):
+        log.warning("gpu_memory_utilization_not_applicable", value=fraction, device=device,
+                    hint="on the CPU the KV cache is sized by --kv-cache-memory")
+        return
+    if args.kv_cache_memory is not None:
+        log.info("gpu_memory_utilization_overridden", value=fraction, kv_cache_memory=args.kv_cache_memory)
+        return
+    import torch
+
+    free, total = torch.cuda.mem_get_info(torch.device(device))
+    weights = checkpoint_bytes(model_dir) if model_dir is not None else 0
+    args.kv_cache_memory = str(kv_budget_from_utilization(fraction, total, free, weights))
+    log.info("gpu_memory_utilization", value=fraction, total_bytes=total, weight_bytes=weights,
+             kv_cache_memory=int(args.kv_cache_memory))
+
+
+@contextlib.contextmanager
+def open_serving(args, on_started: Optional[Callable] = None) -> Iterator:
+    """The ``Serving`` of ``fxsched serve``'s parsed ``args``, bound and ready to ``run()`` (the
+    socket is closed, and expert-parallel workers stopped, on leaving); raises UsageError for bad
+    input. ``on_started`` (default: the "listening on" line) is called once it accepts connections."""
     from fxsched.runtime.cli.generate import parse_size
 
     if args.model_tag is not None:
@@ -218,19 +233,19 @@ def run_serve(args) -> int:
     from fxsched.runtime.cli.generate import normalize_dtype
 
     args.dtype = normalize_dtype(args.dtype)
+    flags = check_flags(args)
+    _configure_logs(flags)
     spec, drafts = speculation(args)
     if spec not in SPECS:
         raise UsageError(f"--spec {spec}: unknown speculation mode (choose from {', '.join(SPECS)})")
     port = _int(args.port, "--port", 0, 65535)
     max_waiting = _int(args.max_waiting, "--max-waiting", 0)
-    drain_timeout = _seconds(args.drain_timeout, "--drain-timeout")
+    drain_timeout = seconds(args.drain_timeout, "--drain-timeout")
     max_batch = _int(args.max_batch, "--max-batch", 1) if args.max_batch is not None else None
     batch_tokens = (_int(args.max_num_batched_tokens, "--max-num-batched-tokens", 1, 1 << 24)
                     if args.max_num_batched_tokens is not None else None)
     seed = _int(args.seed, "--seed", 0, 2**63 - 1) if args.seed is not None else None
-    api_key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV) or None
-    if api_key is not None and (not api_key.strip() or any(c.isspace() for c in api_key) or not api_key.isprintable()):
-        raise UsageError("--api-key: the key must be printable characters without spaces")
+    api_key = flags.api_key
     allowed = origins(args.allowed_origins)
     max_request = (parse_size(args.max_request_bytes, "--max-request-bytes") if args.max_request_bytes is not None
                    else None)
@@ -241,13 +256,26 @@ def run_serve(args) -> int:
         problem = record_problem(args.record, args.force)
         if problem:
             raise UsageError(f"--record {args.record}: {problem}")
-    from fxsched.runtime.cli.generate import _engine, _model_choice, _set_threads, _tokenizer, _torch_device
-
-    args.weights = None
+    if args.ep_ranks > 1 and not flags.prefix_caching:
+        raise UsageError(f"--no-enable-prefix-caching: not under expert parallelism (--ep-ranks {args.ep_ranks}): "
+                         f"the workers' replicas keep their own prefix caches")
     if args.ep_ranks > 1 and args.model is None:
         raise UsageError(f"--ep-ranks {args.ep_ranks}: needs a --model directory (the server speaks text, and the "
                          f"internal model EP runs without one has no tokenizer)")
-    choice = _model_choice(args)
+    if args.model is not None:  # config.json, then the tokenizer, before torch (runtime/cli/checkpoint.py)
+        from fxsched.runtime.cli.checkpoint import CheckpointProblem, check_checkpoint, has_tokenizer
+
+        try:
+            check_checkpoint(args.model, f"--model {args.model}")
+        except CheckpointProblem as err:
+            raise UsageError(str(err)) from None
+        if args.tokenizer is None and not has_tokenizer(args.model):
+            raise UsageError(f"--model {args.model}: no tokenizer.json, and the server speaks text (give "
+                             f"--tokenizer DIR)")
+    names = served_names(flags, args.model)
+    from fxsched.runtime.cli.generate import _engine, _model_choice, _set_threads, _tokenizer, _torch_device
+
+    args.weights = None
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401
@@ -255,9 +283,12 @@ def run_serve(args) -> int:
     except ImportError as err:
         raise UsageError(f"needs the serve extra (pip install 'fxsched[serve]'): {err}") from None
     device = _torch_device(args.device)
+    _kv_budget(flags, args, device, args.model)
+    choice = _model_choice(args)
     tokenizer = _tokenizer(args, choice)
     if tokenizer is None:
         raise UsageError(f"{choice.label}: no tokenizer.json, and the server speaks text (give --tokenizer DIR)")
+    _generation_eos(flags, tokenizer, choice.model)
     if template is not None:
         from fxsched.runtime.text import TokenizerError, compile_chat_template
 
@@ -266,8 +297,10 @@ def run_serve(args) -> int:
         except TokenizerError as err:
             raise UsageError(str(err)) from None
         tokenizer.chat_template = template
-    from fxsched.runtime.serve.server import ServeSettings, Serving, bind_socket, served_name
+    from fxsched.runtime.serve.server import ServeSettings, Serving, bind_socket
 
+    if args.trust_remote_code:
+        log.info("trust_remote_code_ignored", reason="only built-in architectures run; no checkpoint code is run")
     try:
         sock = bind_socket(args.host, port)
     except OSError as err:
@@ -281,22 +314,22 @@ def run_serve(args) -> int:
             from fxsched.runtime.generate import MTP_DRAFTS
 
             check_drafts(spec, drafts, {"mtp": MTP_DRAFTS, "dflash": engine.cfg.dflash_gamma, "ngram": 1}[spec])
+        engine.prefix.enabled = flags.prefix_caching
         _set_threads(args.threads, device)
         if seed is not None:
             import torch
 
             torch.manual_seed(seed)
-        name = args.served_model_name or served_name(choice.model, choice.default)
-        settings = ServeSettings(model_name=name, spec=spec, max_batch=max_batch, max_waiting=max_waiting,
-                                 drain_timeout=drain_timeout, access_log=args.access_log, record=args.record,
-                                 api_key=api_key, metrics_open=args.metrics_open, allowed_origins=allowed,
-                                 max_request_bytes=max_request, seed=seed, max_batch_tokens=batch_tokens,
-                                 async_scheduling=args.async_scheduling)
-
-        def listening(serving: Serving) -> None:
-            print(f"fxsched serve: listening on {serving.url} (model {name}, spec {spec}"
-                  f"{', API key required' if api_key else ''}); SIGTERM or Ctrl-C drains", file=sys.stderr, flush=True)
-
+        settings = ServeSettings(model_name=names[0], model_aliases=names[1:], spec=spec, max_batch=max_batch,
+                                 max_waiting=max_waiting, drain_timeout=drain_timeout, access_log=flags.access_log,
+                                 record=args.record, api_key=api_key, metrics_open=args.metrics_open,
+                                 allowed_origins=allowed, max_request_bytes=max_request, seed=seed,
+                                 max_batch_tokens=batch_tokens, async_scheduling=args.async_scheduling,
+                                 model_root=None if choice.default else choice.model,
+                                 log_requests=flags.log_requests is not False,
+                                 timeout_keep_alive=flags.timeout_keep_alive,
+                                 request_read_timeout=flags.request_read_timeout,
+                                 uvicorn_log_level=flags.uvicorn_log_level)
         from fxsched.runtime.generate import GenerateError
 
         with contextlib.ExitStack() as stack:
@@ -309,17 +342,34 @@ def run_serve(args) -> int:
                                                       timeout_s=args.ep_timeout,
                                                       on_weights=print_weights if args.model else None))
             try:
-                serving = Serving(engine, tokenizer, settings, sock, on_started=listening, wrap_device=wrap,
-                                  record_meta={"model": choice.model or "", "served_model_name": name})
+                serving = Serving(engine, tokenizer, settings, sock,
+                                  on_started=on_started or _listening(names, spec, api_key), wrap_device=wrap,
+                                  record_meta={"model": choice.model or "", "served_model_name": names[0]})
             except GenerateError as err:
                 raise UsageError(str(err)) from None
-            if args.access_log:
-                from fxsched.runtime.logs import configure_logging
-
-                configure_logging(True)
-            serving.run()
+            yield serving
     finally:
         sock.close()
+
+
+def _configure_logs(flags: Flags) -> None:
+    """The INFO events that serve's flags show: --access-log, --uvicorn-log-level info (and below),
+    --enable-log-requests; debug and trace show DEBUG events too."""
+    from fxsched.runtime.logs import configure_logging
+
+    level = flags.uvicorn_log_level
+    if level in ("debug", "trace"):
+        import logging
+
+        configure_logging(True, level=logging.DEBUG)
+    elif flags.access_log or level == "info" or flags.log_requests:
+        configure_logging(True)
+
+
+def run_serve(args) -> int:
+    """``fxsched serve``; raises UsageError for bad input, returns 0 once drained."""
+    with open_serving(args) as serving:
+        serving.run()
     print("fxsched serve: drained and stopped", file=sys.stderr, flush=True)
     return 0
 

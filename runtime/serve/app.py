@@ -65,6 +65,8 @@ from fxsched.runtime.serve.protocol import (
     request_from_data,
 )
 from fxsched.runtime.serve import structured, tools as toolcalls
+from fxsched.runtime.serve.models import check_model, model_cards
+from fxsched.runtime.serve.request_log import RequestRecord
 
 log = structlog.get_logger("fxsched.serve.http")
 
@@ -77,6 +79,8 @@ class ServeState:
     draining: bool = False
     active: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
+    model_root: Optional[str] = None  # /v1/models' root: the model directory as given (None: the embedded model)
+    log_requests: bool = True  # one record per finished request (runtime/serve/request_log.py)
 
 
 def _error(err: APIError) -> JSONResponse:
@@ -313,7 +317,8 @@ def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] 
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, err: APIError) -> JSONResponse:
-        err.message = scrub_paths(err.message, hidden)
+        if err.type != "NotFoundError":  # a wrong model's 404 shows only the client's own `model` (models.py)
+            err.message = scrub_paths(err.message, hidden)
         return _error(err)
 
     @app.exception_handler(StarletteHTTPException)
@@ -340,15 +345,16 @@ def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] 
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
-        data = [{"id": name, "object": "model", "created": state.created, "owned_by": "fxsched",
-                 "root": name, "max_model_len": limits.context, "spec": engine.spec}
-                for name in limits.model_names[:1]]
-        return JSONResponse({"object": "list", "data": data})
+        return JSONResponse(model_cards(limits.model_names, state.model_root, state.created, limits.context,
+                                        spec=engine.spec))
 
-    def _submit(plan: Plan, loop: asyncio.AbstractEventLoop) -> tuple[list[int], asyncio.Queue[ChoiceEvent]]:
+    def _submit(plan: Plan, loop: asyncio.AbstractEventLoop, record: Optional[RequestRecord] = None
+                ) -> tuple[list[int], asyncio.Queue[ChoiceEvent]]:
         q: asyncio.Queue[ChoiceEvent] = asyncio.Queue()
 
         def sink(event: ChoiceEvent) -> None:
+            if record is not None:
+                record.watch(event)
             loop.call_soon_threadsafe(q.put_nowait, event)
 
         if state.draining:
@@ -391,9 +397,11 @@ def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] 
     async def _serve(request: Request, plan: Plan, tools: Optional[toolcalls.ToolPlan] = None) -> Response:
         screen.check_fits(plan, engine.max_waiting)
         loop = asyncio.get_running_loop()
-        ids, q = _submit(plan, loop)
-        state.active += 1
         fmt = _Formatter(plan, int(time.time()), token_text, tools)
+        record = RequestRecord(fmt.id, plan.model, plan.prompt_tokens, len(plan.choices), loop) \
+            if state.log_requests else None
+        ids, q = _submit(plan, loop, record)
+        state.active += 1
         choices = [_Choice() for _ in plan.choices]
         if plan.stream:
             return _EventStream(_stream(fmt, choices, q), lambda: _closed(ids, choices))
@@ -486,6 +494,7 @@ def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] 
     @app.post("/v1/completions", openapi_extra=_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         def build(data: Any, tok: Any) -> tuple[Any, Plan]:
+            check_model(data, limits.model_names)
             req = request_from_data(CompletionRequest, data, _unknown("completions"))
             return req, completion_plan(req, tok, limits)
 
@@ -496,6 +505,7 @@ def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] 
     @app.post("/v1/chat/completions", openapi_extra=_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         def build(data: Any, tok: Any) -> tuple[Any, Plan, Optional[toolcalls.ToolPlan]]:
+            check_model(data, limits.model_names)
             req = request_from_data(ChatCompletionRequest, data, _unknown("chat_completions"))
             tools = toolcalls.tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
             return req, chat_plan(req, tok, limits, tools.template_tools if tools is not None else None), tools

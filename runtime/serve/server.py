@@ -32,7 +32,6 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 import structlog
@@ -45,6 +44,7 @@ from fxsched.runtime.serve.app import ServeState, create_app
 from fxsched.runtime.serve.engine import ServeEngine
 from fxsched.runtime.serve.guard import DEFAULT_MAX_REQUEST_BYTES, Policy, is_loopback
 from fxsched.runtime.serve.protocol import Limits
+from fxsched.runtime.serve.timeouts import protocol_class
 from fxsched.runtime.text import TextTokenizer
 from fxsched.runtime.torch_model import HybridEngine
 
@@ -72,6 +72,12 @@ class ServeSettings:
     seed: Optional[int] = None
     max_batch_tokens: Optional[int] = None  # the most rows of one forward (None: the scheduler's budget)
     async_scheduling: Optional[bool] = None  # plain decodes answered ahead (specs/async.md §16.6; None: on CUDA)
+    model_aliases: tuple[str, ...] = ()  # more names the model answers to (--served-model-name A B: B)
+    model_root: Optional[str] = None  # the model directory as given (/v1/models' root; None: the embedded model)
+    log_requests: bool = True  # a record per finished request (runtime/serve/request_log.py)
+    timeout_keep_alive: int = 5  # seconds, uvicorn's: an idle kept-alive connection is closed after it
+    request_read_timeout: float = 30.0  # a request's head, or a pause in its body (runtime/serve/timeouts.py)
+    uvicorn_log_level: Optional[str] = None  # uvicorn's loggers (None: warnings and errors)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -98,11 +104,19 @@ class _AccessLog(logging.Handler):
 
 
 class _UvicornErrors(logging.Handler):
-    """uvicorn's warnings and errors (a cancelled task at shutdown, a bad HTTP request) as structlog events."""
+    """uvicorn's own records (a cancelled task at shutdown, a bad HTTP request; with
+    ``--uvicorn-log-level info`` and below its start-up lines too) as structlog events at their level."""
 
     def emit(self, record: logging.LogRecord) -> None:
         logger = structlog.get_logger("fxsched.serve.uvicorn")
-        (logger.error if record.levelno >= logging.ERROR else logger.warning)("uvicorn", message=record.getMessage())
+        level = record.levelno
+        write = (logger.error if level >= logging.ERROR else logger.warning if level >= logging.WARNING
+                 else logger.info if level >= logging.INFO else logger.debug)
+        write("uvicorn", message=record.getMessage())
+
+
+UVICORN_LEVELS = {"critical": logging.CRITICAL, "error": logging.ERROR, "warning": logging.WARNING,
+                  "info": logging.INFO, "debug": logging.DEBUG, "trace": 5}  # 5: uvicorn's TRACE
 
 
 def _bridge(name: str, handler: logging.Handler, level: int) -> None:
@@ -199,9 +213,9 @@ class Serving:
                                   record_meta=record_meta, max_batch_tokens=settings.max_batch_tokens,
                                   late_drafts=wrap_device is None,  # the EP words carry every input
                                   async_scheduling=settings.async_scheduling)
-        self.limits = Limits((settings.model_name,), cfg.vocab_size, max_prompt_len(cfg), context_limit(cfg),
+        self.limits = Limits((settings.model_name, *settings.model_aliases), cfg.vocab_size, max_prompt_len(cfg), context_limit(cfg),
                              self.engine.speculative)
-        self.state = ServeState()
+        self.state = ServeState(model_root=settings.model_root, log_requests=settings.log_requests)
         policy = Policy(api_key=settings.api_key, metrics_open=settings.metrics_open,
                         allowed_origins=settings.allowed_origins,
                         max_request_bytes=settings.max_request_bytes or DEFAULT_MAX_REQUEST_BYTES,
@@ -209,11 +223,13 @@ class Serving:
         paths = tuple(str(v) for k, v in (record_meta or {}).items() if k == "model" and v)
         self.app = create_app(self.engine, self.limits, self.state, lifespan=self._lifespan, policy=policy,
                               server_paths=paths)
-        _bridge("uvicorn.error", _UvicornErrors(), logging.WARNING)
+        level = UVICORN_LEVELS[settings.uvicorn_log_level or "warning"]
+        _bridge("uvicorn.error", _UvicornErrors(), level)
         if settings.access_log:
             _bridge("uvicorn.access", _AccessLog(), logging.INFO)
         config = uvicorn.Config(self.app, log_config=None, access_log=settings.access_log, lifespan="on",
-                                timeout_graceful_shutdown=5, timeout_keep_alive=5)
+                                timeout_graceful_shutdown=5, timeout_keep_alive=settings.timeout_keep_alive,
+                                http=protocol_class(settings.request_read_timeout))
         self.server = _Server(config, self)
         self._started = threading.Event()
 
@@ -265,7 +281,8 @@ def _until(done: Callable[[], bool], timeout: float) -> bool:
 
 
 def served_name(model_dir: Optional[str], default: bool) -> str:
-    """The model name clients use: ``fxsched-default`` for the embedded model, else the directory's name."""
+    """The model name clients use (specs/serve.md §12.9): ``fxsched-default`` for the embedded model,
+    else the model argument as given, as vLLM names it (``fxsched serve ./ckpt`` serves "./ckpt")."""
     if default or model_dir is None:
         return "fxsched-default"
-    return Path(model_dir).resolve().name or str(model_dir)
+    return str(model_dir)

@@ -889,6 +889,8 @@ class HybridEngine(DecodePath):
         Returns how many blocks were newly cached.
         """
         state = self._slot(slot)
+        if not self.prefix.enabled:  # nothing is cached: no keys to hash, no rows to copy
+            return 0
         bs = self.cfg.block_size
         full = state.seq_len // bs
         last = max((k for k in state.boundary_states if k <= full), default=0)

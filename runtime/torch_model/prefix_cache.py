@@ -49,9 +49,10 @@ class CachedBlock:
 class PrefixCache:
     """Chain-hashed map of cached blocks over a shared BlockPool (which counts the cache as a holder)."""
 
-    def __init__(self, pool: BlockPool, block_size: int) -> None:
+    def __init__(self, pool: BlockPool, block_size: int, enabled: bool = True) -> None:
         self.pool = pool
         self.block_size = block_size
+        self.enabled = enabled  # False (``fxsched serve --no-enable-prefix-caching``): never a hit, nothing kept
         self._entries: OrderedDict[bytes, CachedBlock] = OrderedDict()  # oldest first
 
     def __len__(self) -> int:
@@ -71,6 +72,8 @@ class PrefixCache:
     def lookup(self, adapter_id: int, tokens: Sequence[int], max_blocks: int) -> list[CachedBlock]:
         """Longest cached chain (at most max_blocks) of full-block prefixes of `tokens`; marks it used."""
         hits: list[CachedBlock] = []
+        if not self.enabled:
+            return hits
         bs = self.block_size
         for i, key in enumerate(self.keys_for(adapter_id, tokens, min(max_blocks, len(tokens) // bs))):
             entry = self._entries.get(key)
@@ -87,6 +90,8 @@ class PrefixCache:
         """
         touched: list[CachedBlock] = []
         count = 0
+        if not self.enabled:
+            return count
         for entry in entries:
             existing = self._entries.get(entry.key)
             if existing is None:

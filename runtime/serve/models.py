@@ -1,0 +1,46 @@
+"""The served model's names, ``GET /v1/models`` and the check of a request's ``model`` (specs/serve.md
+§12.9), as vLLM has them.
+
+Names: ``fxsched serve MODEL`` serves the name MODEL as given (``fxsched serve ./ckpt`` serves
+"./ckpt", so a client's ``AutoTokenizer.from_pretrained(name)`` run where the server was started
+finds the checkpoint's tokenizer); ``--served-model-name A B`` serves A and B, responses report A;
+the embedded default model is ``fxsched-default``. ``/v1/models`` lists one card per name.
+
+A request naming another model gets vLLM's 404: ``{"error": {"message": "The model `X` does not
+exist.", "type": "NotFoundError", "param": "model", "code": 404}}`` (vLLM 0.11 sends ``param`` null;
+here it names the field, as every other refusal of this server does). A ``model`` that is not a
+string is the protocol's 400; no ``model`` means the first name.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from fxsched.runtime.serve.protocol import APIError
+
+OWNER = "fxsched"
+
+
+class ModelNotFound(APIError):
+    """vLLM's 404 for a request naming a model this server does not serve."""
+
+    def __init__(self, model: str):
+        super().__init__(404, f"The model `{model[:200]}` does not exist.", "NotFoundError", "model")
+        # vLLM's code is the status, a number; it crosses guard.Screen's worker thread as ``code``
+        self.code = 404  # type: ignore[assignment]
+
+
+def check_model(data: Any, names: Sequence[str]) -> None:
+    """Raise ``ModelNotFound`` when the body ``data`` names a model not in ``names``."""
+    model = data.get("model") if isinstance(data, dict) else None
+    if isinstance(model, str) and model not in names:
+        raise ModelNotFound(model)
+
+
+def model_cards(names: Sequence[str], root: Optional[str], created: int, max_model_len: int,
+                **extra: Any) -> dict[str, Any]:
+    """``GET /v1/models``: vLLM's ``ModelList`` of one card per served name (``root``: the model
+    directory as given, None for the embedded model; ``parent`` null, there are no adapters)."""
+    data = [{"id": name, "object": "model", "created": created, "owned_by": OWNER, "root": root or name,
+             "parent": None, "max_model_len": max_model_len, **extra} for name in names]
+    return {"object": "list", "data": data}
