@@ -105,6 +105,10 @@ class SchedulerConfig:
     # a plain decode may be answered ahead: its tokens stay on the device, the next decode feeds them
     # from there and the host reads them one tick late, while that decode runs (specs/async.md §16.6)
     async_scheduling: bool = False
+    # a batch may mix adapters: admission keeps no adapter cohort, every request whose adapter slot
+    # is known rides (the device runs each row with its own adapter, specs/lora.md §18.2). Off: one
+    # cohort per batch (specs/scheduler.md §5.5 step 3), as the reference traces have it.
+    mixed_adapters: bool = False
 
     def uses_mtp(self, model: ModelInfo) -> bool:
         """MTP / DFlash speculation runs when asked for and the model has a proposer."""

@@ -174,7 +174,8 @@ def scheduler_setup(cfg: ModelConfig, spec: str, batch: int, eos_ids: Optional[S
     # together in one forward of at most PREFILL_BUDGET rows (specs/scheduler.md §5.10, §5.13)
     common: dict[str, Any] = dict(eos_ids=eos, max_batch_size=batch, max_seq_len=context_limit(cfg),
                                   admission_watermark=cfg.max_seq_len, max_prefill_tokens=PREFILL_CHUNK,
-                                  max_batch_tokens=PREFILL_BUDGET, prefill_new_together=True)
+                                  max_batch_tokens=PREFILL_BUDGET, prefill_new_together=True,
+                                  mixed_adapters=True)
     model: dict[str, Any] = dict(vocab=cfg.vocab_size, block_size=cfg.block_size, total_blocks=cfg.num_blocks)
     if spec == "mtp":
         return (SchedulerConfig(use_speculative=True, dflash=False, num_drafts=MTP_DRAFTS, **common),

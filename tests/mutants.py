@@ -744,6 +744,10 @@ MUTANTS: tuple[Mutant, ...] = (
        "    if model is not None and snapshot_wanted(seq, token, config, model):\n"
        "        seq = save_snapshot(seq, model, out)\n",
        "the plain sink checkpoints a boundary token before saving its SSM snapshot"),
+    _m("tick_mixed_adapters_keeps_cohorts", "tick",
+       "    if state.config.mixed_adapters:\n        same, other = new, ()\n",
+       "    if False:\n        same, other = new, ()\n",
+       "with mixed_adapters (production) the admission still defers requests of another adapter cohort"),
 )
 
 BY_ID = {m.id: m for m in MUTANTS}

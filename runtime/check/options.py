@@ -8,7 +8,7 @@ context, watchdog and async scheduling by the episode's own draws (walk.py), and
   ``serve`` set beyond a mode's own options (runtime/generate.py ``scheduler_setup``): chunked
   prefill under a batch token budget, prompts that arrive together prefilled together, the KV
   reservation's horizon the model's context. The walk's prompts are at most 40 tokens, so the chunk
-  and the budget are scaled to them (a 2048-token chunk would never cut one);
+  and the budget are scaled to them (a 2048-token chunk would never cut one); a batch mixing adapters;
 - **the other knobs** each on its own now and then (``KNOBS``): the MTP batch width limit, the n-gram
   match length and history rule, the rollback re-steer and count, the preemption immunity, and a
   second EOS id. The second EOS id is one no script ever says (scripts draw 2..40, the watchdog's
@@ -54,7 +54,7 @@ def with_options(episode: Episode, seed: int) -> Episode:
         chunk = rng.choice((4, 6, 8, 16))
         changes.update(max_prefill_tokens=chunk, admission_watermark=max(episode.max_seq_len,
                                                                           episode.admission_watermark))
-        options.update(prefill_new_together=True, max_batch_tokens=chunk * rng.choice((1, 2, 4)))
+        options.update(prefill_new_together=True, max_batch_tokens=chunk * rng.choice((1, 2, 4)), mixed_adapters=True)
     elif episode.max_prefill_tokens and rng.random() < 0.25:
         # serve's --max-num-batched-tokens alone: a budget of at least one chunk
         options["max_batch_tokens"] = episode.max_prefill_tokens * rng.choice((1, 2, 3))
@@ -69,5 +69,6 @@ def with_options(episode: Episode, seed: int) -> Episode:
 def is_production(episode: Episode) -> bool:
     """Whether the episode runs with production's settings (``with_options``)."""
     options = dict(episode.options)
-    return bool(options.get("prefill_new_together")) and episode.max_prefill_tokens > 0 and (
+    return bool(options.get("prefill_new_together")) and bool(options.get("mixed_adapters")) and (
+        episode.max_prefill_tokens > 0) and (
         options.get("max_batch_tokens", 0) >= episode.max_prefill_tokens)

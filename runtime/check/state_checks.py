@@ -323,7 +323,7 @@ def committed_kv(state: SchedulerState) -> int:
 def no_overtaking(selection, admitted, adapters, refused: set, committed: int, state: SchedulerState) -> None:
     """admission by the KV reservation (specs/scheduler.md §5.5 step 4): of a selection, the
     admitted requests are the longest prefix, in selection order, of the selected ones of their
-    adapter cohort that were not refused whose commitments fit ``total_blocks`` on top of what was
+    adapter cohort (of all, with ``mixed_adapters``) that were not refused whose commitments fit ``total_blocks`` on top of what was
     committed (the first is admitted anyway when nothing was); the first that does not fit stops
     the walk, so no later request overtakes it."""
     if not admitted or adapters is None:
@@ -333,7 +333,8 @@ def no_overtaking(selection, admitted, adapters, refused: set, committed: int, s
         return adapters.get(getattr(r, "adapter_slot", -1), -1)
 
     cohort = adapter(admitted[0])
-    candidates = [r for r in selection if adapter(r) == cohort and r.id not in refused]
+    mixed = state.config.mixed_adapters  # no cohort: every request not refused is a candidate
+    candidates = [r for r in selection if (mixed or adapter(r) == cohort) and r.id not in refused]
     total = state.model.total_blocks
     want = []
     if total == 0:
