@@ -152,9 +152,9 @@ def adapter_ids(state: SchedulerState, waiting: AwaitAdapterIds, event: AdapterI
     new, ids = admission.refuse_impossible(state, waiting.new, ids, out)
     if new and not (state.rows or state.prefilling):
         cohort_id = ids[0]  # the cohort is the first new request that can be served
-    if state.config.mixed_adapters:
-        same, other = new, ()
-    else:
+    same: tuple[Request, ...] = new
+    other: tuple[Request, ...] = ()
+    if not state.config.mixed_adapters:
         same, other = admission.cohort_split(cohort_id, new, ids)
     admitted, deferred = admission.reserve_kv(state.model, state.config, admission.committed_blocks(state), same)
     back = tuple(sorted(deferred + other, key=lambda r: waiting.new.index(r)))

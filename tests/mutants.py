@@ -745,8 +745,8 @@ MUTANTS: tuple[Mutant, ...] = (
        "        seq = save_snapshot(seq, model, out)\n",
        "the plain sink checkpoints a boundary token before saving its SSM snapshot"),
     _m("tick_mixed_adapters_keeps_cohorts", "tick",
-       "    if state.config.mixed_adapters:\n        same, other = new, ()\n",
-       "    if False:\n        same, other = new, ()\n",
+       "    if not state.config.mixed_adapters:\n        same, other = admission.cohort_split(",
+       "    if True:\n        same, other = admission.cohort_split(",
        "with mixed_adapters (production) the admission still defers requests of another adapter cohort"),
 )
 
