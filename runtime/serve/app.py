@@ -15,7 +15,11 @@ chunk with ``stream_options.include_usage``, then ``data: [DONE]``), ``GET /v1/m
 /health`` (200 while serving, 503 while draining or when the engine thread has stopped), ``GET
 /metrics`` (Prometheus text, runtime/serve/metrics.py), ``GET /openapi.json`` (the routes and
 their request models; the bodies are still parsed by ``guard.Screen``). Unknown request fields
-are ignored and counted (``fxsched_unknown_fields_total``).
+are ignored and counted (``fxsched_unknown_fields_total``). ``routes_extra.register`` adds vLLM's
+other routes (specs/serve.md §12.5-§12.7): ``POST /tokenize``, ``POST /detokenize``, ``GET
+/version``, ``GET /docs``, ``POST /v1/responses`` (on the chat path, runtime/serve/responses.py)
+and ``POST /v1/embeddings`` (a 404 naming what is served). ``GET /v1/models`` and the check of a
+request's ``model`` are vLLM's (runtime/serve/models.py, §12.9: a wrong model is a 404).
 
 What the layer does, and nothing more (scheduling is the scheduler's): a request becomes a plan
 (protocol.py), its choices are submitted to the engine with a sink that moves each ``ChoiceEvent``
