@@ -91,7 +91,7 @@ def random_episode(rng: random.Random) -> Episode:
         n = rng.randint(1, 3)
     beams = rng.random() < 0.15  # beam-heavy episodes: several blocking beam requests at once
     sampling = rng.random() < 0.2
-    adapters = rng.random() < 0.3  # adapter slots (issue 54 serves them): the acquire rules of every path
+    adapters = rng.random() < 0.15
     requests = []
     last_arrival = 0
     for i in range(n):
@@ -187,8 +187,9 @@ def _proposer_quirks(episode: Episode, rng: random.Random) -> Episode:
                        kv_exhaust_at=(), max_seq_len=4096)
     if not episode.watchdog and not episode.fault_phase and rng.random() < 0.06:
         # more requests than seats on a small block pool, KV exhaustion early, a spill pool half the
-        # time (aimed at a full batch while preempted or swapped sequences wait)
-        requests = tuple(replace(r, arrive_tick=0, max_tokens=max(r.max_tokens, 10), num_beams=1,
+        # time (aimed at a full batch while preempted or swapped sequences wait; one adapter cohort, so
+        # that no request is deferred for its adapter)
+        requests = tuple(replace(r, arrive_tick=0, max_tokens=max(r.max_tokens, 10), num_beams=1, adapter_slot=-1,
                                       prompt_len=min(r.prompt_len, 20), tokens=tuple(t for t in r.tokens if t != EOS)
                                       or (5,)) for r in changes.get("requests", episode.requests))
         while len(requests) < 5:
