@@ -91,7 +91,7 @@ def random_episode(rng: random.Random) -> Episode:
         n = rng.randint(1, 3)
     beams = rng.random() < 0.15  # beam-heavy episodes: several blocking beam requests at once
     sampling = rng.random() < 0.2
-    adapters = rng.random() < 0.15
+    adapters = rng.random() < 0.3  # adapter slots: the acquire rules and the cohorts of every path
     requests = []
     last_arrival = 0
     for i in range(n):
@@ -194,8 +194,12 @@ def _proposer_quirks(episode: Episode, rng: random.Random) -> Episode:
                                       or (5,)) for r in changes.get("requests", episode.requests))
         while len(requests) < 5:
             requests += tuple(replace(r, id=r.id + len(requests)) for r in requests)
+        total = rng.choice((10, 12, 16))
+        # half the pool held by the prefix cache and not given back: the free blocks (which a requeue
+        # resume and a swap-in need) run short while the KV reservation (which counts the pool
+        # whole) still admits new requests, so the batch fills while preempted sequences wait
         changes.update(requests=requests[:8], max_batch_size=rng.choice((2, 3)), spill=rng.random() < 0.5,
-                       total_blocks=rng.choice((10, 12, 16)), held_blocks=0, reclaimable=0,
+                       total_blocks=total, held_blocks=total // 2, reclaimable=0,
                        kv_exhaust_at=(1, 3, 6), max_seq_len=4096, spill_corrupt_for=(), spill_missing_for=())
     if episode.mode != "self_spec" and rng.random() < 0.1:
         # greedy rows below min_tokens whose script says EOS early: the EOS must be masked
