@@ -286,6 +286,8 @@ class ModelChoice:
     kv_cache_memory: Optional[int] = None
     default: bool = False  # `model` is the embedded default model (no --model / --weights given)
     ep_ranks: int = 1  # > 1: a --model checkpoint is loaded as rank 0's expert shard (runtime/cli/ep.py)
+    max_loras: int = 0  # LoRA adapter slots of the engine (specs/lora.md §18.1; 0: none)
+    max_lora_rank: int = 16
 
     @property
     def label(self) -> str:
@@ -388,6 +390,8 @@ def _pretrained(choice: ModelChoice, device: str):
         kwargs["kv_cache_memory"] = choice.kv_cache_memory
     if choice.ep_ranks > 1:
         kwargs["expert_shard"] = (0, choice.ep_ranks)
+    if choice.max_loras:
+        kwargs.update(max_loras=choice.max_loras, max_lora_rank=choice.max_lora_rank)
     try:
         return from_pretrained(choice.model, **kwargs)
     except TorchModelError as err:  # ModelDirError among them: the message names the file
