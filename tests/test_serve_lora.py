@@ -283,3 +283,39 @@ def test_lora_routes_say_how_to_enable_them(setup):
     with running(argv) as serving:
         r = post(serving, "/v1/load_lora_adapter", lora_name="x", lora_path=str(setup.dirs["sql"]))
         assert r.status_code == 404 and "--enable-lora" in r.json()["error"]["message"]
+
+
+def test_help_has_a_lora_group(capsys):
+    assert main(["serve", "--help"]) == 0
+    out = capsys.readouterr().out
+    group = out[out.index("\nLoRAConfig:"):out.index("\nFrontend:")]
+    for flag in ("--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank"):
+        assert flag in group, flag
+
+
+# --- fxsched generate --lora ----------------------------------------------------------------------
+
+
+def test_generate_runs_each_prompt_with_its_adapter(setup, tmp_path, capsys):
+    ids = tmp_path / "prompts.txt"
+    ids.write_text("\n".join(" ".join(map(str, p)) for p in PROMPTS))
+    argv = ["generate", "--model", str(setup.root / BASE), "--dtype", "float32", "--prompt-ids-file", str(ids),
+            "--max-tokens", str(STEPS), "--json", "--batch", "3", "--lora", f"sql={setup.dirs['sql']}",
+            "--lora", str(setup.dirs["chat"]), "--lora-prompts", "sql,base,chat"]
+    assert main(argv) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    records = sorted((r for r in lines if not r.get("summary")), key=lambda r: r["request_id"])  # finish order
+    assert [r["lora"] for r in records] == ["sql", None, "chat"]
+    for record, prompt, name in zip(records, PROMPTS, ("sql", None, "chat"), strict=True):
+        want, got = reference(setup, name, prompt, ()), record["token_ids"]
+        assert got == want[:len(got)] and (len(got) == STEPS or record["finish_reason"] == "stop"), (name, record)
+    # one adapter: every prompt runs with it; a bad one is one line naming it
+    one = ["generate", "--model", str(setup.root / BASE), "--dtype", "float32", "--prompt-ids", "5 17 33",
+           "--max-tokens", "3", "--json", "--lora", str(setup.dirs["third"])]
+    assert main(one) == 0
+    assert json.loads(capsys.readouterr().out.splitlines()[0])["lora"] == "third"
+    assert main(one[:-1] + [str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"fxsched generate: --lora {tmp_path.name}: ") and len(err.splitlines()) == 1, err
+    assert main(one[:-2] + ["--lora", "a=" + str(setup.dirs["sql"]), "--lora", "b=" + str(setup.dirs["chat"])]) == 2
+    assert "--lora-prompts" in capsys.readouterr().err
