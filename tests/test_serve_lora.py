@@ -207,6 +207,8 @@ def test_load_and_unload_at_run_time(setup, tmp_path):
         stream = c.completions.create(model="third", prompt=PROMPTS[1], max_tokens=40, temperature=0, stream=True,
                                       extra_body={"ignore_eos": True})
         next(iter(stream))
+        [info] = [k for k in metrics(serving) if k.startswith("vllm:lora_requests_info")]
+        assert "running_lora_adapters=third" in info and "max_lora=2" in info, info
         busy = post(serving, "/v1/unload_lora_adapter", lora_name="third")
         assert busy.status_code == 400 and "'third' is in use by 1 request" in busy.json()["error"]["message"]
         for _ in stream:
