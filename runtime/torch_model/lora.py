@@ -20,8 +20,10 @@ adapter, the flat indices of the adapted rows sorted by adapter slot and each sl
 (host-built, sent with the batch's other inputs). Each adapted projection then gathers those rows,
 runs one grouped product for x @ A^T and one for (x A^T) @ B^T over the slots' segments (punica's
 SGMV shrink and expand; `torch._grouped_mm` where it takes the shapes, a product per segment
-otherwise) and adds the result back to its rows. A batch without adapted rows has no `LoraRows`:
-every hook is one `is None` test.
+otherwise) and adds the result back to its rows. On the CPU, where the grouped product is a loop over
+segments, a batch whose slots span few columns takes a dense product instead: every row against the
+span's A at once, masked to each row's own slot, then the span's B (the pool is fp32 there). A batch
+without adapted rows has no `LoraRows`: every hook is one `is None` test.
 """
 
 from __future__ import annotations
