@@ -327,7 +327,8 @@ def generate(engine: HybridEngine, prompts: Seq[Seq[int]], max_tokens: int, spec
              on_finish: Optional[Callable[[RequestResult], None]] = None,
              sampling: SamplingOptions = GREEDY, record: Optional[str | Path] = None,
              record_meta: Optional[dict[str, Any]] = None, late_drafts: bool = True,
-             overlap: bool = False, async_scheduling: Optional[bool] = None) -> GenerateResult:
+             overlap: bool = False, async_scheduling: Optional[bool] = None,
+             adapter_slots: Optional[Seq[int]] = None) -> GenerateResult:
     """Generate up to ``max_tokens`` tokens for each prompt through the scheduler (greedy unless
     ``sampling`` says otherwise; see the module docstring).
 
@@ -343,7 +344,9 @@ def generate(engine: HybridEngine, prompts: Seq[Seq[int]], max_tokens: int, spec
     (``DeviceLane``, specs/async.md §16.5), so the host's work runs beside the forwards (not with
     ``wrap_device``). ``async_scheduling``: plain decodes answered ahead, the host one tick ahead of
     the device (specs/async.md §16.6; None: on for a CUDA engine, off on the CPU and under
-    ``wrap_device``). ``record``: write the run's event log there (``fxsched.runtime.eventlog``; replay it
+    ``wrap_device``). ``adapter_slots``: the LoRA pool slot each prompt's request runs with (-1: the
+    base model; default: every request on the base model), adapters the caller loaded into
+    ``engine``'s pool (specs/lora.md §18.7). ``record``: write the run's event log there (``fxsched.runtime.eventlog``; replay it
     with ``fxsched replay``), with ``record_meta`` in its header; the file is created only once the
     input has been checked. Raises ``GenerateError`` for bad input (an unwritable ``record`` path
     too) and ``RunError`` if the run cannot finish.
@@ -367,6 +370,10 @@ def generate(engine: HybridEngine, prompts: Seq[Seq[int]], max_tokens: int, spec
     if sampling.logprobs > cfg.vocab_size:
         raise GenerateError(f"--logprobs {sampling.logprobs}: must be at most the vocabulary size {cfg.vocab_size}")
     requests = [sampling.request(i, p, max_tokens) for i, p in enumerate(prompts)]
+    if adapter_slots is not None:
+        if len(adapter_slots) != len(prompts):
+            raise GenerateError(f"{len(adapter_slots)} adapter slots for {len(prompts)} prompts")
+        requests = [attrs.evolve(r, adapter_slot=slot) for r, slot in zip(requests, adapter_slots, strict=True)]
     recorder = _recorder(record, config, model, spec, max_tokens, sampling, record_meta)
     try:
         device = TorchDevice(engine, proposer=proposer, drafter=drafter, strict=strict,

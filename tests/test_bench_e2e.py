@@ -133,5 +133,31 @@ def test_bad_input_is_one_line_and_exit_2(words, names, capsys):
 def test_parser_defaults():
     args = e2e.build_parser().parse_args([])
     assert isinstance(args, argparse.Namespace)
+    assert e2e._checked(args) == ["fxsched", "transformers"]  # vllm only with --vllm-python
     assert (args.batches, args.rounds, args.threads, args.prompt_len, args.max_tokens, args.spec) == \
         ((1, 8, 32), 3, 1, 512, 64, "none")
+    lora = e2e.build_parser().parse_args(["--lora"])
+    assert e2e._checked(lora) == ["fxsched", "fxsched-lora"] and lora.batches == (8,)
+    assert (lora.lora_adapters, lora.lora_rank, lora.threads) == (4, 16, 1)
+
+
+def test_lora_compares_adapted_decoding_with_the_base(ckpt, tmp_path):
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = e2e.main(["--model", str(ckpt), "--lora", "--batches", "4", "--rounds", "1", "--prompt-len", "8",
+                         "--max-tokens", "4", "--lora-rank", "8", "--json", "--in-process"])
+    assert code == 0
+    report = json.loads(out.getvalue().strip().splitlines()[-1])
+    cells = {c["engine"]: c for c in report["cells"]}
+    assert set(cells) == {"fxsched", "fxsched-lora"}
+    lora = cells["fxsched-lora"]
+    assert lora["decode_tok_s"] > 0 and lora["same_tokens"] is None
+    assert lora["tokens"] != cells["fxsched"]["tokens"]  # the adapters act
+    assert report["lora"] == {"adapters": 4, "rank": 8, "decode_x": {"4": lora["decode_x"]}}
+    # the adapters are PEFT's format: the loader takes them
+    dirs = e2e_models.build_adapters(ckpt, tmp_path, 2, 8)
+    assert [d.name for d in dirs] == ["adapter-0", "adapter-1"]
+    assert json.loads((dirs[0] / "adapter_config.json").read_text())["r"] == 8

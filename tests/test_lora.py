@@ -28,6 +28,7 @@ from fxsched.runtime.devices.device import DeviceError
 from fxsched.runtime.devices.torch import TorchDevice
 from fxsched.runtime.torch_model import HybridEngine
 from fxsched.runtime.torch_model.errors import AdapterError
+from fxsched.runtime.torch_model import lora as lora_module
 from fxsched.runtime.torch_model.lora import grouped_lora
 
 peft = pytest.importorskip("peft")
@@ -200,8 +201,13 @@ def test_qwen3_each_adapter_alone_matches_peft(qwen3):
     _alone(qwen3, "Qwen3")
 
 
-def test_qwen3_mixed_batch_matches_peft(qwen3):
-    _mixed(qwen3, "Qwen3")
+@pytest.mark.parametrize("product", ["dense", "grouped"])
+def test_qwen3_mixed_batch_matches_peft(qwen3, monkeypatch, product):
+    """On the CPU both products of §18.2: the dense one (the slots' span masked per row) and the
+    grouped one (what the CPU takes beyond DENSE_MAX_COLUMNS, and the GPU always)."""
+    if product == "grouped":
+        monkeypatch.setattr(lora_module, "DENSE_MAX_COLUMNS", 0)
+    _mixed(qwen3, f"Qwen3 ({product})")
 
 
 def test_qwen35_hybrid_each_adapter_alone_matches_peft(qwen35):

@@ -26,6 +26,13 @@ children's); ``decode_x`` / ``prefill_x`` the engine's rate over fxsched's at th
 position of the first differing prompt; random weights leave near-ties that bf16 rounding can flip,
 so a late difference is not a fault, an early one at every batch is).
 
+``--lora``: the cost of LoRA adapters (specs/lora.md §18.7): engine ``fxsched-lora`` is fxsched with
+``--lora-adapters`` (4) random PEFT adapters of rank ``--lora-rank`` (16) on every attention and MLP
+projection (``e2e_models.build_adapters``, built in the cell), request i on adapter i mod 4, against
+``fxsched`` on the same prompts without adapters, rounds interleaved; defaults ``--engines
+fxsched,fxsched-lora --batches 8``. ``decode_x`` of the fxsched-lora cell is the ratio (the record's
+``lora`` names it).
+
 Roofline (batch 1): ``decode_weight_bytes`` (weights one decoded token reads, see e2e_models) against
 the bandwidth of a 256 MiB tensor copy at ``--threads`` threads, counting bytes read + bytes written:
 ``roofline_tok_s`` = bandwidth / bytes per token, and fxsched's batch-1 decode as a percentage of it.
@@ -183,7 +190,8 @@ def run_cell(args: argparse.Namespace, engine: str, model: Path, prompts_file: P
     if args.in_process and engine != "vllm":  # tests: the worker's code without the process boundary
         from fxsched.runtime.bench import e2e_worker
 
-        return e2e_worker.run_cell(e2e_worker.parse([*common, "--kv-cache-memory", str(budget), "--spec", args.spec]))
+        return e2e_worker.run_cell(e2e_worker.parse([*common, "--kv-cache-memory", str(budget), "--spec", args.spec,
+                                                     *_lora_args(args)]))
     env = _env(args.threads)
     if engine == "vllm":
         cmd = [args.vllm_python, str(WORKER), *common, "--dtype", _dtype(config)]
@@ -191,7 +199,7 @@ def run_cell(args: argparse.Namespace, engine: str, model: Path, prompts_file: P
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in the cell's process (e2e_worker)
     else:
         cmd = [sys.executable, "-m", "fxsched.runtime.bench.e2e_worker", *common, "--kv-cache-memory", str(budget),
-               "--spec", args.spec]
+               "--spec", args.spec, *_lora_args(args)]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=env)
     except subprocess.TimeoutExpired:
@@ -203,6 +211,10 @@ def run_cell(args: argparse.Namespace, engine: str, model: Path, prompts_file: P
         return {"error": tail}
     record: dict[str, Any] = json.loads(lines[-1])
     return record
+
+
+def _lora_args(args: argparse.Namespace) -> list[str]:
+    return ["--lora-adapters", str(args.lora_adapters), "--lora-rank", str(args.lora_rank)]
 
 
 _EXCEPTION = re.compile(r"^(?:[A-Za-z_][\w.]*(?:Error|Exception|Exit)\b|Value error,)")
@@ -268,8 +280,12 @@ def run_model(args: argparse.Namespace, label: str, model: Path, engines: list[s
     weight_bytes = e2e_models.decode_weight_bytes(model)
     roof = args.bandwidth / weight_bytes
     fx1 = next((c["decode_tok_s"] for c in cells if c["engine"] == "fxsched" and c["batch"] == 1), None)
+    lora = None
+    if "fxsched-lora" in engines:
+        lora = {"adapters": args.lora_adapters, "rank": args.lora_rank,
+                "decode_x": {str(c["batch"]): c.get("decode_x") for c in cells if c["engine"] == "fxsched-lora"}}
     return {"model": label, "path": str(model), "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
-            "threads": args.threads, "rounds": args.rounds, "cells": cells,
+            "threads": args.threads, "rounds": args.rounds, "cells": cells, "lora": lora,
             "roofline": {"decode_weight_bytes": weight_bytes, "copy_bandwidth_bytes_per_s": args.bandwidth,
                          "bandwidth_counts": "bytes read + bytes written", "roofline_tok_s": roof,
                          "fxsched_batch1_decode_tok_s": fx1,
@@ -287,7 +303,8 @@ def _cell(engine: str, batch: int, got: list[dict[str, Any]],
         cell[key] = _median([g[key] for g in ok])
     mine, base = tokens.get((engine, batch)), tokens.get(("fxsched", batch))
     diff = first_diff(mine, base) if mine is not None and base is not None else None
-    cell["same_tokens"] = None if base is None or mine is None else diff is None
+    # an adapted run's tokens are its adapters', not the base model's: nothing to compare
+    cell["same_tokens"] = None if base is None or mine is None or engine == "fxsched-lora" else diff is None
     cell["first_diff"] = diff
     cell["tokens"] = mine
     return cell
@@ -334,6 +351,11 @@ def format_model(result: dict[str, Any]) -> str:
                  f"bandwidth {roof['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s (read + written) -> "
                  f"{roof['roofline_tok_s']:.1f} tok/s; fxsched {_fmt(roof['fxsched_batch1_decode_tok_s'])} tok/s"
                  + (f" = {pct:.0f}%" if pct is not None else ""))
+    lora = result.get("lora")
+    if lora is not None:
+        ratios = ", ".join(f"batch {b}: {_fmt(x)}x" for b, x in lora["decode_x"].items())
+        lines.append(f"LoRA: {lora['adapters']} adapters of rank {lora['rank']}, request i on adapter i mod "
+                     f"{lora['adapters']}; decode with adapters / without: {ratios}")
     for c in result["cells"]:
         if "error" in c:
             lines.append(f"{c['engine']} batch {c['batch']}: n/a ({c['error']})")
@@ -348,13 +370,13 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--model", metavar="DIR", default=None, help="run this checkpoint instead of --like")
     ap.add_argument("--models-dir", default=str(e2e_models.default_models_dir()),
                     help="where --like checkpoints are built and kept")
-    ap.add_argument("--batches", type=sizes_arg, default=(1, 8, 32), help="batch sizes (default 1,8,32)")
+    ap.add_argument("--batches", type=sizes_arg, default=None, help="batch sizes (default 1,8,32; 8 with --lora)")
     ap.add_argument("--rounds", type=int_arg(1, 1000), default=3)
     ap.add_argument("--threads", type=int_arg(1, 1024), default=1)
     ap.add_argument("--prompt-len", type=int_arg(1, 1 << 20), default=512)
     ap.add_argument("--max-tokens", type=int_arg(2, 1 << 20), default=64)
     ap.add_argument("--seed", type=int_arg(0, 2**31), default=0, help="prompts and built weights")
-    ap.add_argument("--engines", default="fxsched,transformers,vllm",
+    ap.add_argument("--engines", default=None,
                     help="comma list of fxsched, fxsched-overlap (with the device lane, as generate --overlap), "
                          "fxsched-async (as generate --async-scheduling), transformers, vllm (vllm only with "
                          "--vllm-python)")
@@ -363,6 +385,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="fxsched's KV cache budget (default: sized for batch x (prompt + tokens))")
     ap.add_argument("--spec", default="none", help="fxsched's speculation mode (default none)")
     ap.add_argument("--timeout", type=int_arg(1, 86_400), default=3600, help="seconds per cell")
+    ap.add_argument("--lora", action="store_true",
+                    help="LoRA's cost: fxsched with --lora-adapters random adapters of rank --lora-rank, request i "
+                         "on adapter i mod their count (engine fxsched-lora), against fxsched without; defaults "
+                         "then: --engines fxsched,fxsched-lora, --batches 8 (qwen3-0.6b only: a dense Qwen3's "
+                         "projections)")
+    ap.add_argument("--lora-adapters", type=int_arg(1, 256), default=4, help="with --lora: adapters (default 4)")
+    ap.add_argument("--lora-rank", type=int_arg(1, 1024), default=16, help="with --lora: their rank (default 16)")
     ap.add_argument("--json", action="store_true", help="one JSON object per model instead of the tables")
     ap.add_argument("--in-process", action="store_true", help=argparse.SUPPRESS)  # tests: no worker processes
     return ap
@@ -373,7 +402,13 @@ def _checked(args: argparse.Namespace) -> list[str]:
     from fxsched.runtime.cli.generate import parse_size
     from fxsched.runtime.generate import SPECS
 
+    if args.engines is None:
+        args.engines = "fxsched,fxsched-lora" if args.lora else "fxsched,transformers,vllm"
+    if args.batches is None:
+        args.batches = (8,) if args.lora else (1, 8, 32)
     engines = [e.strip() for e in args.engines.split(",")]
+    if "fxsched-lora" in engines and (args.like or "qwen3-0.6b") != "qwen3-0.6b" and args.model is None:
+        raise UsageError(f"--lora: random adapters are built for a dense Qwen3 (--like qwen3-0.6b), not {args.like}")
     for e in engines:
         if e not in ENGINES:
             raise UsageError(f"--engines {args.engines}: unknown engine {e!r} (choose {', '.join(ENGINES)})")

@@ -164,6 +164,48 @@ def _add_mtp(cfg: Any, path: Path, layers: int) -> None:
     (path / "config.json").write_text(json.dumps(config, indent=2))
 
 
+# --- random LoRA adapters (bench e2e --lora) -------------------------------------------------------------
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def build_adapters(model_dir: Path, out_dir: Path, count: int, rank: int, seed: int = 0) -> list[Path]:
+    """``count`` random PEFT LoRA adapters of rank ``rank`` on every attention and MLP projection of
+    the dense (Qwen3) checkpoint in ``model_dir`` (adapter_config.json + adapter_model.safetensors in
+    bf16, as PEFT's ``save_pretrained`` writes them), under ``out_dir``; their directories. A and B
+    are random at scales that keep the activations in range (B non-zero: the adapter moves the
+    output)."""
+    import torch
+    from safetensors.torch import save_file
+
+    text = json.loads((model_dir / "config.json").read_text())
+    text = text.get("text_config", text)
+    d, inter = int(text["hidden_size"]), int(text["intermediate_size"])
+    hq, hkv = int(text["num_attention_heads"]), int(text["num_key_value_heads"])
+    dh = int(text.get("head_dim") or d // hq)
+    shapes = {"q_proj": (hq * dh, d), "k_proj": (hkv * dh, d), "v_proj": (hkv * dh, d), "o_proj": (d, hq * dh),
+              "gate_proj": (inter, d), "up_proj": (inter, d), "down_proj": (d, inter)}
+    gen = torch.Generator().manual_seed(seed)
+    dirs = []
+    for i in range(count):
+        tensors = {}
+        for layer in range(int(text["num_hidden_layers"])):
+            for module, (out, inp) in shapes.items():
+                part = "self_attn" if module in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+                name = f"base_model.model.model.layers.{layer}.{part}.{module}"
+                tensors[f"{name}.lora_A.weight"] = (torch.randn(rank, inp, generator=gen) / math.sqrt(inp)
+                                                    ).to(torch.bfloat16)
+                tensors[f"{name}.lora_B.weight"] = (torch.randn(out, rank, generator=gen) * 0.01).to(torch.bfloat16)
+        folder = out_dir / f"adapter-{i}"
+        folder.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(folder / "adapter_model.safetensors"), metadata={"format": "pt"})
+        (folder / "adapter_config.json").write_text(json.dumps({
+            "peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank, "target_modules": list(LORA_TARGETS),
+            "bias": "none", "base_model_name_or_path": str(model_dir), "task_type": "CAUSAL_LM"}))
+        dirs.append(folder)
+    return dirs
+
+
 # --- what a decoded token reads ------------------------------------------------------------------------
 
 _DTYPE_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F64": 8, "I64": 8, "I32": 4, "I8": 1, "U8": 1, "BOOL": 1}

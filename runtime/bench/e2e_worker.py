@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Any, Callable
 
-ENGINES = ("fxsched", "fxsched-overlap", "fxsched-async", "transformers", "vllm")
+ENGINES = ("fxsched", "fxsched-overlap", "fxsched-async", "fxsched-lora", "transformers", "vllm")
 WARMUP_TOKENS = 2
 
 
@@ -76,10 +76,15 @@ def _timed(run: Callable[[list[list[int]], int], list[list[int]]], prompts: list
 
 
 def _fxsched_runner(args: argparse.Namespace, batch: int, overlap: bool = False,
-                    async_scheduling: bool = False) -> Callable[[list[list[int]], int], list[list[int]]]:
+                    async_scheduling: bool = False, lora: bool = False
+                    ) -> Callable[[list[list[int]], int], list[list[int]]]:
     """fxsched's cell: the engine and ``generate`` that ``fxsched generate --model`` runs, at --spec
     (``overlap``: with the device lane, as ``--overlap``; ``async_scheduling``: as
-    ``--async-scheduling``, else ``--no-async-scheduling``)."""
+    ``--async-scheduling``, else ``--no-async-scheduling``; ``lora``: ``--lora-adapters`` random
+    adapters of rank ``--lora-rank`` loaded, request i running with adapter i mod their count)."""
+    import tempfile
+    from pathlib import Path
+
     import torch
 
     from fxsched.runtime.generate import generate
@@ -89,11 +94,21 @@ def _fxsched_runner(args: argparse.Namespace, batch: int, overlap: bool = False,
     kwargs: dict[str, Any] = {"device": "cpu", "max_slots": max(16, batch), "max_seq_len": args.max_seq_len}
     if args.kv_cache_memory is not None:
         kwargs["kv_cache_memory"] = args.kv_cache_memory
+    if lora:
+        kwargs.update(max_loras=args.lora_adapters, max_lora_rank=args.lora_rank)
     engine = HybridEngine.from_pretrained(args.model, **kwargs)
+    count = args.lora_adapters if lora else 0
+    if lora:
+        from fxsched.runtime.bench.e2e_models import build_adapters
+
+        with tempfile.TemporaryDirectory(prefix="fxsched-e2e-lora-") as tmp:
+            for slot, folder in enumerate(build_adapters(Path(args.model), Path(tmp), count, args.lora_rank)):
+                engine.load_adapter(slot, folder)
 
     def run(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+        slots = [i % count for i in range(len(prompts))] if count else None
         result = generate(engine, prompts, max_tokens, args.spec, len(prompts), eos_ids=(), overlap=overlap,
-                          async_scheduling=async_scheduling)
+                          async_scheduling=async_scheduling, adapter_slots=slots)
         failed = [r.error for r in result.results if r.error]
         if failed:
             raise RuntimeError(f"fxsched: {failed[0]}")
@@ -190,9 +205,9 @@ def run_cell(args: argparse.Namespace) -> dict[str, Any]:
     with open(args.prompts) as f:
         sets = json.load(f)
     prompts = sets["run"]
-    if args.engine in ("fxsched", "fxsched-overlap", "fxsched-async"):
+    if args.engine.startswith("fxsched"):
         run = _fxsched_runner(args, len(prompts), overlap=args.engine == "fxsched-overlap",
-                              async_scheduling=args.engine == "fxsched-async")
+                              async_scheduling=args.engine == "fxsched-async", lora=args.engine == "fxsched-lora")
     elif args.engine == "transformers":
         run = _transformers_runner(args)
     else:
@@ -216,6 +231,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--kv-cache-memory", type=int, default=None, help="fxsched: KV cache bytes")
     ap.add_argument("--spec", default="none", help="fxsched: speculation mode")
+    ap.add_argument("--lora-adapters", type=int, default=4, help="fxsched-lora: random adapters loaded")
+    ap.add_argument("--lora-rank", type=int, default=16, help="fxsched-lora: their rank")
     return ap.parse_args(argv)
 
 

@@ -58,6 +58,7 @@ workers ignore it and the leader tears them down.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import re
 import sys
@@ -167,6 +168,13 @@ def add_generate_command(sub) -> None:
                    default=None,
                    help="plain decodes answered ahead: the host plans and launches the next tick before it reads "
                         "this one's tokens (specs/async.md §16.6; default: on with --device cuda, off on the CPU)")
+    p.add_argument("--lora", action="append", default=None, metavar="[NAME=]PATH",
+                   help="a PEFT LoRA adapter directory the prompts run with (repeatable; NAME: the directory's "
+                        "name unless given); with one adapter every prompt uses it, with several "
+                        "--lora-prompts says which (specs/lora.md §18.7)")
+    p.add_argument("--lora-prompts", default=None, metavar="NAME,...",
+                   help="the adapter of each prompt, in order: an adapter's NAME or base (the model without "
+                        "adapter), repeated over the requests when shorter")
     from fxsched.runtime.cli.ep import add_ep_ranks_argument
 
     add_ep_ranks_argument(p)
@@ -286,6 +294,8 @@ class ModelChoice:
     kv_cache_memory: Optional[int] = None
     default: bool = False  # `model` is the embedded default model (no --model / --weights given)
     ep_ranks: int = 1  # > 1: a --model checkpoint is loaded as rank 0's expert shard (runtime/cli/ep.py)
+    max_loras: int = 0  # LoRA adapter slots of the engine (specs/lora.md §18.1; 0: none)
+    max_lora_rank: int = 16
 
     @property
     def label(self) -> str:
@@ -388,6 +398,8 @@ def _pretrained(choice: ModelChoice, device: str):
         kwargs["kv_cache_memory"] = choice.kv_cache_memory
     if choice.ep_ranks > 1:
         kwargs["expert_shard"] = (0, choice.ep_ranks)
+    if choice.max_loras:
+        kwargs.update(max_loras=choice.max_loras, max_lora_rank=choice.max_lora_rank)
     try:
         return from_pretrained(choice.model, **kwargs)
     except TorchModelError as err:  # ModelDirError among them: the message names the file
@@ -521,6 +533,77 @@ def _prompts(args, tokenizer=None) -> list[Prompt]:
     return out
 
 
+# --- LoRA adapters ----------------------------------------------------------------------------------
+
+BASE_ADAPTER = "base"  # --lora-prompts' name of the model without adapter
+
+
+@dataclass(frozen=True)
+class LoraChoice:
+    """``--lora`` and ``--lora-prompts``, checked before torch: the adapters (name, directory), in pool
+    slot order, the adapter of each prompt (a slot, -1: none, repeated over the requests) and the
+    pool's rank (the largest ``r`` of their configs, at least 16)."""
+
+    adapters: tuple[tuple[str, str], ...]
+    slots: tuple[int, ...]
+    max_rank: int
+
+
+def _lora_choice(args) -> Optional[LoraChoice]:
+    items = getattr(args, "lora", None) or []
+    plan = getattr(args, "lora_prompts", None)
+    if not items:
+        if plan is not None:
+            raise UsageError("--lora-prompts: needs --lora [NAME=]PATH")
+        return None
+    if getattr(args, "ep_ranks", 1) > 1:
+        raise UsageError(f"--lora: not under expert parallelism (--ep-ranks {args.ep_ranks})")
+    adapters: list[tuple[str, str]] = []
+    rank = 16
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep:
+            name, path = Path(item.rstrip("/")).name or item, item
+        if not name or name == BASE_ADAPTER or any(name == n for n, _ in adapters):
+            raise UsageError(f"--lora {item}: the name {name!r} is " +
+                             ("reserved for the base model" if name == BASE_ADAPTER else "taken or empty") +
+                             " (give NAME=PATH)")
+        if not Path(path).is_dir():
+            raise UsageError(f"--lora {item}: " + ("not a directory" if Path(path).exists()
+                                                   else "no such adapter directory"))
+        try:
+            r = json.loads((Path(path) / "adapter_config.json").read_text()).get("r")
+            if isinstance(r, int) and not isinstance(r, bool) and r > rank:
+                rank = r
+        except (OSError, ValueError, AttributeError):
+            pass  # the loader names what is wrong with it
+        adapters.append((name, path))
+    names = [n for n, _ in adapters]
+    if plan is None:
+        if len(adapters) > 1:
+            raise UsageError(f"--lora: {len(adapters)} adapters; say which prompt runs with which with "
+                             f"--lora-prompts NAME,... ({', '.join(names)} or {BASE_ADAPTER})")
+        plan = names[0]
+    slots = []
+    for word in (w.strip() for w in plan.split(",")):
+        if word != BASE_ADAPTER and word not in names:
+            raise UsageError(f"--lora-prompts {plan}: {word!r} is not an adapter of --lora (choose from "
+                             f"{', '.join(names)} or {BASE_ADAPTER})")
+        slots.append(-1 if word == BASE_ADAPTER else names.index(word))
+    return LoraChoice(tuple(adapters), tuple(slots), rank)
+
+
+def _load_adapters(engine, lora: LoraChoice) -> None:
+    """Load ``lora``'s adapters into the engine's pool, slot i the i-th (one line naming a bad one)."""
+    from fxsched.runtime.torch_model.errors import AdapterError
+
+    for slot, (name, path) in enumerate(lora.adapters):
+        try:
+            engine.load_adapter(slot, path)
+        except AdapterError as err:
+            raise UsageError(f"--lora {name}: {err}") from None
+
+
 # --- output ---------------------------------------------------------------------------------------
 
 
@@ -531,6 +614,7 @@ class Printer:
         self.out, self.mode, self.count, self.think = out, mode, count, think
         self.streaming = mode == "text" and count == 1
         self._ended_with_newline = True
+        self.adapters: dict[int, Optional[str]] = {}  # request id -> its --lora adapter's name (None: base)
 
     def _write(self, text: str) -> None:
         self.out.write(text)
@@ -543,7 +627,10 @@ class Printer:
 
     def on_finish(self, result) -> None:
         if self.mode == "json":
-            self._write(json.dumps(result.to_json(result.id - 1), ensure_ascii=False) + "\n")
+            record = result.to_json(result.id - 1)
+            if self.adapters:
+                record["lora"] = self.adapters.get(result.id)
+            self._write(json.dumps(record, ensure_ascii=False) + "\n")
         elif self.mode == "text" and self.streaming:
             self._write(("" if self._ended_with_newline else "\n") + result.render_header(self.think) + "\n")
         elif self.mode == "text":
@@ -594,6 +681,11 @@ def run_generate(args, out=None) -> int:
         if problem:
             raise UsageError(f"--record {record}: {problem}")
     choice = _model_choice(args)
+    lora = _lora_choice(args)
+    if lora is not None:
+        if choice.model is None:
+            raise UsageError("--lora: needs a Hugging Face checkpoint (--model DIR or the default model), not --weights")
+        choice = dataclasses.replace(choice, max_loras=len(lora.adapters), max_lora_rank=lora.max_rank)
     _check_text_model(args, choice, option)
     if getattr(args, "overlap", False) and choice.ep_ranks > 1:
         raise UsageError(f"--overlap: the device lane does not run under expert parallelism (--ep-ranks {choice.ep_ranks})")
@@ -619,6 +711,8 @@ def run_generate(args, out=None) -> int:
         raise UsageError(str(err)) from None
     _set_threads(args.threads, device)
     token_lists = expand_prompts([p.tokens for p in prompts], batch)
+    if lora is not None:
+        _load_adapters(engine, lora)
     if args.ignore_eos:
         eos_ids: Optional[tuple[int, ...]] = ()
     elif tokenizer is not None and tokenizer.eos_ids:
@@ -646,6 +740,10 @@ def run_generate(args, out=None) -> int:
         lane: dict[str, Any] = {"overlap": True} if getattr(args, "overlap", False) else {}
         if getattr(args, "async_scheduling", None) is not None and choice.ep_ranks <= 1:
             lane["async_scheduling"] = args.async_scheduling
+        if lora is not None:
+            lane["adapter_slots"] = [lora.slots[i % len(lora.slots)] for i in range(len(token_lists))]
+            printer.adapters = {i + 1: lora.adapters[slot][0] if slot >= 0 else None
+                                for i, slot in enumerate(lane["adapter_slots"])}
         result = run(engine, token_lists, max_tokens, args.spec, batch,
                      progress=bar.update if bar is not None else None, eos_ids=eos_ids, text=text,
                      on_text=printer.on_text, on_finish=printer.on_finish, sampling=sampling,

@@ -285,6 +285,15 @@ def open_serving(args, on_started: Optional[Callable] = None) -> Iterator:
     device = _torch_device(args.device)
     _kv_budget(flags, args, device, args.model)
     choice = _model_choice(args)
+    lora = flags.lora
+    if lora is not None:
+        if choice.model is None:
+            raise UsageError("--enable-lora: needs a Hugging Face checkpoint (--model DIR or the default model)")
+        if args.ep_ranks > 1:
+            raise UsageError(f"--enable-lora: not under expert parallelism (--ep-ranks {args.ep_ranks})")
+        import dataclasses
+
+        choice = dataclasses.replace(choice, max_loras=lora.max_loras, max_lora_rank=lora.max_lora_rank)
     tokenizer = _tokenizer(args, choice)
     if tokenizer is None:
         raise UsageError(f"{choice.label}: no tokenizer.json, and the server speaks text (give --tokenizer DIR)")
@@ -329,8 +338,11 @@ def open_serving(args, on_started: Optional[Callable] = None) -> Iterator:
                                  log_requests=flags.log_requests is not False,
                                  timeout_keep_alive=flags.timeout_keep_alive,
                                  request_read_timeout=flags.request_read_timeout,
-                                 uvicorn_log_level=flags.uvicorn_log_level)
+                                 uvicorn_log_level=flags.uvicorn_log_level,
+                                 lora_modules=tuple((m.name, m.path, m.base_model_name)
+                                                    for m in (lora.modules if lora is not None else ())))
         from fxsched.runtime.generate import GenerateError
+        from fxsched.runtime.serve.lora import AdapterRefused
 
         with contextlib.ExitStack() as stack:
             wrap = None
@@ -347,9 +359,18 @@ def open_serving(args, on_started: Optional[Callable] = None) -> Iterator:
                                   record_meta={"model": choice.model or "", "served_model_name": names[0]})
             except GenerateError as err:
                 raise UsageError(str(err)) from None
+            except AdapterRefused as err:  # an adapter of --lora-modules: one line naming it
+                raise UsageError(lora_refusal(err)) from None
             yield serving
     finally:
         sock.close()
+
+
+def lora_refusal(err) -> str:
+    """The one line of an adapter of ``--lora-modules`` that cannot be served."""
+    detail = err.detail or err.message
+    hint = " (raise --max-lora-rank)" if "above the pool's max LoRA rank" in detail else ""
+    return f"--lora-modules {err.name}: {detail}{hint}"
 
 
 def _configure_logs(flags: Flags) -> None:

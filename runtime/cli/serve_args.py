@@ -29,6 +29,8 @@ DEFAULT_KEEP_ALIVE = 5  # seconds, uvicorn's and vLLM's default (whole seconds, 
 DEFAULT_READ_TIMEOUT = 30.0  # specs/serve.md §12.11
 TOOL_CALL_PARSERS = ("hermes",)  # the <tool_call>{json}</tool_call> blocks runtime/serve/tools.py reads
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+DEFAULT_MAX_LORA_RANK = 16  # vLLM's default --max-lora-rank
+MAX_LORAS = 256  # the most adapter slots --max-loras takes
 MTP_METHODS = ("mtp", "deepseek_mtp", "mimo_mtp", "glm4_moe_mtp", "ernie_mtp", "qwen3_next_mtp",
                "longcat_flash_mtp")  # vLLM's MTP method names, all "mtp" there (SpeculativeConfig)
 _HUMAN_INT = re.compile(r"([0-9]+(?:\.[0-9]+)?)([kKmMgG]?)")
@@ -105,6 +107,21 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     vllm.add_argument("--draft-model", metavar="DIR", default=None,
                       help="a DFlash drafter directory (--spec dflash; the default model has no drafter of its own)")
 
+    lora = p.add_argument_group("LoRAConfig", "LoRA adapters (PEFT directories) served next to the model "
+                                              "(specs/lora.md §18.7).")
+    lora.add_argument("--enable-lora", action="store_true",
+                      help="serve LoRA adapters: those of --lora-modules, and /v1/load_lora_adapter and "
+                           "/v1/unload_lora_adapter at run time; a request's model field names the adapter")
+    lora.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", default=None,
+                      help='adapters served from the start: name=path, or JSON {"name": ..., "path": ..., '
+                           '"base_model_name": ...} (vLLM\'s forms); each is loaded into a slot at start (a bad '
+                           'one: one line naming it, exit 2)')
+    lora.add_argument("--max-loras", default=None, metavar="N",
+                      help="adapter slots: adapters resident at once (default: the number of --lora-modules, at "
+                           "least 1; every adapter stays resident, so more --lora-modules than N is refused)")
+    lora.add_argument("--max-lora-rank", default=str(DEFAULT_MAX_LORA_RANK), metavar="R",
+                      help=f"the largest adapter rank r taken (default {DEFAULT_MAX_LORA_RANK}, as vLLM's)")
+
     front = p.add_argument_group("Frontend", "The HTTP server, its front door (specs/serve-security.md §14.1) "
                                              "and its logs.")
     front.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
@@ -175,6 +192,86 @@ class Flags:
     timeout_keep_alive: int
     request_read_timeout: float
     api_key: Optional[str]
+    lora: Optional["LoraFlags"] = None  # --enable-lora's (None: LoRA off)
+
+
+@dataclass(frozen=True)
+class LoraModule:
+    """One adapter of ``--lora-modules``: its served name, its directory as given, the base model name
+    it reports as parent (None: the served model's)."""
+
+    name: str
+    path: str
+    base_model_name: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class LoraFlags:
+    """``--enable-lora``'s flags, checked (specs/lora.md §18.7)."""
+
+    modules: tuple[LoraModule, ...]
+    max_loras: int
+    max_lora_rank: int
+
+
+def _lora_module(item: str) -> LoraModule:
+    """A ``--lora-modules`` item: ``name=path`` or vLLM's JSON object."""
+    flag = f"--lora-modules {item[:120]}"
+    if item.lstrip().startswith("{"):
+        import json
+
+        try:
+            data = json.loads(item)
+        except (ValueError, RecursionError):
+            raise UsageError(f"{flag}: not valid JSON") from None
+        if not isinstance(data, dict):
+            raise UsageError(f"{flag}: expected a JSON object")
+        unknown = sorted(set(data) - {"name", "path", "base_model_name"})
+        if unknown:
+            raise UsageError(f"{flag}: unknown key {unknown[0]!r} (known: name, path, base_model_name)")
+        name, path, base = data.get("name"), data.get("path"), data.get("base_model_name")
+        if not isinstance(name, str) or not isinstance(path, str):
+            raise UsageError(f'{flag}: "name" and "path" must be strings')
+        if base is not None and not isinstance(base, str):
+            raise UsageError(f'{flag}: "base_model_name" must be a string')
+    else:
+        name, sep, path = item.partition("=")
+        base = None
+        if not sep:
+            raise UsageError(f"{flag}: expected name=path or a JSON object with name and path")
+    if not name.strip() or not name.isprintable():
+        raise UsageError(f"{flag}: the adapter name must be printable and not blank")
+    if not path:
+        raise UsageError(f"{flag}: no path")
+    if not Path(path).is_dir():
+        raise UsageError(f"--lora-modules {name}: {path}: " + ("not a directory" if Path(path).exists()
+                                                             else "no such adapter directory"))
+    return LoraModule(name, path, base)
+
+
+def lora_flags(args, served: Optional[tuple[str, ...]] = None) -> Optional[LoraFlags]:
+    """``--enable-lora``, ``--lora-modules``, ``--max-loras``, ``--max-lora-rank`` checked (None: LoRA off;
+    ``--max-loras`` and ``--max-lora-rank`` alone are ignored, as vLLM ignores them)."""
+    if not args.enable_lora:
+        if args.lora_modules:
+            raise UsageError("--lora-modules: needs --enable-lora")
+        return None
+    modules = tuple(_lora_module(item) for item in args.lora_modules or ())
+    names = [m.name for m in modules]
+    for name in names:
+        if names.count(name) > 1:
+            raise UsageError(f"--lora-modules {name}: given twice")
+        if served is not None and name in served:
+            raise UsageError(f"--lora-modules {name}: the name of the served model (give the adapter another name)")
+    rank = _int(args.max_lora_rank, "--max-lora-rank", 1, 1024)
+    if args.max_loras is None:
+        slots = max(1, len(modules))
+    else:
+        slots = _int(args.max_loras, "--max-loras", 1, MAX_LORAS)
+        if len(modules) > slots:
+            raise UsageError(f"--lora-modules: {len(modules)} adapters, more than --max-loras {slots} (every "
+                             f"adapter stays resident in its own slot: raise --max-loras to {len(modules)})")
+    return LoraFlags(modules, slots, rank)
 
 
 def human_int(text: str, name: str, low: int, high: int = 1 << 40) -> int:
@@ -273,12 +370,14 @@ def check_flags(args) -> Flags:
         raise UsageError("--api-key: the key must be printable characters without spaces")
     level = args.uvicorn_log_level
     access = args.access_log or (level in ("info", "debug", "trace") and not args.disable_uvicorn_access_log)
-    return Flags(served_names=_served_names(args.served_model_name),
+    served = _served_names(args.served_model_name)
+    return Flags(served_names=served,
                  generation_config=_generation_config(args.generation_config),
                  gpu_memory_utilization=fraction,
                  prefix_caching=args.enable_prefix_caching is not False,
                  log_requests=log_requests, uvicorn_log_level=level, access_log=access,
-                 timeout_keep_alive=keep_alive, request_read_timeout=read_timeout, api_key=api_key)
+                 timeout_keep_alive=keep_alive, request_read_timeout=read_timeout, api_key=api_key,
+                 lora=lora_flags(args, served or (args.model or args.model_tag or "fxsched-default",)))
 
 
 def served_names(flags: Flags, model_arg: Optional[str]) -> tuple[str, ...]:

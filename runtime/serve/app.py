@@ -69,7 +69,8 @@ from fxsched.runtime.serve.protocol import (
     request_from_data,
 )
 from fxsched.runtime.serve import structured, tools as toolcalls
-from fxsched.runtime.serve.models import check_model, model_cards
+from fxsched.runtime.serve.lora import AdapterGone
+from fxsched.runtime.serve.models import ModelNotFound, check_model, model_cards
 from fxsched.runtime.serve.request_log import RequestRecord
 
 log = structlog.get_logger("fxsched.serve.http")
@@ -350,7 +351,7 @@ def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
         return JSONResponse(model_cards(limits.model_names, state.model_root, state.created, limits.context,
-                                        spec=engine.spec))
+                                        engine.adapters.adapters(), spec=engine.spec))
 
     def _submit(plan: Plan, loop: asyncio.AbstractEventLoop, record: Optional[RequestRecord] = None
                 ) -> tuple[list[int], asyncio.Queue[ChoiceEvent]]:
@@ -367,6 +368,8 @@ def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] 
                            "server_shutting_down")
         try:
             ids = engine.submit(plan.choices, sink)
+        except AdapterGone as err:  # unloaded since the request's model was checked
+            raise ModelNotFound(err.name) from None
         except Overloaded as err:
             engine.metrics.rejected.labels("429").inc()
             raise APIError(429, str(err), "rate_limit_error", None, "rate_limit_exceeded") from None
@@ -498,7 +501,7 @@ def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] 
     @app.post("/v1/completions", openapi_extra=_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         def build(data: Any, tok: Any) -> tuple[Any, Plan]:
-            check_model(data, limits.model_names)
+            check_model(data, limits.model_names, limits.adapters)
             req = request_from_data(CompletionRequest, data, _unknown("completions"))
             return req, completion_plan(req, tok, limits)
 
@@ -509,7 +512,7 @@ def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] 
     @app.post("/v1/chat/completions", openapi_extra=_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         def build(data: Any, tok: Any) -> tuple[Any, Plan, Optional[toolcalls.ToolPlan]]:
-            check_model(data, limits.model_names)
+            check_model(data, limits.model_names, limits.adapters)
             req = request_from_data(ChatCompletionRequest, data, _unknown("chat_completions"))
             tools = toolcalls.tool_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
             return req, chat_plan(req, tok, limits, tools.template_tools if tools is not None else None), tools
@@ -522,6 +525,9 @@ def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] 
     # /tokenize, /detokenize, /version, /docs, /v1/responses, /v1/embeddings (specs/serve.md §12.5–8)
     from fxsched.runtime.serve import routes_extra
 
+    from fxsched.runtime.serve import lora_routes  # /v1/load_lora_adapter, /v1/unload_lora_adapter
+
+    lora_routes.register(app, engine, screen)
     routes_extra.register(app, routes_extra.Served(engine, limits, state, screen, _submit, _constrained, _unknown,
                                                    _EventStream, _disconnected))
     return app

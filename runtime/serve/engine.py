@@ -83,6 +83,7 @@ from fxsched.runtime.generate_host import (GenerateHost, LogprobWitness, Observe
                                            TextStream)
 from fxsched.runtime.interpreter import Host, Interpreter, Observer
 from fxsched.runtime.logs import ensure_configured
+from fxsched.runtime.serve.lora import AdapterBook, AdapterOp, AdapterRefused, ServedAdapter
 from fxsched.runtime.serve.metrics import ServeMetrics
 from fxsched.runtime.serve.protocol import ChoiceSpec
 from fxsched.runtime.text import TextTokenizer
@@ -94,6 +95,7 @@ ABORT = "abort"  # the finish reason of a choice cancelled by its client or by t
 MAX_BARREN_FAULTS = 5  # faults in a row, with no choice finished in between, before the engine gives up
 RESTART_BACKOFF = 0.05  # seconds before the second restart in a row (doubling, at most 2 s)
 RECENT = 4096  # final records kept for inspection (``ServeEngine.recent``)
+ADAPTER_OP_TIMEOUT = 60.0  # seconds a LoRA load or unload may wait for the engine thread
 
 
 class Overloaded(Exception):
@@ -140,6 +142,7 @@ class _Choice:
     last_frame: Optional[float] = None
     started: bool = False
     cancelled: bool = False
+    adapter_slot: int = -1  # the LoRA pool slot of the adapter its request names (-1: the base model)
 
     def deliver(self, event: ChoiceEvent) -> None:
         try:
@@ -231,6 +234,7 @@ class ServeHost(GenerateHost):
 
     def _hand_over(self, block: bool) -> list[ev.Event]:
         inbox = self.owner._inbox
+        self.owner._retry_adapter_ops()
         if not block and inbox.empty():  # the common case after a batch: nothing arrived
             return []
         items: list[Any] = [inbox.get()] if block else []
@@ -239,6 +243,7 @@ class ServeHost(GenerateHost):
                 items.append(inbox.get_nowait())
             except queue.Empty:
                 break
+        items = self.owner._adapter_ops(items)
         if not items:
             return []
         events: list[Optional[ev.Event]] = [ev.Clock(self.owner.now_ms())]
@@ -263,7 +268,8 @@ class ServeHost(GenerateHost):
         try:
             request = Request(id=choice.id, prompt=s.prompt, max_tokens=max(s.max_tokens, 1), streaming=True,
                               temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, seed=s.seed,
-                              top_logprobs=s.top_logprobs, min_tokens=s.scheduler_min_tokens)
+                              top_logprobs=s.top_logprobs, min_tokens=s.scheduler_min_tokens,
+                              adapter_slot=choice.adapter_slot)
             matcher = self.owner.grammar_matcher(s.grammar) if s.grammar is not None else None
         except ValueError as err:  # the protocol checks every field first; this is a last guard
             self._refuse(choice, str(err))
@@ -484,6 +490,9 @@ class ServeEngine:
         self.grammars = GrammarBook(self.config.eos_ids or ())  # engine thread only
         self._ll_tokenizer: Any = None
         self.host = ServeHost(self)
+        # LoRA adapters served by name (runtime/serve/lora.py, specs/lora.md §18.7)
+        self.adapters = AdapterBook(engine.lora.max_loras if engine.lora is not None else 0)
+        self._retry_ops: list[AdapterOp] = []
 
     @property
     def grammar_tokenizer(self) -> Any:
@@ -543,12 +552,13 @@ class ServeEngine:
             if self._waiting + len(specs) > self.max_waiting:
                 raise Overloaded(f"the waiting queue is full ({self._waiting} choices waiting, at most "
                                  f"{self.max_waiting}); retry later")
+            slots = self.adapters.acquire([spec.adapter for spec in specs])  # AdapterGone: unloaded since
             self._waiting += len(specs)
             self._live += len(specs)
             ids = [next(self._ids) for _ in specs]
         now = time.perf_counter()
-        self._inbox.put(_Submit(tuple(_Choice(rid, i, spec, sink, now)
-                                      for i, (rid, spec) in enumerate(zip(ids, specs, strict=True)))))
+        self._inbox.put(_Submit(tuple(_Choice(rid, i, spec, sink, now, adapter_slot=slot) for i, (rid, spec, slot)
+                                      in enumerate(zip(ids, specs, slots, strict=True)))))
         return ids
 
     def cancel(self, ids: Seq[int]) -> None:
@@ -703,12 +713,71 @@ class ServeEngine:
         if self._device is not None:
             m.speculation(self._device.stats.verifies, self._device.stats.kept_rows)
             m.positions(self._device.stats.drafts_at, self._device.stats.accepted_at)
+        if self.adapters.enabled:
+            m.lora(self.adapters)
+
+    # --- LoRA adapters (runtime/serve/lora.py) -------------------------------------------------
+
+    def load_adapter(self, name: str, path: str, base_model_name: Optional[str] = None,
+                     timeout: float = ADAPTER_OP_TIMEOUT) -> ServedAdapter:
+        """Load the PEFT adapter in ``path`` into a free pool slot and serve it as ``name`` (any thread;
+        blocks until the engine thread has loaded it). ``AdapterRefused`` names the adapter and why."""
+        adapter = self.adapters.reserve(name, path, base_model_name)
+        op = self._adapter_op(AdapterOp("load", adapter), timeout)
+        if op.error is not None:
+            raise AdapterRefused(400, f"The lora adapter '{name}' cannot be loaded: {op.error}", name, op.error)
+        return adapter
+
+    def unload_adapter(self, name: str, timeout: float = ADAPTER_OP_TIMEOUT) -> ServedAdapter:
+        """Stop serving adapter ``name`` and empty its slot (refused while requests use it)."""
+        adapter = self.adapters.begin_unload(name)
+        op = self._adapter_op(AdapterOp("unload", adapter), timeout)
+        if op.error is not None:
+            raise AdapterRefused(500, f"The lora adapter '{name}' could not be unloaded: {op.error}")
+        return adapter
+
+    def _adapter_op(self, op: AdapterOp, timeout: float) -> AdapterOp:
+        """Run ``op`` at once (before the engine thread starts), else on the engine thread."""
+        if self._thread is None:
+            op.run(self.engine, self.adapters)
+            if op.retry:  # no sequence runs before the engine starts
+                op.error = "a sequence still runs with its adapter"
+            return op
+        self._inbox.put(op)
+        deadline = time.monotonic() + timeout
+        while not op.done.wait(0.05):
+            if not self.alive or time.monotonic() > deadline:
+                if op.kind == "load":
+                    self.adapters.abort(op.adapter)
+                raise AdapterRefused(503, f"The lora adapter '{op.adapter.name}': the engine did not carry out "
+                                          f"the {op.kind} (it is not running, or busy past {timeout:g} s)")
+        return op
+
+    def _adapter_ops(self, items: list[Any]) -> list[Any]:
+        """Carry out the adapter ops among the inbox's ``items`` (engine thread); the other items."""
+        ops = [item for item in items if isinstance(item, AdapterOp)]
+        if not ops:
+            return items
+        for op in ops:
+            op.run(self.engine, self.adapters)
+            if op.retry:
+                self._retry_ops.append(op)
+        self._refresh()
+        return [item for item in items if not isinstance(item, AdapterOp)]
+
+    def _retry_adapter_ops(self) -> None:
+        """Unloads that found a finished request's sequence still bound, tried again."""
+        if self._retry_ops:
+            ops, self._retry_ops = self._retry_ops, []
+            self._adapter_ops(list(ops))
 
     def _scheduled(self, rid: int) -> None:
         """The scheduler allocated request ``rid``'s sequence (its first allocation ends its queue time)."""
         choice = self.host.choices.get(rid)
         if choice is not None and choice.scheduled is None:
             choice.scheduled = time.perf_counter()
+            if choice.spec.adapter is not None:
+                self.adapters.scheduled(choice.spec.adapter)
 
     def _frame(self, choice: _Choice, n: int) -> None:
         """A frame of ``n`` tokens reached the client (specs/serve.md §12.8: tokens are counted as
@@ -742,6 +811,8 @@ class ServeEngine:
                                        event.error))
         if event.error is None:
             self._served += 1
+        if choice.spec.adapter is not None:
+            self.adapters.release(choice.spec.adapter, choice.scheduled is not None)
         with self._lock:
             self._live -= 1
 

@@ -46,6 +46,10 @@ fxsched's own:
   (verified drafts by draft position, 0: the first draft) and
   ``fxsched_spec_acceptance_per_position{mode,position}`` (the kept share, vLLM's per-position acceptance);
 * ``fxsched_step_seconds`` (one scheduler tick, idle waits left out);
+* with ``--enable-lora`` (specs/lora.md §18.7): vLLM's ``vllm:lora_requests_info{max_lora,
+  waiting_lora_adapters, running_lora_adapters}`` (no ``model_name``, as vLLM's), and
+  ``fxsched_lora_adapters_resident``, ``fxsched_lora_loads_total``, ``fxsched_lora_unloads_total``,
+  ``fxsched_lora_requests_total{lora_name}`` (choices submitted with each adapter);
 * ``fxsched_requests_failed_total`` (choices failed by an engine error: vLLM has no such finish
   reason), ``fxsched_requests_rejected_total{status}`` (429, 503), ``fxsched_engine_faults_total``
   (exceptions out of the drive loop; the engine restarted), ``fxsched_unknown_fields_total{endpoint}``
@@ -161,6 +165,10 @@ class ServeMetrics:
                           family(Counter, "vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens."),
                           family(Counter, "vllm:spec_decode_num_accepted_tokens_per_pos",
                                  "Accepted tokens per draft position.", ["position"]))
+        # LoRA adapters (specs/lora.md §18.7): vLLM's info gauge, fxsched's counts; exported with --enable-lora
+        self._lora: Optional[tuple[Any, Any, Any, Any, Any]] = None
+        self._lora_labels: Optional[tuple[str, str, str]] = None
+        self._lora_seen: dict[str, int] = {}
         self.model_name = ""
         self.name_model(model_name)
         self._positions_seen: tuple[list[int], list[int]] = ([], [])
@@ -262,6 +270,42 @@ class ServeMetrics:
                 self.spec_draft_tokens.inc(max(dd, 0))
                 self._spec[3].labels(self.model_name, ENGINE, label).inc(max(da, 0))
             self.acceptance_at.labels(self.spec, label).set(total_a[i] / total_d[i] if total_d[i] else 0.0)
+
+    def lora(self, book: Any) -> None:
+        """The LoRA figures of ``book`` (runtime/serve/lora.py's ``AdapterBook``): vLLM's
+        ``vllm:lora_requests_info`` (one series, labels ``running_lora_adapters``,
+        ``waiting_lora_adapters`` (comma-separated names) and ``max_lora``, value the time it was set,
+        as vLLM's), ``fxsched_lora_adapters_resident``, ``fxsched_lora_loads_total``,
+        ``fxsched_lora_unloads_total`` and ``fxsched_lora_requests_total{lora_name}``."""
+        if self._lora is None:
+            r = self.registry
+            self._lora = (
+                Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                      ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=r),
+                Gauge("fxsched_lora_adapters_resident", "LoRA adapters loaded in the engine's slots", registry=r),
+                Counter("fxsched_lora_loads", "LoRA adapters loaded (at start and by /v1/load_lora_adapter)",
+                        registry=r),
+                Counter("fxsched_lora_unloads", "LoRA adapters unloaded (/v1/unload_lora_adapter)", registry=r),
+                Counter("fxsched_lora_requests", "Choices submitted with a LoRA adapter", ["lora_name"], registry=r))
+        info, resident, loads, unloads, requests = self._lora
+        running, waiting = book.in_use()
+        labels = (str(book.max_loras), ",".join(waiting), ",".join(running))
+        if labels != self._lora_labels:
+            info.clear()
+            self._lora_labels = labels
+        info.labels(*labels).set_to_current_time()
+        resident.set(len(book.adapters()))
+        seen = self._lora_seen
+        total_loads, total_unloads, per_adapter = book.counts()
+        for key, counter, value in (("loads", loads, total_loads), ("unloads", unloads, total_unloads)):
+            if value > seen.get(key, 0):
+                counter.inc(value - seen.get(key, 0))
+                seen[key] = value
+        for name, count in per_adapter.items():
+            key = "requests:" + name
+            if count > seen.get(key, 0):
+                requests.labels(name).inc(count - seen.get(key, 0))
+                seen[key] = count
 
     def reset_speculation(self) -> None:
         self._verifies_seen = self._kept_seen = 0

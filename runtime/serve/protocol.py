@@ -51,7 +51,7 @@ the verify rows (specs/speculation.md §6.16).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal, Mapping, Optional, Union
 
 from fxsched.runtime.serve.request_models import (
@@ -113,13 +113,24 @@ class Plan:
 
 
 def _check_model(model: Optional[str], limits: Limits) -> str:
+    """The model name a response reports: the first served name, or the LoRA adapter the request
+    names (specs/lora.md §18.7)."""
     if model is None:
         return limits.model_names[0]
+    if model in limits.adapters and model not in limits.model_names:
+        return model
     if model not in limits.model_names:
         raise APIError(400, f"model: the model {model!r} does not exist (this server serves "
                             f"{', '.join(repr(m) for m in limits.model_names[:1])})", param="model",
                        code="model_not_found")
     return limits.model_names[0]
+
+
+def _with_adapter(choices: tuple[ChoiceSpec, ...], model: str, limits: Limits) -> tuple[ChoiceSpec, ...]:
+    """The choices run with the LoRA adapter ``model`` when the request names one."""
+    if model in limits.model_names:
+        return choices
+    return tuple(replace(c, adapter=model) for c in choices)
 
 
 def _check_prompt(tokens: list[int], param: str, limits: Limits) -> None:
@@ -170,7 +181,8 @@ def completion_plan(req: CompletionRequest, tokenizer: Any, limits: Limits) -> P
     max_tokens = _max_tokens(req.max_tokens, "max_tokens", longest, 16, limits, low=0 if echo else 1)
     asked = _prompt_logprobs(req.prompt_logprobs)
     width = None if asked is None and not (echo and top is not None) else max(asked or 0, top or 0)
-    choices = _choices(req, prompts, max_tokens, 0 if top is None else max(top, 1), limits, width)
+    choices = _with_adapter(_choices(req, prompts, max_tokens, 0 if top is None else max(top, 1), limits, width),
+                            model, limits)
     stream, usage = _stream_flags(req)
     echoes = None
     if echo:
@@ -241,7 +253,8 @@ def chat_plan(req: ChatCompletionRequest, tokenizer: Any, limits: Limits,
     value = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = _max_tokens(value, name, len(tokens), None, limits)
     asked = _prompt_logprobs(req.prompt_logprobs)
-    choices = _choices(req, [tokens], max_tokens, 0 if top is None else max(top, 1), limits, asked)
+    choices = _with_adapter(_choices(req, [tokens], max_tokens, 0 if top is None else max(top, 1), limits, asked),
+                            model, limits)
     stream, usage = _stream_flags(req)
     echoes = None
     if req.echo:  # vLLM: the last message's content, when the reply continues the assistant's turn

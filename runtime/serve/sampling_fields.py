@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import secrets
 from dataclasses import dataclass, replace
-from typing import Optional, Union
+from typing import Container, Optional, Union
 
 from fxsched.runtime.serve.request_models import _Common, _brief, bad_request
 
@@ -36,6 +36,7 @@ class Limits:
     max_prompt_len: int
     context: int
     speculative: bool
+    adapters: Container[str] = frozenset()  # the LoRA adapters served by name (runtime/serve/lora.py's book)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ class ChoiceSpec:
     logit_bias: tuple[tuple[int, float], ...] = ()
     prompt_logprobs: Optional[int] = None
     grammar: Optional[str] = None  # llguidance grammar the tokens must follow (runtime/serve/structured.py)
+    adapter: Optional[str] = None  # the LoRA adapter the request names (None: the base model)
 
     @property
     def processed(self) -> bool:

@@ -78,6 +78,8 @@ class ServeSettings:
     timeout_keep_alive: int = 5  # seconds, uvicorn's: an idle kept-alive connection is closed after it
     request_read_timeout: float = 30.0  # a request's head, or a pause in its body (runtime/serve/timeouts.py)
     uvicorn_log_level: Optional[str] = None  # uvicorn's loggers (None: warnings and errors)
+    # LoRA adapters served from the start: (name, directory, base_model_name or None) each (specs/lora.md §18.7)
+    lora_modules: tuple[tuple[str, str, Optional[str]], ...] = ()
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -213,8 +215,12 @@ class Serving:
                                   record_meta=record_meta, max_batch_tokens=settings.max_batch_tokens,
                                   late_drafts=wrap_device is None,  # the EP words carry every input
                                   async_scheduling=settings.async_scheduling)
-        self.limits = Limits((settings.model_name, *settings.model_aliases), cfg.vocab_size, max_prompt_len(cfg), context_limit(cfg),
-                             self.engine.speculative)
+        names = (settings.model_name, *settings.model_aliases)
+        self.limits = Limits(names, cfg.vocab_size, max_prompt_len(cfg), context_limit(cfg), self.engine.speculative,
+                             adapters=self.engine.adapters)
+        self.engine.adapters.reserved_names = frozenset(names)
+        for name, path, base in settings.lora_modules:  # AdapterRefused: the CLI's one line
+            self.engine.load_adapter(name, path, base)
         self.state = ServeState(model_root=settings.model_root, log_requests=settings.log_requests)
         policy = Policy(api_key=settings.api_key, metrics_open=settings.metrics_open,
                         allowed_origins=settings.allowed_origins,

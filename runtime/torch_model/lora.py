@@ -20,8 +20,10 @@ adapter, the flat indices of the adapted rows sorted by adapter slot and each sl
 (host-built, sent with the batch's other inputs). Each adapted projection then gathers those rows,
 runs one grouped product for x @ A^T and one for (x A^T) @ B^T over the slots' segments (punica's
 SGMV shrink and expand; `torch._grouped_mm` where it takes the shapes, a product per segment
-otherwise) and adds the result back to its rows. A batch without adapted rows has no `LoraRows`:
-every hook is one `is None` test.
+otherwise) and adds the result back to its rows. On the CPU, where the grouped product is a loop over
+segments, a batch whose slots span few columns takes a dense product instead: every row against the
+span's A at once, masked to each row's own slot, then the span's B (the pool is fp32 there). A batch
+without adapted rows has no `LoraRows`: every hook is one `is None` test.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import functools
 import json
 import math
 import re
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -330,10 +333,15 @@ class LoraPool:
         self.max_rank = max_rank
         self.rank = -(-max_rank // 8) * 8  # the pool's stored rank: bf16 grouped products want 16-byte strides
         self.device = torch.device(device)
-        self.dtype = dtype
+        # on the CPU the pool is fp32: its small products are several times faster there than bf16's
+        # (and exact on AVX2 machines without bf16 arithmetic); the delta is rounded once, when added
+        self.dtype = torch.float32 if self.device.type == "cpu" else dtype
         self.shapes = param_shapes(cfg)
         self.a: dict[str, torch.Tensor] = {}  # canonical projection -> [max_loras, rank, in]
         self.b: dict[str, torch.Tensor] = {}  # canonical projection -> [max_loras, out, rank] (scaled)
+        # the CPU's dense product (§18.2): B^T per slot, [max_loras, rank, out], so that the slots
+        # lo..hi are one [k * rank, out] view
+        self.bt: dict[str, torch.Tensor] = {}
         self.targets: dict[str, set[int]] = {}  # canonical projection -> the slots whose adapter adapts it
         self.ids = [0] * max_loras  # 0: the slot is empty
         self.paths: list[Path | None] = [None] * max_loras
@@ -356,8 +364,13 @@ class LoraPool:
                 self.a[name] = torch.zeros(self.max_loras, self.rank, in_dim, device=self.device, dtype=self.dtype)
                 self.b[name] = torch.zeros(self.max_loras, out_dim, self.rank, device=self.device, dtype=self.dtype)
                 self.targets[name] = set()
+                if self.device.type == "cpu":
+                    self.bt[name] = torch.zeros(self.max_loras, self.rank, out_dim, device=self.device,
+                                                dtype=self.dtype)
             self.a[name][slot, :r].copy_(a)
             self.b[name][slot, :, :r].copy_(b)
+            if name in self.bt:
+                self.bt[name][slot, :r].copy_(b.transpose(0, 1))
             self.targets[name].add(slot)
         self.ids[slot] = self._next_id
         self.paths[slot] = adapter.path
@@ -371,6 +384,8 @@ class LoraPool:
             if slot in slots:
                 self.a[name][slot].zero_()
                 self.b[name][slot].zero_()
+                if name in self.bt:
+                    self.bt[name][slot].zero_()
                 slots.discard(slot)
         self.ids[slot] = 0
         self.paths[slot] = None
@@ -409,6 +424,11 @@ class LoraPool:
         bounds = [0, *ends_host]
         segments = tuple((s, bounds[s], bounds[s + 1]) for s in range(len(ends_host)) if bounds[s + 1] > bounds[s])
         return LoraRows(self, rows, ends.to(torch.int32), present, segments)
+
+
+# the CPU's dense product (LoraRows.add) takes at most this many columns (slots lo..hi x the pool's
+# rank): beyond, the grouped product, whose work does not grow with the slots between the batch's
+DENSE_MAX_COLUMNS = 256
 
 
 @functools.lru_cache(maxsize=None)
@@ -457,6 +477,26 @@ class LoraRows:
     ends: torch.Tensor
     present: frozenset[int]
     segments: tuple[tuple[int, int, int], ...] = ()
+    _masks: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    def _dense_span(self) -> tuple[int, int] | None:
+        """The slots lo..hi of the CPU's dense product, when it applies (see ``add``)."""
+        if self.pool.device.type != "cpu" or not self.present or not self.segments:
+            return None
+        lo, hi = min(self.present), max(self.present)
+        return (lo, hi) if (hi - lo + 1) * self.pool.rank <= DENSE_MAX_COLUMNS else None
+
+    def _mask(self, n: int, lo: int, hi: int) -> torch.Tensor:
+        """[n, (hi - lo + 1) * rank] fp32: 1 where the flat row's adapter slot owns the column."""
+        mask = self._masks.get(n)
+        if mask is None:
+            row_slot = torch.full((n,), -1, dtype=torch.long)
+            for slot, start, end in self.segments:
+                row_slot.index_fill_(0, self.rows[start:end].long(), slot)
+            cols = torch.arange(lo, hi + 1).repeat_interleave(self.pool.rank)
+            mask = (row_slot[:, None] == cols[None, :]).to(self.pool.dtype)
+            self._masks[n] = mask
+        return mask
 
     def add(self, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y (the base projection `name` of x [..., in], [..., out]) plus each adapted row's delta."""
@@ -464,6 +504,14 @@ class LoraRows:
         if not slots or slots.isdisjoint(self.present):
             return y
         a, b = self.pool.a[name], self.pool.b[name]
+        span = self._dense_span()
+        if span is not None:  # the CPU: every row against the slots lo..hi at once, masked to its own
+            lo, hi = span
+            flat = x.reshape(-1, x.shape[-1])
+            h = torch.mm(flat.to(a.dtype), a[lo:hi + 1].reshape(-1, a.shape[-1]).t())
+            h.mul_(self._mask(flat.shape[0], lo, hi))
+            delta = torch.mm(h, self.pool.bt[name][lo:hi + 1].reshape(-1, b.shape[1]))
+            return (y.reshape(-1, y.shape[-1]) + delta.to(y.dtype)).view(y.shape)
         xs = x.reshape(-1, x.shape[-1]).index_select(0, self.rows)
         delta = grouped_lora(xs.to(a.dtype), a, b, self.ends, self.segments or None)
         flat = y.reshape(-1, y.shape[-1]).index_add(0, self.rows, delta.to(y.dtype))
