@@ -81,7 +81,7 @@ def swap_out_reclaimed(state: SchedulerState, waiting: AwaitSwapOutReclaim, even
 
 
 def _room_for_more(state: SchedulerState) -> bool:
-    return len(state.rows) < state.config.max_batch_size
+    return len(state.rows) + len(state.prefilling) < state.config.max_batch_size
 
 
 def no_swap_in_due(state: SchedulerState) -> bool:

@@ -748,6 +748,10 @@ MUTANTS: tuple[Mutant, ...] = (
        "    if not state.config.mixed_adapters:\n        same, other = admission.cohort_split(",
        "    if True:\n        same, other = admission.cohort_split(",
        "with mixed_adapters (production) the admission still defers requests of another adapter cohort"),
+    _m("lifecycle_room_ignores_prefilling", "lifecycle",
+       "    return len(state.rows) + len(state.prefilling) < state.config.max_batch_size\n",
+       "    return len(state.rows) < state.config.max_batch_size\n",
+       "a swap-in or requeue resume counts only the active seats: with prompts prefilling the batch overfills"),
 )
 
 BY_ID = {m.id: m for m in MUTANTS}
