@@ -505,8 +505,8 @@ MUTANTS: tuple[Mutant, ...] = (
        "a partial self-spec accept rolls the SSM state back to one step too early"),
     # --- lifecycle -------------------------------------------------------------------------------
     _m("lifecycle_swap_in_past_batch", "lifecycle",
-       "    return len(state.rows) < state.config.max_batch_size\n",
-       "    return len(state.rows) <= state.config.max_batch_size\n",
+       "    return len(state.rows) + len(state.prefilling) < state.config.max_batch_size\n",
+       "    return len(state.rows) + len(state.prefilling) <= state.config.max_batch_size\n",
        "swap-in and requeue resume fill the batch one past max_batch_size"),
     _m("lifecycle_requeue_exact_fit_refused", "lifecycle",
        "    if want > state.model.total_blocks:\n",
