@@ -385,8 +385,13 @@ def test_speculative_server_samples_for_the_openai_client_streamed_and_not(tok):
                    for e in entries)
         s.idle()
         assert_free(s)
-        # per-position acceptance: position 0 saw every verify's first draft; the kept drafts add up
+        # each final event says how many drafts its choice had accepted, as the metrics count them
         m = s.metrics()
+        finals = list(s.engine.recent)
+        assert all(f.accepted_tokens is not None for f in finals)
+        # (at most: the device counts drafts kept past the budget, a client is told at most n - 1, core/retire.py)
+        assert 0 < sum(f.accepted_tokens or 0 for f in finals) <= m[vkey("spec_decode_num_accepted_tokens_total")]
+        # per-position acceptance: position 0 saw every verify's first draft; the kept drafts add up
         drafted = {k: v for k, v in m.items() if k.startswith("fxsched_spec_drafts_per_position_total")}
         kept = {k: v for k, v in m.items() if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total")}
         assert drafted["fxsched_spec_drafts_per_position_total{mode=mtp,position=0}"] == \
