@@ -348,9 +348,13 @@ def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] 
         return JSONResponse(model_cards(limits.model_names, state.model_root, state.created, limits.context,
                                         spec=engine.spec))
 
-    def _submit(plan: Plan, loop: asyncio.AbstractEventLoop, record: Optional[RequestRecord] = None
+    def _submit(plan: Plan, loop: asyncio.AbstractEventLoop, request_id: str
                 ) -> tuple[list[int], asyncio.Queue[ChoiceEvent]]:
+        """Hand ``plan``'s choices to the engine; with ``log_requests`` its events pass through the
+        record of ``request_id`` (the response's id: specs/serve.md §12.10)."""
         q: asyncio.Queue[ChoiceEvent] = asyncio.Queue()
+        record = RequestRecord(request_id, plan.model, plan.prompt_tokens, len(plan.choices), loop) \
+            if state.log_requests else None
 
         def sink(event: ChoiceEvent) -> None:
             if record is not None:
@@ -398,9 +402,7 @@ def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] 
         screen.check_fits(plan, engine.max_waiting)
         loop = asyncio.get_running_loop()
         fmt = _Formatter(plan, int(time.time()), token_text, tools)
-        record = RequestRecord(fmt.id, plan.model, plan.prompt_tokens, len(plan.choices), loop) \
-            if state.log_requests else None
-        ids, q = _submit(plan, loop, record)
+        ids, q = _submit(plan, loop, fmt.id)
         state.active += 1
         choices = [_Choice() for _ in plan.choices]
         if plan.stream:

@@ -49,7 +49,8 @@ class Served:
     limits: Limits
     state: Any  # app.ServeState: ``draining``, ``active`` (the drain waits for it)
     screen: Screen
-    submit: Callable[[Plan, asyncio.AbstractEventLoop], tuple[list[int], "asyncio.Queue[ChoiceEvent]"]]
+    # (plan, loop, the response's id for the request's log record) -> the choice ids and their events
+    submit: Callable[[Plan, asyncio.AbstractEventLoop, str], tuple[list[int], "asyncio.Queue[ChoiceEvent]"]]
     constrained: Callable[[Any, Plan, Optional[ToolPlan]], Awaitable[Plan]]
     unknown: Callable[[str], Callable[[list[str]], None]]
     event_stream: Callable[[AsyncIterator[str], Callable[[], None]], Response]
