@@ -334,6 +334,10 @@ def test_malformed_json_unknown_fields_and_unknown_routes(server):
     ok = server.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "frobnicate": {"x": 1}})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
     assert httpx.get(server.url + "/v1/nothing").status_code == 404
+    # a method a route does not take: 405 naming the ones it does (RFC 9110's Allow)
+    wrong = httpx.request("TRACE", server.url + "/health")
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "GET"
+    assert httpx.get(server.url + "/v1/completions").headers["allow"] == "POST"
     # the openai client sees a 400 as BadRequestError
     with pytest.raises(openai.BadRequestError):
         server.client().completions.create(model=MODEL, prompt="hi", max_tokens=-1)

@@ -47,12 +47,12 @@ from typing import Any, AsyncIterator, Callable, Optional, Sequence as Seq
 
 import structlog
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fxsched.runtime.serve.engine import ChoiceEvent, Draining, Overloaded, ServeEngine
-from fxsched.runtime.serve.guard import Policy, Screen, install, scrub_paths
+from fxsched.runtime.serve.guard import Policy, Screen, install, openapi_body, scrub_paths
 from fxsched.runtime.serve.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -324,7 +324,10 @@ def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
-        return _error(APIError(err.status_code, f"{request.method} {request.url.path}: {err.detail}", kind))
+        response = _error(APIError(err.status_code, f"{request.method} {request.url.path}: {err.detail}", kind))
+        if err.headers:  # a 405's Allow (RFC 9110 requires it), as Starlette's own answer has it
+            response.headers.update(err.headers)
+        return response
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, err: Exception) -> JSONResponse:
@@ -339,7 +342,7 @@ def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] 
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)  # Prometheus text, so documented
     async def metrics() -> Response:
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -528,12 +531,7 @@ def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] 
 _SCHEMAS = (CompletionRequest, ChatCompletionRequest)
 
 
-def _body(model: type) -> dict[str, Any]:
-    """The route's request body in the OpenAPI document (the body is parsed by ``parse_request``,
-    so FastAPI does not see it from the signature)."""
-    return {"requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}},
-        "responses": {"400": {"description": "A bad field: the OpenAI error body, ``param`` names it"}}}
+_body = openapi_body
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:
