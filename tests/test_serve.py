@@ -334,6 +334,10 @@ def test_malformed_json_unknown_fields_and_unknown_routes(server):
     ok = server.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "frobnicate": {"x": 1}})
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 2
     assert httpx.get(server.url + "/v1/nothing").status_code == 404
+    # a method a route does not take: 405 naming the ones it does (RFC 9110's Allow)
+    wrong = httpx.request("TRACE", server.url + "/health")
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "GET"
+    assert httpx.get(server.url + "/v1/completions").headers["allow"] == "POST"
     # the openai client sees a 400 as BadRequestError
     with pytest.raises(openai.BadRequestError):
         server.client().completions.create(model=MODEL, prompt="hi", max_tokens=-1)
@@ -385,8 +389,13 @@ def test_speculative_server_samples_for_the_openai_client_streamed_and_not(tok):
                    for e in entries)
         s.idle()
         assert_free(s)
-        # per-position acceptance: position 0 saw every verify's first draft; the kept drafts add up
+        # each final event says how many drafts its choice had accepted, as the metrics count them
         m = s.metrics()
+        finals = list(s.engine.recent)
+        assert all(f.accepted_tokens is not None for f in finals)
+        # (at most: the device counts drafts kept past the budget, a client is told at most n - 1, core/retire.py)
+        assert 0 < sum(f.accepted_tokens or 0 for f in finals) <= m[vkey("spec_decode_num_accepted_tokens_total")]
+        # per-position acceptance: position 0 saw every verify's first draft; the kept drafts add up
         drafted = {k: v for k, v in m.items() if k.startswith("fxsched_spec_drafts_per_position_total")}
         kept = {k: v for k, v in m.items() if k.startswith("vllm:spec_decode_num_accepted_tokens_per_pos_total")}
         assert drafted["fxsched_spec_drafts_per_position_total{mode=mtp,position=0}"] == \

@@ -110,6 +110,36 @@ def test_responses_stream_sends_the_events_in_order(server, tok):
     assert_free(server)
 
 
+def test_every_responses_request_writes_its_log_record(server):
+    """specs/serve.md §12.10 on /v1/responses: one ``request_finished`` per response, under its id,
+    streamed or not (the route once submitted without a record, so nothing was logged)."""
+    import time
+
+    structlog = pytest.importorskip("structlog")
+    from fxsched.runtime.logs import configure_logging
+
+    client = server.client()
+    configure_logging(True)  # the records are at INFO (-v, --enable-log-requests)
+    try:
+        with structlog.testing.capture_logs() as logs:
+            whole = client.responses.create(model=MODEL, input="Hello, world", max_output_tokens=6)
+            events = list(client.responses.create(model=MODEL, input="Hello", max_output_tokens=5, stream=True))
+            deadline = time.monotonic() + 10
+            while len([e for e in logs if e["event"] == "request_finished"]) < 2:
+                assert time.monotonic() < deadline, logs
+                time.sleep(0.02)
+    finally:
+        configure_logging(False)
+    records = {e["request_id"]: e for e in logs if e["event"] == "request_finished"}
+    streamed = events[-1].response
+    for answer in (whole, streamed):
+        record = records[answer.id]
+        assert record["model"] == MODEL and record["n"] == 1 and record["finish_reason"] == "length"
+        assert (record["prompt_tokens"], record["output_tokens"]) == (answer.usage.input_tokens,
+                                                                      answer.usage.output_tokens)
+        assert 0 < record["ttft_s"] <= record["latency_s"]
+
+
 def test_responses_function_tools_parse_as_the_chat_path_does(server, tok):
     """A forced call (``tool_choice`` naming the function: a grammar) comes back as a function_call
     item whose arguments satisfy the schema; earlier calls and their outputs are input items that

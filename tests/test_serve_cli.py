@@ -127,7 +127,12 @@ def test_a_vllm_command_line_is_parsed_and_honoured(folder, monkeypatch, capsys)
         while len([e for e in logs if e["event"] == "request_finished"]) < 2:
             assert time.monotonic() < deadline, logs
             time.sleep(0.02)
+        metrics = httpx.get(url + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).text
     records = [e for e in logs if e["event"] == "request_finished"]
+    # n-gram drafts never count into a sequence's acc (core/ngram.py): no accepted_tokens, not a false 0,
+    # although /metrics counts the accepted n-gram drafts (test_serve.py checks the field under MTP)
+    assert any(line.startswith("vllm:spec_decode_num_accepted_tokens_total{") for line in metrics.splitlines())
+    assert all("accepted_tokens" not in r for r in records)
     for record, answer in zip(records, answers, strict=True):
         usage = answer.json()["usage"]
         assert record["request_id"] == answer.json()["id"] and record["model"] == "./tiny"

@@ -354,6 +354,17 @@ def test_openapi_describes_the_routes_and_their_request_models(server):
         fields = doc["components"]["schemas"][model]["properties"]
         assert {"echo", "logit_bias", "ignore_eos", "min_tokens", "stop_token_ids", "prompt_logprobs"} <= set(fields)
     assert {"/health", "/metrics", "/v1/models"} <= set(doc["paths"])
+    # every status a JSON route can answer is documented (schemathesis --checks all reads them), and
+    # /metrics is Prometheus text, not JSON
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize",
+                 "/v1/embeddings"):
+        answers = doc["paths"][path]["post"]["responses"]
+        assert {"401", "404", "413", "415", "503"} <= set(answers), (path, sorted(answers))
+        seen = {str(server.post(path, content=b"{}").status_code),
+                str(server.post(path, json={"model": "nobody"}).status_code)}
+        assert seen <= set(answers), (path, seen)
+    assert set(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    assert httpx.get(server.url + "/metrics").headers["content-type"].startswith("text/plain")
 
 
 # --- a bounded schemathesis run against /openapi.json -----------------------------------------------

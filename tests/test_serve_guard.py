@@ -115,6 +115,15 @@ def test_host_origin_and_content_type(keyed):
     ok = httpx.post(url, content=body, headers=auth(**{"content-type": "application/json; charset=utf-8"}),
                     timeout=30)
     assert ok.status_code == 200
+    # a method or path no route takes: the app's 405 (with Allow) or 404, whatever the body's type or size
+    # (schemathesis: a PUT /health once got the 415, an undeclared method must get 405)
+    for method, path, kind in (("PUT", "/health", None), ("PATCH", "/v1/completions", "text/plain"),
+                               ("PUT", "/v1/models", "application/json")):
+        headers = auth(**({"content-type": kind} if kind else {}))
+        wrong = httpx.request(method, keyed.url + path, content=b"x" if kind else None, headers=headers, timeout=10)
+        assert wrong.status_code == 405, (method, path, wrong.text)
+        assert wrong.headers["allow"] == ("POST" if path == "/v1/completions" else "GET")
+    assert error(httpx.post(keyed.url + "/v1/nothing", content=b"x", headers=auth(), timeout=10), 404)
     # cross-origin: refused unless allowed; the allowed origin gets CORS headers and its preflight answered
     other = httpx.post(url, content=body, headers=auth(**{"content-type": "application/json",
                                                           "origin": "http://evil.example"}), timeout=10)

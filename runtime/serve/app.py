@@ -51,12 +51,12 @@ from typing import Any, AsyncIterator, Callable, Optional, Sequence as Seq
 
 import structlog
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fxsched.runtime.serve.engine import ChoiceEvent, Draining, Overloaded, ServeEngine
-from fxsched.runtime.serve.guard import Policy, Screen, install, scrub_paths
+from fxsched.runtime.serve.guard import Policy, Screen, install, openapi_body, scrub_paths
 from fxsched.runtime.serve.protocol import (
     APIError,
     ChatCompletionRequest,
@@ -329,7 +329,10 @@ def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException) -> JSONResponse:
         kind = "not_found_error" if err.status_code == 404 else "invalid_request_error"
-        return _error(APIError(err.status_code, f"{request.method} {request.url.path}: {err.detail}", kind))
+        response = _error(APIError(err.status_code, f"{request.method} {request.url.path}: {err.detail}", kind))
+        if err.headers:  # a 405's Allow (RFC 9110 requires it), as Starlette's own answer has it
+            response.headers.update(err.headers)
+        return response
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, err: Exception) -> JSONResponse:
@@ -344,7 +347,7 @@ def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] 
             return JSONResponse({"status": "engine stopped"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)  # Prometheus text, so documented
     async def metrics() -> Response:
         return Response(generate_latest(engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -353,9 +356,13 @@ def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] 
         return JSONResponse(model_cards(limits.model_names, state.model_root, state.created, limits.context,
                                         engine.adapters.adapters(), spec=engine.spec))
 
-    def _submit(plan: Plan, loop: asyncio.AbstractEventLoop, record: Optional[RequestRecord] = None
+    def _submit(plan: Plan, loop: asyncio.AbstractEventLoop, request_id: str
                 ) -> tuple[list[int], asyncio.Queue[ChoiceEvent]]:
+        """Hand ``plan``'s choices to the engine; with ``log_requests`` its events pass through the
+        record of ``request_id`` (the response's id: specs/serve.md §12.10)."""
         q: asyncio.Queue[ChoiceEvent] = asyncio.Queue()
+        record = RequestRecord(request_id, plan.model, plan.prompt_tokens, len(plan.choices), loop) \
+            if state.log_requests else None
 
         def sink(event: ChoiceEvent) -> None:
             if record is not None:
@@ -405,9 +412,7 @@ def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] 
         screen.check_fits(plan, engine.max_waiting)
         loop = asyncio.get_running_loop()
         fmt = _Formatter(plan, int(time.time()), token_text, tools)
-        record = RequestRecord(fmt.id, plan.model, plan.prompt_tokens, len(plan.choices), loop) \
-            if state.log_requests else None
-        ids, q = _submit(plan, loop, record)
+        ids, q = _submit(plan, loop, fmt.id)
         state.active += 1
         choices = [_Choice() for _ in plan.choices]
         if plan.stream:
@@ -536,12 +541,7 @@ def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] 
 _SCHEMAS = (CompletionRequest, ChatCompletionRequest)
 
 
-def _body(model: type) -> dict[str, Any]:
-    """The route's request body in the OpenAPI document (the body is parsed by ``parse_request``,
-    so FastAPI does not see it from the signature)."""
-    return {"requestBody": {"required": True, "content": {"application/json": {
-        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}},
-        "responses": {"400": {"description": "A bad field: the OpenAI error body, ``param`` names it"}}}
+_body = openapi_body
 
 
 def _openapi(app: FastAPI) -> dict[str, Any]:

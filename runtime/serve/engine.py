@@ -122,6 +122,7 @@ class ChoiceEvent:
     cached_tokens: int = 0
     prompt_logprobs: Optional[tuple[Optional[dict[str, Any]], ...]] = None  # the first event, when asked
     stop_reason: Union[str, int, None] = None  # the stop string or stop token id that ended the choice
+    accepted_tokens: Optional[int] = None  # final event, with speculation: drafted tokens the target accepted
 
     @property
     def final(self) -> bool:
@@ -160,6 +161,7 @@ class FinalRecord:
     completion_tokens: int
     cancelled: bool
     error: Optional[str] = None
+    accepted_tokens: Optional[int] = None  # with speculation: drafted tokens the target accepted
 
 
 @dataclass(frozen=True)
@@ -392,7 +394,8 @@ class ServeHost(GenerateHost):
         stop_reason: Union[str, int, None] = self.stop_tokens.get(choice.id, result.stop or None)
         self._forget(choice.id)
         event = ChoiceEvent(choice.index, text, tokens, self._records(choice, result, before), reason, result.error,
-                            len(result.tokens), cached, stop_reason=stop_reason)
+                            len(result.tokens), cached, stop_reason=stop_reason,
+                            accepted_tokens=result.acc if self.owner.counts_accepted else None)
         self.owner._finished(choice, event, len(result.tokens))
         choice.deliver(event)
 
@@ -452,6 +455,9 @@ class ServeEngine:
         self.tokenizer = tokenizer
         self.spec = spec
         self.speculative = spec != SPECS[0]
+        # the modes whose verifies count into a sequence's ``acc`` (n-gram steps never do, core/ngram.py):
+        # their final events carry ``accepted_tokens``
+        self.counts_accepted = spec in ("mtp", "dflash")
         self.max_batch = max_batch if max_batch is not None else cfg.max_slots
         eos = tuple(eos_ids) if eos_ids is not None else (tokenizer.eos_ids or None)
         self.config, self.model_info, self.proposer = scheduler_setup(cfg, spec, self.max_batch, eos)
@@ -808,7 +814,7 @@ class ServeEngine:
             m.finished(event.finish_reason or "", time.perf_counter() - choice.submitted, scheduled - choice.submitted,
                        first - scheduled, last - first, last - scheduled)
         self.recent.append(FinalRecord(choice.id, event.finish_reason or "", completion_tokens, choice.cancelled,
-                                       event.error))
+                                       event.error, event.accepted_tokens))
         if event.error is None:
             self._served += 1
         if choice.spec.adapter is not None:

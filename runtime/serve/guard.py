@@ -10,8 +10,9 @@ Two ASGI layers wrap the app (``install``):
 * ``RequestGuard``: every route but ``/health`` (and ``/metrics`` with ``metrics_open``) needs
   ``Authorization: Bearer KEY`` when a key is set (401 otherwise; the keys are compared in
   constant time); a request that carries an ``Origin`` not in ``allowed_origins`` gets 403;
-  a POST/PUT/PATCH must say ``Content-Type: application/json`` (415 otherwise: a browser sends
-  ``text/plain`` or a form without asking first, never JSON); a body over ``max_request_bytes`` gets
+  a POST/PUT/PATCH to a route that takes it must say ``Content-Type: application/json`` (415
+  otherwise: a browser sends ``text/plain`` or a form without asking first, never JSON; a method or
+  path no route takes gets the app's 405 or 404, its body unread); a body over ``max_request_bytes`` gets
   413, from its ``Content-Length`` before a byte is read, or while it streams in (chunked): the
   server never holds more than the limit of one body.
 
@@ -64,6 +65,28 @@ _LOOPBACK_NAMES = ("localhost", "localhost.", "ip6-localhost", "ip6-loopback")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 T = TypeVar("T")
+
+
+# what the front door (specs/serve-security.md §14.1) and the engine answer a
+# JSON route besides its 200, each with the OpenAI error body: documented so that a client or a
+# schema-driven fuzzer (schemathesis) finds every status the route can give in /openapi.json
+REFUSALS: dict[int | str, dict[str, Any]] = {
+    "401": {"description": "--api-key is set and the request lacks its bearer token"},
+    "403": {"description": "a browser origin not in --allowed-origins"},
+    "404": {"description": "`model` names no served model (vLLM's NotFoundError), or the route is not served"},
+    "413": {"description": "the body is larger than --max-request-bytes"},
+    "415": {"description": "the body is not sent as application/json"},
+    "429": {"description": "the waiting queue is full (--max-waiting)"},
+    "503": {"description": "the server is draining or its engine stopped"},
+}
+
+
+def openapi_body(model: type) -> dict[str, Any]:
+    """A JSON route's ``openapi_extra``: its request body (the body is parsed by the route, so
+    FastAPI does not see it from the signature), its 400 and the refusals above."""
+    return {"requestBody": {"required": True, "content": {"application/json": {
+        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}},
+        "responses": {"400": {"description": "A bad field: the OpenAI error body, ``param`` names it"}, **REFUSALS}}
 
 
 @dataclass(frozen=True)
@@ -126,9 +149,10 @@ class HostGuard:
 class RequestGuard:
     """API key, Origin, Content-Type and body size (see the module docstring)."""
 
-    def __init__(self, app: Any, policy: Policy):
+    def __init__(self, app: Any, policy: Policy, router: Any = None):
         self.app = app
         self.policy = policy
+        self.router = router  # the app's router: a body is checked only for a route that takes it
         self._key = hashlib.sha256(policy.api_key.encode()).digest() if policy.api_key else None
         self._open = OPEN_PATHS + (("/metrics",) if policy.metrics_open else ())
 
@@ -143,8 +167,9 @@ class RequestGuard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = Headers(scope=scope)
-        refusal = self._check(scope, headers)
-        if refusal is None and scope["method"] in BODY_METHODS:
+        takes_body = scope["method"] in BODY_METHODS and self._routed(scope)
+        refusal = self._check(scope, headers, takes_body)
+        if refusal is None and takes_body:
             body, refusal = await self._read(receive, headers)
             if body is not None:
                 return await self.app(scope, _replay(body, receive), send)
@@ -154,7 +179,16 @@ class RequestGuard:
             return await refusal(scope, receive, send)
         await self.app(scope, receive, send)
 
-    def _check(self, scope, headers: Headers) -> Optional[JSONResponse]:
+    def _routed(self, scope) -> bool:
+        """Whether a route takes this method at this path; else the app answers its 404 or 405
+        (with ``Allow``) without the body being read or its type judged."""
+        if self.router is None:
+            return True
+        from starlette.routing import Match
+
+        return any(route.matches(scope)[0] == Match.FULL for route in self.router.routes)
+
+    def _check(self, scope, headers: Headers, takes_body: bool) -> Optional[JSONResponse]:
         if scope["path"] not in self._open and not self.authorized(headers):
             return _refusal(401, "a valid API key is needed: send the header 'Authorization: Bearer KEY'",
                             "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
@@ -162,7 +196,7 @@ class RequestGuard:
         if origin is not None and origin not in self.policy.allowed_origins and "*" not in self.policy.allowed_origins:
             return _refusal(403, f"Origin {origin[:100]!r}: cross-origin requests are refused (start the server "
                                  f"with --allowed-origins to let a web page call it)", "origin_not_allowed")
-        if scope["method"] in BODY_METHODS:
+        if takes_body:
             kind = headers.get("content-type", "").split(";", 1)[0].strip().lower()
             if kind != "application/json":
                 shown = f"Content-Type {kind!r}" if kind else "no Content-Type"
@@ -214,7 +248,7 @@ def install(app: Any, policy: Policy) -> None:
     """Wrap a Starlette/FastAPI ``app`` in the layers of the module docstring."""
     from starlette.middleware.cors import CORSMiddleware
 
-    app.add_middleware(RequestGuard, policy=policy)  # innermost: added first
+    app.add_middleware(RequestGuard, policy=policy, router=app.router)  # innermost: added first
     if policy.allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(policy.allowed_origins),
                            allow_methods=["GET", "POST"], allow_headers=["authorization", "content-type"])

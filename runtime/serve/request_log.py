@@ -9,8 +9,9 @@ event. When the last choice has its final event, the record is written once, fro
 choices), ``cached_tokens`` (prefix-cache hits, as the usage reports them), ``ttft_s`` (submit to
 the first token, any choice; null when none came), ``latency_s`` (submit to the last final event),
 ``finish_reason`` (of each choice, comma-separated when they differ), ``n`` (choices) and, with
-speculation, ``accepted_tokens`` (drafted tokens the target accepted, all choices) where the engine
-reports them on a final event. A failed choice adds ``error``.
+MTP or DFlash speculation, ``accepted_tokens`` (drafted tokens the target accepted, all choices), which
+the engine reports on a final event (``ChoiceEvent.accepted_tokens``; n-gram drafts never count into a
+sequence's ``acc``, core/ngram.py, so under n-gram the field is absent). A failed choice adds ``error``.
 
 The record is at INFO: shown with ``-v`` or ``--enable-log-requests``, never with
 ``--disable-log-requests``; ``--log-format json`` renders it as one JSON object per line.

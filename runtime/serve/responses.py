@@ -385,9 +385,9 @@ def register(app: FastAPI, served: "Served", body: Callable[[type[BaseModel]], d
         req, chat, plan, tools = await screen.plan(await request.body(), False, build)
         plan = await served.constrained(chat, plan, tools)
         screen.check_fits(plan, engine.max_waiting)
-        ids, q = served.submit(plan, asyncio.get_running_loop())
-        state.active += 1
         answer = _Answer(req, plan, tools)
+        ids, q = served.submit(plan, asyncio.get_running_loop(), answer.id)
+        state.active += 1
         if req.stream:
             def closed() -> None:
                 if answer.reason is None:

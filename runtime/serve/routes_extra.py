@@ -25,7 +25,7 @@ from fastapi.responses import HTMLResponse, JSONResponse, Response
 from pydantic import BaseModel
 
 from fxsched.runtime.serve.engine import ChoiceEvent, ServeEngine
-from fxsched.runtime.serve.guard import Screen
+from fxsched.runtime.serve.guard import REFUSALS, Screen, openapi_body
 from fxsched.runtime.serve.protocol import ChatCompletionRequest, Limits, Plan, _check_model, chat_messages
 from fxsched.runtime.serve.request_models import (
     APIError,
@@ -49,7 +49,8 @@ class Served:
     limits: Limits
     state: Any  # app.ServeState: ``draining``, ``active`` (the drain waits for it)
     screen: Screen
-    submit: Callable[[Plan, asyncio.AbstractEventLoop], tuple[list[int], "asyncio.Queue[ChoiceEvent]"]]
+    # (plan, loop, the response's id for the request's log record) -> the choice ids and their events
+    submit: Callable[[Plan, asyncio.AbstractEventLoop, str], tuple[list[int], "asyncio.Queue[ChoiceEvent]"]]
     constrained: Callable[[Any, Plan, Optional[ToolPlan]], Awaitable[Plan]]
     unknown: Callable[[str], Callable[[list[str]], None]]
     event_stream: Callable[[AsyncIterator[str], Callable[[], None]], Response]
@@ -145,10 +146,7 @@ def register(app: FastAPI, served: Served) -> None:
     engine, limits, screen = served.engine, served.limits, served.screen
     engine.metrics.name_model(limits.model_names[0])
 
-    def _body(model: type[BaseModel]) -> dict[str, Any]:
-        return {"requestBody": {"required": True, "content": {"application/json": {
-            "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}},
-            "responses": {"400": {"description": "A bad field: the OpenAI error body, ``param`` names it"}}}
+    _body = openapi_body
 
     @app.post("/tokenize", openapi_extra=_body(TokenizeRequest))
     async def tokenize_route(request: Request) -> JSONResponse:
@@ -172,7 +170,7 @@ def register(app: FastAPI, served: Served) -> None:
     async def docs() -> HTMLResponse:
         return get_swagger_ui_html(openapi_url=app.openapi_url or "/openapi.json", title=f"{app.title} - Swagger UI")
 
-    @app.post("/v1/embeddings")
+    @app.post("/v1/embeddings", responses={**REFUSALS, "404": {"description": "embeddings are not served"}})
     async def embeddings(request: Request) -> JSONResponse:
         raise APIError(404, f"/v1/embeddings is not served: {limits.model_names[0]!r} is served as a generative "
                             "model (vLLM, too, serves embeddings of a decoder model only with --runner pooling). "
