@@ -10,15 +10,13 @@ the tiny tokenizer, served as ``./tiny`` from its parent folder, as ``vllm serve
 
 from __future__ import annotations
 
-import contextlib
 import json
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -29,11 +27,11 @@ httpx = pytest.importorskip("httpx")
 structlog = pytest.importorskip("structlog")
 
 from support.hf_tiny import build  # noqa: E402
+from support.serving import running  # noqa: E402
 from support.tiny_tokenizer import write_tiny_tokenizer  # noqa: E402
 
 from fxsched.runtime.cli.app import build_parser, main  # noqa: E402
 from fxsched.runtime.cli.generate import UsageError  # noqa: E402
-from fxsched.runtime.cli.serve import open_serving  # noqa: E402
 from fxsched.runtime.cli.serve_args import ACTIVATION_RESERVE, kv_budget_from_utilization  # noqa: E402
 from fxsched.runtime.logs import configure_logging  # noqa: E402
 from fxsched.runtime.serve.request_log import RequestRecord  # noqa: E402
@@ -61,23 +59,6 @@ def folder(tmp_path_factory) -> Path:
     return root
 
 
-@contextlib.contextmanager
-def running(argv: list[str]) -> Iterator[Any]:
-    """The server of ``fxsched <argv>`` (parsed as the command parses it), running on a thread."""
-    args = build_parser().parse_args(argv)
-    try:
-        with open_serving(args, on_started=lambda serving: None) as serving:
-            thread = threading.Thread(target=serving.run, daemon=True)
-            thread.start()
-            try:
-                assert serving.wait_started(60), "the server did not start"
-                yield serving
-            finally:
-                serving.stop()
-                thread.join(30)
-                assert not thread.is_alive()
-    finally:
-        configure_logging(False, fmt="text")
 
 
 def completion(url: str, key: str | None = KEY, **body: Any) -> Any:

@@ -12,13 +12,11 @@ the PEFT model each was saved from, run greedily without cache (as tests/test_lo
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import json
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -31,12 +29,12 @@ peft = pytest.importorskip("peft")
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from support.hf_tiny import build  # noqa: E402
+from support.serving import running  # noqa: E402
 from support.tiny_tokenizer import write_tiny_tokenizer  # noqa: E402
 
 from fxsched.runtime.cli.app import build_parser, main  # noqa: E402
 from fxsched.runtime.cli.generate import UsageError  # noqa: E402
 from fxsched.runtime.cli.serve import open_serving  # noqa: E402
-from fxsched.runtime.logs import configure_logging  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -89,22 +87,6 @@ def reference(setup: Setup, name: str | None, prompt: list[int], eos: tuple[int,
     return tokens[len(prompt):]
 
 
-@contextlib.contextmanager
-def running(argv: list[str]) -> Iterator[Any]:
-    args = build_parser().parse_args(argv)
-    try:
-        with open_serving(args, on_started=lambda serving: None) as serving:
-            thread = threading.Thread(target=serving.run, daemon=True)
-            thread.start()
-            try:
-                assert serving.wait_started(60), "the server did not start"
-                yield serving
-            finally:
-                serving.stop()
-                thread.join(30)
-                assert not thread.is_alive()
-    finally:
-        configure_logging(False, fmt="text")
 
 
 def serve_argv(setup: Setup, *extra: str) -> list[str]:
