@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any, Callable
+
 
 class TorchModelError(Exception):
     """Base class of every error raised by fxsched.runtime.torch_model."""
@@ -64,3 +68,17 @@ class AdapterError(TorchModelError, ValueError):
         self.path = str(path)
         self.problem = " ".join(str(problem).split())
         super().__init__(f"{self.path}: {self.problem}")
+
+
+def read_json_object(path: Path, error: Callable[[object, str], Exception]) -> dict[str, Any]:
+    """The JSON object in file ``path``; a file that is not valid JSON, unreadable or not an object
+    raises ``error(path, problem)`` (one line naming the file: ``ModelDirError``, ``AdapterError``)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise error(path, f"not valid JSON ({err.msg} at line {err.lineno} column {err.colno})") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise error(path, f"unreadable ({err.__class__.__name__}: {err})") from None
+    if not isinstance(data, dict):
+        raise error(path, f"expected a JSON object, got {type(data).__name__}")
+    return data

@@ -62,7 +62,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .config import DTYPES, ModelConfig
-from .errors import ConfigError, ModelDirError
+from .errors import ConfigError, ModelDirError, read_json_object
 from .moe import ExpertShard, expert_bounds, moe_prefixes
 from .weights import Weights, check_weights, param_dtype, param_shapes, torch_dtype
 from .st_read import read_whole
@@ -220,15 +220,7 @@ def _read_json(path: Path, required: bool) -> dict[str, Any] | None:
         if required:
             raise ModelDirError(path, "missing (a checkpoint directory needs config.json)")
         return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise ModelDirError(path, f"not valid JSON ({err.msg} at line {err.lineno} column {err.colno})") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ModelDirError(path, f"unreadable ({err.__class__.__name__}: {err})") from None
-    if not isinstance(data, dict):
-        raise ModelDirError(path, f"expected a JSON object, got {type(data).__name__}")
-    return data
+    return read_json_object(path, ModelDirError)
 
 
 def _text_config(raw: dict[str, Any], path: Path) -> dict[str, Any]:

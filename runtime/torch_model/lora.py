@@ -29,7 +29,6 @@ without adapted rows has no `LoraRows`: every hook is one `is None` test.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import re
 import dataclasses
@@ -41,7 +40,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .config import ModelConfig
-from .errors import AdapterError
+from .errors import AdapterError, read_json_object
 from .ops import linear
 from .weights import param_shapes
 
@@ -182,14 +181,7 @@ def _read_config(path: Path, max_rank: int) -> tuple[dict[str, Any], int, float]
     """(config, rank, scale) of adapter_config.json, every refused field checked."""
     if not path.is_file():
         raise AdapterError(path, f"missing (a PEFT adapter directory needs {CONFIG_FILE} and {WEIGHTS_FILE})")
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise AdapterError(path, f"not valid JSON ({err.msg} at line {err.lineno} column {err.colno})") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise AdapterError(path, f"unreadable ({err.__class__.__name__}: {err})") from None
-    if not isinstance(raw, dict):
-        raise AdapterError(path, f"expected a JSON object, got {type(raw).__name__}")
+    raw = read_json_object(path, AdapterError)
     peft_type = raw.get("peft_type", "LORA")
     if peft_type != "LORA":
         raise AdapterError(path, f"peft_type {peft_type!r} is not supported (only 'LORA')")
