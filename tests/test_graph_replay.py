@@ -100,3 +100,24 @@ def test_replayed_forwards_equal_the_eager_forward(checkpoints, family):
         _decode(recorded, eager, [1, 3], [20, 21], steps=1)
     assert recorder.replays == recorded.graphs.stats.static and recorder.replays >= 10
     assert recorded.graphs.stats.eager == len(PROMPTS)  # the prefills
+
+
+@pytest.mark.usefixtures("cuda_decode_path", "one_torch_thread")
+def test_replays_stay_finite_over_a_garbage_state_pool(checkpoints):
+    """The GDN state pool is allocated, not zeroed: garbage there (NaN here, as uninitialised memory
+    may hold) must not reach a real row through the padding entries' scratch-block K/V."""
+    recorder = TraceReplayRecorder()
+    pair = []
+    for recorded in (True, False):
+        engine = HybridEngine.from_pretrained(checkpoints["hybrid"], max_seq_len=64, max_slots=4, block_size=4)
+        for state in (*engine.gdn.recurrent, *engine.gdn.conv):
+            state.fill_(float("nan"))
+        if recorded:
+            assert engine.use_graphs(capture=True, recorder=recorder) is not None
+        for slot, prompt in enumerate(PROMPTS[:3]):
+            engine.alloc(slot)
+            engine.prefill(slot, prompt)
+        pair.append(engine)
+    got, want = pair[0].decode_batch([0, 1, 2], [30, 31, 32]), pair[1].decode_batch([0, 1, 2], [30, 31, 32])
+    assert bool(torch.isfinite(got).all()) and bool(torch.isfinite(want).all())
+    torch.testing.assert_close(got, want, atol=TOL, rtol=TOL)

@@ -151,6 +151,9 @@ class HybridEngine(DecodePath):
         block) takes; with ``capture`` each is recorded now, by ``recorder`` (default: captured as a
         CUDA graph). A capture that fails leaves every forward eager, with a warning."""
         rows = {1, 2, 3, 4} | ({self.cfg.dflash_gamma + 1} if self.dflash is not None else set())
+        if self._slots[0] is None:  # the padding entries read GDN slot 0: finite before any sequence sits
+            self.gdn.reset(0)  # there, or padding rows write NaN into the scratch block and real rows,
+            # which read it at weight 0, get 0 x NaN (graphs.py)
         try:
             if capture and recorder is None:
                 recorder = CudaGraphRecorder(self.device)

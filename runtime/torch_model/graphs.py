@@ -7,6 +7,9 @@ device. The b sequences' tokens, positions, KV write rows, block tables and GDN 
 first b entries. The other B - b entries are padding: their block tables name only the engine's
 scratch block, their KV rows are written there, they read GDN slot 0's state (never written: off
 the CPU a forward returns the GDN states and a commit writes them), and their outputs are dropped.
+Slot 0's state must be finite even before a sequence sits there (the pool is not zeroed; the engine
+zeroes slot 0 before it records): a padding row computed from garbage writes NaN K/V into the
+scratch block, which the real rows' attention reads past their length at weight 0, and 0 x NaN is NaN.
 On CUDA the forward over those inputs is captured once as a graph and each later forward of that
 shape replays it. The outputs are copied out of the graph's buffers before they are returned,
 because a verify's rows stay pending across other forwards until their commit, and every graph
