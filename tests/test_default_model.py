@@ -1,46 +1,56 @@
-"""The embedded default model (specs/models/default/, built by runtime/torch_model/default_model.py).
+"""The embedded default model (specs/models/default/, trained by runtime/torch_model/training/).
 
 References: transformers' own Qwen3_5ForCausalLM on the shipped directory (logits of one uncached
-forward; 32 greedy tokens of ``generate``), with its pure-torch GDN functions (fla's Triton kernels
-cannot run on a CPU); for the distillation forward, hf_drafters.PublishedMtp (the K/V-cached MTP
-the engine drafts with) on the same weights. Rebuilding with distillation takes minutes, so the
-build is checked without it: every file but the MTP tensors must equal the shipped ones byte for
-byte (tokenizer, configs) or bit for bit (target tensors), and two such builds must be identical.
+forward; greedy tokens of ``generate``), with its pure-torch GDN functions (fla's Triton kernels
+cannot run on a CPU). The training itself takes most of an hour, so it is not rerun here: its
+forwards are checked against the engine in tests/test_training.py, and its pipeline end to end in
+a few steps (``train --quick``) where this machine can fetch the corpus. What the shipped weights
+must show (specs/default-model.md §19.6): English text, a held-out perplexity far below chance,
+and the acceptance the issue asks of MTP and DFlash.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import re
 from typing import Any, Iterator
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from support.hf_tiny import transformers_torch_gdn
 from support.toy_model import run_fxsched
 
 from fxsched.runtime.generate import generate
 from fxsched.runtime.text import load_tokenizer
 from fxsched.runtime.torch_model import HybridEngine, load_pretrained
-from fxsched.runtime.torch_model.default_model import (ADDED_TOKENS, EVAL_PROMPTS, FILES, REPETITIVE_PROMPTS,
-                                                       TokenIds,
-                                                       build_default_model, build_tokenizer, chain_data, corpus_text,
-                                                       default_model_dir, main, model_config, mtp_chain_logits,
-                                                       target_weights)
+from fxsched.runtime.torch_model.default_model import (ADDED_TOKENS, DRAFTER_FILES, EVAL_PROMPTS, FILES,
+                                                       REPETITIVE_PROMPTS, TokenIds, default_drafter_dir,
+                                                       default_model_dir, main, model_config)
 from fxsched.runtime.torch_model.hf_checkpoint import hf_tensors, save_pretrained_dir
-from fxsched.runtime.torch_model.hf_drafters import PublishedMtp
+from fxsched.runtime.torch_model.training.evaluate import window_loss
+from fxsched.runtime.torch_model.weights import init_weights
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 SHIPPED = default_model_dir()
 PROMPT = "The lighthouse keeper climbed the stairs"
 MAX_TOKENS = 32
-MAX_BYTES = 2_100_000  # the shipped directory stays small (about 2 MB)
-# Mean accepted length of --spec mtp over EVAL_PROMPTS x 64 tokens, batch 1, measured on the shipped
-# model: 2.85 (up to 4 with three drafts); the MTP at its seeded init, before distillation, accepts
-# nothing: 1.00. The figure is deterministic; the margin allows a refreshed build to differ a little.
-MTP_MIN_MEAN_ACCEPTED = 2.5
+MAX_MODEL_BYTES = 20_000_000  # the issue's ~20 MB for the model; the drafter is beside it
+MAX_DRAFTER_BYTES = 8_000_000
+# The bars of the issue (specs/default-model.md §19.6 gives the measured figures): greedy, batch 1,
+# EVAL_PROMPTS x 64 tokens.
+MTP_MIN_MEAN_ACCEPTED = 2.0
+DFLASH_MIN_MEAN_ACCEPTED = 2.5
+# Held-out prose (from the end of Persuasion, public domain, outside the training split), read from
+# a fresh state: chance over 3072 ids is perplexity 3072, and the untrained model of this shape is
+# about there; the shipped model reads it at about 92 (the whole held-out text, in 256-token windows,
+# at 47.6, where the bigram baseline is at 90).
+HELD_OUT = ("Who can be in doubt of what followed? When any two young people take it into their heads to "
+            "marry, they are pretty sure by perseverance to carry their point, be they ever so poor, or ever "
+            "so imprudent, or ever so little likely to be necessary to each other's ultimate comfort.")
+MAX_HELD_OUT_PERPLEXITY = 150.0
 
 
 @pytest.fixture(scope="module")
@@ -57,21 +67,26 @@ def ids() -> TokenIds:
     return TokenIds(*[tok.encode(t)[0] for t in ADDED_TOKENS])
 
 
-def test_shipped_dir_is_complete_small_and_loads_as_its_config(ids):
-    sizes = {name: (SHIPPED / name).stat().st_size for name in FILES}
-    assert sum(sizes.values()) <= MAX_BYTES, sizes
-    cfg, weights = load_pretrained(SHIPPED, max_seq_len=256)
+def _fxsched(*argv: str) -> int:
+    return run_fxsched(*argv, toy=False)
+
+
+def test_shipped_dirs_are_complete_small_and_load_as_their_config(ids):
+    model_bytes = sum((SHIPPED / name).stat().st_size for name in FILES)
+    drafter_bytes = sum((default_drafter_dir() / name).stat().st_size for name in DRAFTER_FILES)
+    assert model_bytes <= MAX_MODEL_BYTES and drafter_bytes <= MAX_DRAFTER_BYTES, (model_bytes, drafter_bytes)
+    cfg, _ = load_pretrained(SHIPPED, max_seq_len=256)
     want = model_config(ids, max_seq_len=256)
     differ = [f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(want, f.name)]
     assert differ == ["seed"]  # the loader does not know the build's seed
-    assert cfg.architecture == "Qwen3_5ForCausalLM" and cfg.mtp_layers == 1
-    assert cfg.layer_pattern == ("gdn", "gdn", "gdn", "attn") * 2
+    assert cfg.architecture == "Qwen3_5ForCausalLM" and cfg.mtp_layers == 1 and cfg.tie_word_embeddings
     tok = load_tokenizer(SHIPPED)
     assert tok is not None and set(tok.eos_ids) == {ids.im_end, ids.endoftext}
     assert tok.decode(tok.encode("héllo, wörld 🙂")) == "héllo, wörld 🙂"  # byte-level: any text encodes
     assert "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n" in tok.apply_chat_template(
         [{"role": "user", "content": "hi"}], add_generation_prompt=True)
-    assert float(weights["lm_head"][list(ids.all)].abs().max()) == 0.0  # the random model never emits them
+    report = json.loads((SHIPPED / "training_report.json").read_text())
+    assert report["seconds"]["total"] < 60 * 60  # the issue's budget, on the machine that built it
 
 
 def test_logits_equal_transformers(hf_model):
@@ -84,16 +99,14 @@ def test_logits_equal_transformers(hf_model):
     engine.alloc(0)
     engine.prefill(0, tokens)
     got = engine.model.lm_head(engine.hidden_history[0, :len(tokens)])
-    assert (got - want).abs().max().item() < 1e-4
+    assert (got - want).abs().max().item() < 1e-3
     assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
-def _fxsched(*argv: str) -> int:
-    return run_fxsched(*argv, toy=False)
-
-
-@pytest.mark.parametrize("spec", ["none", "mtp"])
+@pytest.mark.parametrize("spec", ["none", "mtp", "dflash"])
 def test_cli_default_model_tokens_equal_transformers_greedy(hf_model, capsys, spec):
+    """The README's main job: greedy tokens equal transformers' whatever drafts (dflash: the shipped
+    drafter, taken with no --draft-model)."""
     tok = load_tokenizer(SHIPPED)
     assert tok is not None
     tokens = tok.encode(PROMPT)
@@ -103,89 +116,49 @@ def test_cli_default_model_tokens_equal_transformers_greedy(hf_model, capsys, sp
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert records[0]["token_ids"] == want.tolist()
     assert records[0]["text"] == tok.decode(want.tolist())
-    assert records[-1]["summary"] is True and records[-1]["spec"] == spec
+    summary = records[-1]
+    assert summary["summary"] is True and summary["spec"] == spec
+    if spec != "none":
+        assert summary["mean_accepted_length"] > 1.5
 
 
-def test_mtp_speculation_accepts_more_than_chance():
+def test_the_model_writes_english_words():
     tok = load_tokenizer(SHIPPED)
     assert tok is not None
     prompts = [tok.encode(p) for p in EVAL_PROMPTS]
-    result = generate(HybridEngine.from_pretrained(SHIPPED, max_seq_len=256), prompts, 64, "mtp", 1, eos_ids=())
-    mal = result.summary.mean_accepted_length
-    assert mal is not None and mal > MTP_MIN_MEAN_ACCEPTED, mal
+    result = generate(HybridEngine.from_pretrained(SHIPPED, max_seq_len=256), prompts, 48, "none", 4, eos_ids=())
+    text = " ".join(tok.decode(tokens) for tokens in result.outputs)
+    assert "\ufffd" not in text
+    words = text.split()
+    plain = [w for w in words if re.fullmatch(r"[\"'(]*[A-Za-z]+(?:[-'][A-Za-z]+)*[.,;:!?\"')]*(?:--)?", w)]
+    assert len(words) > 200 and len(plain) / len(words) > 0.9, text[:400]
+    assert len({w.lower().strip(".,;:!?\"'()-") for w in words}) > 60  # not one phrase over and over
 
 
-def test_training_forward_gives_the_published_mtp_drafts():
-    """mtp_chain_logits (full sequence, differentiable) == PublishedMtp.propose_logits (K/V cache)
-    at every anchor of a few slots, for the whole draft chain, on the shipped weights."""
-    engine = HybridEngine.from_pretrained(SHIPPED, max_seq_len=128, max_slots=4, block_size=4)
+def test_held_out_prose_is_far_more_predictable_than_chance():
     tok = load_tokenizer(SHIPPED)
     assert tok is not None
-    prompts = [tok.encode(p) for p in EVAL_PROMPTS[:3]]
-    for slot, prompt in enumerate(prompts):
-        engine.alloc(slot)
-        engine.prefill(slot, prompt)
-    w, depth = engine.model.w, 3
-    assert isinstance(engine.mtp, PublishedMtp)
-    for n_cut in (1, 5, 9):  # anchor rows inside each prompt
-        slots = list(range(len(prompts)))
-        anchors = [p[n_cut] for p in prompts]
-        committed = [p[:n_cut] for p in prompts]
-        # propose over the first n_cut committed rows: the hidden rows past them are ignored
-        cached = engine.mtp.propose_logits(slots, committed, engine.hidden_history, anchors, depth)
-        drafts = cached.argmax(-1)  # [B, depth]
-        for b, prompt in enumerate(prompts):
-            n = n_cut
-            nxt = torch.tensor([prompt[1:n] + [anchors[b]]])
-            hidden = engine.hidden_history[b:b + 1, :n]
-            chain = []
-            for k in range(1, depth):
-                c = torch.zeros(1, n, dtype=torch.long)
-                c[0, n - 1] = drafts[b, k - 1]
-                chain.append(c)
-            with torch.no_grad():
-                full = mtp_chain_logits(engine.cfg, w, nxt, hidden, chain)
-            got = torch.stack([f[0, n - 1] for f in full])
-            assert (got - cached[b]).abs().max().item() < 1e-4
-            assert torch.equal(got.argmax(-1), drafts[b])
+    cfg, w = load_pretrained(SHIPPED)
+    stream = torch.tensor(tok.encode(HELD_OUT))
+    loss, _ = window_loss(cfg, w, stream, seq_len=len(stream) - 1)
+    assert math.exp(loss) < MAX_HELD_OUT_PERPLEXITY, math.exp(loss)
 
 
-def test_chain_data_labels_only_greedy_continuations():
-    # prompt 10 11 12, then the target continued greedily: greedy[j] = token after prefix 0..j
-    tokens = torch.tensor([[10, 11, 12, 20, 21, 22, 23]])
-    greedy = torch.tensor([[5, 6, 20, 21, 22, 23, 24]])  # greedy[2] = 20 = tokens[3], ...
-    hidden = torch.arange(7, dtype=torch.float32)[None, :, None].expand(1, 7, 2)
-    data = chain_data(tokens, hidden, greedy, depth=3)
-    assert data.next_tokens.tolist() == [[11, 12, 20, 21, 22, 23]]
-    assert data.labels[0].tolist() == [[6, 20, 21, 22, 23, 24]]
-    assert data.valid[0].tolist() == [[True] * 6]
-    # depth 2 at row i reads g_{i+1} and predicts g_{i+2}; valid only if t_{i+2} == g_{i+1}
-    assert data.chain_tokens[0][0, :5].tolist() == [6, 20, 21, 22, 23]
-    assert data.valid[1].tolist() == [[False, True, True, True, True, False]]
-    assert data.valid[2].tolist() == [[False, True, True, True, False, False]]
-    assert data.labels[2][0, 1:4].tolist() == [22, 23, 24]
+@pytest.mark.parametrize("spec,bar", [("mtp", MTP_MIN_MEAN_ACCEPTED), ("dflash", DFLASH_MIN_MEAN_ACCEPTED)])
+def test_speculation_meets_the_issues_acceptance_on_held_out_prompts(spec, bar):
+    tok = load_tokenizer(SHIPPED)
+    assert tok is not None
+    prompts = [tok.encode(p) for p in EVAL_PROMPTS]
+    draft = default_drafter_dir() if spec == "dflash" else None
+    engine = HybridEngine.from_pretrained(SHIPPED, max_seq_len=256, draft_model=draft)
+    result = generate(engine, prompts, 64, spec, 1, eos_ids=())
+    mal = result.summary.mean_accepted_length
+    assert mal is not None and mal >= bar, mal
 
 
-def test_untrained_build_is_deterministic_and_equals_the_shipped_target(tmp_path, ids):
-    first, second = tmp_path / "a", tmp_path / "b"
-    build_default_model(first, distill=False)
-    build_default_model(second, distill=False)
-    for name in FILES:
-        assert (first / name).read_bytes() == (second / name).read_bytes(), name
-    for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
-        assert (first / name).read_bytes() == (SHIPPED / name).read_bytes(), name
-    built, shipped = load_file(str(first / "model.safetensors")), load_file(str(SHIPPED / "model.safetensors"))
-    assert built.keys() == shipped.keys()
-    for name in built:
-        if not name.startswith("mtp."):
-            assert torch.equal(built[name], shipped[name]), name
-    assert any(not torch.equal(built[n], shipped[n]) for n in built if n.startswith("mtp."))  # trained
-
-
-def test_export_round_trips_bit_for_bit(tmp_path):
-    tok, ids = build_tokenizer(corpus_text())
+def test_export_round_trips_bit_for_bit(tmp_path, ids):
     cfg = model_config(ids, max_seq_len=64)
-    weights = target_weights(cfg, ids)
+    weights = init_weights(cfg)
     save_pretrained_dir(cfg, weights, tmp_path)
     loaded_cfg, loaded = load_pretrained(tmp_path, max_seq_len=64)
     assert dataclasses.replace(loaded_cfg, seed=cfg.seed) == cfg
@@ -194,6 +167,7 @@ def test_export_round_trips_bit_for_bit(tmp_path):
         assert torch.equal(loaded[name], tensor), name
     raw = hf_tensors(cfg, weights)
     assert "model.layers.0.linear_attn.in_proj_qkv.weight" in raw and "mtp.fc.weight" in raw
+    assert "lm_head.weight" not in raw  # tied to the embedding
     assert torch.equal(raw["model.norm.weight"], weights["final_norm"] - 1)  # zero-centred on disk
 
 
@@ -211,25 +185,45 @@ def test_bench_generate_reports_accepted_length_and_acceptance_by_position_at_a_
     assert "--temperature -1" in capsys.readouterr().err
 
 
-def test_rebuild_entry_point_rejects_a_file_as_out_dir(tmp_path, capsys):
-    target = tmp_path / "file"
-    target.write_text("x")
-    assert main([str(target), "--no-distill"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith(f"default model: {target}: ") and "\n" not in err
-
-
 def test_bench_generate_json_rows_per_mode_and_prompt_set(capsys):
     assert _fxsched("bench", "generate", "--batches", "1", "--max-tokens", "6", "--json") == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [(r["prompts"], r["spec"]) for r in rows] == [
         (s, m) for s in ("held-out", "repetitive") for m in ("none", "mtp", "dflash", "ngram")]
-    skipped = [r for r in rows if "skipped" in r]
-    assert [r["spec"] for r in skipped] == ["dflash", "dflash"] and "DFlash" in skipped[0]["skipped"]
-    ran = [r for r in rows if "skipped" not in r]
+    assert not [r for r in rows if "skipped" in r]  # the default model drafts with MTP and its DFlash drafter
     count = {"held-out": len(EVAL_PROMPTS), "repetitive": len(REPETITIVE_PROMPTS)}
-    assert all(r["tokens"] == 6 * count[r["prompts"]] and r["tokens_per_s"] > 0 for r in ran)  # EOS ignored
-    assert all(r["lossless"] is True for r in ran if r["spec"] != "none")
-    assert all(r["mean_accepted_length"] is None for r in ran if r["spec"] == "none")
-    assert all(r["mean_accepted_length"] > 1 for r in ran if r["spec"] == "mtp")  # n-gram may not verify in 6
+    assert all(r["tokens"] == 6 * count[r["prompts"]] and r["tokens_per_s"] > 0 for r in rows)  # EOS ignored
+    assert all(r["lossless"] is True for r in rows if r["spec"] != "none")
+    assert all(r["mean_accepted_length"] is None for r in rows if r["spec"] == "none")
+    assert all(r["mean_accepted_length"] > 1 for r in rows if r["spec"] in ("mtp", "dflash"))
     assert rows[0]["model"] == str(SHIPPED)
+
+
+def test_train_entry_point_refuses_a_file_as_out_dir(tmp_path, capsys):
+    target = tmp_path / "file"
+    target.write_text("x")
+    deb = tmp_path / "missing.deb"
+    assert main(["train", str(target), "--corpus-deb", str(deb)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"default model: {target}: ") and "\n" not in err
+
+
+def test_a_quick_build_loads_and_drafts_when_the_corpus_can_be_fetched(tmp_path, capsys):
+    """`train --quick`: every phase for a few steps, then the directory generates with each drafter."""
+    from fxsched.runtime.torch_model.training.austen import CorpusError, fetch_deb
+    from fxsched.runtime.torch_model.training.cli import DEFAULT_CACHE
+
+    try:
+        deb = fetch_deb(DEFAULT_CACHE)
+    except (CorpusError, OSError) as err:
+        pytest.skip(f"the corpus package cannot be fetched here: {err}")
+    out = tmp_path / "model"
+    assert main(["train", str(out), "--quick", "--corpus-deb", str(deb), "--cache", str(tmp_path / "cache")]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["corpus"]["train_tokens"] > 500_000 and set(report["seconds"]) >= {"pretrain", "dflash", "total"}
+    for spec in ("none", "mtp", "dflash"):
+        extra = ("--draft-model", str(out / "dflash")) if spec == "dflash" else ()
+        assert _fxsched("generate", "--model", str(out), "--prompt", PROMPT, "--max-tokens", "8", "--spec", spec,
+                        *extra, "--json") == 0
+        records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert len(records[0]["token_ids"]) == 8

@@ -18,6 +18,7 @@ llguidance = pytest.importorskip("llguidance")
 from fxsched.runtime.devices.grammar_mask import GrammarBook, apply_bitmask  # noqa: E402
 from fxsched.runtime.serve import tools  # noqa: E402
 from fxsched.runtime.serve.structured import grammar_tokenizer, json_grammar, matcher  # noqa: E402
+from fxsched.runtime.torch_model.default_model import VOCAB_SIZE as VOCAB  # noqa: E402  (the logits' width)
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,7 @@ def ll():
     from fxsched.runtime.torch_model.default_model import default_model_dir
 
     tok = load_tokenizer(default_model_dir())
-    return tok, grammar_tokenizer(tok, 768, tuple(tok.eos_ids))
+    return tok, grammar_tokenizer(tok, VOCAB, tuple(tok.eos_ids))
 
 
 def _allowed(mask: bytes, vocab: int) -> set[int]:
@@ -79,7 +80,7 @@ def test_masks_along_paths_with_rollbacks_equal_a_fresh_matcher(ll):
         assert rows == valid  # rows past a refused token get no mask (nobody reads them)
         assert (len(valid) < len(paths)) == (k == 1)  # '{""' is refused: an empty key is not in the schema
     # the complete answer allows only the EOS ids
-    assert _allowed(masks[-1], 768) == set(tok.eos_ids)
+    assert _allowed(masks[-1], VOCAB) == set(tok.eos_ids)
     book.drop(11)
     assert book.masks([(0, 11, prompt)]) == ([], [])
 
@@ -190,7 +191,7 @@ def test_a_greedy_verify_never_accepts_a_draft_the_grammar_refuses(ll):
     def allowed(generated: list[int], token: int) -> bool:  # a fresh matcher's verdict
         m = matcher(llt, grammar)
         assert m.consume_tokens(generated)
-        return token in _allowed(m.compute_bitmask(), 768)
+        return token in _allowed(m.compute_bitmask(), VOCAB)
 
     assert allowed([], first)
     digit = tok.encode("7", add_special_tokens=False)[0]

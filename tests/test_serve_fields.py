@@ -237,18 +237,19 @@ def test_eos_fields_ignore_eos_min_tokens_and_stop_token_ids(server, tok):
     chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, logit_bias=bias,
                                           extra_body={"ignore_eos": True, "min_tokens": 2})
     assert chat.choices[0].finish_reason == "length" and chat.usage.completion_tokens == 6
-    # stop_token_ids: the greedy output's third token (offline generate()) ends the choice; its text only when asked
+    # stop_token_ids: the first greedy token (offline generate()) not seen before it, past the first, ends
+    # the choice there; its text only when asked
     greedy = generate(load_engine(), [tok.encode(CONTEXT)], 8, text=TextOptions(tok), eos_ids=tok.eos_ids).results[0]
-    third = greedy.tokens[2]
-    assert third not in greedy.tokens[:2]
+    at = next(j for j in range(1, 8) if greedy.tokens[j] not in greedy.tokens[:j])
+    third = greedy.tokens[at]
     pieces = [tok.decode([t], skip_special_tokens=False) for t in greedy.tokens]
     cut = client.completions.create(model=MODEL, prompt=CONTEXT, max_tokens=8, extra_body={"stop_token_ids": [third]})
-    assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens == 3
-    assert cut.choices[0].text == tok.decode(greedy.tokens[:2])
+    assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens == at + 1
+    assert cut.choices[0].text == tok.decode(greedy.tokens[:at])
     body = server.post("/v1/completions", json={"prompt": CONTEXT, "max_tokens": 8, "stop_token_ids": [third],
                                                 "include_stop_str_in_output": True}).json()["choices"][0]
-    assert body["text"] == tok.decode(greedy.tokens[:3]) and body["stop_reason"] == third
-    assert "".join(pieces[:3]) == body["text"]
+    assert body["text"] == tok.decode(greedy.tokens[:at + 1]) and body["stop_reason"] == third
+    assert "".join(pieces[:at + 1]) == body["text"]
     server.idle()
     assert_free(server)
 

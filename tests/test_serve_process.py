@@ -106,7 +106,7 @@ def test_sigterm_during_8_streams_lets_them_finish_and_exits_0():
 @pytest.mark.parametrize("argv,message", [
     (["--model", "{tmp}/missing"], "no such directory"),
     (["--spec", "eagle"], "--spec eagle: unknown speculation mode"),
-    (["--spec", "dflash"], "--spec dflash: the model has no DFlash drafter"),
+    (["--spec", "dflash", "--draft-model", "{tmp}/none"], "--draft-model {tmp}/none: no such directory"),
     (["--port", "70000"], "--port 70000: must be between 0 and 65535"),
     (["--max-batch", "99"], "--max-batch 99: must be between 1 and 16"),
     (["--drain-timeout", "-1"], "--drain-timeout"),
@@ -126,17 +126,15 @@ def test_startup_errors_are_one_line_and_exit_2(tmp_path, capsys, argv, message)
     assert len(lines) == 1 and lines[0].startswith("fxsched serve: ") and message.format(**fill) in lines[0], lines
 
 
-def test_bench_serve_prints_the_figures_and_skips_dflash_without_a_drafter():
+def test_bench_serve_prints_the_figures_per_mode():
     done = subprocess.run([sys.executable, "-m", "fxsched.runtime.cli", "bench", "serve", "--specs", "none,dflash",
                            "--clients", "1,2", "--requests", "3", "--max-tokens", "6", "--json"],
                           capture_output=True, text=True, timeout=300, env=child_env())
     assert done.returncode == 0, done.stderr
     rows = [json.loads(line) for line in done.stdout.splitlines()]
-    ran = [r for r in rows if "skipped" not in r]
-    assert [(r["spec"], r["clients"]) for r in ran] == [("none", 1), ("none", 2)]
-    for r in ran:
+    assert [(r["spec"], r["clients"]) for r in rows] == [("none", 1), ("none", 2), ("dflash", 1), ("dflash", 2)]
+    for r in rows:  # dflash: the default model's own drafter (no --draft-model)
         assert r["completed"] == 3 and r["failed"] == 0 and r["output_tokens"] == 18
         assert 0 < r["ttft_p50_ms"] <= r["ttft_p90_ms"] <= r["ttft_p99_ms"]
-        assert r["itl_p50_ms"] is not None and r["mean_accepted_length"] is None
-    assert [r["skipped"] for r in rows if "skipped" in r] == [
-        "the default model has no DFlash drafter: dflash needs --draft-model DIR"]
+        assert r["itl_p50_ms"] is not None
+        assert (r["mean_accepted_length"] is None) == (r["spec"] == "none")

@@ -10,9 +10,9 @@ Wiring into ``fxsched.runtime.cli.app.build_parser`` takes one line per command:
 The model: ``--model DIR`` (a Hugging Face checkpoint directory, through ``HybridEngine.from_pretrained``,
 with ``--dtype``, ``--max-seq-len`` and a DFlash ``--draft-model DIR``), ``--weights FILE`` (a
 safetensors file of the internal toy model), or, with neither, the embedded default model: the
-Hugging Face directory ``specs/models/default/`` (a tiny Qwen3.5 checkpoint with a self-distilled MTP
-layer and a tokenizer, see ``runtime/torch_model/default_model.py``), loaded exactly like a
-``--model`` directory. With ``--ep-ranks N > 1`` and neither option the internal toy model runs (the
+Hugging Face directory ``specs/models/default/`` (a small Qwen3.5 checkpoint trained on Jane Austen's
+novels, with its MTP layer, its tokenizer and a DFlash drafter that ``--spec dflash`` takes when no
+``--draft-model`` is given; specs/default-model.md), loaded exactly like a ``--model`` directory. With ``--ep-ranks N > 1`` and neither option the internal toy model runs (the
 EP workers build it); with ``--model DIR`` of a MoE checkpoint the N ranks split its experts, each
 loading its share from DIR (runtime/cli/ep.py). The tokenizer comes from the model directory (or ``--tokenizer DIR``); a model
 without one takes token ids only.
@@ -312,7 +312,9 @@ def normalize_dtype(dtype: Optional[str]) -> Optional[str]:
     return DTYPE_ALIASES[dtype]
 
 
-def _model_choice(args) -> ModelChoice:
+def _model_choice(args, dflash: bool = False) -> ModelChoice:
+    """The model the arguments name. dflash: a DFlash mode will run, so the default model comes with
+    its drafter (specs/default-model.md §19.5) unless --draft-model names another."""
     weights, model = getattr(args, "weights", None), getattr(args, "model", None)
     dtype, max_seq_len = getattr(args, "dtype", None), getattr(args, "max_seq_len", None)
     draft_model = getattr(args, "draft_model", None)
@@ -321,9 +323,11 @@ def _model_choice(args) -> ModelChoice:
     dtype = normalize_dtype(dtype)
     default = model is None and weights is None and getattr(args, "ep_ranks", 1) <= 1
     if default:
-        from fxsched.runtime.torch_model.default_model import default_model_dir
+        from fxsched.runtime.torch_model.default_model import default_drafter_dir, default_model_dir
 
         model = str(default_model_dir())
+        if dflash and draft_model is None and default_drafter_dir().is_dir():
+            draft_model = str(default_drafter_dir())
     if model is None:
         if dtype is not None:
             raise UsageError(f"--dtype {dtype}: only for a --model checkpoint (the internal model runs in float32)")
@@ -680,7 +684,7 @@ def run_generate(args, out=None) -> int:
         problem = record_problem(record, getattr(args, "force", False))
         if problem:
             raise UsageError(f"--record {record}: {problem}")
-    choice = _model_choice(args)
+    choice = _model_choice(args, dflash=args.spec == "dflash")
     lora = _lora_choice(args)
     if lora is not None:
         if choice.model is None:
@@ -842,7 +846,7 @@ def run_bench_generate(args, out=None) -> list[dict]:
         ranks = parse_ranks_list(getattr(args, "bench_ep_ranks", None) or "1")
     except ValueError as err:
         raise UsageError(f"--ep-ranks {err}") from None
-    choice = _model_choice(args)
+    choice = _model_choice(args, dflash="dflash" in specs)
     tokenizer = _tokenizer(args, choice)
     engine = _engine(choice, device)  # validates the model once
     for b in batches:

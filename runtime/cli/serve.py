@@ -284,7 +284,7 @@ def open_serving(args, on_started: Optional[Callable] = None) -> Iterator:
         raise UsageError(f"needs the serve extra (pip install 'fxsched[serve]'): {err}") from None
     device = _torch_device(args.device)
     _kv_budget(flags, args, device, args.model)
-    choice = _model_choice(args)
+    choice = _model_choice(args, dflash=spec == "dflash")
     lora = flags.lora
     if lora is not None:
         if choice.model is None:
