@@ -28,6 +28,7 @@ from ..hf_drafters import DFlashSpec, dflash_param_shapes
 from ..weights import Weights
 from .distill import GreedyData
 from .forward import dflash_block_logits, dflash_features, target_hidden
+from .schedule import set_learning_rate
 
 
 @dataclass(frozen=True)
@@ -120,10 +121,7 @@ def train_drafter(cfg: ModelConfig, w: Weights, data: GreedyData, mask_token_id:
         tail = max(1, min(50, settings.steps))
         bar = tqdm(total=settings.steps, unit="step", desc="dflash", disable=say is None)
         for step in range(settings.steps):
-            lr = settings.lr * min(1.0, (step + 1) / settings.warmup)
-            lr *= 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / settings.steps))
-            for group in opt.param_groups:
-                group["lr"] = lr
+            set_learning_rate(opt, step, settings.steps, settings.lr, settings.warmup)
             pick = torch.randint(0, n, (settings.batch,), generator=gen)
             anchors = _anchors(prompt_lens[pick], length, spec.block_size, settings.blocks, gen)
             dw = {**params, "embed": w["embed"], "lm_head": w["lm_head"]}

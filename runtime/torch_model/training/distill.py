@@ -29,6 +29,7 @@ from ..config import ModelConfig
 from ..ops import linear, rms_norm
 from ..weights import Weights, param_shapes
 from .forward import mtp_chain_logits
+from .schedule import set_learning_rate
 
 MTP_DRAFTS = 3  # drafts per MTP proposal (runtime/generate.py's MTP_DRAFTS): the chain depth trained
 MTP_PREFIX = "mtp."
@@ -200,10 +201,7 @@ def _train(cfg: ModelConfig, w: Weights, params: dict[str, torch.Tensor], data: 
     counts = [0.0] * settings.depth
     tail = max(1, min(50, settings.steps))
     for step in range(settings.steps):
-        lr = settings.lr * min(1.0, (step + 1) / settings.warmup)
-        lr *= 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / settings.steps))
-        for group in opt.param_groups:
-            group["lr"] = lr
+        set_learning_rate(opt, step, settings.steps, settings.lr, settings.warmup)
         pick = torch.randint(0, n, (settings.batch,), generator=gen)
         logits = mtp_chain_logits(cfg, {**frozen, **params}, data.next_tokens[pick], data.hidden[pick],
                                   [c[pick] for c in data.chain_tokens])

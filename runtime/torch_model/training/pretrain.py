@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 from ..weights import Weights, init_weights
 from .forward import mtp_chain_logits, target_hidden, target_logits
+from .schedule import set_learning_rate
 
 
 @dataclass(frozen=True)
@@ -111,10 +112,7 @@ def pretrain(cfg: ModelConfig, train_stream: torch.Tensor, eval_stream: torch.Te
         bar = tqdm(total=settings.steps, unit="step", desc="pretrain", disable=not show)
         span = settings.seq_len + 2
         for step in range(settings.steps):
-            lr = settings.lr * min(1.0, (step + 1) / settings.warmup)
-            lr *= 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / settings.steps))
-            for group in opt.param_groups:
-                group["lr"] = lr
+            set_learning_rate(opt, step, settings.steps, settings.lr, settings.warmup)
             starts = torch.randint(0, len(train_stream) - span, (settings.batch,), generator=gen)
             main, mtp = losses(cfg, weights(), _windows(train_stream, starts, span))
             loss = main + settings.mtp_weight * mtp
