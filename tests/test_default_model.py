@@ -199,13 +199,18 @@ def test_bench_generate_json_rows_per_mode_and_prompt_set(capsys):
     assert rows[0]["model"] == str(SHIPPED)
 
 
-def test_train_entry_point_refuses_a_file_as_out_dir(tmp_path, capsys):
+def test_train_and_evaluate_refuse_bad_paths_in_one_line(tmp_path, capsys):
     target = tmp_path / "file"
     target.write_text("x")
     deb = tmp_path / "missing.deb"
     assert main(["train", str(target), "--corpus-deb", str(deb)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"default model: {target}: ") and "\n" not in err
+    fresh = tmp_path / "fresh"
+    assert main(["train", str(fresh), "--corpus-deb", str(deb)]) == 2  # nothing left behind
+    assert capsys.readouterr().err.strip() == f"default model: {fresh}: {deb}: no such file" and not fresh.exists()
+    assert main(["evaluate", str(tmp_path / "none")]) == 2
+    assert capsys.readouterr().err.strip() == f"default model: {tmp_path / 'none'}: no such model directory"
 
 
 def test_a_quick_build_loads_and_drafts_when_the_corpus_can_be_fetched(tmp_path, capsys):

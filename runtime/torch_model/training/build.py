@@ -5,8 +5,9 @@
 `training_report.json`) and its drafter in `out_dir/dflash`. The corpus package and the pretrained
 weights are kept in a cache directory (the pretrained weights under a key of the settings, the
 config and the corpus size), so a build interrupted after its longest phase resumes there.
-Seeded throughout; the same torch version and thread count give the same weights, another machine
-gives figures equal within noise (specs/default-model.md §19.6).
+Seeded throughout (data order, initialisations, anchors); the weights are not bit for bit the same
+from run to run (threaded reductions), but the figures are, within noise (a second build from an
+empty cache: specs/default-model.md §19.6).
 """
 
 from __future__ import annotations
@@ -79,8 +80,8 @@ def build(out_dir: Path, cache_dir: Path, deb: Optional[Path] = None, settings: 
     begin = time.perf_counter()
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"{out_dir}: exists and is not a directory")
+    corpus = corpus if corpus is not None else load_corpus(cache_dir, deb)  # before anything is written
     out_dir.mkdir(parents=True, exist_ok=True)
-    corpus = corpus if corpus is not None else load_corpus(cache_dir, deb)
     tell("training the tokenizer")
     tok, ids = build_tokenizer(corpus.train_text())
     write_tokenizer(out_dir, tok, ids)

@@ -43,7 +43,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _evaluate(args: argparse.Namespace) -> dict[str, object]:
-    import torch
+    from tokenizers import Tokenizer
 
     from ..hf_checkpoint import load_pretrained
     from ..default_model import build_tokenizer
@@ -54,14 +54,11 @@ def _evaluate(args: argparse.Namespace) -> dict[str, object]:
     model_dir = Path(args.model_dir)
     corpus = load_corpus(Path(args.cache), Path(args.corpus_deb) if args.corpus_deb else None)
     cfg, w = load_pretrained(model_dir)
-    from tokenizers import Tokenizer
-
     shipped = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     fast, ids = build_tokenizer(corpus.train_text())  # the build's tokenizer, to encode the streams as it did
     if fast.get_vocab(with_added_tokens=True) != shipped.get_vocab(with_added_tokens=True):
         raise ValueError(f"{model_dir}: its tokenizer is not the one this corpus trains")
     train, held = token_stream(fast, ids.endoftext, corpus.train), token_stream(fast, ids.endoftext, corpus.held_out)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     loss, scored = window_loss(cfg, w, held)
     bigram, lam = bigram_loss(train, held, cfg.vocab_size)
     items = choice_items(corpus, args.items)
@@ -90,7 +87,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                          "corpus": report.corpus}, sort_keys=True) + "\n")
             return 0
         if not Path(args.model_dir).is_dir():
-            raise ValueError(f"{args.model_dir}: no such model directory")
+            raise ValueError("no such model directory")
         sys.stdout.write(json.dumps(_evaluate(args), sort_keys=True) + "\n")
         return 0
     except (ValueError, OSError, CorpusError, RDataError) as err:
