@@ -184,7 +184,6 @@ def test_responses_function_tools_parse_as_the_chat_path_does(server, tok):
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
     ({"tools": [{"type": "function", "name": ""}]}, "tools[0].name"),
     ({"text": {"format": {"type": "xml"}}}, "text.format"),
-    ({"model": "another-model"}, "model"),
     ({"instructions": 7}, "instructions"),
 ])
 def test_a_bad_responses_field_is_a_400_naming_it(server, extra, param):
@@ -230,7 +229,6 @@ def test_tokenize_messages_equal_the_transformers_chat_template(server, hf):
     ("/tokenize", {"prompt": "a", "add_generation_prompt": True}, "add_generation_prompt"),
     ("/tokenize", {"messages": [{"role": "user", "content": "a"}], "continue_final_message": True},
      "continue_final_message"),
-    ("/tokenize", {"prompt": "a", "model": "another-model"}, "model"),
     ("/detokenize", {"tokens": [1, 10**6]}, "tokens[1]"),
     ("/detokenize", {"tokens": [1, -1]}, "tokens[1]"),
     ("/detokenize", {"tokens": "abc"}, "tokens"),

@@ -368,6 +368,77 @@ def test_openapi_describes_the_routes_and_their_request_models(server):
     assert httpx.get(server.url + "/metrics").headers["content-type"].startswith("text/plain")
 
 
+def _value_schema(doc: dict[str, Any], model: str, field: str) -> dict[str, Any]:
+    """The schema of ``field``'s non-null values in ``model`` (an Optional is anyOf [T, null])."""
+    prop = doc["components"]["schemas"][model]["properties"][field]
+    shapes = [b for b in prop.get("anyOf", [prop]) if b.get("type") != "null"]
+    assert len(shapes) == 1, (model, field, prop)
+    return shapes[0]
+
+
+def _nudge(value: float, up: bool, integer: bool) -> float:
+    step = 1 if integer else 1e-6
+    return value + step if up else value - step
+
+
+def test_openapi_states_the_bounds_the_server_enforces(server, tok):
+    """Every range /openapi.json states for a sampling number is the range a request meets: the
+    bound itself (unless exclusive) is served, one step past it is a 400 naming the field. The
+    bounds are read from the document, the verdicts from the server."""
+    doc = httpx.get(server.url + "/openapi.json", timeout=10).json()
+    fields = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
+              "n", "top_k", "prompt_logprobs", "logprobs")
+    probed = 0
+    for field in fields:
+        shape = _value_schema(doc, "CompletionRequest", field)
+        integer = shape["type"] == "integer"
+        for key, up in (("minimum", False), ("exclusiveMinimum", False), ("maximum", True)):
+            if key not in shape:
+                continue
+            bound = shape[key]
+            inside = _nudge(bound, not up, integer) if key == "exclusiveMinimum" else bound
+            outside = bound if key == "exclusiveMinimum" else _nudge(bound, up, integer)
+            body = {"prompt": "hi", "max_tokens": 1}
+            ok = server.post("/v1/completions", json={**body, field: inside})
+            assert ok.status_code == 200, (field, inside, ok.text)
+            bad = server.post("/v1/completions", json={**body, field: outside})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == field, (field, outside, bad.text)
+            probed += 1
+    assert probed >= 14  # each float has two bounds; n, prompt_logprobs, logprobs two; top_k a floor
+    # lists and ids: the stated limits are the served ones
+    vocab = _value_schema(doc, "CompletionRequest", "stop_token_ids")["items"]["maximum"] + 1
+    assert vocab == tok.vocab_size
+    assert server.post("/detokenize", json={"tokens": [vocab - 1]}).status_code == 200
+    assert server.post("/detokenize", json={"tokens": [vocab]}).status_code == 400
+    prop = doc["components"]["schemas"]["CompletionRequest"]["properties"]["stop"]
+    most = next(b["maxItems"] for b in prop["anyOf"] if b.get("type") == "array")
+    assert server.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1,
+                                                "stop": [f"s{i}" for i in range(most)]}).status_code == 200
+    assert server.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1,
+                                                "stop": [f"s{i}" for i in range(most + 1)]}).status_code == 400
+    # a refused field takes only its neutral values in the document, and any other is a 400
+    assert doc["components"]["schemas"]["CompletionRequest"]["properties"]["suffix"]["enum"] == [None]
+    assert server.post("/v1/completions", json={"prompt": "hi", "suffix": "x"}).status_code == 400
+    assert _value_schema(doc, "ChatCompletionRequest", "messages")["minItems"] == 1
+    assert server.post("/v1/chat/completions", json={"messages": []}).status_code == 400
+
+
+def test_integral_numbers_are_integers_and_an_empty_model_is_the_served_one(server):
+    """JSON Schema counts 2.0 as an integer, and vLLM serves its model for ``"model": ""``; a
+    string or a boolean is still no integer, and another name is still vLLM's 404."""
+    r = server.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2.0, "n": 1.0, "model": ""})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+    for bad in ("2", True, 2.5):
+        r = server.post("/v1/completions", json={"prompt": "hi", "max_tokens": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", (bad, r.text)
+    ids = server.post("/tokenize", json={"prompt": "hi", "model": ""}).json()["tokens"]
+    assert server.post("/detokenize", json={"tokens": [float(t) for t in ids]}).json()["prompt"] == "hi"
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": ids}),
+                       ("/v1/responses", {"input": "hi", "max_output_tokens": 1})):
+        wrong = server.post(path, json={**body, "model": "nobody"})
+        assert wrong.status_code == 404 and wrong.json()["error"]["code"] == 404, (path, wrong.text)
+
+
 # --- a bounded schemathesis run against /openapi.json -----------------------------------------------
 
 FUZZ_EXAMPLES = 30  # per operation; derandomized, so every run sends the same requests

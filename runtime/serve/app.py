@@ -526,7 +526,7 @@ def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] 
         plan = await _constrained(req, plan, tools)
         return await _serve(request, plan, tools)
 
-    app.openapi = functools.partial(_openapi, app)  # type: ignore[method-assign]
+    app.openapi = functools.partial(_openapi, app, limits)  # type: ignore[method-assign]
     # /tokenize, /detokenize, /version, /docs, /v1/responses, /v1/embeddings (specs/serve.md §12.5–8)
     from fxsched.runtime.serve import routes_extra
 
@@ -544,17 +544,24 @@ _SCHEMAS = (CompletionRequest, ChatCompletionRequest)
 _body = openapi_body
 
 
-def _openapi(app: FastAPI) -> dict[str, Any]:
-    """FastAPI's document with the request models' schemas added under ``components``."""
+def _openapi(app: FastAPI, limits: Limits) -> dict[str, Any]:
+    """FastAPI's document with every route's request model under ``components``, narrowed to what
+    this server accepts (runtime/serve/schema_rules.py)."""
     if app.openapi_schema is None:
         from fastapi.openapi.utils import get_openapi
 
+        from pydantic import BaseModel
+
+        from fxsched.runtime.serve import lora_routes, responses, routes_extra, schema_rules
+
         doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
         schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-        for model in _SCHEMAS:
+        models: tuple[type[BaseModel], ...] = (*_SCHEMAS, *routes_extra.MODELS, *responses.MODELS, *lora_routes.MODELS)
+        for model in models:
             schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
             schemas.update(schema.pop("$defs", {}))
             schemas[model.__name__] = schema
+        schema_rules.narrow(schemas, limits)
         app.openapi_schema = doc
     return app.openapi_schema
 

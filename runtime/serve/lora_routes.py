@@ -18,9 +18,10 @@ from typing import Any, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel
 
 from fxsched.runtime.serve.lora import AdapterRefused
-from fxsched.runtime.serve.request_models import APIError, _Strict, request_from_data
+from fxsched.runtime.serve.request_models import APIError, Int, _Strict, request_from_data
 
 _TYPES = {400: "BadRequestError", 404: "NotFoundError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
 
@@ -37,7 +38,26 @@ class UnloadLoRAAdapterRequest(_Strict):
     """vLLM's body of ``/v1/unload_lora_adapter``."""
 
     lora_name: str
-    lora_int_id: Optional[int] = None  # vLLM's; ignored (adapters are named)
+    lora_int_id: Optional[Int] = None  # vLLM's; ignored (adapters are named)
+
+
+MODELS: tuple[type[BaseModel], ...] = (LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest)
+
+
+def _openapi(model: type) -> dict[str, Any]:
+    """A route's body and answers in /openapi.json: vLLM's plain-text 200, the refusals above and
+    the front door's (runtime/serve/guard.py)."""
+    from fxsched.runtime.serve.guard import REFUSALS, openapi_body
+
+    extra = openapi_body(model)
+    extra["responses"] = {
+        "200": {"description": "vLLM's plain-text success line", "content": {"text/plain": {"schema": {"type": "string"}}}},
+        "400": {"description": "a refused adapter (the loader's line naming the file), a name already served, every "
+                               "slot taken, or an adapter still in use"},
+        **REFUSALS,
+        "404": {"description": "LoRA adapters are not served (no --enable-lora), or no adapter of that name"},
+    }
+    return extra
 
 
 def _refused(err: AdapterRefused, param: Optional[str] = "lora_name") -> APIError:
@@ -54,7 +74,8 @@ def register(app: FastAPI, engine: Any, screen: Any) -> None:
             raise APIError(404, "LoRA adapters are not served: start the server with --enable-lora (and "
                                 "--max-loras N) to load them at run time", "NotFoundError", None)
 
-    @app.post("/v1/load_lora_adapter")
+    @app.post("/v1/load_lora_adapter", openapi_extra=_openapi(LoadLoRAAdapterRequest),
+              response_class=PlainTextResponse)
     async def load_lora_adapter(request: Request) -> PlainTextResponse:
         _enabled()
         req = await screen.plan(await request.body(), False,
@@ -71,7 +92,8 @@ def register(app: FastAPI, engine: Any, screen: Any) -> None:
             raise _refused(err) from None
         return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
 
-    @app.post("/v1/unload_lora_adapter")
+    @app.post("/v1/unload_lora_adapter", openapi_extra=_openapi(UnloadLoRAAdapterRequest),
+              response_class=PlainTextResponse)
     async def unload_lora_adapter(request: Request) -> PlainTextResponse:
         _enabled()
         req = await screen.plan(await request.body(), False,

@@ -10,32 +10,26 @@ per LoRA adapter served (specs/lora.md §18.7), whose name a request's ``model``
 A request naming another model gets vLLM's 404: ``{"error": {"message": "The model `X` does not
 exist.", "type": "NotFoundError", "param": "model", "code": 404}}`` (vLLM 0.11 sends ``param`` null;
 here it names the field, as every other refusal of this server does). A ``model`` that is not a
-string is the protocol's 400; no ``model`` means the first name.
+string is the protocol's 400; no ``model``, null or an empty string means the first name (vLLM's
+rule: its ``_is_model_supported`` takes an empty name as the served model).
 """
 
 from __future__ import annotations
 
 from typing import Any, Container, Optional, Sequence
 
-from fxsched.runtime.serve.protocol import APIError
+from fxsched.runtime.serve.request_models import ModelNotFound
+
+__all__ = ["ModelNotFound", "OWNER", "check_model", "model_cards"]
 
 OWNER = "fxsched"
-
-
-class ModelNotFound(APIError):
-    """vLLM's 404 for a request naming a model this server does not serve."""
-
-    def __init__(self, model: str):
-        super().__init__(404, f"The model `{model[:200]}` does not exist.", "NotFoundError", "model")
-        # vLLM's code is the status, a number; it crosses guard.Screen's worker thread as ``code``
-        self.code = 404  # type: ignore[assignment]
 
 
 def check_model(data: Any, names: Sequence[str], adapters: Container[str] = ()) -> None:
     """Raise ``ModelNotFound`` when the body ``data`` names a model not in ``names`` nor a LoRA
     adapter in ``adapters``."""
     model = data.get("model") if isinstance(data, dict) else None
-    if isinstance(model, str) and model not in names and model not in adapters:
+    if isinstance(model, str) and model and model not in names and model not in adapters:
         raise ModelNotFound(model)
 
 

@@ -61,6 +61,7 @@ from fxsched.runtime.serve.request_models import (
     ChatMessage,
     CompletionRequest,
     ContentPart,
+    ModelNotFound,
     StreamOptions,
     _Common,
     bad_request,
@@ -113,16 +114,14 @@ class Plan:
 
 
 def _check_model(model: Optional[str], limits: Limits) -> str:
-    """The model name a response reports: the first served name, or the LoRA adapter the request
-    names (specs/lora.md §18.7)."""
-    if model is None:
+    """The model name a response reports: the first served name (no ``model``, or an empty one, as
+    vLLM), or the LoRA adapter the request names (specs/lora.md §18.7); vLLM's 404 for another."""
+    if not model:
         return limits.model_names[0]
     if model in limits.adapters and model not in limits.model_names:
         return model
     if model not in limits.model_names:
-        raise APIError(400, f"model: the model {model!r} does not exist (this server serves "
-                            f"{', '.join(repr(m) for m in limits.model_names[:1])})", param="model",
-                       code="model_not_found")
+        raise ModelNotFound(model)
     return limits.model_names[0]
 
 

@@ -19,9 +19,9 @@ runtime/serve/protocol.py's.
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Annotated, Any, Callable, Mapping, Optional, Sequence, Union
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError
 
 
 class APIError(Exception):
@@ -40,12 +40,33 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+class ModelNotFound(APIError):
+    """vLLM's 404 for a request naming a model this server does not serve (specs/serve.md §12.9)."""
+
+    def __init__(self, model: str):
+        super().__init__(404, f"The model `{model[:200]}` does not exist.", "NotFoundError", "model")
+        # vLLM's code is the status, a number; it crosses guard.Screen's worker thread as ``code``
+        self.code = 404  # type: ignore[assignment]
+
+
 def bad_request(message: str, param: Optional[str] = None, code: Optional[str] = None) -> APIError:
     """A 400 whose message starts with the field it is about."""
     return APIError(400, f"{param}: {message}" if param else message, "invalid_request_error", param, code)
 
 
 # --- request models -----------------------------------------------------------------------------
+
+
+def _integral(value: Any) -> Any:
+    """A number with no fraction (``5.0``) is an integer, as JSON Schema counts it; anything else
+    goes to the strict check as it came (``"5"`` and ``true`` are still refused)."""
+    if type(value) is float and value.is_integer():
+        return int(value)
+    return value
+
+
+# an integer field of a request body (specs/serve-fields.md §13.1)
+Int = Annotated[int, BeforeValidator(_integral)]
 
 
 class _Strict(BaseModel):
@@ -71,14 +92,14 @@ class ChatMessage(_Strict):
 
 class _Common(_Strict):
     model: Optional[str] = None
-    max_tokens: Optional[int] = None
+    max_tokens: Optional[Int] = None
     temperature: Optional[float] = None
     top_p: Optional[float] = None
-    top_k: Optional[int] = None
+    top_k: Optional[Int] = None
     min_p: Optional[float] = None
-    seed: Optional[int] = None
+    seed: Optional[Int] = None
     stop: Union[str, list[str], None] = None
-    n: Optional[int] = None
+    n: Optional[Int] = None
     stream: Optional[bool] = None
     stream_options: Optional[StreamOptions] = None
     presence_penalty: Optional[float] = None
@@ -88,10 +109,10 @@ class _Common(_Strict):
     user: Optional[str] = None
     ignore_eos: Optional[bool] = None
     skip_special_tokens: Optional[bool] = None
-    min_tokens: Optional[int] = None
-    stop_token_ids: Optional[list[int]] = None
+    min_tokens: Optional[Int] = None
+    stop_token_ids: Optional[list[Int]] = None
     include_stop_str_in_output: Optional[bool] = None
-    prompt_logprobs: Optional[int] = None
+    prompt_logprobs: Optional[Int] = None
     echo: Optional[bool] = None
     # structured output (runtime/serve/structured.py checks their shapes)
     response_format: Optional[dict[str, Any]] = None
@@ -106,22 +127,22 @@ class _Common(_Strict):
     use_beam_search: Optional[bool] = None
     length_penalty: Optional[float] = None
     bad_words: Optional[list[str]] = None
-    allowed_token_ids: Optional[list[int]] = None
-    truncate_prompt_tokens: Optional[int] = None
+    allowed_token_ids: Optional[list[Int]] = None
+    truncate_prompt_tokens: Optional[Int] = None
 
 
 class CompletionRequest(_Common):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    logprobs: Optional[int] = None
+    prompt: Union[str, list[str], list[Int], list[list[Int]]]
+    logprobs: Optional[Int] = None
     suffix: Optional[str] = None
-    best_of: Optional[int] = None
+    best_of: Optional[Int] = None
 
 
 class ChatCompletionRequest(_Common):
     messages: list[ChatMessage]
-    max_completion_tokens: Optional[int] = None
+    max_completion_tokens: Optional[Int] = None
     logprobs: Optional[bool] = None
-    top_logprobs: Optional[int] = None
+    top_logprobs: Optional[Int] = None
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
     parallel_tool_calls: Optional[bool] = None

@@ -39,7 +39,7 @@ from pydantic import BaseModel
 from fxsched.runtime.serve import tools as toolcalls
 from fxsched.runtime.serve.engine import ChoiceEvent
 from fxsched.runtime.serve.protocol import ChatCompletionRequest, Limits, Plan, chat_plan
-from fxsched.runtime.serve.request_models import APIError, _Strict, bad_request, request_from_data
+from fxsched.runtime.serve.request_models import APIError, Int, ModelNotFound, _Strict, bad_request, request_from_data
 
 if TYPE_CHECKING:
     from fxsched.runtime.serve.routes_extra import Served
@@ -60,7 +60,7 @@ class ResponsesRequest(_Strict):
     model: Optional[str] = None
     input: Union[str, list[Any]]
     instructions: Optional[str] = None
-    max_output_tokens: Optional[int] = None
+    max_output_tokens: Optional[Int] = None
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     stream: Optional[bool] = None
@@ -78,8 +78,8 @@ class ResponsesRequest(_Strict):
     truncation: Optional[str] = None
     reasoning: Optional[Any] = None
     include: Optional[list[Any]] = None
-    top_logprobs: Optional[int] = None
-    max_tool_calls: Optional[int] = None
+    top_logprobs: Optional[Int] = None
+    max_tool_calls: Optional[Int] = None
     prompt: Optional[Any] = None
     conversation: Optional[Any] = None
 
@@ -200,7 +200,7 @@ _FIELDS = {"max_completion_tokens": "max_output_tokens", "response_format": "tex
 def _renamed(err: APIError, origin: list[str]) -> APIError:
     """The error of the chat request ``chat_request`` built, naming the Responses field instead."""
     param = err.param
-    if param is None:
+    if param is None or isinstance(err, ModelNotFound):  # vLLM's 404 body, as the other routes give it
         return err
     new = param
     if param.startswith("messages["):

@@ -30,6 +30,7 @@ from fxsched.runtime.serve.protocol import ChatCompletionRequest, Limits, Plan, 
 from fxsched.runtime.serve.request_models import (
     APIError,
     ChatMessage,
+    Int,
     _Strict,
     bad_request,
     request_from_data,
@@ -78,7 +79,7 @@ class DetokenizeRequest(_Strict):
     """vLLM's ``/detokenize`` body."""
 
     model: Optional[str] = None
-    tokens: list[int]
+    tokens: list[Int]
 
 
 def tokenize(req: TokenizeRequest, tokenizer: Any, limits: Limits) -> dict[str, Any]:
@@ -139,8 +140,9 @@ MODELS: tuple[type[BaseModel], ...] = (TokenizeRequest, DetokenizeRequest)
 
 
 def register(app: FastAPI, served: Served) -> None:
-    """Add the routes of this module and runtime/serve/responses.py to ``app``, their request models
-    to its OpenAPI document, and the served model's name to the ``vllm:*`` metrics (§12.8)."""
+    """Add the routes of this module and runtime/serve/responses.py to ``app`` (their request models,
+    ``MODELS``, join the OpenAPI document in runtime/serve/app.py), and the served model's name to
+    the ``vllm:*`` metrics (§12.8)."""
     from fxsched.runtime.serve import responses
 
     engine, limits, screen = served.engine, served.limits, served.screen
@@ -170,7 +172,9 @@ def register(app: FastAPI, served: Served) -> None:
     async def docs() -> HTMLResponse:
         return get_swagger_ui_html(openapi_url=app.openapi_url or "/openapi.json", title=f"{app.title} - Swagger UI")
 
-    @app.post("/v1/embeddings", responses={**REFUSALS, "404": {"description": "embeddings are not served"}})
+    @app.post("/v1/embeddings", openapi_extra={
+        "requestBody": {"required": True, "content": {"application/json": {"schema": {"type": "object"}}}},
+        "responses": {**REFUSALS, "404": {"description": "embeddings are not served"}}})
     async def embeddings(request: Request) -> JSONResponse:
         raise APIError(404, f"/v1/embeddings is not served: {limits.model_names[0]!r} is served as a generative "
                             "model (vLLM, too, serves embeddings of a decoder model only with --runner pooling). "
@@ -178,16 +182,3 @@ def register(app: FastAPI, served: Served) -> None:
                             "and /detokenize", "not_found_error", None, EMBEDDINGS_NOT_SERVED)
 
     responses.register(app, served, _body)
-    base = app.openapi
-
-    def openapi() -> dict[str, Any]:
-        doc = base()
-        schemas = doc.setdefault("components", {}).setdefault("schemas", {})
-        for model in (*MODELS, *responses.MODELS):
-            if model.__name__ not in schemas:
-                schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
-                schemas.update(schema.pop("$defs", {}))
-                schemas[model.__name__] = schema
-        return doc
-
-    app.openapi = openapi  # type: ignore[method-assign]

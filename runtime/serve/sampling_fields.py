@@ -28,6 +28,23 @@ MAX_LOGIT_BIAS = 1024
 
 
 @dataclass(frozen=True)
+class Bound:
+    """A sampling number's accepted range: checked when a request is planned and stated in
+    ``/openapi.json`` (runtime/serve/schema_rules.py), so the two cannot drift apart."""
+
+    low: float
+    high: float
+    open_low: bool = False  # ``low`` itself refused (``top_p``: 0 keeps no token)
+
+
+FLOAT_BOUNDS: dict[str, Bound] = {
+    "temperature": Bound(0.0, 2.0), "top_p": Bound(0.0, 1.0, open_low=True), "min_p": Bound(0.0, 1.0),
+    "presence_penalty": Bound(-2.0, 2.0), "frequency_penalty": Bound(-2.0, 2.0),
+    "repetition_penalty": Bound(0.0, 2.0, open_low=True),
+}
+
+
+@dataclass(frozen=True)
 class Limits:
     """What the served model allows (``context`` counts prompt + completion tokens)."""
 
@@ -81,13 +98,13 @@ class ChoiceSpec:
         return self.max_tokens if self.ignore_eos else self.min_tokens
 
 
-def _number(value: Optional[float], name: str, default: float, low: float, high: float, open_low: bool = False,
-            what: str = "") -> float:
+def _number(value: Optional[float], name: str, default: float) -> float:
     if value is None:
         return default
-    if not math.isfinite(value) or value > high or value < low or (open_low and value == low):
-        rng = what or (f"{'above' if open_low else 'at least'} {low:g} and at most {high:g}")
-        raise bad_request(f"must be {rng}, got {value!r}", name)
+    b = FLOAT_BOUNDS[name]
+    if not math.isfinite(value) or value > b.high or value < b.low or (b.open_low and value == b.low):
+        raise bad_request(f"must be {'above' if b.open_low else 'at least'} {b.low:g} and at most {b.high:g}, "
+                          f"got {value!r}", name)
     return float(value)
 
 
@@ -129,12 +146,12 @@ def _logit_bias(bias: Optional[dict[str, float]], limits: Limits) -> tuple[tuple
 def _choices(req: _Common, prompts: list[list[int]], max_tokens: int, top: int, limits: Limits,
              prompt_logprobs: Optional[int]) -> tuple[ChoiceSpec, ...]:
     """The P x n choices (sampling fields checked)."""
-    temperature = _number(req.temperature, "temperature", 0.0, 0.0, 2.0)
-    top_p = _number(req.top_p, "top_p", 1.0, 0.0, 1.0, open_low=True)
-    min_p = _number(req.min_p, "min_p", 0.0, 0.0, 1.0)
-    presence = _number(req.presence_penalty, "presence_penalty", 0.0, -2.0, 2.0)
-    frequency = _number(req.frequency_penalty, "frequency_penalty", 0.0, -2.0, 2.0)
-    repetition = _number(req.repetition_penalty, "repetition_penalty", 1.0, 0.0, 2.0, open_low=True)
+    temperature = _number(req.temperature, "temperature", 0.0)
+    top_p = _number(req.top_p, "top_p", 1.0)
+    min_p = _number(req.min_p, "min_p", 0.0)
+    presence = _number(req.presence_penalty, "presence_penalty", 0.0)
+    frequency = _number(req.frequency_penalty, "frequency_penalty", 0.0)
+    repetition = _number(req.repetition_penalty, "repetition_penalty", 1.0)
     bias = _logit_bias(req.logit_bias, limits)
     top_k = 0 if req.top_k is None or req.top_k == -1 else req.top_k
     if top_k < 0:
