@@ -79,9 +79,11 @@ class EventCreated(Answer):
 @attrs.frozen
 class ForwardDone(Answer):
     """A forward (prefill, chunk, mixed step, decode) completed; a first prefill says how many
-    prompt tokens it found in the prefix cache."""
+    prompt tokens it found in the prefix cache: ``cached_tokens`` for a forward of one sequence,
+    ``cached_by_seq`` (sequence id, tokens) for the first chunks of a batched or mixed forward."""
 
     cached_tokens: int = 0
+    cached_by_seq: tuple[tuple[int, int], ...] = ()
 
 
 @attrs.frozen

@@ -20,6 +20,10 @@ def forward_done(state: SchedulerState, waiting: AwaitForward, event: ForwardDon
         # a first prefill found prompt tokens in the prefix cache: remembered until the sequence
         # becomes active, then reported in its final frame
         state = replace(state, prefix_hits=state.prefix_hits + ((waiting.seq_ids[0], event.cached_tokens),))
+    if event.cached_by_seq:
+        # first chunks of a batched or mixed forward: each sequence of that forward its own count
+        hits = tuple((seq_id, n) for seq_id, n in event.cached_by_seq if n and seq_id in waiting.seq_ids)
+        state = replace(state, prefix_hits=state.prefix_hits + hits)
     return push(state, *waiting.then) if waiting.then else state
 
 

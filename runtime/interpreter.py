@@ -426,6 +426,17 @@ def _forward(act: Callable[[Any, Any], object]) -> Handler:
     return handler
 
 
+def _forward_hits(act: Callable[[Any, Any], object]) -> Handler:
+    """A batched or mixed forward: ``act(device, effect)`` returns the (sequence id, prompt tokens
+    found in the prefix cache) of its first chunks, or None; then ``ForwardDone`` carrying them."""
+
+    def handler(it: Interpreter, e) -> ev.Event:
+        hits = act(it.device, e)
+        return ev.ForwardDone(0, tuple(hits)) if hits else ev.ForwardDone()  # type: ignore[arg-type]
+
+    return handler
+
+
 def _restore_sequence_state(it: Interpreter, e) -> ev.Event:
     it.device.restore_sequence_state(e.seq, e.blocks)
     return ev.StateRestored()
@@ -572,10 +583,11 @@ _CASES: tuple[tuple[Union[type, tuple[type, ...]], Handler], ...] = (
     (dc.Prefill, lambda it, e: ev.ForwardDone(it.device.prefill(e.seq, e.tokens, e.stream) or 0)),
     (dc.PrefillChunk, lambda it, e: ev.ForwardDone(
         it.device.prefill_chunk(e.seq, e.prompt, e.start, e.length, e.last, e.stream) or 0)),
-    (dc.MixedForward, _forward(lambda d, e: d.mixed_forward(e.decode_tokens, e.decode_seqs, e.prefill, e.stream))),
-    (dc.MixedForwardBatch, _forward(lambda d, e: d.mixed_forward_batch(e.decode_tokens, e.decode_seqs, e.prefills,
-                                                                       e.stream))),
-    (dc.PrefillBatchChunk, _forward(lambda d, e: d.prefill_batch_chunk(e.prefills, e.stream))),
+    (dc.MixedForward, _forward_hits(lambda d, e: d.mixed_forward(e.decode_tokens, e.decode_seqs, e.prefill,
+                                                                  e.stream))),
+    (dc.MixedForwardBatch, _forward_hits(lambda d, e: d.mixed_forward_batch(e.decode_tokens, e.decode_seqs,
+                                                                            e.prefills, e.stream))),
+    (dc.PrefillBatchChunk, _forward_hits(lambda d, e: d.prefill_batch_chunk(e.prefills, e.stream))),
     (dc.NormalizeSsmStates, lambda it, e: it.device.normalize_ssm_states(e.seq, e.stream)),
     (dc.DecodeCall, _forward(lambda d, e: d.decode(e.token, e.seq, e.stream))),
     (dc.DecodeDraft, _forward(lambda d, e: d.decode_draft(e.token, e.seq, e.stream))),

@@ -138,6 +138,43 @@ def test_same_prompt_twice_hits_the_prefix_cache_with_identical_output(cfg, spec
     assert again.outputs == [first.tokens] and again.results[0].cached_tokens == 32
 
 
+@pytest.mark.parametrize("spec", ["none", "mtp", "dflash"])
+def test_prompts_prefilled_together_start_from_the_prefix_cache(cfg, spec):
+    """``generate`` prefills prompts that arrive together in one batched forward (production's
+    ``prefill_new_together``): each first chunk there reuses the prefix cache as a lone prefill
+    does, reports its own count, and the tokens are a fresh engine's."""
+    prompt = random_prompts(21, 1, cfg.vocab_size, min_len=40, max_len=40)[0]
+    tails = random_prompts(22, 3, cfg.vocab_size, min_len=5, max_len=9)
+    prompts = [prompt + tail for tail in tails]
+    want = [HybridEngine(cfg).greedy_generate(p, 8) for p in prompts]
+    engine = HybridEngine(cfg)
+    generate(engine, [prompt], 8, spec, batch=1, strict=True)  # the shared head goes into the cache
+    result = generate(engine, prompts, 8, spec, batch=3, strict=True)
+    assert result.device.stats.calls["prefill_batch_chunk"] >= 1  # the batched path ran
+    assert result.outputs == want
+    assert [r.cached_tokens for r in result.results] == [32, 32, 32]  # two full blocks of the head each
+    assert [r.reported_cached for r in result.results] == [32, 32, 32]  # and the scheduler reports them
+    assert result.summary.cached_prompt_tokens == 96
+
+
+def test_a_mixed_forward_first_chunk_starts_from_the_prefix_cache(cfg):
+    """A new prompt whose first chunk rides beside a running decode reuses the cache: the forward
+    answers (sequence, cached tokens), and its last row predicts what a fresh engine predicts."""
+    from fxsched.effects.device_calls import PrefillSlice
+
+    head = random_prompts(23, 1, cfg.vocab_size, min_len=40, max_len=40)[0]
+    prompt = head + [7, 8, 9, 10, 11]
+    engine = HybridEngine(cfg)
+    generate(engine, [head], 4, "none", batch=1, strict=True)
+    dev = TorchDevice(engine)
+    token = start(dev, 1, random_prompts(24, 1, cfg.vocab_size, min_len=20, max_len=20)[0])
+    dev.alloc_sequence(2, 2)
+    hits = dev.mixed_forward_batch([token], [1], (PrefillSlice(2, tuple(prompt), 0, len(prompt), True),), 0)
+    assert hits == [(2, 32)]
+    assert dev.argmax_batch(0, 2, 0)[1] == HybridEngine(cfg).greedy_generate(prompt, 1)[0]
+    assert dev.seq_len(2) == len(prompt)
+
+
 def test_cached_blocks_are_evicted_when_a_forward_needs_room(cfg):
     """A full prefix cache never makes a forward fail: unused cached blocks are reclaimed."""
     small = ModelConfig(num_blocks=40, max_seq_len=256, max_slots=4)

@@ -428,15 +428,17 @@ class ScriptedDevice:
     def _slice_text(self, sl) -> str:
         return f"{self._seq(sl.seq).sid} start={sl.start} len={sl.length} last={_bool(sl.last)}"
 
-    def mixed_forward(self, decode_tokens, decode_seqs, prefill, stream: int) -> None:
+    def mixed_forward(self, decode_tokens, decode_seqs, prefill, stream: int) -> Optional[list[tuple[int, int]]]:
         rows = self._decode_rows(decode_tokens, decode_seqs, cancel=False)
         rows.append(self._slice(self._seq(prefill.seq), prefill.prompt, prefill.start, prefill.length))
         self.rows = rows
         if self.lines is not None:
             self.lines.append(f"mixed_forward(decode={_list(decode_tokens)}, prefill={self._slice_text(prefill)}, "
                               f"stream={stream})")
+        return None  # the scripted device keeps no prefix cache
 
-    def mixed_forward_batch(self, decode_tokens, decode_seqs, prefills, stream: int) -> None:
+    def mixed_forward_batch(self, decode_tokens, decode_seqs, prefills, stream: int
+                            ) -> Optional[list[tuple[int, int]]]:
         rows = self._decode_rows(decode_tokens, decode_seqs, cancel=False)
         rows.extend(self._slice(self._seq(sl.seq), sl.prompt, sl.start, sl.length) for sl in prefills)
         self.rows = rows
@@ -444,12 +446,14 @@ class ScriptedDevice:
             slices = ", ".join(f'"{self._slice_text(sl)}"' for sl in prefills)
             self.lines.append(f"mixed_forward_batch(decode={_list(decode_tokens)}, prefills=[{slices}], "
                               f"stream={stream})")
+        return None
 
-    def prefill_batch_chunk(self, prefills, stream: int) -> None:
+    def prefill_batch_chunk(self, prefills, stream: int) -> Optional[list[tuple[int, int]]]:
         self.rows = [self._slice(self._seq(sl.seq), sl.prompt, sl.start, sl.length) for sl in prefills]
         if self.lines is not None:
             slices = ", ".join(f'"{self._slice_text(sl)}"' for sl in prefills)
             self.lines.append(f"prefill_batch_chunk(streams=[{slices}], stream={stream})")
+        return None
 
     def normalize_ssm_states(self, seq: int, stream: int) -> None:
         s = self._seq(seq)

@@ -47,10 +47,10 @@ checker reports as ``device_refused``, never a fault the scheduler may absorb):
 
 Prefix cache (``prefix_cache``): ``cache_sequence`` remembers the body of the sequence's prompt
 (every token after the first, which is the request id); a later first prefill whose body shares
-whole blocks with a remembered one reports those tokens as cached (``cached[request id]``). Only a
-prefill or prefill chunk of one sequence looks the cache up, as on the torch device: a batched or
-mixed forward's first chunk computes every row (its answer, ``ForwardDone``, has one count, not one
-per sequence), so it finds nothing cached. The
+whole blocks with a remembered one reports those tokens as cached (``cached[request id]``): a
+prefill or prefill chunk of one sequence in its answer's one count, a batched or mixed forward as
+(sequence id, tokens) of each first chunk that found any (specs/scheduler.md §5.10), as the torch
+device does. The
 ``reclaimable`` blocks are part of ``held_blocks``: a reclaim moves them to the free pool.
 Adapters: ``adapters`` maps an adapter slot to its id (slot -1, the base model, is id 0).
 
@@ -344,14 +344,13 @@ class SimBase(ScriptedDevice):
             if start > 0 and not last and length >= 4 and length % 4:
                 raise self._bad(call, f"a non-last chunk of {length} tokens is no multiple of 4")
 
-    def _first_prefill(self, s: ScriptedSequence, prompt, looks_up: bool = True) -> int:
-        """The prefix-cache hit a first prefill reports (0 when the cache is off or misses, or the
-        forward does not look the cache up: ``looks_up`` false, a batched or mixed forward)."""
+    def _first_prefill(self, s: ScriptedSequence, prompt) -> int:
+        """The prefix-cache hit a first prefill reports (0 when the cache is off or misses)."""
         rid = self._rid(s)
         if rid in self.prefilled:
             return 0
         self.prefilled.add(rid)
-        if not self.prefix_cache or not looks_up:
+        if not self.prefix_cache:
             return 0
         body = tuple(prompt[1:])
         best = 0
@@ -387,7 +386,7 @@ class SimBase(ScriptedDevice):
         super().prefill_chunk(seq, prompt, start, length, last, stream)
         return self._first_prefill(s, prompt) if start == 0 else 0
 
-    def _check_slices(self, call: str, decode_seqs, prefills, decode_tokens=()) -> None:
+    def _check_slices(self, call: str, decode_seqs, prefills, decode_tokens=()) -> Optional[list[tuple[int, int]]]:
         names = list(decode_seqs) + [sl.seq for sl in prefills]
         if len(names) != len(set(names)):
             raise self._bad(call, f"a sequence appears twice in {names}")
@@ -398,29 +397,36 @@ class SimBase(ScriptedDevice):
                 raise self._bad(call, f"{len(decode_seqs)} decode rows and chunks {[sl.length for sl in prefills]} "
                                       f"in one forward, over max_batch_tokens {self.max_batch_tokens}")
         self._runs(call, decodes=tuple(zip(decode_tokens, decode_seqs, strict=False)), prefills=prefills)
+        hits = []
         for sl in prefills:
             self._check_slice(call, self._seq(sl.seq), sl.prompt, sl.start, sl.length, sl.last)
             if sl.start == 0:
                 self._ring_reset(self._seq(sl.seq))
-                self._first_prefill(self._seq(sl.seq), sl.prompt, looks_up=False)
+                hit = self._first_prefill(self._seq(sl.seq), sl.prompt)
+                if hit:
+                    hits.append((sl.seq, hit))
+        return hits or None
 
-    def mixed_forward(self, decode_tokens, decode_seqs, prefill, stream: int) -> None:
+    def mixed_forward(self, decode_tokens, decode_seqs, prefill, stream: int) -> Optional[list[tuple[int, int]]]:
         self._blame(list(decode_seqs) + [prefill.seq])
-        self._check_slices("mixed_forward", decode_seqs, (prefill,), decode_tokens)
+        hits = self._check_slices("mixed_forward", decode_seqs, (prefill,), decode_tokens)
         super().mixed_forward(decode_tokens, decode_seqs, prefill, stream)
         self.blamed = None
+        return hits
 
-    def mixed_forward_batch(self, decode_tokens, decode_seqs, prefills, stream: int) -> None:
+    def mixed_forward_batch(self, decode_tokens, decode_seqs, prefills, stream: int) -> Optional[list[tuple[int, int]]]:
         self._blame(list(decode_seqs) + [sl.seq for sl in prefills])
-        self._check_slices("mixed_forward_batch", decode_seqs, prefills, decode_tokens)
+        hits = self._check_slices("mixed_forward_batch", decode_seqs, prefills, decode_tokens)
         super().mixed_forward_batch(decode_tokens, decode_seqs, prefills, stream)
         self.blamed = None
+        return hits
 
-    def prefill_batch_chunk(self, prefills, stream: int) -> None:
+    def prefill_batch_chunk(self, prefills, stream: int) -> Optional[list[tuple[int, int]]]:
         self._blame([sl.seq for sl in prefills])
-        self._check_slices("prefill_batch_chunk", (), prefills)
+        hits = self._check_slices("prefill_batch_chunk", (), prefills)
         super().prefill_batch_chunk(prefills, stream)
         self.blamed = None
+        return hits
 
     def decode_batch(self, tokens, seqs, stream: int) -> None:
         if len(set(seqs)) != len(seqs):

@@ -5,7 +5,7 @@ sampling."""
 from __future__ import annotations
 
 from itertools import accumulate
-from typing import Optional
+from typing import Optional, Sequence
 
 import structlog
 import torch
@@ -62,20 +62,37 @@ class Forwards(Ahead):
         return s.cached_tokens if start == 0 else 0
 
     def _batched_commit_forward(self, rows: list[tuple[DeviceSeq, list[int]]], what: str, stream: int,
-                                kind: str) -> None:
+                                kind: str, fresh: Sequence[bool] = ()) -> Optional[list[tuple[int, int]]]:
         """One forward over several sequences' rows, all committed; the row table holds each
-        sequence's last row, in order."""
+        sequence's last row, in order. A row marked ``fresh`` is a prompt's first chunk into an
+        empty slot: it starts from the prefix cache as a lone prefill does (``engine.attach_prefix``)
+        and only its other rows run. Returns (sequence id, tokens found cached) of the fresh rows
+        that found any, or None."""
         seqs = [s for s, _ in rows]
         self._settle_many(seqs, what)
         slots = [s.slot for s in seqs]
         lists = [toks for _, toks in rows]
+        engine = self.engine
         self._room_for(list(zip(slots, map(len, lists), strict=True)), what)
+        cached = [0] * len(rows)
         with self._errors(what), self.streams.use(stream):
-            logits = self.engine.commit_forward(slots, lists)
+            for i, is_fresh in enumerate(fresh):
+                if is_fresh:
+                    cached[i] = engine.attach_prefix(slots[i], lists[i])
+            logits = engine.commit_forward(slots, [toks[c:] for toks, c in zip(lists, cached, strict=True)])
         self._count(kind, what)
-        self._set_rows(logits, [(s.seq_id, len(t) - 1) for s, t in rows])
+        last = [len(t) - c - 1 for t, c in zip(lists, cached, strict=True)]
+        hits: list[tuple[int, int]] = []
+        for i, s in enumerate(seqs):
+            if cached[i]:
+                last[i] = engine.capture_prompt(s.slot, len(lists[i]))
+                s.cached_tokens = cached[i]
+                self.stats.cached_prompt_tokens += cached[i]
+                hits.append((s.seq_id, cached[i]))
+        self._set_rows(logits, [(s.seq_id, row) for s, row in zip(seqs, last, strict=True)])
         for s in seqs:
             self._ctx_catch_up(s)
+        return hits or None
 
     def _slice_rows(self, sl) -> tuple[DeviceSeq, list[int]]:
         s = self._seq(sl.seq)
@@ -85,17 +102,25 @@ class Forwards(Ahead):
                                    f"holds {committed} tokens")
         return s, list(sl.prompt[sl.start:sl.start + sl.length])
 
-    def mixed_forward(self, decode_tokens, decode_seqs, prefill, stream: int) -> None:
-        self.mixed_forward_batch(decode_tokens, decode_seqs, (prefill,), stream)
+    def _fresh(self, prefills) -> list[bool]:
+        """Which slices are a prompt's first chunk into an empty slot (prefix-cache candidates)."""
+        engine = self.engine
+        return [sl.start == 0 and engine.seq_len(self._seq(sl.seq).slot) == 0
+                and not engine.block_table(self._seq(sl.seq).slot) for sl in prefills]
 
-    def mixed_forward_batch(self, decode_tokens, decode_seqs, prefills, stream: int) -> None:
+    def mixed_forward(self, decode_tokens, decode_seqs, prefill, stream: int) -> Optional[list[tuple[int, int]]]:
+        return self.mixed_forward_batch(decode_tokens, decode_seqs, (prefill,), stream)
+
+    def mixed_forward_batch(self, decode_tokens, decode_seqs, prefills, stream: int
+                            ) -> Optional[list[tuple[int, int]]]:
         rows = [(self._seq(i), [int(t)]) for t, i in zip(decode_tokens, decode_seqs, strict=True)]
         rows += [self._slice_rows(sl) for sl in prefills]
-        self._batched_commit_forward(rows, "mixed_forward", stream, "decode")
+        fresh = [False] * len(decode_seqs) + self._fresh(prefills)
+        return self._batched_commit_forward(rows, "mixed_forward", stream, "decode", fresh)
 
-    def prefill_batch_chunk(self, prefills, stream: int) -> None:
-        self._batched_commit_forward([self._slice_rows(sl) for sl in prefills], "prefill_batch_chunk", stream,
-                                     "prefill")
+    def prefill_batch_chunk(self, prefills, stream: int) -> Optional[list[tuple[int, int]]]:
+        return self._batched_commit_forward([self._slice_rows(sl) for sl in prefills], "prefill_batch_chunk", stream,
+                                            "prefill", self._fresh(prefills))
 
     def normalize_ssm_states(self, seq: int, stream: int) -> None:
         """GDN states are kept in fp32 and never drift: nothing to normalize."""

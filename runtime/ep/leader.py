@@ -297,22 +297,25 @@ class EpLeaderDevice:
     def _slices(self, prefills) -> list[Rows]:
         return [Rows(self._slot(sl.seq), sl.start, sl.prompt[sl.start:sl.start + sl.length]) for sl in prefills]
 
-    def mixed_forward(self, decode_tokens, decode_seqs, prefill, stream: int) -> None:
+    def mixed_forward(self, decode_tokens, decode_seqs, prefill, stream: int):
         self._announcement()
-        self.inner.mixed_forward(decode_tokens, decode_seqs, prefill, stream)
+        hits = self.inner.mixed_forward(decode_tokens, decode_seqs, prefill, stream)
         decodes = [self._at_end(s, (t,)) for t, s in zip(decode_tokens, decode_seqs, strict=True)]
         self._rows(decodes + self._slices([prefill]), committed=True)
+        return hits
 
-    def mixed_forward_batch(self, decode_tokens, decode_seqs, prefills, stream: int) -> None:
+    def mixed_forward_batch(self, decode_tokens, decode_seqs, prefills, stream: int):
         self._announcement()
-        self.inner.mixed_forward_batch(decode_tokens, decode_seqs, prefills, stream)
+        hits = self.inner.mixed_forward_batch(decode_tokens, decode_seqs, prefills, stream)
         decodes = [self._at_end(s, (t,)) for t, s in zip(decode_tokens, decode_seqs, strict=True)]
         self._rows(decodes + self._slices(prefills), committed=True)
+        return hits
 
-    def prefill_batch_chunk(self, prefills, stream: int) -> None:
+    def prefill_batch_chunk(self, prefills, stream: int):
         self._announcement()
-        self.inner.prefill_batch_chunk(prefills, stream)
+        hits = self.inner.prefill_batch_chunk(prefills, stream)
         self._rows(self._slices(prefills), committed=True)
+        return hits
 
     def decode_batch(self, tokens, seqs, stream: int) -> None:
         """A plan's forward: the interpreter turns its DeviceError into the plan's DeviceFault."""

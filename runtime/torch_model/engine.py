@@ -537,6 +537,18 @@ class HybridEngine(DecodePath):
         recomputed; `cached_prompt_tokens(slot)` reports how many were reused. Afterwards
         captured_hidden(slot) covers the whole prompt (cached rows included).
         """
+        cached = self.attach_prefix(slot, tokens)
+        logits = self.prefill_chunk(slot, tokens[cached:], cached)
+        self.capture_prompt(slot, len(tokens))
+        return logits
+
+    def attach_prefix(self, slot: int, tokens: Sequence[int]) -> int:
+        """Start an empty slot's prompt `tokens` from the prefix cache: the deepest run of cached
+        full blocks that ends at a GDN snapshot (at most (len(tokens) - 1) // block_size, so one
+        token at least is left to compute) becomes the slot's first blocks, with their GDN state,
+        hidden rows and drafter features; returns the tokens attached (0 on a miss). The caller
+        then commits tokens[returned:] (one slot alone, or beside other slots' rows in a batched
+        forward) and calls `capture_prompt`."""
         state = self._slot(slot)
         if state.seq_len or state.block_table:
             raise SlotError(f"slot {slot}: prefill needs an empty slot (seq_len={state.seq_len}); use prefill_chunk")
@@ -568,12 +580,18 @@ class HybridEngine(DecodePath):
             state.tokens = [int(t) for t in tokens[:cached]]
             state.seq_len = cached
         state.cached_prompt_tokens = cached
-        logits = self.prefill_chunk(slot, tokens[cached:], cached)
+        return cached
+
+    def capture_prompt(self, slot: int, n: int) -> int:
+        """After a prompt's first `n` tokens are committed (some from the prefix cache): the slot's
+        captured rows become all `n` (cached rows included) where hidden rows or drafter features
+        are kept. Returns the index of the last row in the slot's captured rows."""
         if self.keeps_hidden:  # the whole prompt's rows, cached ones included (MTP reads the last)
-            self._captured[slot] = Captured(self.hidden_history[slot, :len(tokens)].clone())
+            self._captured[slot] = Captured(self.hidden_history[slot, :n].clone())
         if self.dflash_features is not None:
-            self._captured_features[slot] = Captured(self.dflash_features[slot, :len(tokens)].clone())
-        return logits
+            self._captured_features[slot] = Captured(self.dflash_features[slot, :n].clone())
+        captured = self._captured[slot]
+        return captured.rows().shape[0] - 1 if captured is not None else n - 1
 
     @torch.no_grad()
     def prefill_chunk(self, slot: int, tokens: Sequence[int], start: int) -> torch.Tensor:
