@@ -74,10 +74,15 @@ def _ids(vocab: int) -> dict[str, Any]:
     return {"type": "integer", "minimum": 0, "maximum": vocab - 1}
 
 
+def _float_bound(schema: dict[str, Any], field: str) -> None:
+    bound = FLOAT_BOUNDS[field]
+    low = {"exclusiveMinimum": bound.low} if bound.open_low else {"minimum": bound.low}
+    _narrow(schema, field, maximum=bound.high, **low)
+
+
 def _sampling(schema: dict[str, Any], limits: Limits) -> None:
-    for field, bound in FLOAT_BOUNDS.items():
-        low = {"exclusiveMinimum": bound.low} if bound.open_low else {"minimum": bound.low}
-        _narrow(schema, field, maximum=bound.high, **low)
+    for field in FLOAT_BOUNDS:
+        _float_bound(schema, field)
     _narrow(schema, "n", minimum=1, maximum=MAX_N)
     _narrow(schema, "seed", minimum=-MAX_SEED, maximum=MAX_SEED)
     _narrow(schema, "top_k", minimum=-1, description="-1 or 0: off")
@@ -143,9 +148,7 @@ def _tokenize(schema: dict[str, Any]) -> None:
 
 def _responses(schema: dict[str, Any], refused: Iterable[tuple[str, tuple[Any, ...]]]) -> None:
     for field in ("temperature", "top_p"):
-        bound = FLOAT_BOUNDS[field]
-        low = {"exclusiveMinimum": bound.low} if bound.open_low else {"minimum": bound.low}
-        _narrow(schema, field, maximum=bound.high, **low)
+        _float_bound(schema, field)
     _narrow(schema, "max_output_tokens", minimum=1, description="at most the context the input leaves")
     for branch in _branches(schema["properties"]["input"]):
         if branch.get("type") == "array":
