@@ -203,6 +203,24 @@ def test_every_generated_token_has_a_logprob_the_first_included(server, tok, hf_
 # --- generate_until shape, EOS fields, stop token ids ----------------------------------------------
 
 
+def test_a_stream_sends_a_chunk_per_token_even_when_its_text_is_empty(server, tok):
+    """vLLM streams one chunk per generated token, its text empty where the token shows nothing
+    (a skipped special token, an incomplete character): clients time TTFT and inter-token latency
+    by chunks (``vllm bench serve`` does). ``<|im_start|>`` is special and not an EOS here."""
+    special = tok.tokenizer.token_to_id("<|im_start|>")
+    client = server.client()
+    stream = client.completions.create(model=MODEL, prompt=CONTEXT, max_tokens=5, temperature=0, stream=True,
+                                       logprobs=0, logit_bias={str(special): 100})
+    chunks = [c.choices[0] for c in stream if c.choices]
+    assert all(c.text == "" for c in chunks), [(c.text, c.finish_reason) for c in chunks]
+    # a chunk per token, each with its own token's logprobs, then the finish
+    assert [len(c.logprobs.tokens) if c.logprobs else 0 for c in chunks] == [1] * 5 + [0]
+    assert [c.finish_reason for c in chunks] == [None] * 5 + ["length"]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0, stream=True, logit_bias={str(special): 100})
+    assert len([c for c in chat if c.choices]) >= 4
+
+
 def test_generate_until_shape(server, tok):
     """lm-eval generate_until: several prompts, ``stop`` strings, temperature 0, a seed."""
     client = server.client()

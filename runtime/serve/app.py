@@ -484,7 +484,10 @@ def create_app(engine: ServeEngine, limits: Limits, state: Optional[ServeState] 
                     reason = "tool_calls" if parser.calls and event.finish_reason == "stop" else event.finish_reason
                     yield _sse(fmt.chunk(event.index, None, lp, reason, stop_reason=event.stop_reason))
                 continue
-            if event.text:
+            if event.text or (event.tokens and not event.final):
+                # a chunk per frame that brought tokens, its text empty while the detokenizer holds
+                # it back (an incomplete character, a possible stop string), as vLLM streams: a
+                # client timing chunks (TTFT, inter-token latency) sees every token arrive
                 tokens, records = choice.flush_pending()
                 yield _sse(fmt.chunk(event.index, event.text, fmt.logprobs(choice, tokens, records)))
             if event.final:
