@@ -103,3 +103,32 @@ def test_a_sequence_longer_than_the_bound_runs_whole(ckpt):
     torch.testing.assert_close(cut.prefill(0, prompts[0]), whole.prefill(0, prompts[0]), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(cut.commit_forward([1, 0], [prompts[1], [4, 5]]),
                                whole.commit_forward([1, 0], [prompts[1], [4, 5]]), atol=1e-4, rtol=1e-4)
+
+
+def test_decode_rows_beside_a_prompt_chunk_run_unpadded_under_the_row_bound(ckpt, monkeypatch):
+    """A mixed step (decode rows beside a prompt chunk) well within forward_rows still runs as
+    groups of like lengths, not one batch padded to the chunk, and its logits are the one
+    forward's."""
+    rng = random.Random(7)
+    whole, grouped = _engine(ckpt, None), _engine(ckpt, 64)
+    vocab = whole.cfg.vocab_size
+    heads = [[rng.randrange(vocab) for _ in range(5)] for _ in range(3)]
+    chunk = [rng.randrange(vocab) for _ in range(12)]
+    for engine in (whole, grouped):
+        for slot, head in enumerate(heads):
+            engine.alloc(slot)
+            engine.prefill(slot, head)
+        engine.alloc(3)
+    shapes: list[tuple[int, int]] = []
+    real = grouped._forward
+
+    def counted(slots, token_lists, **kw):
+        shapes.append((len(slots), max(len(t) for t in token_lists)))
+        return real(slots, token_lists, **kw)
+
+    monkeypatch.setattr(grouped, "_forward", counted)
+    rows = [[rng.randrange(vocab)] for _ in heads] + [chunk]
+    want = whole.commit_forward([0, 1, 2, 3], rows)
+    got = grouped.commit_forward([0, 1, 2, 3], rows)
+    assert 4 * 12 <= 64 and sorted(shapes) == [(1, 12), (3, 1)]  # within the bound, yet two forwards
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -609,7 +609,10 @@ class HybridEngine(DecodePath):
         similar length (batch_groups.row_groups), each committed before the next runs."""
         lengths = [len(toks) for toks in token_lists]
         groups = [list(range(len(slots)))]
-        if self.forward_rows is not None and len(lengths) * max(lengths, default=0) > self.forward_rows:
+        # on the CPU a batch is padded to its longest row count: rows of unlike lengths (a mixed
+        # step's decode rows beside a prompt chunk) run as groups of like lengths instead
+        if self.forward_rows is not None and (len(lengths) * max(lengths, default=0) > self.forward_rows
+                                              or min(lengths, default=0) * 2 < max(lengths, default=0)):
             groups = row_groups(lengths, self.forward_rows)
         parts = []
         for group in groups:
@@ -619,9 +622,11 @@ class HybridEngine(DecodePath):
             parts.append(out.logits)
         if len(parts) == 1:
             return parts[0]
-        ran = [i for g in groups for i in g]  # the order the logits rows come in
-        back = sorted(range(len(ran)), key=ran.__getitem__)
-        return torch.cat(parts).index_select(0, torch.tensor(back, device=parts[0].device))
+        rows: list[torch.Tensor] = [parts[0][0]] * len(slots)  # each sequence's row, back in order (no index copy)
+        for group, part in zip(groups, parts, strict=True):
+            for j, i in enumerate(group):
+                rows[i] = part[j]
+        return torch.stack(rows)
 
     def fill_token(self, slot: int, position: int, token: int) -> None:
         """The value of a committed token fed from the device (``decode_batch``'s device_tokens)."""
