@@ -431,6 +431,8 @@ def _strategy(hint: Any) -> st.SearchStrategy:
         return st.one_of(*(_strategy(a) for a in args))
     if origin is tuple and len(args) == 2 and args[1] is Ellipsis:
         return st.lists(_strategy(args[0]), max_size=5).map(tuple)
+    if origin is tuple and Ellipsis not in args:
+        return st.tuples(*(_strategy(a) for a in args))
     if hint is Request:
         return _requests()
     raise AssertionError(f"no strategy for a field of type {hint!r}: extend _strategy")
