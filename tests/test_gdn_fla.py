@@ -78,6 +78,7 @@ def test_a_prefill_through_the_fla_path_equals_the_torch_chunked_prefill(monkeyp
             monkeypatch.setattr(gdn_module, "fla_prefill_applies", lambda q: True)
             monkeypatch.setattr(gdn_fla, "fla_chunk_kernel", lambda: kernel)
         engine = HybridEngine.from_pretrained(default_model_dir(), max_slots=4, block_size=16)
+        engine.forward_rows = None  # one forward, as on CUDA (specs/cpu-kernels.md §15.7)
         for slot in range(3):
             engine.alloc(slot)
         got[path] = (engine.commit_forward([0, 1, 2], prompts), [engine.gdn_state(s) for s in range(3)])

@@ -9,7 +9,8 @@ sampling_fields.py, request_models.py, responses.py): the sampling numbers' rang
 ``MAX_STOP_STRINGS``); token ids inside the served vocabulary (prompts, ``stop_token_ids``,
 ``/detokenize``); ``logit_bias`` keys and values; prompts and message lists that are not empty;
 a field declared but not honoured (``REFUSED``) takes only its neutral values; ``/tokenize`` takes
-``prompt`` or ``messages``, one of them.
+``prompt`` or ``messages``, one of them; the Responses API's input items are the three shapes it
+maps (a message of a known role with text content, a function call, a function call's output).
 
 What a schema cannot say, and stays a 400 the document describes in words: rules between two
 fields or between a field and the tokenized prompt (``max_tokens`` against the context the prompt
@@ -146,13 +147,31 @@ def _tokenize(schema: dict[str, Any]) -> None:
     ]
 
 
-def _responses(schema: dict[str, Any], refused: Iterable[tuple[str, tuple[Any, ...]]]) -> None:
+def _input_items(roles: Iterable[str], text_parts: Iterable[str]) -> dict[str, Any]:
+    """The Responses input items the server takes (responses.py ``input_messages``): a message of
+    a role it maps, with text content; a function call; a function call's output."""
+    part = {"type": "object", "required": ["type", "text"],
+            "properties": {"type": {"enum": list(text_parts)}, "text": {"type": "string"}}}
+    text = {"anyOf": [{"type": "string"}, {"type": "array", "items": part}]}
+    string = {"type": "string"}
+    return {"oneOf": [
+        {"type": "object", "required": ["role", "content"],
+         "properties": {"type": {"enum": ["message"]}, "role": {"enum": list(roles)}, "content": text}},
+        {"type": "object", "required": ["type", "call_id", "name", "arguments"],
+         "properties": {"type": {"enum": ["function_call"]}, "call_id": string, "name": string, "arguments": string}},
+        {"type": "object", "required": ["type", "call_id", "output"],
+         "properties": {"type": {"enum": ["function_call_output"]}, "call_id": string, "output": text}},
+    ]}
+
+
+def _responses(schema: dict[str, Any], refused: Iterable[tuple[str, tuple[Any, ...]]], roles: Iterable[str],
+               text_parts: Iterable[str]) -> None:
     for field in ("temperature", "top_p"):
         _float_bound(schema, field)
     _narrow(schema, "max_output_tokens", minimum=1, description="at most the context the input leaves")
     for branch in _branches(schema["properties"]["input"]):
         if branch.get("type") == "array":
-            branch["items"] = {"type": "object", "description": "a message or a function call item"}
+            branch.update(minItems=1, items=_input_items(roles, text_parts))
     for field, neutral in refused:
         _only(schema, field, neutral)
 
@@ -160,7 +179,7 @@ def _responses(schema: dict[str, Any], refused: Iterable[tuple[str, tuple[Any, .
 def narrow(schemas: dict[str, Any], limits: Limits) -> None:
     """Narrow the request models' schemas in ``schemas`` (``components.schemas`` of the document,
     with every request model already in it) to what a request to this server may hold."""
-    from fxsched.runtime.serve.responses import REFUSED as RESPONSES_REFUSED
+    from fxsched.runtime.serve.responses import REFUSED as RESPONSES_REFUSED, ROLES, TEXT_PARTS
 
     for name in _SAMPLED:
         _sampling(schemas[name], limits)
@@ -168,4 +187,4 @@ def narrow(schemas: dict[str, Any], limits: Limits) -> None:
     _chat(schemas["ChatCompletionRequest"])
     _tokenize(schemas["TokenizeRequest"])
     _narrow(schemas["DetokenizeRequest"], "tokens", items=_ids(limits.vocab_size))
-    _responses(schemas["ResponsesRequest"], RESPONSES_REFUSED)
+    _responses(schemas["ResponsesRequest"], RESPONSES_REFUSED, ROLES, TEXT_PARTS)
