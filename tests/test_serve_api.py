@@ -174,6 +174,8 @@ def test_responses_function_tools_parse_as_the_chat_path_does(server, tok):
     ({"input": []}, "input"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
     ({"input": [{"role": "robot", "content": "hi"}]}, "input[0].role"),
+    ({"input": [{"type": "message", "role": {}, "content": ""}]}, "input[0].role"),  # found by schemathesis: was a 500
+    ({"input": [{"type": {}, "role": "user", "content": ""}]}, "input[0].type"),
     ({"input": [{"type": "web_search_call"}]}, "input[0].type"),
     ({"max_output_tokens": 0}, "max_output_tokens"),
     ({"max_output_tokens": 10**9}, "max_output_tokens"),

@@ -141,7 +141,7 @@ def input_messages(req: ResponsesRequest) -> tuple[list[dict[str, Any]], list[st
             merging = True
         elif kind == "message":
             role = item.get("role")
-            if role not in ROLES:
+            if not isinstance(role, str) or role not in ROLES:  # (a dict is not hashable: no membership test)
                 raise bad_request(f"must be one of {', '.join(ROLES)}, got {json.dumps(role)[:40]}", f"{where}.role")
             messages.append({"role": ROLES[role], "content": _text_of(item.get("content"), f"{where}.content")})
             merging = False
