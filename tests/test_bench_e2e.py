@@ -137,7 +137,8 @@ def test_parser_defaults():
     assert (args.batches, args.rounds, args.threads, args.prompt_len, args.max_tokens, args.spec) == \
         ((1, 8, 32), 3, 1, 512, 64, "none")
     lora = e2e.build_parser().parse_args(["--lora"])
-    assert e2e._checked(lora) == ["fxsched", "fxsched-lora"] and lora.batches == (8,)
+    assert e2e._checked(lora) == ["fxsched", "fxsched-lora"] and lora.batches == (8,)  # vLLM's only with --vllm-python
+    assert not args.vllm_eager  # vLLM as shipped (compiled) unless asked
     assert (lora.lora_adapters, lora.lora_rank, lora.threads) == (4, 16, 1)
 
 
@@ -156,7 +157,8 @@ def test_lora_compares_adapted_decoding_with_the_base(ckpt, tmp_path):
     lora = cells["fxsched-lora"]
     assert lora["decode_tok_s"] > 0 and lora["same_tokens"] is None
     assert lora["tokens"] != cells["fxsched"]["tokens"]  # the adapters act
-    assert report["lora"] == {"adapters": 4, "rank": 8, "decode_x": {"4": lora["decode_x"]}}
+    assert report["lora"] == {"adapters": 4, "rank": 8, "decode_x": {"4": lora["decode_x"]},
+                              "vllm_decode_x": {"4": None}, "vs_vllm": {"4": None}}
     # the adapters are PEFT's format: the loader takes them
     dirs = e2e_models.build_adapters(ckpt, tmp_path, 2, 8)
     assert [d.name for d in dirs] == ["adapter-0", "adapter-1"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -162,6 +163,7 @@ def test_each_adapter_by_model_name_gives_pefts_tokens_and_the_base_name_the_bas
             c.completions.create(model="nope", prompt=PROMPTS[0], max_tokens=2)
         m = metrics(serving)
         assert m["fxsched_lora_adapters_resident"] == 2 and m["fxsched_lora_loads_total"] == 2
+        assert m["fxsched_lora_evictions_total"] == 0  # a slot per adapter: none swapped
         assert m["fxsched_lora_requests_total{lora_name=sql}"] == len(PROMPTS) + 1 + len(PROMPTS) * 2
         info = [k for k in m if k.startswith("vllm:lora_requests_info")]
         assert len(info) == 1 and "max_lora=2" in info[0], info
@@ -179,12 +181,9 @@ def test_load_and_unload_at_run_time(setup, tmp_path):
         assert [m.id for m in c.models.list().data] == [BASE, "sql", "third"]
         want = reference(setup, "third", PROMPTS[0], eos)
         assert served_tokens(serving, c, "third", PROMPTS[0]) == as_strings(serving, want)
-        # refusals name the adapter: taken name, no free slot (--max-loras 2), a bad adapter
+        # refusals name the adapter: a taken name, a bad adapter (below)
         again = post(serving, "/v1/load_lora_adapter", lora_name="third", lora_path=third)
         assert again.status_code == 400 and "'third' has already been loaded" in again.json()["error"]["message"]
-        full = post(serving, "/v1/load_lora_adapter", lora_name="chat", lora_path=str(setup.dirs["chat"]))
-        assert full.status_code == 400 and "'chat'" in full.json()["error"]["message"]
-        assert "--max-loras" in full.json()["error"]["message"]
         # an unload while a request still streams with the adapter: 400; after it: 200
         stream = c.completions.create(model="third", prompt=PROMPTS[1], max_tokens=40, temperature=0, stream=True,
                                       extra_body={"ignore_eos": True})
@@ -212,13 +211,19 @@ def test_load_and_unload_at_run_time(setup, tmp_path):
         message = refused.json()["error"]["message"]
         assert refused.status_code == 400 and "'big'" in message and "adapter_config.json" in message, message
         assert "above the pool's max LoRA rank 16" in message
-        r = post(serving, "/v1/load_lora_adapter", lora_name="chat", lora_path=str(setup.dirs["chat"]))
-        assert r.status_code == 200
-        want = reference(setup, "chat", PROMPTS[2], eos)
-        assert served_tokens(serving, c, "chat", PROMPTS[2]) == as_strings(serving, want)
+        # two adapters listed with one slot free: the second waits on disk until named
+        for name in ("chat", "third"):
+            r = post(serving, "/v1/load_lora_adapter", lora_name=name, lora_path=str(setup.dirs[name]))
+            assert r.status_code == 200, r.text
         m = metrics(serving)
-        assert m["fxsched_lora_loads_total"] == 3 and m["fxsched_lora_unloads_total"] == 1
-        assert m["fxsched_lora_adapters_resident"] == 2
+        assert m["fxsched_lora_adapters_served"] == 3 and m["fxsched_lora_adapters_resident"] == 2
+        for name, prompt in (("chat", PROMPTS[2]), ("third", PROMPTS[0]), ("sql", PROMPTS[1])):
+            want = reference(setup, name, prompt, eos)
+            assert served_tokens(serving, c, name, prompt) == as_strings(serving, want), name
+        m = metrics(serving)
+        # sql, third (at start / listed), chat, then third again and sql again on demand
+        assert m["fxsched_lora_loads_total"] == 5 and m["fxsched_lora_unloads_total"] == 1, m
+        assert m["fxsched_lora_evictions_total"] == 2 and m["fxsched_lora_adapters_resident"] == 2
 
 
 def test_a_bad_adapter_on_the_command_line_is_one_line_exit_2(setup, tmp_path, capsys):
@@ -250,12 +255,49 @@ def test_bad_lora_flags_are_refused_before_the_model_loads(setup, capsys, extra,
     assert says in err and len(err.splitlines()) == 1, err
 
 
-def test_more_modules_than_max_loras_and_modules_without_enable_lora_are_refused(setup):
-    args = build_parser().parse_args(serve_argv(setup, "--lora-modules", f"a={setup.dirs['sql']}",
-                                                f"b={setup.dirs['chat']}", "--max-loras", "1"))
-    with pytest.raises(UsageError, match="2 adapters, more than --max-loras 1"):
-        with open_serving(args):
+def test_more_adapters_than_slots_are_loaded_on_demand(setup):
+    """--max-loras 1 with three adapters: each request's adapter is loaded into the one slot when the
+    slot's adapter has no request in flight; a request for another adapter waits meanwhile, and one
+    cancelled while it waits ends without running."""
+    modules = [f"{name}={setup.dirs[name]}" for name in ADAPTERS]
+    with running(serve_argv(setup, "--lora-modules", *modules, "--max-loras", "1")) as serving:
+        eos = tuple(serving.engine.config.eos_ids or ())
+        c = client(serving)
+        assert [m.id for m in c.models.list().data] == [BASE, *ADAPTERS]
+        want = {(name, i): reference(setup, name, p, eos) for name in (None, *ADAPTERS) for i, p in enumerate(PROMPTS)}
+        # concurrent requests over the three adapters and the base: each its own adapter's tokens
+        jobs = [(name, i) for i in range(len(PROMPTS)) for name in (*ADAPTERS, None)]
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            got = list(pool.map(lambda job: served_tokens(serving, c, job[0] or BASE, PROMPTS[job[1]]), jobs))
+        for job, tokens in zip(jobs, got, strict=True):
+            assert tokens == as_strings(serving, want[job]), job
+        # while a stream runs with "sql", a request for "chat" waits; cancelled there, it never runs
+        stream = c.completions.create(model="sql", prompt=PROMPTS[1], max_tokens=40, temperature=0, stream=True,
+                                      extra_body={"ignore_eos": True})
+        next(iter(stream))
+        resident = serving.engine.adapters.resident()
+        assert list(resident) == ["sql"]
+        with httpx.stream("POST", serving.url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                          json={"model": "chat", "prompt": PROMPTS[0], "max_tokens": 4, "stream": True},
+                          timeout=60) as waiting:
+            assert waiting.status_code == 200
+            [info] = [k for k in metrics(serving) if k.startswith("vllm:lora_requests_info")]
+            assert "waiting_lora_adapters=chat" in info and "running_lora_adapters=sql" in info, info
+        deadline = time.monotonic() + 30
+        while serving.engine.live > 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert serving.engine.live == 1  # the waiting choice ended; the stream goes on
+        for _ in stream:
             pass
+        assert serving.engine.recent[-1].finish_reason == "length"
+        aborted = [r for r in serving.engine.recent if r.cancelled]
+        assert aborted and aborted[-1].finish_reason == "abort" and aborted[-1].completion_tokens == 0
+        m = metrics(serving)
+        assert m["fxsched_lora_adapters_resident"] == 1 and m["fxsched_lora_adapters_served"] == 3
+        assert m["fxsched_lora_evictions_total"] >= 2 and m["fxsched_lora_loads_total"] >= 3
+
+
+def test_modules_without_enable_lora_are_refused(setup):
     argv = [a for a in serve_argv(setup, "--lora-modules", f"a={setup.dirs['sql']}") if a != "--enable-lora"]
     with pytest.raises(UsageError, match="--lora-modules: needs --enable-lora"):
         with open_serving(build_parser().parse_args(argv)):

@@ -26,12 +26,17 @@ children's); ``decode_x`` / ``prefill_x`` the engine's rate over fxsched's at th
 position of the first differing prompt; random weights leave near-ties that bf16 rounding can flip,
 so a late difference is not a fault, an early one at every batch is).
 
-``--lora``: the cost of LoRA adapters (specs/lora.md §18.7): engine ``fxsched-lora`` is fxsched with
-``--lora-adapters`` (4) random PEFT adapters of rank ``--lora-rank`` (16) on every attention and MLP
-projection (``e2e_models.build_adapters``, built in the cell), request i on adapter i mod 4, against
-``fxsched`` on the same prompts without adapters, rounds interleaved; defaults ``--engines
-fxsched,fxsched-lora --batches 8``. ``decode_x`` of the fxsched-lora cell is the ratio (the record's
-``lora`` names it).
+``--lora``: the cost of LoRA adapters (specs/lora.md §18.7): ``--lora-adapters`` (4) random PEFT
+adapters of rank ``--lora-rank`` (16) on every attention and MLP projection
+(``e2e_models.build_adapters``, built once per model and read by every cell), request i on adapter
+i mod their count. Engine ``fxsched-lora`` is fxsched with them loaded, ``vllm-lora`` vLLM with
+``enable_lora`` (``max_loras`` = the adapters, ``max_lora_rank`` = the rank); defaults ``--engines
+fxsched,fxsched-lora`` (plus ``vllm,vllm-lora`` with ``--vllm-python``) and ``--batches 8``. The
+record's ``lora`` gives, per batch, ``decode_x`` (fxsched with adapters / without), ``vllm_decode_x``
+(vLLM with adapters / without) and ``vs_vllm`` (fxsched-lora / vllm-lora decode); vllm-lora's
+``same_tokens`` is against fxsched-lora's (the same adapters on the same prompts).
+
+vLLM runs as shipped (its compiled mode) unless ``--vllm-eager``.
 
 Roofline (batch 1): ``decode_weight_bytes`` (weights one decoded token reads, see e2e_models) against
 the bandwidth of a 256 MiB tensor copy at ``--threads`` threads, counting bytes read + bytes written:
@@ -66,6 +71,7 @@ WORKER = Path(__file__).with_name("e2e_worker.py")
 COLUMNS = ("engine", "batch", "decode tok/s", "prefill tok/s", "TTFT s", "peak RSS GB", "decode x", "prefill x",
            "same tokens")
 GB = 1e9
+LORA_ENGINES = ("fxsched-lora", "vllm-lora")  # engines that run the --lora adapters
 COPY_BYTES = 256 * 1024 * 1024
 
 
@@ -187,14 +193,16 @@ def run_cell(args: argparse.Namespace, engine: str, model: Path, prompts_file: P
     common = ["--engine", engine, "--model", str(model), "--prompts", str(prompts_file), "--max-tokens",
               str(args.max_tokens), "--max-seq-len", str(max_seq_len), "--threads", str(args.threads),
               "--batch", str(batch)]
-    if args.in_process and engine != "vllm":  # tests: the worker's code without the process boundary
+    if args.in_process and not engine.startswith("vllm"):  # tests: the worker's code without the process boundary
         from fxsched.runtime.bench import e2e_worker
 
         return e2e_worker.run_cell(e2e_worker.parse([*common, "--kv-cache-memory", str(budget), "--spec", args.spec,
                                                      *_lora_args(args)]))
     env = _env(args.threads)
-    if engine == "vllm":
-        cmd = [args.vllm_python, str(WORKER), *common, "--dtype", _dtype(config)]
+    if engine.startswith("vllm"):
+        cmd = [args.vllm_python, str(WORKER), *common, "--dtype", _dtype(config), *_lora_args(args)]
+        if args.vllm_eager:
+            cmd.append("--enforce-eager")
         env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(budget / 2**30)))
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in the cell's process (e2e_worker)
     else:
@@ -214,7 +222,8 @@ def run_cell(args: argparse.Namespace, engine: str, model: Path, prompts_file: P
 
 
 def _lora_args(args: argparse.Namespace) -> list[str]:
-    return ["--lora-adapters", str(args.lora_adapters), "--lora-rank", str(args.lora_rank)]
+    paths = getattr(args, "lora_paths", None)
+    return ["--lora-paths", paths, "--lora-rank", str(args.lora_rank)] if paths else []
 
 
 _EXCEPTION = re.compile(r"^(?:[A-Za-z_][\w.]*(?:Error|Exception|Exit)\b|Value error,)")
@@ -264,6 +273,10 @@ def run_model(args: argparse.Namespace, label: str, model: Path, engines: list[s
     tokens: dict[tuple[str, int], list[list[int]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         files = {b: prompt_file(Path(tmp), vocab, b, args) for b in args.batches}
+        args.lora_paths = None
+        if any(e in LORA_ENGINES for e in engines):
+            folders = e2e_models.build_adapters(model, Path(tmp) / "adapters", args.lora_adapters, args.lora_rank)
+            args.lora_paths = ",".join(str(f) for f in folders)
         for r in range(args.rounds):
             for b in args.batches:
                 for engine in engines:
@@ -280,16 +293,28 @@ def run_model(args: argparse.Namespace, label: str, model: Path, engines: list[s
     weight_bytes = e2e_models.decode_weight_bytes(model)
     roof = args.bandwidth / weight_bytes
     fx1 = next((c["decode_tok_s"] for c in cells if c["engine"] == "fxsched" and c["batch"] == 1), None)
-    lora = None
-    if "fxsched-lora" in engines:
-        lora = {"adapters": args.lora_adapters, "rank": args.lora_rank,
-                "decode_x": {str(c["batch"]): c.get("decode_x") for c in cells if c["engine"] == "fxsched-lora"}}
+    lora = _lora_record(args, cells) if any(e in LORA_ENGINES for e in engines) else None
     return {"model": label, "path": str(model), "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
             "threads": args.threads, "rounds": args.rounds, "cells": cells, "lora": lora,
             "roofline": {"decode_weight_bytes": weight_bytes, "copy_bandwidth_bytes_per_s": args.bandwidth,
                          "bandwidth_counts": "bytes read + bytes written", "roofline_tok_s": roof,
                          "fxsched_batch1_decode_tok_s": fx1,
                          "fxsched_pct_of_roofline": 100.0 * fx1 / roof if fx1 is not None else None}}
+
+
+def _lora_record(args: argparse.Namespace, cells: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per batch: fxsched with adapters / without, vLLM with / without, fxsched-lora / vllm-lora."""
+    rate = {(c["engine"], c["batch"]): c.get("decode_tok_s") for c in cells}
+
+    def ratio(a: str, b: str) -> dict[str, Optional[float]]:
+        out = {}
+        for batch in args.batches:
+            x, y = rate.get((a, batch)), rate.get((b, batch))
+            out[str(batch)] = x / y if x is not None and y else None
+        return out
+
+    return {"adapters": args.lora_adapters, "rank": args.lora_rank, "decode_x": ratio("fxsched-lora", "fxsched"),
+            "vllm_decode_x": ratio("vllm-lora", "vllm"), "vs_vllm": ratio("fxsched-lora", "vllm-lora")}
 
 
 def _cell(engine: str, batch: int, got: list[dict[str, Any]],
@@ -301,10 +326,12 @@ def _cell(engine: str, batch: int, got: list[dict[str, Any]],
         return cell
     for key in ("decode_tok_s", "prefill_tok_s", "ttft_s", "peak_rss_gb"):
         cell[key] = _median([g[key] for g in ok])
-    mine, base = tokens.get((engine, batch)), tokens.get(("fxsched", batch))
+    # an adapted run's tokens are its adapters': vLLM's against fxsched's with the same adapters
+    reference = {"fxsched-lora": None, "vllm-lora": "fxsched-lora"}.get(engine, "fxsched")
+    mine = tokens.get((engine, batch))
+    base = tokens.get((reference, batch)) if reference is not None else None
     diff = first_diff(mine, base) if mine is not None and base is not None else None
-    # an adapted run's tokens are its adapters', not the base model's: nothing to compare
-    cell["same_tokens"] = None if base is None or mine is None or engine == "fxsched-lora" else diff is None
+    cell["same_tokens"] = None if base is None or mine is None else diff is None
     cell["first_diff"] = diff
     cell["tokens"] = mine
     return cell
@@ -353,9 +380,13 @@ def format_model(result: dict[str, Any]) -> str:
                  + (f" = {pct:.0f}%" if pct is not None else ""))
     lora = result.get("lora")
     if lora is not None:
-        ratios = ", ".join(f"batch {b}: {_fmt(x)}x" for b, x in lora["decode_x"].items())
         lines.append(f"LoRA: {lora['adapters']} adapters of rank {lora['rank']}, request i on adapter i mod "
-                     f"{lora['adapters']}; decode with adapters / without: {ratios}")
+                     f"{lora['adapters']}; decode tok/s ratios per batch:")
+        for key, what in (("decode_x", "fxsched with adapters / without"),
+                          ("vllm_decode_x", "vLLM with adapters / without"),
+                          ("vs_vllm", "fxsched-lora / vllm-lora")):
+            if any(x is not None for x in lora[key].values()):
+                lines.append(f"  {what}: " + ", ".join(f"batch {b}: {_fmt(x)}x" for b, x in lora[key].items()))
     for c in result["cells"]:
         if "error" in c:
             lines.append(f"{c['engine']} batch {c['batch']}: n/a ({c['error']})")
@@ -381,15 +412,17 @@ def build_parser() -> argparse.ArgumentParser:
                          "fxsched-async (as generate --async-scheduling), transformers, vllm (vllm only with "
                          "--vllm-python)")
     ap.add_argument("--vllm-python", default=None, metavar="PY", help="a Python where `import vllm` works")
+    ap.add_argument("--vllm-eager", action="store_true",
+                    help="run vLLM with enforce_eager (default: its compiled mode, as shipped)")
     ap.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
                     help="fxsched's KV cache budget (default: sized for batch x (prompt + tokens))")
     ap.add_argument("--spec", default="none", help="fxsched's speculation mode (default none)")
     ap.add_argument("--timeout", type=int_arg(1, 86_400), default=3600, help="seconds per cell")
     ap.add_argument("--lora", action="store_true",
-                    help="LoRA's cost: fxsched with --lora-adapters random adapters of rank --lora-rank, request i "
-                         "on adapter i mod their count (engine fxsched-lora), against fxsched without; defaults "
-                         "then: --engines fxsched,fxsched-lora, --batches 8 (qwen3-0.6b only: a dense Qwen3's "
-                         "projections)")
+                    help="LoRA's cost: --lora-adapters random adapters of rank --lora-rank, request i on "
+                         "adapter i mod their count (engines fxsched-lora, vllm-lora), against the same engines "
+                         "without; defaults then: --engines fxsched,fxsched-lora (+ vllm,vllm-lora with "
+                         "--vllm-python), --batches 8 (qwen3-0.6b only: a dense Qwen3's projections)")
     ap.add_argument("--lora-adapters", type=int_arg(1, 256), default=4, help="with --lora: adapters (default 4)")
     ap.add_argument("--lora-rank", type=int_arg(1, 1024), default=16, help="with --lora: their rank (default 16)")
     ap.add_argument("--json", action="store_true", help="one JSON object per model instead of the tables")
@@ -403,11 +436,11 @@ def _checked(args: argparse.Namespace) -> list[str]:
     from fxsched.runtime.generate import SPECS
 
     if args.engines is None:
-        args.engines = "fxsched,fxsched-lora" if args.lora else "fxsched,transformers,vllm"
+        args.engines = "fxsched,fxsched-lora,vllm,vllm-lora" if args.lora else "fxsched,transformers,vllm"
     if args.batches is None:
         args.batches = (8,) if args.lora else (1, 8, 32)
     engines = [e.strip() for e in args.engines.split(",")]
-    if "fxsched-lora" in engines and (args.like or "qwen3-0.6b") != "qwen3-0.6b" and args.model is None:
+    if any(e in LORA_ENGINES for e in engines) and (args.like or "qwen3-0.6b") != "qwen3-0.6b" and args.model is None:
         raise UsageError(f"--lora: random adapters are built for a dense Qwen3 (--like qwen3-0.6b), not {args.like}")
     for e in engines:
         if e not in ENGINES:
@@ -422,8 +455,8 @@ def _checked(args: argparse.Namespace) -> list[str]:
         problem = _vllm_ok(args.vllm_python)
         if problem:
             raise UsageError(f"--vllm-python {args.vllm_python}: {problem}")
-    elif "vllm" in engines:
-        engines.remove("vllm")
+    else:
+        engines = [e for e in engines if not e.startswith("vllm")]
     return engines
 
 

@@ -24,7 +24,7 @@ import sys
 import time
 from typing import Any, Callable
 
-ENGINES = ("fxsched", "fxsched-overlap", "fxsched-async", "fxsched-lora", "transformers", "vllm")
+ENGINES = ("fxsched", "fxsched-overlap", "fxsched-async", "fxsched-lora", "transformers", "vllm", "vllm-lora")
 WARMUP_TOKENS = 2
 
 
@@ -80,11 +80,8 @@ def _fxsched_runner(args: argparse.Namespace, batch: int, overlap: bool = False,
                     ) -> Callable[[list[list[int]], int], list[list[int]]]:
     """fxsched's cell: the engine and ``generate`` that ``fxsched generate --model`` runs, at --spec
     (``overlap``: with the device lane, as ``--overlap``; ``async_scheduling``: as
-    ``--async-scheduling``, else ``--no-async-scheduling``; ``lora``: ``--lora-adapters`` random
-    adapters of rank ``--lora-rank`` loaded, request i running with adapter i mod their count)."""
-    import tempfile
-    from pathlib import Path
-
+    ``--async-scheduling``, else ``--no-async-scheduling``; ``lora``: the ``--lora-paths`` adapters
+    loaded, one slot each, request i running with adapter i mod their count)."""
     import torch
 
     from fxsched.runtime.generate import generate
@@ -94,16 +91,13 @@ def _fxsched_runner(args: argparse.Namespace, batch: int, overlap: bool = False,
     kwargs: dict[str, Any] = {"device": "cpu", "max_slots": max(16, batch), "max_seq_len": args.max_seq_len}
     if args.kv_cache_memory is not None:
         kwargs["kv_cache_memory"] = args.kv_cache_memory
+    paths = _lora_paths(args) if lora else []
     if lora:
-        kwargs.update(max_loras=args.lora_adapters, max_lora_rank=args.lora_rank)
+        kwargs.update(max_loras=len(paths), max_lora_rank=args.lora_rank)
     engine = HybridEngine.from_pretrained(args.model, **kwargs)
-    count = args.lora_adapters if lora else 0
-    if lora:
-        from fxsched.runtime.bench.e2e_models import build_adapters
-
-        with tempfile.TemporaryDirectory(prefix="fxsched-e2e-lora-") as tmp:
-            for slot, folder in enumerate(build_adapters(Path(args.model), Path(tmp), count, args.lora_rank)):
-                engine.load_adapter(slot, folder)
+    count = len(paths)
+    for slot, folder in enumerate(paths):
+        engine.load_adapter(slot, folder)
 
     def run(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         slots = [i % count for i in range(len(prompts))] if count else None
@@ -181,20 +175,43 @@ def _hide_broken_extras() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (folder, os.environ.get("PYTHONPATH")) if p)
 
 
-def _vllm_runner(args: argparse.Namespace) -> Callable[[list[list[int]], int], list[list[int]]]:
-    """vLLM's cell: offline ``LLM.generate`` on token-id prompts, greedy, EOS ignored."""
+def _lora_paths(args: argparse.Namespace) -> list[str]:
+    paths = [p for p in (args.lora_paths or "").split(",") if p]
+    if not paths:
+        raise SystemExit(f"e2e_worker: --engine {args.engine} needs --lora-paths")
+    return paths
+
+
+def _vllm_runner(args: argparse.Namespace, lora: bool = False) -> Callable[[list[list[int]], int], list[list[int]]]:
+    """vLLM's cell: offline ``LLM.generate`` on token-id prompts, greedy, EOS ignored; compiled as
+    shipped unless ``--enforce-eager``. ``lora``: multi-LoRA as ``vllm serve --enable-lora`` runs it,
+    ``--max-loras`` = the ``--lora-paths`` adapters, all added before the timings (as fxsched's
+    cell loads its own), request i on adapter i mod their count."""
     _hide_broken_extras()
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_seq_len, enforce_eager=True, seed=0,
-              skip_tokenizer_init=True, max_num_seqs=max(16, args.batch),
-              max_num_batched_tokens=max(8192, args.batch * args.max_seq_len))
+    extra: dict[str, Any] = {}
+    paths = _lora_paths(args) if lora else []
+    if lora:
+        extra.update(enable_lora=True, max_loras=len(paths), max_lora_rank=args.lora_rank)
+    llm = LLM(model=args.model, dtype=args.dtype, max_model_len=args.max_seq_len, enforce_eager=args.enforce_eager,
+              seed=0, skip_tokenizer_init=True, max_num_seqs=max(16, args.batch),
+              max_num_batched_tokens=max(8192, args.batch * args.max_seq_len), **extra)
+    requests: list[Any] = []
+    if lora:
+        from vllm.lora.request import LoRARequest
+
+        requests = [LoRARequest(f"adapter-{i}", i + 1, path) for i, path in enumerate(paths)]
+        for request in requests:
+            llm.llm_engine.add_lora(request)
 
     def run(prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True,
                                 detokenize=False)
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        chosen = [requests[i % len(requests)] for i in range(len(prompts))] if requests else None
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False,
+                            lora_request=chosen)
         return [list(o.outputs[0].token_ids) for o in outs]
 
     return run
@@ -211,7 +228,7 @@ def run_cell(args: argparse.Namespace) -> dict[str, Any]:
     elif args.engine == "transformers":
         run = _transformers_runner(args)
     else:
-        run = _vllm_runner(args)
+        run = _vllm_runner(args, lora=args.engine == "vllm-lora")
     run(sets["warmup"], WARMUP_TOKENS)
     ttft, _ = _timed(run, sets["ttft"], 1)
     total, tokens = _timed(run, prompts, args.max_tokens)
@@ -231,8 +248,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--kv-cache-memory", type=int, default=None, help="fxsched: KV cache bytes")
     ap.add_argument("--spec", default="none", help="fxsched: speculation mode")
-    ap.add_argument("--lora-adapters", type=int, default=4, help="fxsched-lora: random adapters loaded")
-    ap.add_argument("--lora-rank", type=int, default=16, help="fxsched-lora: their rank")
+    ap.add_argument("--enforce-eager", action="store_true", help="vLLM: eager mode (default: compiled, as shipped)")
+    ap.add_argument("--lora-paths", default=None, help="fxsched-lora, vllm-lora: comma list of PEFT adapter folders")
+    ap.add_argument("--lora-rank", type=int, default=16, help="fxsched-lora, vllm-lora: the max LoRA rank")
     return ap.parse_args(argv)
 
 

@@ -114,11 +114,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                            "/v1/unload_lora_adapter at run time; a request's model field names the adapter")
     lora.add_argument("--lora-modules", nargs="+", metavar="NAME=PATH", default=None,
                       help='adapters served from the start: name=path, or JSON {"name": ..., "path": ..., '
-                           '"base_model_name": ...} (vLLM\'s forms); each is loaded into a slot at start (a bad '
-                           'one: one line naming it, exit 2)')
+                           '"base_model_name": ...} (vLLM\'s forms); each is read and checked at start (a bad '
+                           'one: one line naming it, exit 2) and loaded into a free slot, else when first named')
     lora.add_argument("--max-loras", default=None, metavar="N",
-                      help="adapter slots: adapters resident at once (default: the number of --lora-modules, at "
-                           "least 1; every adapter stays resident, so more --lora-modules than N is refused)")
+                      help="adapter slots: adapters resident, and so in one batch, at once (default: the number "
+                           "of --lora-modules, at least 1); with more adapters than slots, one is loaded when a "
+                           "request names it, into the slot of the least recently used idle one")
     lora.add_argument("--max-lora-rank", default=str(DEFAULT_MAX_LORA_RANK), metavar="R",
                       help=f"the largest adapter rank r taken (default {DEFAULT_MAX_LORA_RANK}, as vLLM's)")
 
@@ -264,13 +265,9 @@ def lora_flags(args, served: Optional[tuple[str, ...]] = None) -> Optional[LoraF
         if served is not None and name in served:
             raise UsageError(f"--lora-modules {name}: the name of the served model (give the adapter another name)")
     rank = _int(args.max_lora_rank, "--max-lora-rank", 1, 1024)
-    if args.max_loras is None:
-        slots = max(1, len(modules))
-    else:
-        slots = _int(args.max_loras, "--max-loras", 1, MAX_LORAS)
-        if len(modules) > slots:
-            raise UsageError(f"--lora-modules: {len(modules)} adapters, more than --max-loras {slots} (every "
-                             f"adapter stays resident in its own slot: raise --max-loras to {len(modules)})")
+    # default: a slot per listed adapter (none swapped); fewer slots load adapters on demand (§18.7)
+    slots = max(1, min(len(modules), MAX_LORAS)) if args.max_loras is None else \
+        _int(args.max_loras, "--max-loras", 1, MAX_LORAS)
     return LoraFlags(modules, slots, rank)
 
 

@@ -96,6 +96,7 @@ MAX_BARREN_FAULTS = 5  # faults in a row, with no choice finished in between, be
 RESTART_BACKOFF = 0.05  # seconds before the second restart in a row (doubling, at most 2 s)
 RECENT = 4096  # final records kept for inspection (``ServeEngine.recent``)
 ADAPTER_OP_TIMEOUT = 60.0  # seconds a LoRA load or unload may wait for the engine thread
+DEFERRED_POLL_S = 0.05  # how often an idle engine looks again for a slot for choices waiting on one
 
 
 class Overloaded(Exception):
@@ -213,6 +214,8 @@ class ServeHost(GenerateHost):
         self.owner = owner
         self.choices: dict[int, _Choice] = {}
         self._pieces: list[str] = []
+        self.deferred: list[_Choice] = []  # handed over, waiting for their adapter's pool slot
+        self.closing = False  # the inbox closed while choices waited for a slot
         self.processors = RowProcessors()  # the device reads it at every pick
         self.stop_tokens: dict[int, int] = {}  # choice id -> the stop token id that ended it
 
@@ -237,29 +240,59 @@ class ServeHost(GenerateHost):
     def _hand_over(self, block: bool) -> list[ev.Event]:
         inbox = self.owner._inbox
         self.owner._retry_adapter_ops()
-        if not block and inbox.empty():  # the common case after a batch: nothing arrived
-            return []
-        items: list[Any] = [inbox.get()] if block else []
+        if not block and not self.deferred and not self.closing and inbox.empty():
+            return []  # the common case after a batch: nothing arrived
+        events: list[Optional[ev.Event]] = []
+        memo: dict[tuple[tuple[int, ...], int], tuple[Optional[dict[str, Any]], ...]] = {}
+        if self.deferred:  # choices waiting for an adapter slot, in order (runtime/serve/lora.py)
+            waiting, self.deferred = self.deferred, []
+            events.extend(self._placed(c, memo) for c in waiting)
+        items: list[Any] = []
+        if block and not events:
+            try:  # while choices wait for a slot, look again now and then (a finished request frees one)
+                items.append(inbox.get(timeout=DEFERRED_POLL_S) if self.deferred else inbox.get())
+            except queue.Empty:
+                pass
         while True:
             try:
                 items.append(inbox.get_nowait())
             except queue.Empty:
                 break
         items = self.owner._adapter_ops(items)
-        if not items:
-            return []
-        events: list[Optional[ev.Event]] = [ev.Clock(self.owner.now_ms())]
         for item in items:
             if isinstance(item, _Submit):
-                memo: dict[tuple[tuple[int, ...], int], tuple[Optional[dict[str, Any]], ...]] = {}
-                events.extend(self._register(c, memo) for c in item.choices)
+                events.extend(self._placed(c, memo) for c in item.choices)
             elif isinstance(item, _Cancel):
                 events.extend(self._cancel(rid) for rid in item.ids if self._cancellable(rid))
             elif item == _CANCEL_ALL:
-                events.extend(self._cancel(rid) for rid in list(self.choices) if self._cancellable(rid))
+                events.extend(self._cancel(rid) for rid in [*self.choices, *(c.id for c in self.deferred)]
+                              if self._cancellable(rid))
             elif item == _CLOSE:
-                events.append(ev.InboxClosed())
-        return [e for e in events if e is not None]
+                self.closing = True
+        if self.closing and not self.deferred:  # the inbox closes once no choice waits for a slot
+            self.closing = False
+            events.append(ev.InboxClosed())
+        arrived = [e for e in events if e is not None]
+        return [ev.Clock(self.owner.now_ms()), *arrived] if arrived else []
+
+    def _placed(self, choice: _Choice, memo: dict[tuple[tuple[int, ...], int], tuple[Optional[dict[str, Any]], ...]]
+                ) -> Optional[ev.Event]:
+        """The ``Arrival`` of a handed-over choice once its adapter holds a pool slot (None: it ended,
+        or it waits in ``deferred`` for a slot)."""
+        name = choice.spec.adapter
+        if name is not None:
+            if choice.cancelled:  # cancelled while it waited: never scheduled
+                self._refuse(choice, None)
+                return None
+            placed = self.owner._place(name)
+            if placed is None:
+                self.deferred.append(choice)
+                return None
+            if isinstance(placed, str):
+                self._refuse(choice, placed)
+                return None
+            choice.adapter_slot = placed
+        return self._register(choice, memo)
 
     def _register(self, choice: _Choice,
                   memo: Optional[dict[tuple[tuple[int, ...], int], tuple[Optional[dict[str, Any]], ...]]] = None
@@ -300,7 +333,8 @@ class ServeHost(GenerateHost):
                                                                      s.repetition_penalty, s.logit_bias)])
         return ev.Arrival(request)
 
-    def _refuse(self, choice: _Choice, message: str) -> None:
+    def _refuse(self, choice: _Choice, message: Optional[str]) -> None:
+        """End a choice the scheduler never took: with ``message`` as its error (None: aborted)."""
         self.choices[choice.id] = choice
         self.results[choice.id] = RequestResult(choice.id, list(choice.spec.prompt), error=message)
         self._final(choice, self.results[choice.id], "")
@@ -347,11 +381,17 @@ class ServeHost(GenerateHost):
         self.inputs.append(ev.Cancel(result.id))
 
     def _cancellable(self, rid: int) -> bool:
-        choice = self.choices.get(rid)
+        choice = self.choices.get(rid) or next((c for c in self.deferred if c.id == rid), None)
         return choice is not None and not choice.cancelled
 
-    def _cancel(self, rid: int) -> ev.Event:
-        self.choices[rid].cancelled = True
+    def _cancel(self, rid: int) -> Optional[ev.Event]:
+        choice = self.choices.get(rid)
+        if choice is None:  # waiting for an adapter slot: it ends at the next look
+            for waiting in self.deferred:
+                if waiting.id == rid:
+                    waiting.cancelled = True
+            return None
+        choice.cancelled = True
         return ev.Cancel(rid)
 
     # --- outputs -------------------------------------------------------------------------------
@@ -411,7 +451,10 @@ class ServeHost(GenerateHost):
             self.logprobs.pending.pop(rid, None)
 
     def fail_pending(self, message: str) -> None:
-        """The engine gave up: every choice still in the inbox ends with ``message``."""
+        """The engine gave up: every choice still in the inbox or waiting for a slot ends with ``message``."""
+        waiting, self.deferred = self.deferred, []
+        for choice in waiting:
+            self._refuse(choice, message)
         for item in self.owner._drain_inbox():
             if isinstance(item, _Submit):
                 for choice in item.choices:
@@ -558,13 +601,13 @@ class ServeEngine:
             if self._waiting + len(specs) > self.max_waiting:
                 raise Overloaded(f"the waiting queue is full ({self._waiting} choices waiting, at most "
                                  f"{self.max_waiting}); retry later")
-            slots = self.adapters.acquire([spec.adapter for spec in specs])  # AdapterGone: unloaded since
+            self.adapters.acquire([spec.adapter for spec in specs])  # AdapterGone: unloaded since
             self._waiting += len(specs)
             self._live += len(specs)
             ids = [next(self._ids) for _ in specs]
         now = time.perf_counter()
-        self._inbox.put(_Submit(tuple(_Choice(rid, i, spec, sink, now, adapter_slot=slot) for i, (rid, spec, slot)
-                                      in enumerate(zip(ids, specs, slots, strict=True)))))
+        self._inbox.put(_Submit(tuple(_Choice(rid, i, spec, sink, now) for i, (rid, spec)
+                                      in enumerate(zip(ids, specs, strict=True)))))
         return ids
 
     def cancel(self, ids: Seq[int]) -> None:
@@ -770,6 +813,40 @@ class ServeEngine:
                 self._retry_ops.append(op)
         self._refresh()
         return [item for item in items if not isinstance(item, AdapterOp)]
+
+    def _place(self, name: str) -> Union[int, str, None]:
+        """The pool slot adapter ``name`` runs in, loading it on demand (engine thread; see
+        runtime/serve/lora.py): a free slot, else the least recently used idle adapter's (evicted);
+        None when every slot's adapter has requests in flight; a string: why it cannot be loaded."""
+        from fxsched.runtime.torch_model.errors import AdapterError, SlotError
+
+        book = self.adapters
+        slot = book.slot_for(name)
+        if slot is not None:
+            return slot
+        adapter = book.get(name)
+        if adapter is None:  # cannot happen while the choice holds it (unloads of adapters in use are refused)
+            return f"The lora adapter '{name}' is no longer served"
+        slot = book.free_slot()
+        if slot is None:
+            for victim, victim_slot in book.idle():
+                try:
+                    self.engine.unload_adapter(victim_slot)
+                except SlotError:  # a finished request's sequence not yet freed: another, or later
+                    continue
+                book.evicted(victim)
+                log.info("lora_evicted", name=victim, slot=victim_slot, for_adapter=name)
+                slot = victim_slot
+                break
+            else:
+                return None
+        try:
+            self.engine.load_adapter(slot, Path(adapter.path))
+        except AdapterError as err:  # its files changed since it was listed
+            return f"The lora adapter '{name}' cannot be loaded: {err}"
+        book.placed(name, slot)
+        log.info("lora_loaded", name=name, slot=slot, path=adapter.path, on_demand=True)
+        return slot
 
     def _retry_adapter_ops(self) -> None:
         """Unloads that found a finished request's sequence still bound, tried again."""

@@ -166,7 +166,7 @@ class ServeMetrics:
                           family(Counter, "vllm:spec_decode_num_accepted_tokens_per_pos",
                                  "Accepted tokens per draft position.", ["position"]))
         # LoRA adapters (specs/lora.md §18.7): vLLM's info gauge, fxsched's counts; exported with --enable-lora
-        self._lora: Optional[tuple[Any, Any, Any, Any, Any]] = None
+        self._lora: Optional[tuple[Any, ...]] = None
         self._lora_labels: Optional[tuple[str, str, str]] = None
         self._lora_seen: dict[str, int] = {}
         self.model_name = ""
@@ -275,29 +275,36 @@ class ServeMetrics:
         """The LoRA figures of ``book`` (runtime/serve/lora.py's ``AdapterBook``): vLLM's
         ``vllm:lora_requests_info`` (one series, labels ``running_lora_adapters``,
         ``waiting_lora_adapters`` (comma-separated names) and ``max_lora``, value the time it was set,
-        as vLLM's), ``fxsched_lora_adapters_resident``, ``fxsched_lora_loads_total``,
-        ``fxsched_lora_unloads_total`` and ``fxsched_lora_requests_total{lora_name}``."""
+        as vLLM's), ``fxsched_lora_adapters_served``, ``fxsched_lora_adapters_resident``,
+        ``fxsched_lora_loads_total``, ``fxsched_lora_evictions_total``, ``fxsched_lora_unloads_total`` and
+        ``fxsched_lora_requests_total{lora_name}``."""
         if self._lora is None:
             r = self.registry
             self._lora = (
                 Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
                       ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=r),
+                Gauge("fxsched_lora_adapters_served", "LoRA adapters served by name (resident or on disk)",
+                      registry=r),
                 Gauge("fxsched_lora_adapters_resident", "LoRA adapters loaded in the engine's slots", registry=r),
-                Counter("fxsched_lora_loads", "LoRA adapters loaded (at start and by /v1/load_lora_adapter)",
+                Counter("fxsched_lora_loads", "LoRA adapters loaded into a slot (when listed, and on demand)",
+                        registry=r),
+                Counter("fxsched_lora_evictions", "Idle resident LoRA adapters whose slot went to another",
                         registry=r),
                 Counter("fxsched_lora_unloads", "LoRA adapters unloaded (/v1/unload_lora_adapter)", registry=r),
                 Counter("fxsched_lora_requests", "Choices submitted with a LoRA adapter", ["lora_name"], registry=r))
-        info, resident, loads, unloads, requests = self._lora
+        info, served, resident, loads, evictions, unloads, requests = self._lora
         running, waiting = book.in_use()
         labels = (str(book.max_loras), ",".join(waiting), ",".join(running))
         if labels != self._lora_labels:
             info.clear()
             self._lora_labels = labels
         info.labels(*labels).set_to_current_time()
-        resident.set(len(book.adapters()))
+        served.set(len(book.adapters()))
+        resident.set(len(book.resident()))
         seen = self._lora_seen
-        total_loads, total_unloads, per_adapter = book.counts()
-        for key, counter, value in (("loads", loads, total_loads), ("unloads", unloads, total_unloads)):
+        total_loads, total_evictions, total_unloads, per_adapter = book.counts()
+        for key, counter, value in (("loads", loads, total_loads), ("evictions", evictions, total_evictions),
+                                    ("unloads", unloads, total_unloads)):
             if value > seen.get(key, 0):
                 counter.inc(value - seen.get(key, 0))
                 seen[key] = value

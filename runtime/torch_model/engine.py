@@ -46,6 +46,7 @@ from .gdn_chunked import KeepPlan
 from .hf_drafters import PublishedDFlash, PublishedMtp, load_dflash_drafter
 from .kernel_paths import attention_kernels_apply, gdn_fold_kernel_applies, kernels_opted_in
 from .lora import DEFAULT_MAX_LORA_RANK, LoraPool
+from .lora import load_adapter as read_adapter
 from .attn_plan import plan_keys
 from .batch_groups import forward_rows, row_groups
 from .graphs import CudaGraphRecorder, ForwardGraphs, Recorder, buckets, cuda_graphs_wanted
@@ -252,6 +253,12 @@ class HybridEngine(DecodePath):
             raise SlotError(f"adapter slot {lora_slot} out of range [0, {pool.max_loras})")
         self._check_unused(lora_slot)
         return pool.load(lora_slot, adapter_dir)
+
+    def check_adapter(self, adapter_dir: str | Path) -> None:
+        """Read and check the PEFT adapter in `adapter_dir` against this model and pool (AdapterError
+        naming the file, §18.4) without loading it: the pool is unchanged."""
+        pool = self._lora_pool()
+        read_adapter(adapter_dir, self.cfg, pool.max_rank)
 
     def unload_adapter(self, lora_slot: int) -> None:
         """Empty pool slot `lora_slot` (SlotError while a sequence runs with its adapter)."""
