@@ -32,7 +32,7 @@ import torch
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from . import gated_delta, gdn_fold, greedy_accept, paged_attention, paged_kv_append, row_argmax
+from . import gated_delta, gdn_fold, greedy_accept, lora_sgmv, paged_attention, paged_kv_append, row_argmax
 from ._triton import kernel_is_interpreted, next_power_of_2
 
 __all__ = ["ModelShape", "SHAPES", "TARGET", "VERIFY_ROWS", "compile_all", "cubin_resources"]
@@ -249,18 +249,38 @@ def _sampling_launches(shape: ModelShape, dt: str) -> Iterator[_Launch]:
                       dict(DRAFT_BLOCK=greedy_accept._DRAFT_BLOCK))
 
 
+LORA_RANKS = (16, 64)  # vLLM's default --max-lora-rank and a large one (the pool's rank, padded)
+
+
+def _lora_launches(shape: ModelShape, dt: str) -> Iterator[_Launch]:
+    p, width = "*" + dt, shape.q_heads * shape.head_dim  # a projection's width (runtime ints)
+    for rank in LORA_RANKS:
+        config = lora_sgmv.shrink_config(rank, DTYPES[dt])
+        warps, stages = config.pop("num_warps"), config.pop("num_stages")
+        args = dict(x_ptr=p, rows_ptr="*i64", slots_ptr="*i32", a_ptr=p, h_ptr="*fp32", m=8, in_dim=width,
+                    rank=rank, x_stride_row=width, a_stride_slot=rank * width, a_stride_rank=width, h_stride_row=rank)
+        yield _Launch(lora_sgmv._lora_shrink_kernel, f"lora_shrink[r={rank}]", args, config, warps, stages)
+        config = lora_sgmv.expand_config(rank, DTYPES[dt])
+        warps, stages = config.pop("num_warps"), config.pop("num_stages")
+        args = dict(h_ptr="*fp32", rows_ptr="*i64", slots_ptr="*i32", b_ptr=p, y_ptr=p, m=8, out_dim=width,
+                    rank=rank, h_stride_row=rank, b_stride_slot=rank * width, b_stride_out=rank, y_stride_row=width)
+        yield _Launch(lora_sgmv._lora_expand_kernel, f"lora_expand[r={rank}]", args, config, warps, stages)
+
+
 _LAUNCHES: tuple[Callable[[ModelShape, str], Iterator[_Launch]], ...] = (
     _attention_launches,
     _append_launches,
     _gdn_launches,
     _sampling_launches,
+    _lora_launches,
 )
 
 
 def _check_kernels() -> None:
     kernels = [paged_attention._paged_attention_kernel, paged_kv_append._paged_kv_append_kernel,
                gated_delta._gated_delta_kernel, gdn_fold._gather_rows_to_slots_kernel,
-               greedy_accept._greedy_accept_kernel, row_argmax._row_argmax_kernel]
+               greedy_accept._greedy_accept_kernel, row_argmax._row_argmax_kernel, lora_sgmv._lora_shrink_kernel,
+               lora_sgmv._lora_expand_kernel]
     if any(k is None for k in kernels):
         raise RuntimeError("fxsched.kernels was imported before triton: no kernels to compile in this process")
     if any(kernel_is_interpreted(k) for k in kernels):

@@ -31,6 +31,7 @@ import torch
 from . import gated_delta as gated_delta_mod
 from . import gdn_fold as gdn_fold_mod
 from . import greedy_accept as greedy_accept_mod
+from . import lora_sgmv as lora_mod
 from . import paged_attention as paged_attention_mod
 from . import paged_kv_append as paged_kv_append_mod
 from . import row_argmax as row_argmax_mod
@@ -235,6 +236,29 @@ def _cases(device: torch.device, large: bool | None = None) -> list[_Case]:
             (2 * q.numel() + 2 * v.numel()) * _esize(act_dtype)
             + 8 * g.numel()
             + 4 * initial_state.numel() * (1 + steps),
+        )
+    )
+
+    # LoRA shrink + expand of one projection: a batch's rows over 4 adapter slots of rank 16.
+    rows_n, slots_n, width, out_dim, rank = (64, 4, 1024, 3072, 16) if big else (8, 4, 64, 96, 16)
+    x = randn(rows_n, width, dtype=act_dtype)
+    a = randn(slots_n, rank, width, dtype=act_dtype) * width**-0.5
+    b = randn(slots_n, out_dim, rank, dtype=act_dtype) * 0.01
+    lora_rows = torch.arange(rows_n, device=device)
+    lora_slots = (torch.arange(rows_n, device=device) * slots_n // rows_n).to(torch.int32)
+    y = randn(rows_n, out_dim, dtype=act_dtype)
+    cases.append(
+        _Case(
+            "lora_sgmv",
+            f"M={rows_n} S={slots_n} in={width} out={out_dim} r={rank}",
+            str(act_dtype).removeprefix("torch."),
+            lora_mod._lora_shrink_kernel,
+            lambda: lora_mod.lora_expand_reference(lora_mod.lora_shrink_reference(x, lora_rows, lora_slots, a),
+                                                   lora_rows, lora_slots, b, y),
+            lambda: lora_mod.lora_expand_triton(lora_mod.lora_shrink_triton(x, lora_rows, lora_slots, a),
+                                                lora_rows, lora_slots, b, y),
+            (x.numel() + a.numel() + b.numel() + 2 * y.numel()) * _esize(act_dtype),
+            mutated=(y,),
         )
     )
     return cases

@@ -111,7 +111,8 @@ def test_every_kernel_compiles_for_sm90_at_every_model_shape_without_spilling(co
     assert kernels == {"paged_attention", "paged_attention_split", "paged_attention_reduce", "paged_kv_append",
                        "paged_attention_ragged", "paged_attention_split_ragged",
                        "gated_delta[init=True]", "gated_delta[init=False]", "gdn_fold[state]", "gdn_fold[conv]",
-                       "row_argmax", "greedy_accept"}
+                       "row_argmax", "greedy_accept", "lora_shrink[r=16]", "lora_expand[r=16]", "lora_shrink[r=64]",
+                       "lora_expand[r=64]"}
     for name in ("paged_attention", "paged_attention_split"):
         covered = {(r["shape"], r["dtype"], r["k"]) for r in rows if r["kernel"] == name}
         assert covered == {(s, dt, k) for s in SHAPES for dt in ("bf16", "fp32") for k in range(1, 9)}

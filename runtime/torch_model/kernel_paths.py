@@ -21,6 +21,8 @@ Wired hot spots (the torch code stays as the fallback and is what runs on a plai
   batches keep the torch path (masked dense attention over the gathered blocks).
 * `gdn_fold` -- `HybridEngine.gdn_fold_accepted`, i.e. every commit (prefill chunks, decode, verify +
   fold, `commit_accepted_prefix`); `gdn_fold_reference` (the same gather/scatter copy) otherwise.
+* `lora_sgmv` -- `lora.LoraRows.add`, every adapted projection of a batch with adapters (specs/lora.md
+  §18.2); `torch._grouped_mm` or the CPU's dense product otherwise.
 
 The CPU kernels (C, `fxsched.kernels.cpu_gemv` / `cpu_gdn`) follow the opposite rule: they serve CPU
 engines unless Triton was asked for there (FXSCHED_KERNELS=triton) or FXSCHED_KERNELS=torch. A
@@ -37,12 +39,13 @@ import torch
 from fxsched.kernels import cpu_gdn
 from fxsched.kernels import gated_delta as _gated_delta
 from fxsched.kernels import gdn_fold as _gdn_fold
+from fxsched.kernels import lora_sgmv as _lora_sgmv
 from fxsched.kernels import paged_attention as _paged_attention
 from fxsched.kernels import paged_kv_append as _paged_kv_append
 from fxsched.kernels._triton import use_triton
 
 __all__ = ["attention_kernels_apply", "gdn_decode_in_place", "gdn_fold_kernel_applies",
-           "gdn_recurrence_kernel_applies", "kernels_opted_in"]
+           "gdn_recurrence_kernel_applies", "kernels_opted_in", "lora_kernels_apply"]
 
 
 def _device_opted_in(tensor: torch.Tensor) -> bool:
@@ -71,6 +74,12 @@ def gdn_recurrence_kernel_applies(*tensors: torch.Tensor) -> bool:
 def gdn_fold_kernel_applies(*tensors: torch.Tensor) -> bool:
     """Whether `gdn_fold` runs as a Triton kernel for these tensors."""
     return _device_opted_in(tensors[0]) and use_triton(*tensors, kernel=_gdn_fold._gather_rows_to_slots_kernel)
+
+
+def lora_kernels_apply(*tensors: torch.Tensor) -> bool:
+    """Whether the LoRA shrink and expand run as Triton kernels for these tensors."""
+    return (_device_opted_in(tensors[0]) and use_triton(*tensors, kernel=_lora_sgmv._lora_shrink_kernel)
+            and use_triton(*tensors, kernel=_lora_sgmv._lora_expand_kernel))
 
 
 def gdn_decode_in_place(device: torch.device) -> bool:

@@ -39,8 +39,11 @@ from typing import Any, Callable, Sequence
 import torch
 from safetensors import SafetensorError, safe_open
 
+from fxsched.kernels.lora_sgmv import lora_expand_, lora_shrink
+
 from .config import ModelConfig
 from .errors import AdapterError, read_json_object
+from .kernel_paths import lora_kernels_apply
 from .ops import linear
 from .weights import param_shapes
 
@@ -470,6 +473,14 @@ class LoraRows:
     present: frozenset[int]
     segments: tuple[tuple[int, int, int], ...] = ()
     _masks: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict, compare=False, repr=False)
+    _slots: list[torch.Tensor] = dataclasses.field(default_factory=list, compare=False, repr=False)
+
+    def row_slots(self) -> torch.Tensor:
+        """int32 [M]: each adapted row's adapter slot (from `ends`, on the device; once per forward)."""
+        if not self._slots:
+            index = torch.arange(self.rows.shape[0], dtype=torch.int32, device=self.ends.device)
+            self._slots.append(torch.bucketize(index, self.ends, out_int32=True, right=True))
+        return self._slots[0]
 
     def _dense_span(self) -> tuple[int, int] | None:
         """The slots lo..hi of the CPU's dense product, when it applies (see ``add``)."""
@@ -491,11 +502,20 @@ class LoraRows:
         return mask
 
     def add(self, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """y (the base projection `name` of x [..., in], [..., out]) plus each adapted row's delta."""
+        """y (the base projection `name` of x [..., in], [..., out]) plus each adapted row's delta (on
+        the Triton path added into y in place: callers pass a fresh product)."""
         slots = self.pool.targets.get(name)
         if not slots or slots.isdisjoint(self.present):
             return y
         a, b = self.pool.a[name], self.pool.b[name]
+        if lora_kernels_apply(x, a):  # CUDA (the CPU by opt-in): the Triton shrink, then expand into y
+            slots = self.row_slots()
+            h = lora_shrink(x.reshape(-1, x.shape[-1]), self.rows, slots, a)
+            out = y.reshape(-1, y.shape[-1])
+            if out.stride(-1) != 1:
+                out = out.contiguous()
+            lora_expand_(h, self.rows, slots, b, out)
+            return y if out.data_ptr() == y.data_ptr() else out.view(y.shape)
         span = self._dense_span()
         if span is not None:  # the CPU: every row against the slots lo..hi at once, masked to its own
             lo, hi = span
