@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 pytest.importorskip("triton")
 
@@ -80,6 +81,24 @@ def test_the_model_took_the_interpreted_lora_kernels(report):
     assert report["interpreted"]
     # every adapted projection of every forward: far more than one launch per family
     assert report["calls"]["shrink"] >= 100 and report["calls"]["shrink"] == report["calls"]["expand"], report
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (tests/gpu/check.sh)")
+def test_on_cuda_a_mixed_batch_takes_the_compiled_kernels_and_matches_peft(tmp_path, monkeypatch):
+    """The same mixed batch on CUDA (fp32: IEEE dots), the kernels compiled; PEFT on the CPU."""
+    sys.path.insert(0, str(TESTS))
+    import test_lora as T
+    from support.hf_tiny import build
+
+    from fxsched.kernels import lora_sgmv
+
+    calls = []
+    monkeypatch.setattr(lora_sgmv, "lora_expand_triton",
+                        lambda *a, _f=lora_sgmv.lora_expand_triton: calls.append(1) or _f(*a))
+    ad = T._adapters(build("Qwen3ForCausalLM", tmp_path / "base", seed=0), tmp_path, T.QWEN3_ADAPTERS, seed=10)
+    T._mixed(ad, "Qwen3 on CUDA", device="cuda", atol=1e-3)
+    assert len(calls) >= 100
 
 
 @pytest.mark.parametrize("family", ["Qwen3", "Qwen3.5", "Qwen3.5-MoE"])
