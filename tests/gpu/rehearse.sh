@@ -20,7 +20,7 @@ VENV="${REHEARSE_VENV:-$HOME/.cache/fxsched/gpu-rehearse-py312}"
 OUT_DIR="${REHEARSE_OUT:-/tmp/fxsched-gpu-rehearse}"
 # the image's versions where they are known; the rest as pip resolves them
 PACKAGES=(torch==2.11.0 triton==3.6.0 transformers==5.17.0 safetensors==0.8.0 tokenizers==0.23.2 numpy==2.5.2
-          jinja2 attrs tqdm pytest hypothesis httpx einops)
+          jinja2 attrs tqdm pytest hypothesis httpx einops peft)
 # what the image lacks: must come from .whl/, never from the venv
 ABSENT=(structlog fla fxsched)
 
