@@ -1,6 +1,7 @@
 """The AMX product over packed weights (kernels/cpu_amx.c) against an fp64 product, the packing
 against the matrix it came from, `pack_for_cpu` on real weight sets, and a bf16 engine with packed
-weights against the same engine unpacked.
+weights against the same engine unpacked (the last two wherever a kernel reads packed weights: AMX,
+or AVX512-BF16's kernels/cpu_pairs.c, whose own product is tested in tests/test_cpu_pairs.py).
 
 The kernel accumulates exact bf16 products in fp32 and rounds each output once to bf16, so an
 output may differ from the fp64 product by its own bf16 rounding plus fp32 summation noise. Skipped
@@ -15,16 +16,19 @@ import dataclasses
 import pytest
 import torch
 
-from fxsched.kernels import cpu_amx
+from fxsched.kernels import cpu_amx, cpu_pairs
 from fxsched.runtime.bench.prompts import random_prompts
 from fxsched.runtime.torch_model.config import default_config
 from fxsched.runtime.torch_model.engine import HybridEngine
 from fxsched.runtime.torch_model.ops import embed_rows, linear
+from fxsched.runtime.torch_model import packing
 from fxsched.runtime.torch_model.packing import pack_for_cpu
 from support.torch_testing import torch_threads
 
 needs_amx = pytest.mark.skipif(not cpu_amx.ready(), reason="the AMX kernel cannot run here (needs AMX-BF16, "
                                "a C compiler and the OS's tile state; FXSCHED_KERNELS=torch disables it)")
+needs_packing = pytest.mark.skipif(not packing.packing_ready(), reason="no kernel reads packed weights here (needs "
+                                   "AMX-BF16 or AVX512-BF16 and a C compiler; FXSCHED_KERNELS=torch disables them)")
 
 
 def _close_to_fp64(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
@@ -75,15 +79,16 @@ def test_pack_unpack_and_rows_are_exact():
 
 
 def test_a_packed_weight_outside_the_kernel_reach_is_the_plain_product(monkeypatch):
-    """Where the kernel is not loaded, a packed weight gives F.linear on the weight it holds, exactly."""
+    """Where no kernel is loaded, a packed weight gives F.linear on the weight it holds, exactly."""
     monkeypatch.setattr(cpu_amx, "_library", lambda: None)
+    monkeypatch.setattr(cpu_pairs, "_library", lambda: None)
     gen = torch.Generator().manual_seed(9)
     w = torch.randn(32, 64, generator=gen).to(torch.bfloat16)
     x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
     assert torch.equal(linear(x, cpu_amx.pack(w)), torch.nn.functional.linear(x, w))
 
 
-@needs_amx
+@needs_packing
 def test_pack_for_cpu_packs_projections_once_and_leaves_the_rest():
     gen = torch.Generator().manual_seed(2)
     bf = dict(dtype=torch.bfloat16)
@@ -107,7 +112,7 @@ def test_pack_for_cpu_packs_projections_once_and_leaves_the_rest():
     assert pack_for_cpu(fp32, cfg) is fp32  # nothing to pack in an fp32 model
 
 
-@needs_amx
+@needs_packing
 def test_bf16_engine_with_packed_weights_decodes_as_unpacked(monkeypatch):
     """Batched decode steps and a ragged verify forward of a bf16 engine whose projections are
     packed give the logits of the same engine with packing turned off, within bf16 noise."""
@@ -116,7 +121,7 @@ def test_bf16_engine_with_packed_weights_decodes_as_unpacked(monkeypatch):
 
     def run(packed: bool) -> list[torch.Tensor]:
         if not packed:
-            monkeypatch.setattr(cpu_amx, "ready", lambda: False)
+            monkeypatch.setattr(packing, "packing_ready", lambda: False)
         torch.manual_seed(0)
         engine = HybridEngine(cfg)
         assert any(cpu_amx.is_packed(t) for t in engine.model.w.values()) == packed

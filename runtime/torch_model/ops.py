@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from fxsched.kernels import cpu_amx, cpu_gemv, cpu_pointwise, cpu_widen
+from fxsched.kernels import cpu_amx, cpu_gemv, cpu_pairs, cpu_pointwise, cpu_widen
 
 if TYPE_CHECKING:
     from .lora import LoraRows
@@ -33,15 +33,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T for weight [out, in] (no bias anywhere in this model).
 
-    The order of cpu-kernels.md §15.1: a weight packed for AMX at load (`pack_for_cpu`) goes to
-    kernels/cpu_amx.py; otherwise a bf16 product of at most `cpu_gemv.max_rows()` rows on the CPU
+    The order of cpu-kernels.md §15.1: a weight packed at load (`pack_for_cpu`) goes to
+    kernels/cpu_amx.py on an AMX host, else to kernels/cpu_pairs.py (AVX512-BF16); otherwise a bf16 product of at most `cpu_gemv.max_rows()` rows on the CPU
     (decode and verify) takes the row kernel where it is ready (kernels/cpu_gemv.py: about twice
     F.linear's speed on AVX512-BF16, ten times on AVX2); on a CPU without bf16 arithmetic a larger
     bf16 product is taken in fp32 over widened weight panels (kernels/cpu_widen.py, §15.6);
     everything else, and anything traced by torch.compile, is F.linear.
     """
-    if cpu_amx.is_packed(weight):
-        return cpu_amx.amx_linear(x, weight)
+    if cpu_amx.is_packed(weight):  # AMX where it runs, else AVX512-BF16 over the same packing
+        return cpu_amx.amx_linear(x, weight) if cpu_amx.ready() else cpu_pairs.pairs_linear(x, weight)
     if (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and x.device.type == "cpu"
             and x.dim() >= 1 and x.numel() > 0 and weight.dim() == 2 and weight.is_contiguous()
             and not torch.compiler.is_compiling()):

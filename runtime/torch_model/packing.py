@@ -1,8 +1,8 @@
-"""Projection weights packed for AMX at load (kernels/cpu_amx.py), on a bf16 CPU model
-(cpu-kernels.md §15.2).
+"""Projection weights packed at load, on a bf16 CPU model (cpu-kernels.md §15.2): in tile order, which
+the AMX kernel (kernels/cpu_amx.py) and the AVX512-BF16 kernel (kernels/cpu_pairs.py) both read.
 
 `pack_for_cpu` replaces every projection matrix that only `ops.linear` reads by its tile-order
-packing, where the AMX kernel is ready; `ops.linear` and `ops.embed_rows` take packed and plain
+packing, where one of the two kernels is ready (`packing_ready`); `ops.linear` and `ops.embed_rows` take packed and plain
 weights alike, and `weights.check_weights` checks a packed weight by the matrix it holds. Left as
 they are: norms, convolutions and biases (not products), 3-D expert stacks (the MoE kernels read
 them), the fused shared-expert rows (views of one matrix, moe.fuse_shared_experts), and every
@@ -14,17 +14,22 @@ from __future__ import annotations
 
 import torch
 
-from fxsched.kernels import cpu_amx
+from fxsched.kernels import cpu_amx, cpu_pairs
 
 from .moe import fused_shared, moe_prefixes
 from .config import ModelConfig
 
-__all__ = ["LINEAR_WEIGHTS", "pack_for_cpu"]
+__all__ = ["LINEAR_WEIGHTS", "pack_for_cpu", "packing_ready"]
 
 # The last name component of every weight that only `linear` reads (weights.py's canonical names).
 LINEAR_WEIGHTS = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "g_proj", "a_proj", "b_proj", "gate_proj",
                             "up_proj", "down_proj", "in_proj", "fc", "ctx_proj", "lm_head", "router"})
 _SHARED_PARTS = ("shared.gate_proj", "shared.up_proj", "shared_gate")
+
+
+def packing_ready() -> bool:
+    """Whether a kernel that reads packed weights is ready on this host: AMX's, else AVX512-BF16's."""
+    return cpu_amx.ready() or cpu_pairs.ready()
 
 
 def pack_for_cpu(weights: dict[str, torch.Tensor], cfg: ModelConfig,
@@ -34,7 +39,7 @@ def pack_for_cpu(weights: dict[str, torch.Tensor], cfg: ModelConfig,
 
     consume: pack `weights` in place, entry by entry, so each original is released as its packing
     is made (a loader's own dict: memory never holds two copies of the model); otherwise a new dict."""
-    if not any(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in weights.values()) or not cpu_amx.ready():
+    if not any(t.dtype == torch.bfloat16 and t.device.type == "cpu" for t in weights.values()) or not packing_ready():
         return weights
     fused = {f"{prefix}.{part}" for prefix in moe_prefixes(cfg) if fused_shared(weights, prefix) is not None
              for part in _SHARED_PARTS}

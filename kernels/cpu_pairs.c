@@ -1,0 +1,89 @@
+/* y = x @ w.T in bf16 with AVX512-BF16 over w packed in tile order (kernels/cpu_pairs.py).
+ *
+ * The packing is cpu_amx's: w [N, K] (N % 16 == 0, K % 32 == 0) as [N/16][K/32][16 k-pairs][16
+ * columns][2]. Read 64 bytes at a time, that is, for one pair of k, the pair of weights of each of
+ * 16 output columns: exactly the second operand of VDPBF16PS, whose first is the pair of x values
+ * broadcast to the 16 lanes. So each instruction adds x[k] w[c, k] + x[k+1] w[c, k+1] into 16
+ * outputs' fp32 accumulators: an outer product with no horizontal sums (the row kernel cpu_gemv
+ * reduces every output at its end, and its dot-product throughput bounds it beyond 4 rows).
+ *
+ * fx_pairs_linear computes the output blocks [nb0, nb1) (16 columns each) for every row of x [M, K]:
+ * two blocks (32 columns) at a time against up to 12 rows (24 accumulators of the 32 registers), the
+ * blocks' panel (2 x 32 K bytes) staying in L1/L2 while the row blocks pass over it, so the weight
+ * is read from memory once whatever M. Accumulation is fp32, then one round-to-nearest-even to bf16
+ * (as F.linear; only the order of the fp32 additions differs). Returns 0, or -1 for bad sizes.
+ */
+#include <stdint.h>
+
+#include "cpu_simd.h"
+
+#if defined(__AVX512BF16__)
+
+#define ROWS 12          /* rows of x per pass */
+#define PAIR_BYTES 64    /* one k pair of 16 columns */
+#define PREFETCH_AHEAD 8 /* k pairs (512 bytes) ahead, per block stream */
+
+/* MB rows (1..ROWS) against NB blocks (1 or 2) of 16 columns. */
+#define DEFINE_PASS(MB, NB)                                                                              \
+  static void pass_##MB##_##NB(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t K, int64_t N, \
+                               int64_t nb) {                                                             \
+    __m512 acc[MB][NB];                                                                                  \
+    _Pragma("GCC unroll 16") for (int m = 0; m < MB; ++m)                                               \
+      _Pragma("GCC unroll 2") for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps();             \
+    const int64_t pairs = K / 2;                                                                         \
+    const uint16_t *panel[NB];                                                                           \
+    _Pragma("GCC unroll 2") for (int b = 0; b < NB; ++b) panel[b] = p + (nb + b) * K * 16;               \
+    for (int64_t i = 0; i < pairs; ++i) {                                                                \
+      __m512bh wv[NB];                                                                                   \
+      _Pragma("GCC unroll 2") for (int b = 0; b < NB; ++b) {                                             \
+        _mm_prefetch((const char *)(panel[b] + (i + PREFETCH_AHEAD) * 32), _MM_HINT_T0);                 \
+        wv[b] = (__m512bh)_mm512_loadu_si512((const void *)(panel[b] + i * 32));                         \
+      }                                                                                                  \
+      _Pragma("GCC unroll 16") for (int m = 0; m < MB; ++m) {                                           \
+        uint32_t xx;                                                                                     \
+        memcpy(&xx, x + m * K + 2 * i, 4);                                                               \
+        __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xx);                                              \
+        _Pragma("GCC unroll 2") for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], wv[b], xb); \
+      }                                                                                                  \
+    }                                                                                                    \
+    _Pragma("GCC unroll 16") for (int m = 0; m < MB; ++m)                                               \
+      _Pragma("GCC unroll 2") for (int b = 0; b < NB; ++b) store_bf16(y + m * N + (nb + b) * 16, acc[m][b]); \
+  }
+
+/* The packing's k order within a block of 32 is pair-major ([16 k-pairs][16 columns][2]), and the
+ * blocks of 32 follow one another: the i-th 64-byte vector of a column block is k pair i overall. */
+
+#define DEFINE_ROWS(MB) DEFINE_PASS(MB, 1) DEFINE_PASS(MB, 2)
+DEFINE_ROWS(1) DEFINE_ROWS(2) DEFINE_ROWS(3) DEFINE_ROWS(4) DEFINE_ROWS(5) DEFINE_ROWS(6)
+DEFINE_ROWS(7) DEFINE_ROWS(8) DEFINE_ROWS(9) DEFINE_ROWS(10) DEFINE_ROWS(11) DEFINE_ROWS(12)
+
+typedef void (*pass_fn)(const uint16_t *, const uint16_t *, uint16_t *, int64_t, int64_t, int64_t);
+
+#define PASSES(NB)                                                                                       \
+  { 0, pass_1_##NB, pass_2_##NB, pass_3_##NB, pass_4_##NB, pass_5_##NB, pass_6_##NB, pass_7_##NB,        \
+    pass_8_##NB, pass_9_##NB, pass_10_##NB, pass_11_##NB, pass_12_##NB }
+static const pass_fn ONE[ROWS + 1] = PASSES(1);
+static const pass_fn TWO[ROWS + 1] = PASSES(2);
+
+int fx_pairs_linear(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t m, int64_t k, int64_t n,
+                    int64_t nb0, int64_t nb1) {
+  if (m <= 0 || k <= 0 || k % 32 || n % 16 || nb0 < 0 || nb1 > n / 16 || nb0 > nb1) return -1;
+  for (int64_t nb = nb0; nb < nb1; nb += 2) {
+    const int two = nb + 1 < nb1;
+    for (int64_t m0 = 0; m0 < m; m0 += ROWS) {
+      const int64_t rows = m - m0 < ROWS ? m - m0 : ROWS;
+      (two ? TWO : ONE)[rows](x + m0 * k, p, y + m0 * n, k, n, nb);
+    }
+  }
+  return 0;
+}
+
+#else /* the AVX2 build: no bf16 arithmetic; cpu_pairs.py never loads this level */
+
+int fx_pairs_linear(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t m, int64_t k, int64_t n,
+                    int64_t nb0, int64_t nb1) {
+  (void)x, (void)p, (void)y, (void)m, (void)k, (void)n, (void)nb0, (void)nb1;
+  return -1;
+}
+
+#endif

@@ -1,0 +1,67 @@
+"""The AVX512-BF16 product over tile-order packed weights (kernels/cpu_pairs.c, cpu-kernels.md §15.8)
+against an fp64 product: every row count a pass takes (1-12) and more (row blocks over one weight
+panel), odd and even numbers of 16-column blocks (pairs of blocks and a last single one), leading
+dimensions, threads splitting the blocks; and which kernel `ops.linear` gives a packed weight.
+
+The kernel accumulates exact bf16 products in fp32 and rounds each output once to bf16, so an output
+may differ from the fp64 product by its own bf16 rounding plus fp32 summation noise (the same bound
+as tests/test_cpu_amx.py's). Skipped (with the reason) where it cannot run: a host below the AVX512
+kernel level (_cpu.host_isa), an AMX host (the AMX kernel reads packed weights there), no C compiler.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fxsched.kernels import cpu_amx, cpu_pairs
+from fxsched.runtime.torch_model.ops import linear
+from support.torch_testing import torch_threads
+
+needs_pairs = pytest.mark.skipif(not cpu_pairs.ready(), reason="the AVX512-BF16 packed kernel is not in use here "
+                                 "(needs AVX512-BF16 without AMX and a C compiler; FXSCHED_KERNELS=torch disables it)")
+
+
+def _close_to_fp64(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+    ref = x.double() @ w.double().T
+    tol = ref.abs() * 2.0 ** -8 + (x.double().abs() @ w.double().abs().T) * 2.0 ** -20 + 1e-6
+    err = (y.double() - ref).abs()
+    assert not (err > tol).any(), f"{int((err > tol).sum())} outputs off, worst {err.max().item()}"
+
+
+@needs_pairs
+@pytest.mark.parametrize("m", [1, 2, 5, 11, 12, 13, 24, 37])
+@pytest.mark.parametrize("k,n", [(32, 16), (96, 48), (256, 80), (1024, 272)])
+def test_packed_product_matches_fp64(m, k, n):
+    gen = torch.Generator().manual_seed(m * 7919 + k * 31 + n)
+    x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    y = cpu_pairs.pairs_linear(x, cpu_amx.pack(w))
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    _close_to_fp64(y, x, w)
+
+
+@needs_pairs
+def test_leading_dimensions_and_threads_give_the_same_product():
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 5, 128, generator=gen).to(torch.bfloat16)
+    w = torch.randn(4096 + 48, 128, generator=gen).to(torch.bfloat16)  # enough blocks to split, an odd count
+    p = cpu_amx.pack(w)
+    with torch_threads(1):
+        one = cpu_pairs.pairs_linear(x, p)
+    with torch_threads(3):
+        three = cpu_pairs.pairs_linear(x, p)
+    assert one.shape == (3, 5, 4096 + 48)
+    assert torch.equal(one, three)  # each output is summed in the same order whatever the split
+    _close_to_fp64(one.reshape(15, -1), x.reshape(15, 128), w)
+
+
+@needs_pairs
+def test_linear_takes_the_packed_kernel():
+    gen = torch.Generator().manual_seed(6)
+    w = torch.randn(64, 96, generator=gen).to(torch.bfloat16)
+    x = torch.randn(9, 96, generator=gen).to(torch.bfloat16)
+    p = cpu_amx.pack(w)
+    assert torch.equal(linear(x, p), cpu_pairs.pairs_linear(x, p))
+    _close_to_fp64(linear(x, p), x, w)
+    # (without a kernel, F.linear on the matrix it holds: tests/test_cpu_amx.py)
