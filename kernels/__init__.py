@@ -14,7 +14,7 @@ tensors, or CPU tensors under ``TRITON_INTERPRET=1``; the reference otherwise):
   block-paged KV cache, GQA allowed.
 * ``gated_delta``: gated delta rule steps returning outputs and every per-token state.
 
-The CPU kernels (``cpu_gemv``, ``cpu_amx``, ``cpu_attention``, ``cpu_pointwise``, ``cpu_gdn``) are C
+The CPU kernels (``cpu_gemv``, ``cpu_amx``, ``cpu_pairs``, ``cpu_attention``, ``cpu_pointwise``, ``cpu_gdn``) are C
 files compiled on first use for the host's instruction-set level (AVX512-BF16 or AVX2, ``_cpu``),
 each with a torch reference and fallback; ``cpu_widen`` takes bf16 products in fp32 panels on CPUs
 without bf16 arithmetic (cpu-kernels.md §15.1, §15.6).
