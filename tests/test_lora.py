@@ -28,8 +28,9 @@ from fxsched.runtime.devices.device import DeviceError
 from fxsched.runtime.devices.torch import TorchDevice
 from fxsched.runtime.torch_model import HybridEngine
 from fxsched.runtime.torch_model.errors import AdapterError
-from fxsched.runtime.torch_model import lora as lora_module
-from fxsched.runtime.torch_model.lora import grouped_lora
+from fxsched.runtime.torch_model import lora_rows
+from fxsched.runtime.torch_model.lora_rows import grouped_lora
+from fxsched.runtime.torch_model.packing import packing_ready
 
 peft = pytest.importorskip("peft")
 
@@ -207,8 +208,48 @@ def test_qwen3_mixed_batch_matches_peft(qwen3, monkeypatch, product):
     """On the CPU both products of §18.2: the dense one (the slots' span masked per row) and the
     grouped one (what the CPU takes beyond DENSE_MAX_COLUMNS, and the GPU always)."""
     if product == "grouped":
-        monkeypatch.setattr(lora_module, "DENSE_MAX_COLUMNS", 0)
+        monkeypatch.setattr(lora_rows, "DENSE_MAX_COLUMNS", 0)
     _mixed(qwen3, f"Qwen3 ({product})")
+
+
+@pytest.mark.skipif(not packing_ready(),
+                    reason="no kernel reads packed weights here (AVX512-BF16 or AMX): bf16 adapters take lora.py's "
+                           "fp32 products, tested above")
+def test_qwen3_bf16_mixed_batch_on_packed_weights_matches_peft(qwen3, monkeypatch):
+    """A bf16 model on packed weights takes the packed adapter product (lora_cpu.py): a mixed batch of
+    the three adapters and the base against PEFT (fp32), within bf16 rounding of the logits, and
+    against the same engine's fp32 dense product."""
+    from fxsched.runtime.torch_model import lora_cpu
+
+    calls: list[str] = []
+    real_add = lora_cpu.PackedDeltas.add
+    monkeypatch.setattr(lora_cpu.PackedDeltas, "add", lambda self, name, *a: calls.append(name) or real_add(self, name, *a))
+
+    def run(packed: bool) -> tuple[list[torch.Tensor], list[list[int]]]:
+        engine = HybridEngine.from_pretrained(qwen3.ck.path, max_loras=3, max_lora_rank=8, dtype="bfloat16",
+                                              **ENGINE_ARGS)
+        assert engine.lora is not None and (engine.lora.packed is not None)
+        if not packed:
+            engine.lora.packed = None
+        for slot, name in enumerate(qwen3.dirs):
+            engine.load_adapter(slot, qwen3.dirs[name])
+        prompts = [_prompt(300 + i, 7 + i) for i in range(4)]
+        for b in range(4):
+            engine.alloc(b, lora_slot=b if b < 3 else -1)
+        out = [engine.commit_forward(list(range(4)), prompts).float()]
+        out.append(engine.decode_batch(list(range(4)), [5, 6, 7, 8]).float())
+        return out, prompts
+
+    (packed, prompts), (dense, _) = run(True), run(False)
+    assert calls, "the packed product was not taken"
+    names: list[str | None] = [*qwen3.dirs, None]
+    for b, name in enumerate(names):
+        ref = _ref_logits(qwen3, name, prompts[b] + [5 + b])
+        for got, row in ((packed[0][b], ref[-2]), (packed[1][b], ref[-1])):
+            scale = row.abs().max().item()
+            assert _diff(got, row) <= 0.05 * scale, (name, _diff(got, row), scale)
+    for a, b in zip(packed, dense, strict=True):
+        assert _diff(a, b) <= 0.03 * b.abs().max().item()
 
 
 def test_qwen35_hybrid_each_adapter_alone_matches_peft(qwen35):

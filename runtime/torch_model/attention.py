@@ -25,7 +25,7 @@ from fxsched.kernels.paged_kv_append import paged_kv_append
 from .attn_plan import AttnPlan
 from .config import ModelConfig
 from .kernel_paths import attention_kernels_apply
-from .lora import LoraRows, project
+from .lora_rows import LoraRows, project
 from .ops import rms_norm
 from .paged_kv import PagedKVCache
 

@@ -40,7 +40,7 @@ from .config import ModelConfig
 from .gdn_chunked import KeepIndex, KeepPlan, chunked_gated_delta
 from .gdn_fla import fla_prefill_applies, segmented_gated_delta
 from .kernel_paths import gdn_recurrence_kernel_applies
-from .lora import LoraRows, project
+from .lora_rows import LoraRows, project
 from .ops import l2_normalize, rms_norm
 
 GdnSnapshot = list[tuple[torch.Tensor, torch.Tensor]]  # per GDN layer: (recurrent [Hv,Dk,Dv], conv [C,W-1])

@@ -21,7 +21,7 @@ Wired hot spots (the torch code stays as the fallback and is what runs on a plai
   batches keep the torch path (masked dense attention over the gathered blocks).
 * `gdn_fold` -- `HybridEngine.gdn_fold_accepted`, i.e. every commit (prefill chunks, decode, verify +
   fold, `commit_accepted_prefix`); `gdn_fold_reference` (the same gather/scatter copy) otherwise.
-* `lora_sgmv` -- `lora.LoraRows.add`, every adapted projection of a batch with adapters (specs/lora.md
+* `lora_sgmv` -- `lora_rows.LoraRows.add`, every adapted projection of a batch with adapters (specs/lora.md
   §18.2); `torch._grouped_mm` or the CPU's dense product otherwise.
 
 The CPU kernels (C, `fxsched.kernels.cpu_gemv` / `cpu_gdn`) follow the opposite rule: they serve CPU

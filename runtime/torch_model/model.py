@@ -27,7 +27,7 @@ from .attn_plan import AttnPlan
 from .config import ModelConfig
 from .gdn import GdnRows, GdnStateCache, gdn_layer
 from .gdn_chunked import KeepIndex, KeepPlan
-from .lora import LoraRows
+from .lora_rows import LoraRows
 from .moe import fuse_shared_experts, sparse_moe
 from .ops import embed_rows, linear, rms_norm, swiglu_mlp
 from .packing import pack_for_cpu

@@ -56,7 +56,7 @@ from .ops import linear, swiglu_mlp
 from .weights import param_shapes
 
 if TYPE_CHECKING:
-    from .lora import LoraRows
+    from .lora_rows import LoraRows
 
 EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")  # the stacked [E, ...] tensors of a MoE layer
 _STACKED_SUFFIXES = tuple(f".moe.{part}" for part in EXPERT_PARTS)

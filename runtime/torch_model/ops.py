@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from fxsched.kernels import cpu_amx, cpu_gemv, cpu_pairs, cpu_pointwise, cpu_widen
 
 if TYPE_CHECKING:
-    from .lora import LoraRows
+    from .lora_rows import LoraRows
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
