@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from pathlib import Path
+from typing import Callable, Iterable
 
 import structlog
 import torch
@@ -31,7 +32,8 @@ import torch.nn.functional as F
 
 from ._cpu import load, split
 
-__all__ = ["amx_linear", "is_packed", "pack", "packable", "ready", "rows", "unpack"]
+__all__ = ["amx_linear", "check_packed_kernel", "is_packed", "pack", "packable", "packed_product", "ready", "rows",
+           "unpack"]
 
 log = structlog.get_logger("fxsched.kernels")
 
@@ -65,12 +67,18 @@ def _library() -> ctypes.CDLL | None:
 
 
 def _self_check(lib: ctypes.CDLL) -> bool:
+    return check_packed_kernel(lib.fx_amx_linear, ((1, 64, 80), (7, 96, 16), (16, 32, 48), (37, 64, 32), (33, 32, 112)))
+
+
+def check_packed_kernel(kernel: Callable[..., int], shapes: Iterable[tuple[int, int, int]]) -> bool:
+    """Whether a kernel over packed weights (``kernel(x, p, y, m, k, n, nb0, nb1)``, 0 on success)
+    gives x @ w.T within bf16 noise at each (m, k, n) of ``shapes``."""
     gen = torch.Generator().manual_seed(0)
-    for m, k, n in ((1, 64, 80), (7, 96, 16), (16, 32, 48), (37, 64, 32), (33, 32, 112)):
+    for m, k, n in shapes:
         x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
         w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
         y, packed = torch.empty(m, n, dtype=torch.bfloat16), pack(w)  # held: the call reads its memory
-        if lib.fx_amx_linear(x.data_ptr(), packed.data_ptr(), y.data_ptr(), m, k, n, 0, n // 16) != 0:
+        if kernel(x.data_ptr(), packed.data_ptr(), y.data_ptr(), m, k, n, 0, n // 16) != 0:
             return False
         if not torch.allclose(y.float(), x.float() @ w.float().T, rtol=1e-2, atol=1e-2):
             return False
@@ -118,9 +126,17 @@ def amx_linear(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ w.T for the packed weight p of w [N, K]: [..., N] in bf16. Outside the kernel's
     reach (not ready, not bf16 CPU, traced by torch.compile) it is F.linear on `unpack(p)`: the same
     product, slower (the unpacked copy is made per call)."""
-    n, k = p.shape[0] * 16, p.shape[1] * 32
     lib = _library()
-    if (lib is None or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] != k
+    return packed_product(None if lib is None else lib.fx_amx_linear, x, p, align=4, name="amx_linear")
+
+
+def packed_product(kernel: Callable[..., int] | None, x: torch.Tensor, p: torch.Tensor, align: int,
+                   name: str) -> torch.Tensor:
+    """x [..., K] @ w.T by ``kernel`` over the packed weight p of w [N, K] (threads split the output
+    blocks in multiples of ``align``, at least 16 each); F.linear on `unpack(p)` where the kernel is
+    None or the call is not its (not bf16 CPU, traced by torch.compile)."""
+    n, k = p.shape[0] * 16, p.shape[1] * 32
+    if (kernel is None or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] != k
             or x.requires_grad or torch.compiler.is_compiling()):
         return F.linear(x, unpack(p))
     lead = x.shape[:-1]
@@ -132,6 +148,6 @@ def amx_linear(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     args = (flat.data_ptr(), p.data_ptr(), y.data_ptr(), m, k, n)
     blocks = n // 16
     threads = min(torch.get_num_threads(), max(1, blocks // _BLOCKS_PER_THREAD))
-    if split(lambda lo, hi: lib.fx_amx_linear(*args, lo, hi), blocks, threads, align=4) != 0:
-        raise RuntimeError(f"amx_linear: the kernel refused a [{m}, {k}] x [{n}, {k}] product")
+    if split(lambda lo, hi: kernel(*args, lo, hi), blocks, threads, align=align) != 0:
+        raise RuntimeError(f"{name}: the kernel refused a [{m}, {k}] x [{n}, {k}] product")
     return y

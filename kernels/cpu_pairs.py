@@ -26,17 +26,13 @@ import functools
 
 import structlog
 import torch
-import torch.nn.functional as F
 
 from . import cpu_amx
-from ._cpu import load, split
+from ._cpu import load
 
 __all__ = ["pairs_linear", "ready"]
 
 log = structlog.get_logger("fxsched.kernels")
-
-_BLOCKS_PER_THREAD = 16  # 256 outputs: below this a thread's share costs more to hand out than to compute
-
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
@@ -50,16 +46,8 @@ def _library() -> ctypes.CDLL | None:
 
 
 def _self_check(lib: ctypes.CDLL) -> bool:
-    gen = torch.Generator().manual_seed(0)
-    for m, k, n in ((1, 64, 80), (7, 96, 16), (12, 32, 48), (13, 64, 32), (40, 32, 112)):
-        x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
-        w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
-        y, packed = torch.empty(m, n, dtype=torch.bfloat16), cpu_amx.pack(w)  # held: the call reads its memory
-        if lib.fx_pairs_linear(x.data_ptr(), packed.data_ptr(), y.data_ptr(), m, k, n, 0, n // 16) != 0:
-            return False
-        if not torch.allclose(y.float(), x.float() @ w.float().T, rtol=1e-2, atol=1e-2):
-            return False
-    return True
+    shapes = ((1, 64, 80), (7, 96, 16), (12, 32, 48), (13, 64, 32), (40, 32, 112))  # one and two blocks, row blocks
+    return cpu_amx.check_packed_kernel(lib.fx_pairs_linear, shapes)
 
 
 def ready() -> bool:
@@ -72,20 +60,5 @@ def pairs_linear(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ w.T for the packed weight p of w [N, K]: [..., N] in bf16. Outside the kernel's
     reach (not ready, not bf16 CPU, traced by torch.compile) it is F.linear on `cpu_amx.unpack(p)`:
     the same product, slower (the unpacked copy is made per call)."""
-    n, k = p.shape[0] * 16, p.shape[1] * 32
     lib = _library()
-    if (lib is None or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] != k
-            or x.requires_grad or torch.compiler.is_compiling()):
-        return F.linear(x, cpu_amx.unpack(p))
-    lead = x.shape[:-1]
-    flat = x.reshape(-1, k).contiguous()
-    m = flat.shape[0]
-    y = torch.empty(*lead, n, dtype=torch.bfloat16)
-    if m == 0:
-        return y
-    args = (flat.data_ptr(), p.data_ptr(), y.data_ptr(), m, k, n)
-    blocks = n // 16
-    threads = min(torch.get_num_threads(), max(1, blocks // _BLOCKS_PER_THREAD))
-    if split(lambda lo, hi: lib.fx_pairs_linear(*args, lo, hi), blocks, threads, align=2) != 0:
-        raise RuntimeError(f"pairs_linear: the kernel refused a [{m}, {k}] x [{n}, {k}] product")
-    return y
+    return cpu_amx.packed_product(None if lib is None else lib.fx_pairs_linear, x, p, align=2, name="pairs_linear")
