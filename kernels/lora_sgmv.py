@@ -77,16 +77,23 @@ if HAVE_TRITON:
     import triton.language as tl
 
     @triton.jit
-    def _lora_shrink_kernel(x_ptr, rows_ptr, slots_ptr, a_ptr, h_ptr, m, in_dim, rank,
-                            x_stride_row, a_stride_slot, a_stride_rank, h_stride_row,
-                            BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                            DOT_PRECISION: tl.constexpr):
+    def _row_block(rows_ptr, slots_ptr, m, BLOCK_M: tl.constexpr):
+        """This program's BLOCK_M rows: offsets, in range, row indices, slots, and the first and last
+        slot among them (the run of slots the sorted rows span)."""
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         valid = offs_m < m
         rows = tl.load(rows_ptr + offs_m, mask=valid, other=0).to(tl.int64)
         slots = tl.load(slots_ptr + offs_m, mask=valid, other=0)
         first = tl.min(tl.where(valid, slots, 2147483647), axis=0)
         last = tl.max(tl.where(valid, slots, -1), axis=0)
+        return offs_m, valid, rows, slots, first, last
+
+    @triton.jit
+    def _lora_shrink_kernel(x_ptr, rows_ptr, slots_ptr, a_ptr, h_ptr, m, in_dim, rank,
+                            x_stride_row, a_stride_slot, a_stride_rank, h_stride_row,
+                            BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                            DOT_PRECISION: tl.constexpr):
+        offs_m, valid, rows, slots, first, last = _row_block(rows_ptr, slots_ptr, m, BLOCK_M)
         offs_r = tl.arange(0, BLOCK_R)
         offs_k = tl.arange(0, BLOCK_K)
         acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
@@ -108,13 +115,8 @@ if HAVE_TRITON:
                             h_stride_row, b_stride_slot, b_stride_out, y_stride_row,
                             BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
                             DOT_PRECISION: tl.constexpr):
-        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_m, valid, rows, slots, first, last = _row_block(rows_ptr, slots_ptr, m, BLOCK_M)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        valid = offs_m < m
-        rows = tl.load(rows_ptr + offs_m, mask=valid, other=0).to(tl.int64)
-        slots = tl.load(slots_ptr + offs_m, mask=valid, other=0)
-        first = tl.min(tl.where(valid, slots, 2147483647), axis=0)
-        last = tl.max(tl.where(valid, slots, -1), axis=0)
         offs_r = tl.arange(0, BLOCK_R)
         in_rank = offs_r < rank
         h = tl.load(h_ptr + offs_m[:, None] * h_stride_row + offs_r[None, :], mask=valid[:, None] & in_rank[None, :],
