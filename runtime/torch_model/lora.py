@@ -337,9 +337,9 @@ class LoraPool:
         # a bf16 model on packed weights: the adapters packed as well, a product over every slot (lora_cpu.py)
         from .packing import packing_ready
 
-        columns = -(-max_loras * self.rank // 32) * 32
-        self.packed = (PackedDeltas(max_loras, self.rank) if self.device.type == "cpu" and dtype == torch.bfloat16
-                       and columns <= DENSE_MAX_COLUMNS and packing_ready() else None)
+        packed = PackedDeltas(max_loras, self.rank)
+        self.packed = (packed if self.device.type == "cpu" and dtype == torch.bfloat16
+                       and packed.columns <= DENSE_MAX_COLUMNS and packing_ready() else None)
         self.ids = [0] * max_loras  # 0: the slot is empty
         self.paths: list[Path | None] = [None] * max_loras
         self._next_id = 1

@@ -74,6 +74,7 @@ class LoraRows:
     segments: tuple[tuple[int, int, int], ...] = ()
     _masks: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict, compare=False, repr=False)
     _slots: list[torch.Tensor] = dataclasses.field(default_factory=list, compare=False, repr=False)
+    _packed_masks: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def row_slots(self) -> torch.Tensor:
         """int32 [M]: each adapted row's adapter slot (from `ends`, on the device; once per forward)."""
@@ -107,10 +108,10 @@ class LoraRows:
 
     def _packed_mask(self, n: int) -> torch.Tensor:
         """The packed product's [n, P] bf16 mask (lora_cpu.PackedDeltas.mask), once per forward."""
-        mask = self._masks.get(-n - 1)
+        mask = self._packed_masks.get(n)
         if mask is None:
             assert self.pool.packed is not None
-            mask = self._masks[-n - 1] = self.pool.packed.mask(self._row_slot(n))
+            mask = self._packed_masks[n] = self.pool.packed.mask(self._row_slot(n))
         return mask
 
     def add(self, name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
