@@ -1,7 +1,7 @@
 """Smoke test of ``fxsched bench e2e`` (runtime/bench/e2e.py) on a tiny Qwen3 checkpoint.
 
 The real bench (real-size checkpoints, vLLM) is not run in CI. Here: one round at batches 1 and 2,
-prompts of 8 ids, 4 tokens, fxsched and transformers, ``--json``; the cells must be there with
+prompts of 8 ids, 12 tokens (enough that the timed run outlasts the one-token run even on a busy machine), fxsched and transformers, ``--json``; the cells must be there with
 positive rates, and fxsched's greedy tokens must equal transformers' (the bench's own parity
 check, transformers being the independent reference). The cells run in the test's process
 (``--in-process``: the worker's code without the process boundary, to keep the test fast); one
@@ -21,7 +21,7 @@ from support.hf_tiny import build
 from fxsched.runtime.bench import e2e, e2e_models
 from fxsched.runtime.cli.app import main as cli_main
 
-ARGS = ["--batches", "1,2", "--rounds", "1", "--prompt-len", "8", "--max-tokens", "4",
+ARGS = ["--batches", "1,2", "--rounds", "1", "--prompt-len", "8", "--max-tokens", "12",
         "--engines", "fxsched,fxsched-overlap,fxsched-async,transformers", "--json"]
 
 
@@ -52,7 +52,7 @@ def test_every_cell_has_positive_rates(report):
         assert "error" not in c, c
         assert c["decode_tok_s"] > 0 and c["prefill_tok_s"] > 0 and c["ttft_s"] > 0 and c["peak_rss_gb"] > 0
         assert len(c["rounds"]) == 1
-        assert [len(t) for t in c["tokens"]] == [4] * batch  # EOS ignored: exactly max-tokens each
+        assert [len(t) for t in c["tokens"]] == [12] * batch  # EOS ignored: exactly max-tokens each
         if engine == "fxsched":
             assert c["decode_x"] == pytest.approx(1.0)
     roof = report["roofline"]
@@ -149,7 +149,7 @@ def test_lora_compares_adapted_decoding_with_the_base(ckpt, tmp_path):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         code = e2e.main(["--model", str(ckpt), "--lora", "--batches", "4", "--rounds", "1", "--prompt-len", "8",
-                         "--max-tokens", "4", "--lora-rank", "8", "--json", "--in-process"])
+                         "--max-tokens", "12", "--lora-rank", "8", "--json", "--in-process"])
     assert code == 0
     report = json.loads(out.getvalue().strip().splitlines()[-1])
     cells = {c["engine"]: c for c in report["cells"]}
