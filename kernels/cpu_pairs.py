@@ -13,6 +13,15 @@ size (kernels/cpu_pairs.c): an outer product over 32 columns and up to 12 rows a
 read from memory once whatever the rows, no second copy, and a tied embedding still read from the
 packing (`cpu_amx.rows`).
 
+Two arithmetics over the same packing (`arithmetic()`, cpu-kernels.md §15.8): ``bf16`` issues one
+VDPBF16PS per k pair and 16 columns; ``fp32`` widens each 64-byte vector to the two k's fp32 columns
+(a shift and a mask, exact) and issues fp32 FMAs against x converted once to fp32. Which is faster
+is the core's: on AMD's cores (Zen 4 and later) VDPBF16PS does twice the work of an fp32 FMA per
+cycle; on Intel's AVX512-BF16 cores without AMX it issues at a quarter of the FMAs' rate (measured
+on one: 84 against 169 GFLOP/s per core), so the fp32 form runs at about twice the rate. The choice
+is made from the CPU's vendor, not timed, so every run on a host sums in the same order;
+``FXSCHED_PAIRS_ARITH=bf16|fp32`` overrides it.
+
 `ready()` is False (and callers keep unpacked weights) unless the host's kernel level is AVX512
 (_cpu.host_isa), the host has no AMX kernel ready (AMX takes packed weights there, cpu_amx), the
 kernel compiles, and a self-check against F.linear passes. ``FXSCHED_KERNELS=torch`` turns it off
@@ -23,6 +32,9 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
+from pathlib import Path
+from typing import Callable
 
 import structlog
 import torch
@@ -30,24 +42,48 @@ import torch
 from . import cpu_amx
 from ._cpu import load
 
-__all__ = ["pairs_linear", "ready"]
+__all__ = ["ARITHMETICS", "arithmetic", "kernel", "pairs_linear", "ready"]
 
 log = structlog.get_logger("fxsched.kernels")
 
+ARITHMETICS = ("bf16", "fp32")
+_SYMBOLS = {"bf16": "fx_pairs_linear", "fp32": "fx_pairs_linear_fma"}
+
+
+def arithmetic() -> str:
+    """The packed product's arithmetic on this host: ``FXSCHED_PAIRS_ARITH`` if it names one, else
+    ``fp32`` on Intel CPUs and ``bf16`` on the others (see the module docstring)."""
+    asked = os.environ.get("FXSCHED_PAIRS_ARITH", "").strip().lower()
+    if asked in ARITHMETICS:
+        return asked
+    return "fp32" if _vendor() == "GenuineIntel" else "bf16"
+
+
+def _vendor() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    line = next((ln for ln in text.splitlines() if ln.startswith("vendor_id")), "")
+    return line.partition(":")[2].strip()
+
+
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = load("cpu_pairs", {"fx_pairs_linear": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5}, isas=("avx512",))
+    lib = load("cpu_pairs", {name: [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5 for name in _SYMBOLS.values()},
+               isas=("avx512",))
     if lib is None:
         return None
-    if not _self_check(lib):
+    shapes = ((1, 64, 80), (7, 96, 16), (12, 32, 48), (13, 64, 32), (40, 32, 112))  # one and two blocks, row blocks
+    if not all(cpu_amx.check_packed_kernel(kernel(lib, a), shapes) for a in ARITHMETICS):
         log.warning("cpu_kernel_unavailable", kernel="cpu_pairs", reason="self-check against F.linear failed")
         return None
     return lib
 
 
-def _self_check(lib: ctypes.CDLL) -> bool:
-    shapes = ((1, 64, 80), (7, 96, 16), (12, 32, 48), (13, 64, 32), (40, 32, 112))  # one and two blocks, row blocks
-    return cpu_amx.check_packed_kernel(lib.fx_pairs_linear, shapes)
+def kernel(lib: ctypes.CDLL, arith: str) -> Callable[..., int]:
+    """The C entry point of ``arith`` (one of ARITHMETICS) in the loaded library."""
+    return getattr(lib, _SYMBOLS[arith])
 
 
 def ready() -> bool:
@@ -61,4 +97,5 @@ def pairs_linear(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     reach (not ready, not bf16 CPU, traced by torch.compile) it is F.linear on `cpu_amx.unpack(p)`:
     the same product, slower (the unpacked copy is made per call)."""
     lib = _library()
-    return cpu_amx.packed_product(None if lib is None else lib.fx_pairs_linear, x, p, align=2, name="pairs_linear")
+    return cpu_amx.packed_product(None if lib is None else kernel(lib, arithmetic()), x, p, align=2,
+                                  name="pairs_linear")

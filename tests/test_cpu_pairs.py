@@ -1,5 +1,6 @@
 """The AVX512-BF16 product over tile-order packed weights (kernels/cpu_pairs.c, cpu-kernels.md §15.8)
-against an fp64 product: every row count a pass takes (1-12) and more (row blocks over one weight
+against an fp64 product, in both of its arithmetics (``bf16``: VDPBF16PS; ``fp32``: the packing
+widened to fp32 FMAs; `cpu_pairs.arithmetic`): every row count a pass takes (1-12) and more (row blocks over one weight
 panel), odd and even numbers of 16-column blocks (pairs of blocks and a last single one), leading
 dimensions, threads splitting the blocks; and which kernel `ops.linear` gives a packed weight.
 
@@ -29,10 +30,17 @@ def _close_to_fp64(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
     assert not (err > tol).any(), f"{int((err > tol).sum())} outputs off, worst {err.max().item()}"
 
 
+@pytest.fixture(params=cpu_pairs.ARITHMETICS)
+def arith(request, monkeypatch):
+    monkeypatch.setenv("FXSCHED_PAIRS_ARITH", request.param)
+    assert cpu_pairs.arithmetic() == request.param
+    return request.param
+
+
 @needs_pairs
 @pytest.mark.parametrize("m", [1, 2, 5, 11, 12, 13, 24, 37])
 @pytest.mark.parametrize("k,n", [(32, 16), (96, 48), (256, 80), (1024, 272)])
-def test_packed_product_matches_fp64(m, k, n):
+def test_packed_product_matches_fp64(arith, m, k, n):
     gen = torch.Generator().manual_seed(m * 7919 + k * 31 + n)
     x = torch.randn(m, k, generator=gen).to(torch.bfloat16)
     w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
@@ -42,7 +50,33 @@ def test_packed_product_matches_fp64(m, k, n):
 
 
 @needs_pairs
-def test_leading_dimensions_and_threads_give_the_same_product():
+def test_a_row_gets_the_same_bits_whatever_rows_run_beside_it(arith):
+    # greedy tokens must not depend on the batch: every row block and every span of rows the fp32
+    # form converts at a time (here 8,192 inputs: 24 rows per span) sums each output in one order
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(75, 8192, generator=gen).to(torch.bfloat16)
+    w = torch.randn(48, 8192, generator=gen).to(torch.bfloat16)
+    p = cpu_amx.pack(w)
+    whole = cpu_pairs.pairs_linear(x, p)
+    for lo, hi in ((0, 1), (3, 4), (5, 17), (40, 75), (74, 75)):
+        assert torch.equal(cpu_pairs.pairs_linear(x[lo:hi], p), whole[lo:hi]), (lo, hi)
+    _close_to_fp64(whole, x, w)
+
+
+def test_the_arithmetic_follows_the_vendor_unless_asked(monkeypatch):
+    monkeypatch.delenv("FXSCHED_PAIRS_ARITH", raising=False)
+    monkeypatch.setattr(cpu_pairs, "_vendor", lambda: "GenuineIntel")
+    assert cpu_pairs.arithmetic() == "fp32"
+    monkeypatch.setattr(cpu_pairs, "_vendor", lambda: "AuthenticAMD")
+    assert cpu_pairs.arithmetic() == "bf16"
+    monkeypatch.setenv("FXSCHED_PAIRS_ARITH", "fp32")
+    assert cpu_pairs.arithmetic() == "fp32"
+    monkeypatch.setenv("FXSCHED_PAIRS_ARITH", "nonsense")
+    assert cpu_pairs.arithmetic() == "bf16"
+
+
+@needs_pairs
+def test_leading_dimensions_and_threads_give_the_same_product(arith):
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(3, 5, 128, generator=gen).to(torch.bfloat16)
     w = torch.randn(4096 + 48, 128, generator=gen).to(torch.bfloat16)  # enough blocks to split, an odd count
