@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fxsched.kernels import cpu_attention
+from fxsched.kernels import cpu_amx, cpu_attention
 from fxsched.kernels.paged_attention import paged_attention as paged_attention_kernel
 from fxsched.kernels.paged_kv_append import paged_kv_append
 
@@ -153,6 +153,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     return masked_attention(q, keys, values, allowed)
 
 
+def _sdpa_dtype(q: torch.Tensor) -> torch.dtype:
+    """The dtype a prompt's attention runs in (specs/cpu-kernels.md §15.9): fp32 for bf16 rows on a
+    CPU without AMX, where PyTorch's CPU flash attention runs fp32 at about 1.75x its bf16 rate (62
+    against 36 GFLOP/s on one core, 512 causal rows; its sums are fp32 either way); else q's own."""
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and not cpu_amx.ready():
+        return torch.float32
+    return q.dtype
+
+
 def planned_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                       v_cache: torch.Tensor, plan: AttnPlan) -> torch.Tensor:
     """Causal attention of each batch entry's new rows over its keys, where `plan` says they are
@@ -185,8 +194,9 @@ def planned_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
             assert seq.blocks is not None  # a gather entry carries its block ids
             kb = k_cache.index_select(0, seq.blocks).view(-1, *k_cache.shape[2:])[:seq.ctx]
             vb = v_cache.index_select(0, seq.blocks).view(-1, *v_cache.shape[2:])[:seq.ctx]
-        o = F.scaled_dot_product_attention(qb, kb.transpose(0, 1)[None].to(q.dtype),
-                                           vb.transpose(0, 1)[None].to(q.dtype), attn_mask=seq.mask,
+        work = _sdpa_dtype(q)
+        o = F.scaled_dot_product_attention(qb.to(work), kb.transpose(0, 1)[None].to(work),
+                                           vb.transpose(0, 1)[None].to(work), attn_mask=seq.mask,
                                            is_causal=seq.source == "fresh" and n > 1, enable_gqa=True)
         out[b, :n] = o[0].transpose(0, 1)
     return out
