@@ -22,6 +22,9 @@ p50/p90/p99 in milliseconds; ``tpot`` the median over requests of (e2e - ttft) /
 ``mean_acc_len`` the server's tokens gained per verify over the run (``vllm:spec_decode_*`` counters of
 ``/metrics``, before and after; ``-`` without verifies). ``--json``: one JSON object per row.
 
+``--vllm-python PY --model DIR`` runs vLLM's own client (``vllm bench serve``) against this server and
+``vllm serve`` side by side instead (runtime/bench/serve_vllm.py).
+
 The clients are threads using ``http.client`` (no dependency beyond the standard library on the
 client side); the server runs in its own process, so the clients' Python does not share its GIL.
 """
@@ -39,7 +42,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 from urllib.parse import urlsplit
 
 SPECS = ("none", "mtp", "dflash", "ngram")
@@ -139,15 +142,17 @@ class Client:
 class ServerProcess:
     """``fxsched serve`` in a subprocess on a free port; ``url`` once it listens."""
 
-    def __init__(self, spec: str, model: Optional[str], draft_model: Optional[str], device: str):
+    def __init__(self, spec: str, model: Optional[str], draft_model: Optional[str], device: str,
+                 extra: Sequence[str] = (), cores: Optional[list[int]] = None):
         cmd = [sys.executable, "-m", "fxsched.runtime.cli", "serve", "--port", "0", "--spec", spec,
-               "--max-waiting", "1000000", "--device", device]
+               "--max-waiting", "1000000", "--device", device, *extra]
         if model:
             cmd += ["--model", model]
         if draft_model:
             cmd += ["--draft-model", draft_model]
+        pin = (lambda: os.sched_setaffinity(0, cores)) if cores else None
         self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True)
+                                     stderr=subprocess.PIPE, text=True, preexec_fn=pin)
         self.lines: list[str] = []
         self.url: Optional[str] = None
         self._listening = threading.Event()
