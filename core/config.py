@@ -102,6 +102,11 @@ class SchedulerConfig:
     # lane 1, so prompts that arrive together are prefilled together in one batched forward
     # (specs/scheduler.md §5.10 step 5). Off: the reference traces' one-prompt chunk 0.
     prefill_new_together: bool = False
+    # with prefill_new_together: while no sequence is decoding, a prompt's chunk may take the whole
+    # max_batch_tokens (no running stream waits on it); while some decode, a chunk stays at most
+    # max_prefill_tokens, so a stream waits on one chunk, never on a whole prompt (specs/scheduler.md
+    # §5.13). Off: every lane-2 chunk at most max_prefill_tokens, as the reference traces have it.
+    idle_prefill_fills_budget: bool = False
     # a plain decode may be answered ahead: its tokens stay on the device, the next decode feeds them
     # from there and the host reads them one tick late, while that decode runs (specs/async.md §16.6)
     async_scheduling: bool = False

@@ -237,13 +237,22 @@ def nothing_prefilling(state: SchedulerState) -> bool:
     return not state.prefilling
 
 
-def _wave(state: SchedulerState, mixed: bool) -> tuple[PrefillEntry, ...]:
+def chunk_limit(state: SchedulerState) -> int:
+    """The most tokens of one prompt a lane-2 forward takes: max_prefill_tokens, or the whole
+    max_batch_tokens under idle_prefill_fills_budget while no sequence is decoding (§5.13)."""
+    config = state.config
+    if config.idle_prefill_fills_budget and config.prefill_new_together and not state.rows:
+        return max(config.max_prefill_tokens, config.max_batch_tokens)
+    return config.max_prefill_tokens
+
+
+def _wave(state: SchedulerState, mixed: bool, limit: int) -> tuple[PrefillEntry, ...]:
     """The prefilling entries one batched forward takes under prefill_new_together: from the front,
     while their chunks (and a mixed step's decode rows) fit max_batch_tokens; the first always."""
     budget = state.config.max_batch_tokens - (len(state.rows) if mixed else 0)
     taken = 0
     for i, entry in enumerate(state.prefilling):
-        chunk, _ = entry_chunk(entry, state.config.max_prefill_tokens)
+        chunk, _ = entry_chunk(entry, limit)
         if i and taken + chunk > budget:
             return state.prefilling[:i]
         taken += chunk
@@ -256,11 +265,11 @@ def continue_prefills(state: SchedulerState, task: ContinuePrefills, out: list[E
     if state.rows and admission.policy_declines(state):
         return state
     config = state.config
-    limit = config.max_prefill_tokens
+    limit = chunk_limit(state)
     mixed = bool(state.rows) and not single_active_with_speculation(state)
     if mixed:
         state = replace(state, last_decode_ms=state.now_ms)
-    group = _wave(state, mixed) if config.prefill_new_together else state.prefilling
+    group = _wave(state, mixed, limit) if config.prefill_new_together else state.prefilling
     if len(group) >= 2 and (mixed or not state.rows):
         if mixed:
             out.append(dc.PollInnerq())

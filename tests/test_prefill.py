@@ -146,6 +146,31 @@ def test_a_wave_of_new_prompts_stays_within_the_batch_token_budget():
     assert sum(s.length for s in waves[0].prefills) <= 45
 
 
+def test_while_nothing_decodes_a_chunk_takes_the_whole_budget_and_beside_decodes_one_chunk():
+    config = make_config(max_prefill_tokens=8, max_batch_tokens=64, prefill_new_together=True,
+                         idle_prefill_fills_budget=True)
+    d = Driver(config=config, requests=[make_request(1, prompt_len=40, max_tokens=30),
+                                        make_request(2, prompt_len=12, max_tokens=30)])
+    d.run_to_query(plans.Decode)
+    wave = of_type(d.history, dc.PrefillBatchChunk)
+    assert [[(s.start, s.length, s.last) for s in w.prefills] for w in wave] == [[(0, 40, True), (0, 12, True)]]
+    d.feed(ev.Arrival(make_request(3, prompt_len=30, max_tokens=2)))  # arrives while 1 and 2 decode
+    d.finish()
+    assert len(d.outputs(DoneOut)) == 3
+    beside = [s for e in d.history if isinstance(e, (dc.MixedForward, dc.MixedForwardBatch))
+              for s in (e.prefills if isinstance(e, dc.MixedForwardBatch) else (e.prefill,))]
+    assert [(s.start, s.length, s.last) for s in beside] == [(0, 8, False), (8, 8, False), (16, 8, False),
+                                                             (24, 6, True)]
+
+
+def test_without_the_option_a_wave_keeps_the_prefill_chunk():
+    config = make_config(max_prefill_tokens=8, max_batch_tokens=64, prefill_new_together=True)
+    d = Driver(config=config, requests=[make_request(1, prompt_len=40, max_tokens=3)])
+    d.finish()
+    lone = [(e.start, e.length) for e in of_type(d.history, dc.PrefillChunk)]
+    assert lone == [(0, 8), (8, 8), (16, 8), (24, 8), (32, 8)]
+
+
 @settings(max_examples=150, deadline=None)
 @given(lens=st.lists(st.integers(1, 70), min_size=1, max_size=5), limit=st.integers(1, 24),
        batch=st.integers(1, 64), late=st.lists(st.booleans(), min_size=5, max_size=5), together=st.booleans())

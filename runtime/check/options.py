@@ -6,7 +6,8 @@ context, watchdog and async scheduling by the episode's own draws (walk.py), and
 
 - **production's settings** in ``PRODUCTION_SHARE`` of the random episodes: what ``generate`` and
   ``serve`` set beyond a mode's own options (runtime/generate.py ``scheduler_setup``): chunked
-  prefill under a batch token budget, prompts that arrive together prefilled together, the KV
+  prefill under a batch token budget, prompts that arrive together prefilled together (in chunks of
+  the whole budget while nothing decodes), the KV
   reservation's horizon the model's context. The walk's prompts are at most 40 tokens, so the chunk
   and the budget are scaled to them (a 2048-token chunk would never cut one); a batch mixing adapters;
 - **the other knobs** each on its own now and then (``KNOBS``): the MTP batch width limit, the n-gram
@@ -38,6 +39,7 @@ KNOBS: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("ngram_history_without_pending_token", (True,)),
     ("rollback_resteer", (False,)),
     ("max_rollbacks", (0, 1)),
+    ("idle_prefill_fills_budget", (True,)),  # alone: without prefill_new_together it changes nothing
     ("preemption_immunity_tokens", (0, 2, 8)),
     ("eos_ids", ((SCRIPTED_EOS, STOP_OUTSIDE_SCRIPTS),)),
 )
@@ -54,7 +56,8 @@ def with_options(episode: Episode, seed: int) -> Episode:
         chunk = rng.choice((4, 6, 8, 16))
         changes.update(max_prefill_tokens=chunk, admission_watermark=max(episode.max_seq_len,
                                                                           episode.admission_watermark))
-        options.update(prefill_new_together=True, max_batch_tokens=chunk * rng.choice((1, 2, 4)), mixed_adapters=True)
+        options.update(prefill_new_together=True, max_batch_tokens=chunk * rng.choice((1, 2, 4)), mixed_adapters=True,
+                       idle_prefill_fills_budget=True)
     elif episode.max_prefill_tokens and rng.random() < 0.25:
         # serve's --max-num-batched-tokens alone: a budget of at least one chunk
         options["max_batch_tokens"] = episode.max_prefill_tokens * rng.choice((1, 2, 3))

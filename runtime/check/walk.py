@@ -602,6 +602,7 @@ def run_episode(episode: Episode, coverage: Counter, step_limit: int = 20000, ke
                        reclaimable=episode.reclaimable, prefix_cache=episode.prefix_cache, adapters=ADAPTERS,
                        adapter_of={r.id: r.adapter_slot for r in episode.requests},
                        wave_budget=config.prefill_new_together,
+                       idle_fills=config.prefill_new_together and config.idle_prefill_fills_budget,
                        max_prefill_tokens=config.max_prefill_tokens, max_batch_tokens=config.max_batch_tokens,
                        short_proposals=hash_seed(episode) if episode.short_proposals else None,
                        capacities=episode.capacities,

@@ -128,7 +128,7 @@ class SimBase(ScriptedDevice):
                  max_prefill_tokens: int = 0, max_batch_tokens: int = 8192, short_proposals: Optional[int] = None,
                  capacities: tuple[int, ...] = (), late_drafts: Optional[int] = None,
                  keep_decodes: Optional[int] = None, adapter_of: Optional[dict[int, int]] = None,
-                 wave_budget: bool = False):
+                 wave_budget: bool = False, idle_fills: bool = False):
         super().__init__(scripts, vocab=vocab, block_size=block_size, total_blocks=total_blocks,
                          held_blocks=held_blocks, reclaimable=min(reclaimable, held_blocks),
                          cancel_flags=cancel_flags, kv_exhaust_at=kv_exhaust_at,
@@ -147,6 +147,9 @@ class SimBase(ScriptedDevice):
         self.max_prefill_tokens = max_prefill_tokens
         self.max_batch_tokens = max_batch_tokens
         self.wave_budget = wave_budget  # prefill_new_together: a batched wave fits max_batch_tokens
+        # idle_prefill_fills_budget: while no sequence decodes, a chunk may take max_batch_tokens
+        self.idle_fills = idle_fills
+        self.prompted: set[int] = set()  # live sequences whose whole prompt is in the KV (decoding)
         self.verified: dict[int, tuple[int, int]] = {}  # seq -> (rows, KV length before) of its last verify
         self.stash = 0  # entries of the last hidden-row stash
         self.blamed: Optional[frozenset[int]] = None  # request ids the last failed call worked on
@@ -335,7 +338,9 @@ class SimBase(ScriptedDevice):
             raise self._bad(call, f"chunk [{start}, {end}) of a {len(prompt)}-token prompt says last={last}")
         limit = self.max_prefill_tokens
         if limit > 0:
-            if start > 0 or any(o is not s for o in self.live.values()):
+            if self.idle_fills and not any(q in self.prompted for q in self.live if q != s.seq_id):
+                budget = max(limit, self.max_batch_tokens)  # no stream waits on the chunk
+            elif start > 0 or any(o is not s for o in self.live.values()):
                 budget = limit  # a later chunk, or chunk 0 while something else is in flight
             else:
                 budget = self.max_batch_tokens
@@ -372,6 +377,7 @@ class SimBase(ScriptedDevice):
             raise self._bad("prefill", f"{len(tokens)} tokens into sequence {seq}, which holds {s.seq_len}")
         self._adapted("prefill", (seq,))
         self._runs("prefill", prefills=(_Slice(seq, tuple(tokens), 0, len(tokens)),))
+        self.prompted.add(seq)
         super().prefill(seq, tokens, stream)
         self._ring_reset(s)
         return self._first_prefill(s, tokens)
@@ -379,6 +385,8 @@ class SimBase(ScriptedDevice):
     def prefill_chunk(self, seq: int, prompt, start: int, length: int, last: bool, stream: int):
         s = self._seq(seq)
         self._check_slice("prefill_chunk", s, prompt, start, length, last)
+        if last:
+            self.prompted.add(seq)
         self._adapted("prefill_chunk", (seq,))
         self._runs("prefill_chunk", prefills=(_Slice(seq, tuple(prompt), start, length),))
         if start == 0:
@@ -405,6 +413,7 @@ class SimBase(ScriptedDevice):
                 hit = self._first_prefill(self._seq(sl.seq), sl.prompt)
                 if hit:
                     hits.append((sl.seq, hit))
+        self.prompted.update(sl.seq for sl in prefills if sl.last)  # after the checks: one forward's chunks
         return hits or None
 
     def mixed_forward(self, decode_tokens, decode_seqs, prefill, stream: int) -> Optional[list[tuple[int, int]]]:

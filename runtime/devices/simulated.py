@@ -413,6 +413,7 @@ class SimDevice(SimBase):
 
     def free_sequence(self, seq: int) -> None:
         slot = self._seq(seq).slot
+        self.prompted.discard(seq)
         self.epoch += 1
         super().free_sequence(seq)
         self._refuse("free_sequence", self.ledger.release(SLOT, slot))
@@ -487,7 +488,7 @@ class SimDevice(SimBase):
         if s.request_id in self.spill_missing_for:
             return
         self.spilled[seq] = {"tokens": list(s.tokens), "seq_len": s.seq_len, "blocks": s.blocks,
-                             "corrupt": s.request_id in self.spill_corrupt_for}
+                             "corrupt": s.request_id in self.spill_corrupt_for, "prompted": seq in self.prompted}
 
     def restore_sequence_state(self, seq: int, blocks: int) -> None:
         s = self._seq(seq)
@@ -506,6 +507,8 @@ class SimDevice(SimBase):
         if blocks != saved["blocks"]:
             raise self._bad("restore_sequence_state", f"blocks={blocks}, the sequence held {saved['blocks']}")
         self.blamed = None
+        if saved["prompted"]:
+            self.prompted.add(seq)
         s.tokens = saved["tokens"]
         s.seq_len = saved["seq_len"]
         s.blocks = blocks
