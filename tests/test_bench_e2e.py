@@ -130,16 +130,31 @@ def test_bad_input_is_one_line_and_exit_2(words, names, capsys):
     assert err.count("\n") == 1 and names in err and "Traceback" not in err, err
 
 
+def test_each_thread_count_gets_its_table_and_the_same_greedy_tokens(ckpt):
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = e2e.main(["--model", str(ckpt), "--batches", "1,2", "--rounds", "1", "--prompt-len", "8",
+                         "--max-tokens", "6", "--engines", "fxsched", "--threads", "1,2", "--json", "--in-process"])
+    assert code == 0
+    one, two = (json.loads(line) for line in out.getvalue().strip().splitlines())
+    assert (one["threads"], two["threads"]) == (1, 2)
+    for a, b in zip(one["cells"], two["cells"], strict=True):
+        assert a["batch"] == b["batch"] and a["tokens"] == b["tokens"]  # greedy tokens whatever the threads
+
+
 def test_parser_defaults():
     args = e2e.build_parser().parse_args([])
     assert isinstance(args, argparse.Namespace)
     assert e2e._checked(args) == ["fxsched", "transformers"]  # vllm only with --vllm-python
-    assert (args.batches, args.rounds, args.threads, args.prompt_len, args.max_tokens, args.spec) == \
-        ((1, 8, 32), 3, 1, 512, 64, "none")
+    assert (args.batches, args.rounds, args.thread_counts, args.prompt_len, args.max_tokens, args.spec) == \
+        ((1, 8, 32), 3, (1,), 512, 64, "none")
     lora = e2e.build_parser().parse_args(["--lora"])
     assert e2e._checked(lora) == ["fxsched", "fxsched-lora"] and lora.batches == (8,)  # vLLM's only with --vllm-python
     assert not args.vllm_eager  # vLLM as shipped (compiled) unless asked
-    assert (lora.lora_adapters, lora.lora_rank, lora.threads) == (4, 16, 1)
+    assert (lora.lora_adapters, lora.lora_rank, lora.thread_counts) == (4, 16, (1,))
 
 
 def test_lora_compares_adapted_decoding_with_the_base(ckpt, tmp_path):

@@ -10,7 +10,8 @@ with async scheduling, §16.6), transformers (``generate`` of
 AutoModelForCausalLM, greedy, ``min_new_tokens`` = ``max_new_tokens``) and, with ``--vllm-python
 PY`` where ``PY -c "import vllm"`` works, vLLM's offline ``LLM.generate`` (``ignore_eos``). Every
 (round, batch, engine) cell is a fresh process (``e2e_worker``), rounds interleaved (round r: each
-batch, each engine); all with ``--threads`` threads (torch.set_num_threads, OMP_NUM_THREADS;
+batch, each engine); all with ``--threads`` threads (a comma list, e.g. ``1,16``: one table per count,
+every engine at that count; torch.set_num_threads, OMP_NUM_THREADS;
 vLLM: VLLM_CPU_OMP_THREADS_BIND=nobind so it keeps OMP_NUM_THREADS, like the others unpinned, and
 VLLM_ENABLE_V1_MULTIPROCESSING=0: its engine core runs in the cell's process).
 Prompts: ``--prompt-len`` seeded random ids, the same for every engine (batch B takes the first B).
@@ -403,7 +404,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="where --like checkpoints are built and kept")
     ap.add_argument("--batches", type=sizes_arg, default=None, help="batch sizes (default 1,8,32; 8 with --lora)")
     ap.add_argument("--rounds", type=int_arg(1, 1000), default=3)
-    ap.add_argument("--threads", type=int_arg(1, 1024), default=1)
+    ap.add_argument("--threads", dest="thread_counts", type=sizes_arg, default=(1,),
+                    help="comma list of thread counts, each engine given the same (default 1); every cell at each")
+    ap.set_defaults(threads=1)  # the count the cells run at now (main sets each of --threads in turn)
     ap.add_argument("--prompt-len", type=int_arg(1, 1 << 20), default=512)
     ap.add_argument("--max-tokens", type=int_arg(2, 1 << 20), default=64)
     ap.add_argument("--seed", type=int_arg(0, 2**31), default=0, help="prompts and built weights")
@@ -478,12 +481,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     except (UsageError, CliUsageError) as err:
         print(f"fxsched bench e2e: {err}", file=sys.stderr)
         return EXIT_USAGE
-    args.bandwidth = copy_bandwidth(args.threads)
-    total = len(models) * args.rounds * len(args.batches) * len(engines)
+    counts = tuple(args.thread_counts)
+    total = len(counts) * len(models) * args.rounds * len(args.batches) * len(engines)
     results = []
     with tqdm(total=total, unit="cell", file=sys.stderr, disable=None, leave=False) as bar:
-        for label, path in models:
-            results.append(run_model(args, label, path, engines, bar))
+        for threads in counts:  # one table per (thread count, model): its cells' rounds interleave
+            args.threads = threads
+            args.bandwidth = copy_bandwidth(threads)
+            for label, path in models:
+                results.append(run_model(args, label, path, engines, bar))
     for result in results:
         if args.json:
             print(json.dumps(result))

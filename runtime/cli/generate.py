@@ -60,6 +60,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import re
 import sys
 from dataclasses import dataclass
@@ -154,7 +155,8 @@ def add_generate_command(sub) -> None:
                    help="with --json: each token's logprob and the N most likely ids (default 0: none)")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     _add_model_arguments(p)
-    p.add_argument("--threads", default=None, help="torch CPU threads (default 1: the model is tiny)")
+    p.add_argument("--threads", default=None,
+                   help="CPU threads (default: every core with --model, 1 for the embedded model)")
     p.add_argument("--no-progress", action="store_true", help="never show the progress bar")
     p.add_argument("--record", metavar="FILE", default=None,
                    help="write the run's event log to FILE (every event step took and a digest of its effects); "
@@ -270,13 +272,20 @@ def _torch_device(name: str) -> str:
     raise UsageError(f"--device {name}: unknown device (choose cpu or cuda)")
 
 
-def _set_threads(value: Optional[str], device: str) -> None:
+def host_cores() -> int:
+    """The cores this process may run on."""
+    return len(os.sched_getaffinity(0))
+
+
+def _set_threads(value: Optional[str], device: str, checkpoint: bool = False) -> None:
+    """torch's CPU threads: ``--threads`` if given, else every core for a checkpoint (the threads
+    split each product's weights), else 1 (the embedded model is too small to split)."""
     import torch
 
     if value is not None:
         torch.set_num_threads(_int(value, "--threads", 1))
     elif device == "cpu":
-        torch.set_num_threads(1)
+        torch.set_num_threads(host_cores() if checkpoint else 1)
 
 
 # --- the model and its tokenizer ------------------------------------------------------------------
@@ -713,7 +722,7 @@ def run_generate(args, out=None) -> int:
             check_prompt(prompt.tokens, cfg, prompt.source)
     except GenerateError as err:
         raise UsageError(str(err)) from None
-    _set_threads(args.threads, device)
+    _set_threads(args.threads, device, checkpoint=args.model is not None)
     token_lists = expand_prompts([p.tokens for p in prompts], batch)
     if lora is not None:
         _load_adapters(engine, lora)

@@ -324,7 +324,7 @@ def open_serving(args, on_started: Optional[Callable] = None) -> Iterator:
 
             check_drafts(spec, drafts, {"mtp": MTP_DRAFTS, "dflash": engine.cfg.dflash_gamma, "ngram": 1}[spec])
         engine.prefix.enabled = flags.prefix_caching
-        _set_threads(args.threads, device)
+        _set_threads(args.threads, device, checkpoint=args.model is not None)
         if seed is not None:
             import torch
 

@@ -168,7 +168,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
 
     own = p.add_argument_group("fxsched", "The device, the event log, the logs.")
     own.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
-    own.add_argument("--threads", default=None, help="torch CPU threads (default 1: the model is tiny)")
+    own.add_argument("--threads", default=None,
+                     help="CPU threads (default: every core with --model, 1 for the embedded model)")
     own.add_argument("--record", metavar="FILE", default=None,
                      help="write the scheduler's event log to FILE (fxsched replay FILE re-runs it without the "
                           "model; after an engine fault the next scheduler life writes FILE.1, ...); an existing "
