@@ -248,8 +248,13 @@ def chunk_limit(state: SchedulerState) -> int:
 
 def _wave(state: SchedulerState, mixed: bool, limit: int) -> tuple[PrefillEntry, ...]:
     """The prefilling entries one batched forward takes under prefill_new_together: from the front,
-    while their chunks (and a mixed step's decode rows) fit max_batch_tokens; the first always."""
-    budget = state.config.max_batch_tokens - (len(state.rows) if mixed else 0)
+    while their chunks (and a mixed step's decode rows) fit max_batch_tokens, or, beside decoding
+    streams under idle_prefill_fills_budget, while their chunks fit one chunk's max_prefill_tokens;
+    the first always."""
+    config = state.config
+    budget = config.max_batch_tokens - (len(state.rows) if mixed else 0)
+    if mixed and config.idle_prefill_fills_budget:
+        budget = min(budget, config.max_prefill_tokens)  # streams wait on one chunk's rows, whatever the queue
     taken = 0
     for i, entry in enumerate(state.prefilling):
         chunk, _ = entry_chunk(entry, limit)

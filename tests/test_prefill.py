@@ -163,6 +163,19 @@ def test_while_nothing_decodes_a_chunk_takes_the_whole_budget_and_beside_decodes
                                                              (24, 6, True)]
 
 
+def test_beside_decodes_a_queue_of_prompts_rides_one_chunk_of_rows_per_step():
+    config = make_config(max_prefill_tokens=8, max_batch_tokens=64, prefill_new_together=True,
+                         idle_prefill_fills_budget=True)
+    d = Driver(config=config, requests=[make_request(1, prompt_len=4, max_tokens=40)]).run_to_query(plans.Decode)
+    for i in (2, 3, 4):
+        d.feed(ev.Arrival(make_request(i, prompt_len=6, max_tokens=2)))
+    d.finish()
+    assert len(d.outputs(DoneOut)) == 4
+    mixed = [e for e in d.history if isinstance(e, (dc.MixedForward, dc.MixedForwardBatch))]
+    rows = [[s.length for s in (e.prefills if isinstance(e, dc.MixedForwardBatch) else (e.prefill,))] for e in mixed]
+    assert rows == [[6], [6], [6]]  # without the bound: one forward of [6, 6, 6] beside the stream
+
+
 def test_without_the_option_a_wave_keeps_the_prefill_chunk():
     config = make_config(max_prefill_tokens=8, max_batch_tokens=64, prefill_new_together=True)
     d = Driver(config=config, requests=[make_request(1, prompt_len=40, max_tokens=3)])

@@ -404,6 +404,9 @@ class SimBase(ScriptedDevice):
             if rows > self.max_batch_tokens:
                 raise self._bad(call, f"{len(decode_seqs)} decode rows and chunks {[sl.length for sl in prefills]} "
                                       f"in one forward, over max_batch_tokens {self.max_batch_tokens}")
+            if self.idle_fills and decode_seqs and sum(sl.length for sl in prefills) > self.max_prefill_tokens:
+                raise self._bad(call, f"chunks {[sl.length for sl in prefills]} beside {len(decode_seqs)} decode "
+                                      f"rows, over one chunk's max_prefill_tokens {self.max_prefill_tokens}")
         self._runs(call, decodes=tuple(zip(decode_tokens, decode_seqs, strict=False)), prefills=prefills)
         hits = []
         for sl in prefills:
