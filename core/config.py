@@ -104,8 +104,9 @@ class SchedulerConfig:
     prefill_new_together: bool = False
     # with prefill_new_together: while no sequence is decoding, a prompt's chunk may take the whole
     # max_batch_tokens (no running stream waits on it); while some decode, a chunk stays at most
-    # max_prefill_tokens, so a stream waits on one chunk, never on a whole prompt (specs/scheduler.md
-    # §5.13). Off: every lane-2 chunk at most max_prefill_tokens, as the reference traces have it.
+    # max_prefill_tokens and a step's chunks together too, so a stream waits on one chunk's rows,
+    # never on a whole prompt or a queue of them (specs/scheduler.md §5.13). Off: every lane-2 chunk
+    # at most max_prefill_tokens, a wave up to max_batch_tokens, as the reference traces have it.
     idle_prefill_fills_budget: bool = False
     # a plain decode may be answered ahead: its tokens stay on the device, the next decode feeds them
     # from there and the host reads them one tick late, while that decode runs (specs/async.md §16.6)
