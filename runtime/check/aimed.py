@@ -142,10 +142,14 @@ def spilled_alone(rng: random.Random) -> Episode:
                        max_tokens=1, streaming=rng.random() < 0.5, arrive_tick=rng.randint(2, 5))
     late = [SimRequest(id=3, prompt_len=4, tokens=(5, 6), max_tokens=2, arrive_tick=rng.randint(30, 60))] \
         if rng.random() < 0.5 else []
+    # now and then the long request's spill file is damaged or lost: the swap-in must fail it alone
+    damaged = rng.choice(((), (), (), (), "corrupt", "missing"))
     return Episode(mode="plain", max_batch_size=rng.choice((1, 2)), max_prefill_tokens=0, spill=True,
                    total_blocks=8, held_blocks=3, requests=(long, short, *late), admission_watermark=0,
                    close_tick=(late[0].arrive_tick if late else short.arrive_tick) + rng.choice((0, 40)),
-                   fault_phase=rng.choice(("", "", "", "AwaitRestore")), aim="spilled_alone")
+                   fault_phase=rng.choice(("", "", "", "AwaitRestore")), aim="spilled_alone",
+                   spill_corrupt_for=(1,) if damaged == "corrupt" else (),
+                   spill_missing_for=(1,) if damaged == "missing" else ())
 
 
 def ahead(rng: random.Random) -> Episode:
