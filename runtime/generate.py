@@ -134,17 +134,20 @@ GREEDY = SamplingOptions()
 # --- configuration ------------------------------------------------------------------------------
 
 
-PREFILL_CHUNK = 2048  # the most tokens of one prompt a step prefills beside decoding sequences (CUDA)
-PREFILL_CHUNK_CPU = 32  # the same on a CPU, where a forward's time grows with its rows (specs/scheduler.md §5.13)
+PREFILL_CHUNK = 2048  # the most tokens of one prompt a step prefills beside decoding sequences
+PREFILL_CHUNK_SERVED_CPU = 32  # the same for a server on a CPU (`served_chunk`)
 PREFILL_BUDGET = 8192  # the most rows one prefill (or mixed) forward takes
 
 
-def prefill_chunk(device_type: str) -> int:
-    """The prompt chunk that rides beside decoding sequences on a device of this type: on a CPU a
-    forward of a few dozen rows or more costs in proportion to its rows (the weights are read once
-    whatever the rows, the arithmetic is per row), so a whole prompt beside running streams would
-    hold each of them for the prompt's whole prefill; a GPU takes thousands of rows at little cost."""
-    return PREFILL_CHUNK_CPU if device_type == "cpu" else PREFILL_CHUNK
+def served_chunk(device_type: str) -> int:
+    """The prompt rows a server's step prefills beside decoding streams (specs/scheduler.md §5.13,
+    with ``idle_prefill_fills_budget``: while none decodes, prompts take the whole budget).
+    On a CPU a forward of a few dozen rows or more costs in proportion to its rows (the weights are
+    read once whatever the rows, the arithmetic is per row), so a whole prompt beside running streams
+    would hold each of them for the prompt's whole prefill: 32 rows keep a step within about twice a
+    decode step at Qwen3-0.6B's size on one core. A GPU takes thousands of rows at little cost.
+    ``generate`` (offline: throughput, no stream to hold) keeps PREFILL_CHUNK and whole-budget waves."""
+    return PREFILL_CHUNK_SERVED_CPU if device_type == "cpu" else PREFILL_CHUNK
 
 
 def context_limit(cfg: ModelConfig) -> int:
@@ -164,11 +167,10 @@ def model_eos_ids(cfg: ModelConfig) -> tuple[int, ...]:
     return tuple(getattr(cfg, "stop_ids", (cfg.eos_id,)))
 
 
-def scheduler_setup(cfg: ModelConfig, spec: str, batch: int, eos_ids: Optional[Seq[int]] = None,
-                    chunk: int = PREFILL_CHUNK) -> tuple[SchedulerConfig, ModelInfo, Optional[str]]:
+def scheduler_setup(cfg: ModelConfig, spec: str, batch: int, eos_ids: Optional[Seq[int]] = None
+                    ) -> tuple[SchedulerConfig, ModelInfo, Optional[str]]:
     """(scheduler config, model info, device proposer) for a speculation mode; ``eos_ids`` default
-    to the model's (``()``: no EOS); ``chunk`` the prompt tokens a step prefills beside decoding
-    sequences (`prefill_chunk`)."""
+    to the model's (``()``: no EOS). A server bounds what its streams wait on besides (`served_chunk`)."""
     if spec not in SPECS:
         raise GenerateError(f"--spec {spec}: unknown speculation mode (choose from {', '.join(SPECS)})")
     if not 1 <= batch <= cfg.max_slots:
@@ -180,13 +182,12 @@ def scheduler_setup(cfg: ModelConfig, spec: str, batch: int, eos_ids: Optional[S
         raise GenerateError("--spec dflash: the model has no DFlash drafter (config dflash_gamma = 0, "
                             "no --draft-model)")
     eos = model_eos_ids(cfg) if eos_ids is None else tuple(eos_ids)
-    # prompts are chunked (``chunk`` tokens a step beside decoding sequences, the whole budget while
-    # none decodes) and those that arrive together are prefilled together in one forward of at most
-    # PREFILL_BUDGET rows (specs/scheduler.md §5.10, §5.13)
+    # prompts are chunked (PREFILL_CHUNK tokens a step) and those that arrive together are prefilled
+    # together in one forward of at most PREFILL_BUDGET rows (specs/scheduler.md §5.10, §5.13)
     common: dict[str, Any] = dict(eos_ids=eos, max_batch_size=batch, max_seq_len=context_limit(cfg),
-                                  admission_watermark=cfg.max_seq_len, max_prefill_tokens=chunk,
+                                  admission_watermark=cfg.max_seq_len, max_prefill_tokens=PREFILL_CHUNK,
                                   max_batch_tokens=PREFILL_BUDGET, prefill_new_together=True,
-                                  idle_prefill_fills_budget=True, mixed_adapters=True)
+                                  mixed_adapters=True)
     model: dict[str, Any] = dict(vocab=cfg.vocab_size, block_size=cfg.block_size, total_blocks=cfg.num_blocks)
     if spec == "mtp":
         return (SchedulerConfig(use_speculative=True, dflash=False, num_drafts=MTP_DRAFTS, **common),
@@ -373,7 +374,7 @@ def generate(engine: HybridEngine, prompts: Seq[Seq[int]], max_tokens: int, spec
     if overlap and wrap_device is not None:
         raise GenerateError("--overlap: the device lane does not run under expert parallelism")
     batch = batch if batch is not None else min(len(prompts), cfg.max_slots)
-    config, model, proposer = scheduler_setup(cfg, spec, batch, eos_ids, prefill_chunk(engine.device.type))
+    config, model, proposer = scheduler_setup(cfg, spec, batch, eos_ids)
     if async_scheduling is None:  # (a wrapped device, expert parallelism's leader, keeps no decode)
         async_scheduling = engine.device.type == "cuda" and wrap_device is None
     if async_scheduling:

@@ -393,10 +393,7 @@ def test_cuda_paths_dflash_tick_reads_once(tiny_dflash_engine):
 def test_cuda_paths_mixed_prefill_and_decode_tick_reads_once(monkeypatch):
     """A 40-token prompt prefilled 16 tokens a step beside a decoding one: mixed forwards, whose GDN
     layers keep the block-boundary states by the batch's own indices (gdn_chunked.KeepPlan)."""
-    # a budget of 16 too: the two prompts arrive together, and while nothing decodes a chunk may take
-    # the whole budget (specs/scheduler.md §5.13), so only the short prompt fits the first forward
-    monkeypatch.setattr(generate_module, "prefill_chunk", lambda device_type: 16)
-    monkeypatch.setattr(generate_module, "PREFILL_BUDGET", 16)
+    monkeypatch.setattr(generate_module, "PREFILL_CHUNK", 16)
     run = _run(_default_engine(), [[5, 17, 42, 7], [3, 9] * 20], 4)
     _assert_one_read_per_tick(run, 3)
     assert run.device.stats.calls["mixed_forward"] >= 2

@@ -537,6 +537,45 @@ class FaultyDevice:
         return call
 
 
+def test_a_long_prompt_beside_a_running_stream_rides_in_chunks_of_the_served_budget(tok):
+    """On a CPU the server prefills at most 32 prompt rows a step beside decoding streams
+    (generate.served_chunk, specs/scheduler.md §5.13): a 150-token prompt arriving while a stream
+    runs is cut into such chunks, never one forward, and both texts equal the offline greedy ones."""
+    chunks: list[int] = []
+
+    class Recording:  # the mixed forwards' prompt rows
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            attr = getattr(self.inner, name)
+            if name == "mixed_forward":
+                return lambda tokens, seqs, prefill, stream: (chunks.append(prefill.length),
+                                                              attr(tokens, seqs, prefill, stream))[1]
+            if name == "mixed_forward_batch":
+                return lambda tokens, seqs, prefills, stream: (chunks.append(sum(p.length for p in prefills)),
+                                                               attr(tokens, seqs, prefills, stream))[1]
+            return attr
+
+    long_prompt = " ".join(f"w{i}" for i in range(75))
+    s = Server(tok, wrap_device=Recording)
+    try:
+        assert s.engine.config.max_prefill_tokens == 32 and s.engine.config.idle_prefill_fills_budget
+        client = s.client()
+        stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=200, temperature=0, stream=True)
+        pieces = [next(iter(stream)).choices[0].text]
+        long = client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=4, temperature=0)
+        pieces += [c.choices[0].text for c in stream]
+        s.idle()
+    finally:
+        s.close()
+    prompt_len = len(tok.encode(long_prompt))
+    assert prompt_len > 100
+    assert chunks and max(chunks) <= 32 and sum(chunks) >= prompt_len - 32, chunks
+    first, second = references(tok, [tok.encode(PROMPTS[0])], 200)[0], references(tok, [tok.encode(long_prompt)], 4)[0]
+    assert "".join(pieces) == first and long.choices[0].text == second
+
+
 def test_engine_fault_fails_the_requests_it_touched_and_the_server_keeps_serving(tok):
     devices: list[FaultyDevice] = []
 

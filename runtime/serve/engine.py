@@ -78,7 +78,7 @@ from fxsched.runtime.devices.device import Device, DeviceError
 from fxsched.runtime.devices.grammar_mask import GrammarBook
 from fxsched.runtime.devices.row_processors import Penalties, RowProcessors
 from fxsched.runtime.devices.torch import Drafter, TorchDevice
-from fxsched.runtime.generate import SPECS, prefill_chunk, scheduler_setup
+from fxsched.runtime.generate import SPECS, scheduler_setup, served_chunk
 from fxsched.runtime.generate_host import (GenerateHost, LogprobWitness, Observers, RequestResult, TextOptions,
                                            TextStream)
 from fxsched.runtime.interpreter import Host, Interpreter, Observer
@@ -503,8 +503,10 @@ class ServeEngine:
         self.counts_accepted = spec in ("mtp", "dflash")
         self.max_batch = max_batch if max_batch is not None else cfg.max_slots
         eos = tuple(eos_ids) if eos_ids is not None else (tokenizer.eos_ids or None)
-        self.config, self.model_info, self.proposer = scheduler_setup(cfg, spec, self.max_batch, eos,
-                                                                      prefill_chunk(engine.device.type))
+        self.config, self.model_info, self.proposer = scheduler_setup(cfg, spec, self.max_batch, eos)
+        # streams wait on one chunk's rows a step, never a whole prompt (specs/scheduler.md §5.13)
+        self.config = attrs.evolve(self.config, max_prefill_tokens=served_chunk(engine.device.type),
+                                   idle_prefill_fills_budget=True)
         if max_batch_tokens is not None:  # --max-num-batched-tokens: a prompt chunk never exceeds the budget
             self.config = attrs.evolve(self.config, max_batch_tokens=max_batch_tokens,
                                        max_prefill_tokens=min(self.config.max_prefill_tokens, max_batch_tokens))
