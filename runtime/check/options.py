@@ -57,7 +57,7 @@ def with_options(episode: Episode, seed: int) -> Episode:
         changes.update(max_prefill_tokens=chunk, admission_watermark=max(episode.max_seq_len,
                                                                           episode.admission_watermark))
         options.update(prefill_new_together=True, max_batch_tokens=chunk * rng.choice((1, 2, 4)), mixed_adapters=True,
-                       idle_prefill_fills_budget=True)
+                       idle_prefill_fills_budget=rng.random() < 0.5)  # serve's latency bound, or generate's waves
     elif episode.max_prefill_tokens and rng.random() < 0.25:
         # serve's --max-num-batched-tokens alone: a budget of at least one chunk
         options["max_batch_tokens"] = episode.max_prefill_tokens * rng.choice((1, 2, 3))
