@@ -305,6 +305,7 @@ class ModelChoice:
     ep_ranks: int = 1  # > 1: a --model checkpoint is loaded as rank 0's expert shard (runtime/cli/ep.py)
     max_loras: int = 0  # LoRA adapter slots of the engine (specs/lora.md §18.1; 0: none)
     max_lora_rank: int = 16
+    max_slots: Optional[int] = None  # sequences the engine holds at once (None: the loader's default, 16)
 
     @property
     def label(self) -> str:
@@ -413,6 +414,8 @@ def _pretrained(choice: ModelChoice, device: str):
         kwargs["expert_shard"] = (0, choice.ep_ranks)
     if choice.max_loras:
         kwargs.update(max_loras=choice.max_loras, max_lora_rank=choice.max_lora_rank)
+    if choice.max_slots is not None:
+        kwargs["max_slots"] = choice.max_slots
     try:
         return from_pretrained(choice.model, **kwargs)
     except TorchModelError as err:  # ModelDirError among them: the message names the file
@@ -694,6 +697,8 @@ def run_generate(args, out=None) -> int:
         if problem:
             raise UsageError(f"--record {record}: {problem}")
     choice = _model_choice(args, dflash=args.spec == "dflash")
+    if batch > 16 and choice.model is not None:  # a batch beyond the loader's 16 slots gets its slots
+        choice = dataclasses.replace(choice, max_slots=batch)
     lora = _lora_choice(args)
     if lora is not None:
         if choice.model is None:

@@ -285,6 +285,10 @@ def open_serving(args, on_started: Optional[Callable] = None) -> Iterator:
     device = _torch_device(args.device)
     _kv_budget(flags, args, device, args.model)
     choice = _model_choice(args, dflash=spec == "dflash")
+    if max_batch is not None and max_batch > 16 and choice.model is not None:  # --max-num-seqs beyond 16 slots
+        import dataclasses
+
+        choice = dataclasses.replace(choice, max_slots=max_batch)
     lora = flags.lora
     if lora is not None:
         if choice.model is None:
