@@ -3,7 +3,9 @@ against ``fxsched serve`` and ``vllm serve`` on the same checkpoint and the same
 
 For each round (``--rounds``, default 3) and each engine in turn (``--engines``, default
 fxsched,vllm), the verb starts that engine's server on ``--model DIR`` pinned to the first
-``--threads`` cores (default: every core this process may use): ``fxsched serve --threads T`` and
+``--threads`` cores (default: every core this process may use): ``fxsched serve --threads T
+--max-num-seqs C`` (C the largest client count, at least 16: every request in flight runs, as in
+vLLM, whose server runs up to 128) and
 ``vllm serve`` as shipped (compiled, prefix caching on) with ``OMP_NUM_THREADS=T`` and
 ``VLLM_CPU_OMP_THREADS_BIND`` naming the same cores. One warm-up completion of a prompt no timed
 prompt shares a block with goes first. Then, for each client count ``c`` of ``--clients`` (default
@@ -158,8 +160,10 @@ def _start(engine: str, setup: Setup, cores: list[int], site: str, folder: Path)
     if engine == "vllm":
         server: Any = VllmServer(setup, cores, site, folder / "vllm-serve.log")
     else:
+        seqs = max(16, *setup.clients)  # every client's request running at once, as vLLM's 128 allow
         server = ServerProcess("none", setup.model, None, "cpu",
-                               extra=["--threads", str(len(cores)), "--served-model-name", SERVED_NAME],
+                               extra=["--threads", str(len(cores)), "--served-model-name", SERVED_NAME,
+                                      "--max-num-seqs", str(seqs)],
                                cores=cores)
     try:
         return server, server.wait()
