@@ -174,6 +174,32 @@ int fx_pairs_linear_fma(const uint16_t *x, const uint16_t *p, uint16_t *y, int64
   return 0;
 }
 
+/* The core's own rate, for `fxsched bench linears`: `iters` rounds of 24 independent accumulations
+ * on register operands (what a pass of 12 rows x 2 blocks issues per k), VDPBF16PS for arith 0, fp32
+ * FMA for arith 1; no memory is read. Returns a value of the sums so that nothing is optimised away. */
+int fx_pairs_peak(int64_t arith, int64_t iters) {
+  __m512 acc[24];
+  for (int j = 0; j < 24; ++j) {
+    acc[j] = _mm512_set1_ps((float)j);
+    __asm__ volatile("" : "+v"(acc[j]));
+  }
+  __m512 a = _mm512_set1_ps(1e-3f), b = _mm512_set1_ps(1e-3f);
+  if (arith == 0) {
+    for (int64_t i = 0; i < iters; ++i) {
+      __asm__ volatile("" : "+v"(a), "+v"(b));
+      _Pragma("GCC unroll 24") for (int j = 0; j < 24; ++j) acc[j] = _mm512_dpbf16_ps(acc[j], (__m512bh)a, (__m512bh)b);
+    }
+  } else {
+    for (int64_t i = 0; i < iters; ++i) {
+      __asm__ volatile("" : "+v"(a), "+v"(b));
+      _Pragma("GCC unroll 24") for (int j = 0; j < 24; ++j) acc[j] = _mm512_fmadd_ps(a, b, acc[j]);
+    }
+  }
+  __m512 sum = acc[0];
+  for (int j = 1; j < 24; ++j) sum = _mm512_add_ps(sum, acc[j]);
+  return (int)_mm512_reduce_add_ps(sum);
+}
+
 #else /* the AVX2 build: no bf16 arithmetic; cpu_pairs.py never loads this level */
 
 int fx_pairs_linear(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t m, int64_t k, int64_t n,
@@ -185,6 +211,11 @@ int fx_pairs_linear(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t m
 int fx_pairs_linear_fma(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t m, int64_t k, int64_t n,
                         int64_t nb0, int64_t nb1) {
   return fx_pairs_linear(x, p, y, m, k, n, nb0, nb1);
+}
+
+int fx_pairs_peak(int64_t arith, int64_t iters) {
+  (void)arith, (void)iters;
+  return -1;
 }
 
 #endif

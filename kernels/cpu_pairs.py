@@ -42,7 +42,7 @@ import torch
 from . import cpu_amx
 from ._cpu import load
 
-__all__ = ["ARITHMETICS", "arithmetic", "kernel", "pairs_linear", "ready"]
+__all__ = ["ARITHMETICS", "arithmetic", "kernel", "pairs_linear", "peak_flops", "ready"]
 
 log = structlog.get_logger("fxsched.kernels")
 
@@ -70,8 +70,8 @@ def _vendor() -> str:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = load("cpu_pairs", {name: [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5 for name in _SYMBOLS.values()},
-               isas=("avx512",))
+    symbols = {name: [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5 for name in _SYMBOLS.values()}
+    lib = load("cpu_pairs", {**symbols, "fx_pairs_peak": [ctypes.c_int64] * 2}, isas=("avx512",))
     if lib is None:
         return None
     shapes = ((1, 64, 80), (7, 96, 16), (12, 32, 48), (13, 64, 32), (40, 32, 112))  # one and two blocks, row blocks
@@ -79,6 +79,31 @@ def _library() -> ctypes.CDLL | None:
         log.warning("cpu_kernel_unavailable", kernel="cpu_pairs", reason="self-check against F.linear failed")
         return None
     return lib
+
+
+def peak_flops(arith: str, seconds: float = 0.2) -> float | None:
+    """FLOP/s of one core issuing ``arith``'s instruction (VDPBF16PS: 64 FLOP, an fp32 FMA over 16
+    lanes: 32) back to back on registers, best of 3 (None where the kernel is not loaded)."""
+    import time
+
+    lib = _library()
+    if lib is None:
+        return None
+    code, flop = (0, 64) if arith == "bf16" else (1, 32)
+    iters = 1 << 16
+    best = 0.0
+    while True:  # grow the count until a run takes a tenth of `seconds`
+        start = time.perf_counter()
+        lib.fx_pairs_peak(code, iters)
+        took = time.perf_counter() - start
+        if took >= seconds / 10:
+            break
+        iters *= 4
+    for _ in range(3):
+        start = time.perf_counter()
+        lib.fx_pairs_peak(code, iters)
+        best = max(best, 24 * flop * iters / (time.perf_counter() - start))
+    return best
 
 
 def kernel(lib: ctypes.CDLL, arith: str) -> Callable[..., int]:

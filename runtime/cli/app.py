@@ -427,6 +427,10 @@ def main(argv=None) -> int:
         from fxsched.runtime.bench.e2e import main as bench_e2e_main
 
         return bench_e2e_main(words[2:])
+    if words[:2] == ["bench", "linears"]:  # its own options (runtime/bench/linears.py)
+        from fxsched.runtime.bench.linears import main as bench_linears_main
+
+        return bench_linears_main(words[2:])
     if words[:2] == ["bench", "serve"] and any(w.split("=")[0] == "--vllm-python" for w in words[2:]):
         from fxsched.runtime.bench.serve_vllm import cli as bench_serve_vllm  # vLLM's client, both servers
 
