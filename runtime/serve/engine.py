@@ -507,9 +507,9 @@ class ServeEngine:
         # streams wait on one chunk's rows a step, never a whole prompt (specs/scheduler.md §5.13)
         self.config = attrs.evolve(self.config, max_prefill_tokens=served_chunk(engine.device.type),
                                    idle_prefill_fills_budget=True)
-        if max_batch_tokens is not None:  # --max-num-batched-tokens: a prompt chunk never exceeds the budget
+        if max_batch_tokens is not None:  # --max-num-batched-tokens N: a step takes at most N rows, as vLLM's
             self.config = attrs.evolve(self.config, max_batch_tokens=max_batch_tokens,
-                                       max_prefill_tokens=min(self.config.max_prefill_tokens, max_batch_tokens))
+                                       max_prefill_tokens=max_batch_tokens)
         self.max_waiting = max_waiting
         self.drafter = drafter
         self.wrap_device = wrap_device
