@@ -111,7 +111,7 @@ class VllmServer:
         self.port = _free_port()
         cmd = [setup.vllm_python, "-c", _VLLM_MAIN, "serve", setup.model, "--port", str(self.port),
                "--host", "127.0.0.1", "--served-model-name", SERVED_NAME, "--dtype", "bfloat16",
-               "--max-model-len", str(setup.max_model_len), "--disable-log-requests"]
+               "--max-model-len", str(setup.max_model_len)]
         self.log = log
         with open(log, "w") as out:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
