@@ -56,3 +56,14 @@ def test_the_table_gives_medians_and_fxsched_over_vllm():
     ratio = lines[-1].split()
     assert ratio[:2] == ["8", "fx/vLLM"]
     assert ratio[2:] == ["1.20", "0.50", "1.00", "0.80", "0.50", "0.88"]
+
+
+def test_a_failed_vllm_start_is_named_by_its_workers_cause(tmp_path):
+    log = tmp_path / "vllm-serve.log"
+    log.write_text("(APIServer pid=1) WARNING ulimit ... `OSError: [Errno 24] Too many open files`\n"
+                   "(VllmWorker-0 pid=2) ERROR 12-07 [x.py:1] WorkerProc failed to start.\n"
+                   "(VllmWorker-0 pid=2) ERROR 12-07 [x.py:1] ValueError: Available memory on node 0 is less\n"
+                   "RuntimeError: Engine core initialization failed. See root cause above.\n")
+    assert serve_vllm._reason(log) == "ValueError: Available memory on node 0 is less"
+    log.write_text("just one line\n")
+    assert serve_vllm._reason(log) == "just one line"

@@ -7,7 +7,9 @@ fxsched,vllm), the verb starts that engine's server on ``--model DIR`` pinned to
 --max-num-seqs C`` (C the largest client count, at least 16: every request in flight runs, as in
 vLLM, whose server runs up to 128) and
 ``vllm serve`` as shipped (compiled, prefix caching on) with ``OMP_NUM_THREADS=T`` and
-``VLLM_CPU_OMP_THREADS_BIND`` naming the same cores. One warm-up completion of a prompt no timed
+``VLLM_CPU_OMP_THREADS_BIND`` naming the same cores; both with ``--max-model-len`` (default 2048) and
+the same KV cache memory, ``--kv-cache-gib`` (default 4: ``VLLM_CPU_KVCACHE_SPACE``, fxsched's
+``--kv-cache-memory``). One warm-up completion of a prompt no timed
 prompt shares a block with goes first. Then, for each client count ``c`` of ``--clients`` (default
 1,8,32), ``vllm bench serve`` sends ``--num-prompts`` (default 3c, at least 8) random prompts of
 ``--input-len`` tokens (default 256) for ``--output-len`` tokens each (default 64, EOS ignored),
@@ -27,6 +29,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import signal
 import socket
 import statistics
@@ -83,6 +86,7 @@ class Setup:
     num_prompts: Optional[int]
     engines: tuple[str, ...]
     max_model_len: int
+    kv_gib: int = 4
 
 
 def usable_cores() -> list[int]:
@@ -96,11 +100,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _vllm_env(folder: str, cores: list[int]) -> dict[str, str]:
+def _vllm_env(folder: str, cores: list[int], kv_gib: int) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (folder, env.get("PYTHONPATH")) if p)
     env.update({"VLLM_TARGET_DEVICE": "cpu", "OMP_NUM_THREADS": str(len(cores)),
-                "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores)), "TOKENIZERS_PARALLELISM": "false"})
+                "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cores)), "TOKENIZERS_PARALLELISM": "false",
+                "VLLM_CPU_KVCACHE_SPACE": str(kv_gib)})
     return env
 
 
@@ -115,15 +120,15 @@ class VllmServer:
         self.log = log
         with open(log, "w") as out:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                         env=_vllm_env(site, cores), preexec_fn=lambda: os.sched_setaffinity(0, cores),
-                                         start_new_session=True)
+                                         env=_vllm_env(site, cores, setup.kv_gib),
+                                         preexec_fn=lambda: os.sched_setaffinity(0, cores), start_new_session=True)
 
     def wait(self) -> str:
         url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + VLLM_START_TIMEOUT
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise BenchError(f"vllm serve exited at start-up ({_last_line(self.log)})")
+                raise BenchError(f"vllm serve exited at start-up ({_reason(self.log)})")
             try:
                 conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=5)
                 try:
@@ -136,7 +141,7 @@ class VllmServer:
                 pass
             time.sleep(2)
         self.stop()
-        raise BenchError(f"vllm serve did not answer within {VLLM_START_TIMEOUT:.0f} s ({_last_line(self.log)})")
+        raise BenchError(f"vllm serve did not answer within {VLLM_START_TIMEOUT:.0f} s ({_reason(self.log)})")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -146,6 +151,23 @@ class VllmServer:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+
+
+_RAISED = re.compile(r"\b(\w+(?:Error|Exception): .*)")
+
+
+def _reason(path: Path) -> str:
+    """Why a vLLM process failed, from its log: the first exception its ERROR lines name (a worker's
+    cause, before the engine's summary), else the log's last line."""
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "no output"
+    for line in lines:
+        found = _RAISED.search(line) if " ERROR " in line else None
+        if found:
+            return found.group(1)[:300]
+    return _last_line(path)
 
 
 def _last_line(path: Path) -> str:
@@ -163,7 +185,8 @@ def _start(engine: str, setup: Setup, cores: list[int], site: str, folder: Path)
         seqs = max(16, *setup.clients)  # every client's request running at once, as vLLM's 128 allow
         server = ServerProcess("none", setup.model, None, "cpu",
                                extra=["--threads", str(len(cores)), "--served-model-name", SERVED_NAME,
-                                      "--max-num-seqs", str(seqs)],
+                                      "--max-num-seqs", str(seqs), "--max-model-len", str(setup.max_model_len),
+                                      "--kv-cache-memory", f"{setup.kv_gib}GiB"],
                                cores=cores)
     try:
         return server, server.wait()
@@ -197,7 +220,7 @@ def run_client(setup: Setup, url: str, clients: int, seed: int, site: str, cores
     log = folder / (name + ".log")
     with open(log, "w") as out:
         done = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                              env=_vllm_env(site, cores), preexec_fn=lambda: os.sched_setaffinity(0, cores))
+                              env=_vllm_env(site, cores, setup.kv_gib), preexec_fn=lambda: os.sched_setaffinity(0, cores))
     if done.returncode != 0 or not (folder / name).exists():
         raise BenchError(f"vllm bench serve failed (exit {done.returncode}: {_last_line(log)})")
     result: dict[str, Any] = json.loads((folder / name).read_text())
@@ -298,7 +321,8 @@ def cli(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--output-len", default="64", help="output tokens (default 64)")
     ap.add_argument("--num-prompts", default=None, help="requests per run (default 3 per client, at least 8)")
     ap.add_argument("--engines", default=",".join(ENGINES), help="fxsched, vllm or both (default both)")
-    ap.add_argument("--max-model-len", default="2048", help="vLLM's --max-model-len (default 2048)")
+    ap.add_argument("--max-model-len", default="2048", help="both servers' --max-model-len (default 2048)")
+    ap.add_argument("--kv-cache-gib", default="4", help="both servers' KV cache memory in GiB (default 4)")
     ap.add_argument("--json", action="store_true", help="one JSON object per (clients, engine), nothing else")
     try:
         args = ap.parse_args(argv)
@@ -318,7 +342,7 @@ def cli(argv: Optional[list[str]] = None) -> int:
                       _ints(args.rounds, "--rounds")[0], _ints(args.input_len, "--input-len")[0],
                       _ints(args.output_len, "--output-len")[0],
                       _ints(args.num_prompts, "--num-prompts")[0] if args.num_prompts is not None else None,
-                      engines, _ints(args.max_model_len, "--max-model-len")[0])
+                      engines, _ints(args.max_model_len, "--max-model-len")[0], _ints(args.kv_cache_gib, "--kv-cache-gib")[0])
         if setup.input_len + setup.output_len > setup.max_model_len:
             raise BenchError(f"--input-len {setup.input_len} + --output-len {setup.output_len}: over "
                              f"--max-model-len {setup.max_model_len}")
