@@ -27,7 +27,8 @@ from fxsched.effects import lifecycle as lc
 from fxsched.effects.base import expand_batched
 from fxsched.effects.client import DoneOut, ErrorOut, ResponseOut, TokenOut, TokensOut
 from fxsched.runtime.check.clients import client_final, predicted_final
-from fxsched.runtime.check.fault_scope import RULE_BOOK, finishes_on, declared, fault_scope
+from fxsched.runtime.check.effect_rules import EffectRules
+from fxsched.runtime.check.fault_scope import RULE_BOOK, declared, fault_scope
 from fxsched.runtime.check.frames import tokens_after_checkpoints, tokens_after_cut
 from fxsched.runtime.check.orderings import Orderings
 from fxsched.runtime.check.progress import Progress, check_blocks, no_idle_with_work, no_shutdown_with_work
@@ -40,7 +41,7 @@ from fxsched.runtime.check.roles import (ALLOC, ARRIVAL, BATCH_ROLES, batch_role
                                          CLOCK, COMMIT, COMPACT, CUT, DECODE, DECODE_LANE, DRAFT, DRAFT_RULED,
                                          effect_role, EVENT_KINDS, FAULT, FOLD, INPUT, NAMES, OUT, PLAN, RELEASE,
                                          ROLES, SHUTDOWN)
-from fxsched.runtime.check.state_checks import (acc_accounting, admission_order, batch_bound, blocks_balance, ledgers_closed,
+from fxsched.runtime.check.state_checks import (acc_accounting, admission_order, admission_ran, batch_bound, blocks_balance, ledgers_closed,
                                                 blocks_free_at_quiescence, committed_kv, compaction_target_free,
                                                 decode_rows, decode_rows_within_limits, device_arguments,
                                                 drafts_verified, fold_before_commit, kv_mirror,
@@ -55,32 +56,10 @@ __all__ = ["ARRIVAL", "BATCH_ROLES", "CANCEL", "CLOCK", "EVENT_KINDS", "FAULT", 
            "effect_role", "expected_output", "refused_prompt", "release_cache_flag", "slots_unique"]
 
 
-def admission_ran(state: SchedulerState, now_ms: float, last_decode_ms: float, selected: bool) -> None:
-    """admission decision (specs/scheduler.md §5.4 step 3), checked at the tick's publish, which
-    directly follows the selection and its admission check (``selected``: the tick asked the
-    adapter ids of a selection; the check may defer some back): with requests pending and a free
-    seat the tick selects some
-    unless the policy declines; FIFO never declines, SLAI declines exactly while something is
-    active and ``now − last_decode ≥ 0.8 × slai_deadline_ms`` (``last_decode`` is the checker's
-    own clock reading at the last decode-lane or mixed step)."""
-    config = state.config
-    cap = config.max_batch_size - len(state.active) - len(state.prefilling) - len(state.new_requests)
-    if not selected and (not state.pending or cap <= 0):
-        return
-    declines = (config.policy == "slai" and bool(state.active)
-                and now_ms - last_decode_ms >= 0.8 * config.slai_deadline_ms)
-    if declines and selected:
-        raise Violation("admission_decision", f"SLAI admitted at {now_ms} ms, {now_ms - last_decode_ms} ms after the "
-                                              f"last decode (deadline {config.slai_deadline_ms} ms): it must decline")
-    if not declines and not selected:
-        raise Violation("admission_decision", f"{config.policy} admitted nothing at {now_ms} ms with requests pending "
-                                              f"and {cap} seats free (last decode at {last_decode_ms} ms)")
-
-
 # --- the monitor --------------------------------------------------------------------------------------------
 
 
-class Monitor:
+class Monitor(EffectRules):
     """Watches one run: every event, every batch of effects, every client output, the device after
     each step.
 
@@ -309,102 +288,6 @@ class Monitor:
                     break
         if acts & DECODE:
             self.last_decode_ms = self.now_ms
-
-    def _preemption(self, effects) -> None:
-        """preemption victim (specs/scheduler.md §5.18): after a KV-exhausted decode, the sequence
-        preempted (requeued or spilled) is, among the failed decode's rows, the smallest
-        (output length, slot), ignoring the rows still immune unless all are. Immunity is the
-        checker's own record: a sequence requeue-resumed after a preemption is immune until its
-        output grows by ``preemption_immunity_tokens`` (§5.19 step 5; a swap-in keeps what it had)."""
-        rows: tuple[int, ...] = self.last_decode_rows
-        # a sequence ahead has produced one token more than its output holds (specs/async.md §16.6)
-        self.prev_active = {seq.seq_id: (len(seq.output) + (1 if seq.ahead else 0), seq.slot, seq.request.id,
-                                         seq.seq_id)
-                            for seq in (self.seen_state.active if self.seen_state is not None else ())}
-        resolved = self.fault_resolved
-        if resolved and self.seen_state is not None:  # rows a resolved token ended are no victims
-            rows = tuple(i for i in rows if not (i in resolved and finishes_on(self.seen_state, i, resolved[i])))
-        for effect in effects:
-            if isinstance(effect, plans.Decode):
-                rows = effect.seqs
-            elif (isinstance(effect, lc.ReleaseSeq) and self.kv_fault
-                  and str(effect.reason) in ("preempt_requeue", "spill_out_sequence")):
-                known = [self.prev_active[i] for i in rows if i in self.prev_active]
-                if len(known) == len(rows) and effect.seq in rows:
-                    mortal = [k for k in known if k[0] >= self.immune.get(k[2], 0)] or known
-                    want = min(mortal)
-                    if want[3] != effect.seq:
-                        raise Violation("preemption_victim", f"preempted sequence {effect.seq}; of the failed rows "
-                                                             f"(output, slot, request, seq) {sorted(known)} with "
-                                                             f"immunity {self.immune} the rule picks {want[3]}")
-                self.kv_fault = False
-            if isinstance(effect, lc.ReleaseSeq) and str(effect.reason) in ("preempt_requeue", "spill_out_sequence"):
-                rid = self.prev_active.get(effect.seq, (0, 0, None, 0))[2]
-                if rid is not None:
-                    self.moved.add(rid)
-                    self.progress.let_go(rid)
-                    if str(effect.reason) == "spill_out_sequence":  # it comes back without its cancel flag
-                        self.flagless.add(rid)
-                        self.cancelled.discard(rid)
-                    if str(effect.reason) == "preempt_requeue":
-                        self.evicted.add(rid)
-                        held = self.device.live.get(effect.seq)
-                        if held is not None:
-                            self.requeued_kv[rid] = held.seq_len
-        self.last_decode_rows = rows
-
-    def _draft_rules(self, effects) -> None:
-        """The draft count of a step and who may get drafts (specs/speculation.md §6.2, §6.15):
-        every proposal asks for count = min(base, the step's capacities) drafts, where base is
-        ``num_drafts`` for DFlash and the MTP ladder (3 while at most 8 sequences are active,
-        else 1, clamped to [1, num_drafts]) for MTP; a self-speculative verify feeds
-        min(num_drafts, capacity) drafts; and no proposal or catch-up names a sequence whose
-        request has spent its budget (its last token is out, earlier in the same batch or before)."""
-        config = self.config
-        device = self.device
-        out: dict[int, int] = {}
-        roles = ROLES
-        for effect in effects:
-            if not roles[type(effect)] & (DRAFT | OUT):
-                continue
-            if isinstance(effect, dc.SlotDraftCapacity):
-                self.capacity_query = (len(device.capacity_log), len(effect.slots))
-            elif isinstance(effect, (TokenOut, TokensOut)):
-                rid = effect.request_id
-                out[rid] = out.get(rid, len(self.streamed.get(rid, ()))) + (
-                    1 if isinstance(effect, TokenOut) else len(effect.tokens))
-            elif isinstance(effect, (dc.ProposeMulti, dc.ProposeBatched, dc.CatchupBatched, dc.DecodeVerify)):
-                start, n_active = self.capacity_query
-                caps = device.capacity_log[start:start + n_active]
-                if isinstance(effect, dc.DecodeVerify):
-                    if config.self_speculative and caps:
-                        count = min([config.num_drafts] + caps)
-                        if len(effect.tokens) - 1 != count:
-                            raise Violation("draft_count", f"a self-speculative verify feeds {len(effect.tokens) - 1} "
-                                                           f"drafts, the step's count is {count}")
-                    continue
-                if isinstance(effect, dc.CatchupBatched):
-                    batch = device.batch_seqs
-                    seqs = tuple(batch[s // 4] for s in effect.slots if s // 4 < len(batch))
-                else:
-                    seqs = (effect.seq,) if isinstance(effect, dc.ProposeMulti) else effect.seqs
-                    if config.dflash:
-                        base = config.num_drafts
-                    else:
-                        base = max(1, min(3 if n_active <= 8 else 1, config.num_drafts))
-                    count = min([base] + caps)
-                    if len(caps) == n_active and effect.n != count:
-                        raise Violation("draft_count", f"{type(effect).__name__} asks {effect.n} drafts with "
-                                                       f"{n_active} active and capacities {caps}; the count is {count}")
-                for seq_id in seqs:
-                    s = device.live.get(seq_id)
-                    request = self.requests.get(device._rid(s)) if s is not None else None
-                    if request is None or not getattr(request, "streaming", True):
-                        continue
-                    rid = request.id
-                    if out.get(rid, len(self.streamed[rid])) >= request.max_tokens:
-                        raise Violation("finished_gets_drafts", f"{type(effect).__name__} names sequence {seq_id} "
-                                                                f"of request {rid}, whose budget is spent")
 
     def on_output(self, output) -> None:
         rid = output.request_id

@@ -393,3 +393,25 @@ def ledgers_closed(device, final: dict) -> None:
             held = {seq: rid for seq, rid in held.items() if not isinstance(final.get(rid), ErrorOut)}
         if held:
             raise Violation("ledgers_closed", f"the run ended with {kind}s still held: {held} (key: holder)")
+
+
+def admission_ran(state: SchedulerState, now_ms: float, last_decode_ms: float, selected: bool) -> None:
+    """admission decision (specs/scheduler.md §5.4 step 3), checked at the tick's publish, which
+    directly follows the selection and its admission check (``selected``: the tick asked the
+    adapter ids of a selection; the check may defer some back): with requests pending and a free
+    seat the tick selects some
+    unless the policy declines; FIFO never declines, SLAI declines exactly while something is
+    active and ``now − last_decode ≥ 0.8 × slai_deadline_ms`` (``last_decode`` is the checker's
+    own clock reading at the last decode-lane or mixed step)."""
+    config = state.config
+    cap = config.max_batch_size - len(state.active) - len(state.prefilling) - len(state.new_requests)
+    if not selected and (not state.pending or cap <= 0):
+        return
+    declines = (config.policy == "slai" and bool(state.active)
+                and now_ms - last_decode_ms >= 0.8 * config.slai_deadline_ms)
+    if declines and selected:
+        raise Violation("admission_decision", f"SLAI admitted at {now_ms} ms, {now_ms - last_decode_ms} ms after the "
+                                              f"last decode (deadline {config.slai_deadline_ms} ms): it must decline")
+    if not declines and not selected:
+        raise Violation("admission_decision", f"{config.policy} admitted nothing at {now_ms} ms with requests pending "
+                                              f"and {cap} seats free (last decode at {last_decode_ms} ms)")
