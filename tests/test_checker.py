@@ -16,7 +16,9 @@ from fxsched.core.config import ModelInfo, SchedulerConfig
 from fxsched.core.state import initial_state
 from fxsched.runtime.check.invariants import Monitor
 from fxsched.runtime.check.replay import replay
-from fxsched.runtime.check.walk import MonitorObserver, SimRequest, walk
+from fxsched.runtime.check.episode import SimRequest
+from fxsched.runtime.check.observers import MonitorObserver
+from fxsched.runtime.check.walk import walk
 from fxsched.runtime.cli.app import main
 from fxsched.runtime.devices.simulated import SimDevice
 from fxsched.runtime.interpreter import Host, Interpreter

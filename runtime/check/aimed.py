@@ -1,8 +1,8 @@
 """Episodes aimed at rare states (specs/checker.md §11.3): set-ups the random draw of
-``walk.random_episode`` reaches seldom or never, built to reach them by construction.
+``draws.random_episode`` reaches seldom or never, built to reach them by construction.
 
 Each aim is a function of the seeded generator that returns an ``Episode`` whose ``aim`` names
-it; ``walk.random_episode`` draws one in ``AIMED_SHARE`` of its episodes, the aim chosen
+it; ``draws.random_episode`` draws one in ``AIMED_SHARE`` of its episodes, the aim chosen
 uniformly. The states they are for, and why each matters:
 
 - ``deadlines``: several requests with deadlines in one steady batch, some on a clock reading

@@ -2,7 +2,7 @@
 
 A bug behind an option the walk never varies is invisible to it. So every field of
 ``SchedulerConfig`` is drawn somewhere: the drafting mode, batch, chunking, spill pool, policy,
-context, watchdog and async scheduling by the episode's own draws (walk.py), and here
+context, watchdog and async scheduling by the episode's own draws (draws.py), and here
 
 - **production's settings** in ``PRODUCTION_SHARE`` of the random episodes: what ``generate`` and
   ``serve`` set beyond a mode's own options (runtime/generate.py ``scheduler_setup``): chunked

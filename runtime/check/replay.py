@@ -21,7 +21,8 @@ import attrs
 
 from fxsched.runtime.check.invariants import Violation
 from fxsched.runtime.files import read_text
-from fxsched.runtime.check.walk import Episode, SimRequest, WalkReport, run_episode
+from fxsched.runtime.check.episode import Episode, SimRequest
+from fxsched.runtime.check.walk import WalkReport, run_episode
 
 FORMAT = "fxsched-replay-1"
 MAX_INT = 100_000  # the walk draws far smaller values; a bigger size would only make the re-run hang
