@@ -131,10 +131,11 @@ def amx_linear(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
 
 
 def packed_product(kernel: Callable[..., int] | None, x: torch.Tensor, p: torch.Tensor, align: int,
-                   name: str) -> torch.Tensor:
+                   name: str, threaded: Callable[..., int] | None = None) -> torch.Tensor:
     """x [..., K] @ w.T by ``kernel`` over the packed weight p of w [N, K] (threads split the output
-    blocks in multiples of ``align``, at least 16 each); F.linear on `unpack(p)` where the kernel is
-    None or the call is not its (not bf16 CPU, traced by torch.compile)."""
+    blocks in multiples of ``align``, at least 16 each; ``threaded(x, p, y, m, k, n, threads)``, where
+    given, runs the whole product on that many threads itself); F.linear on `unpack(p)` where the
+    kernel is None or the call is not its (not bf16 CPU, traced by torch.compile)."""
     n, k = p.shape[0] * 16, p.shape[1] * 32
     if (kernel is None or x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] != k
             or x.requires_grad or torch.compiler.is_compiling()):
@@ -148,6 +149,10 @@ def packed_product(kernel: Callable[..., int] | None, x: torch.Tensor, p: torch.
     args = (flat.data_ptr(), p.data_ptr(), y.data_ptr(), m, k, n)
     blocks = n // 16
     threads = min(torch.get_num_threads(), max(1, blocks // _BLOCKS_PER_THREAD))
-    if split(lambda lo, hi: kernel(*args, lo, hi), blocks, threads, align=align) != 0:
+    if threaded is not None and threads > 1:
+        code = threaded(*args, threads)
+    else:
+        code = split(lambda lo, hi: kernel(*args, lo, hi), blocks, threads, align=align)
+    if code != 0:
         raise RuntimeError(f"{name}: the kernel refused a [{m}, {k}] x [{n}, {k}] product")
     return y

@@ -174,6 +174,25 @@ int fx_pairs_linear_fma(const uint16_t *x, const uint16_t *p, uint16_t *y, int64
   return 0;
 }
 
+/* The whole product on `threads` threads (OpenMP, the runtime torch's own CPU operators use when
+ * this file is built with -fopenmp; one thread otherwise): thread t takes a contiguous run of whole
+ * block pairs, so each output's sum is the one fx_pairs_linear(_fma) makes, whatever the threads.
+ * A team costs a few microseconds, where a Python thread pool costs tens per product. */
+int fx_pairs_run(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t m, int64_t k, int64_t n, int64_t arith,
+                 int64_t threads) {
+  if (m <= 0 || k <= 0 || k % 32 || n % 16 || threads < 1) return -1;
+  const int64_t blocks = n / 16, pairs = (blocks + 1) / 2;
+  if (threads > pairs) threads = pairs;
+  int rc = 0;
+#pragma omp parallel for num_threads((int)threads) schedule(static, 1) reduction(| : rc)
+  for (int64_t t = 0; t < threads; ++t) {
+    const int64_t lo = pairs * t / threads * 2, hi_pair = pairs * (t + 1) / threads * 2;
+    const int64_t hi = hi_pair < blocks ? hi_pair : blocks;
+    if (lo < hi) rc |= arith ? fx_pairs_linear_fma(x, p, y, m, k, n, lo, hi) : fx_pairs_linear(x, p, y, m, k, n, lo, hi);
+  }
+  return rc ? -1 : 0;
+}
+
 /* The core's own rate, for `fxsched bench linears`: `iters` rounds of 24 independent accumulations
  * on register operands (what a pass of 12 rows x 2 blocks issues per k), VDPBF16PS for arith 0, fp32
  * FMA for arith 1; no memory is read. Returns a value of the sums so that nothing is optimised away. */
@@ -215,6 +234,12 @@ int fx_pairs_linear_fma(const uint16_t *x, const uint16_t *p, uint16_t *y, int64
 
 int fx_pairs_peak(int64_t arith, int64_t iters) {
   (void)arith, (void)iters;
+  return -1;
+}
+
+int fx_pairs_run(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t m, int64_t k, int64_t n, int64_t arith,
+                 int64_t threads) {
+  (void)x, (void)p, (void)y, (void)m, (void)k, (void)n, (void)arith, (void)threads;
   return -1;
 }
 

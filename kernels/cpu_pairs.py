@@ -71,7 +71,10 @@ def _vendor() -> str:
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     symbols = {name: [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5 for name in _SYMBOLS.values()}
-    lib = load("cpu_pairs", {**symbols, "fx_pairs_peak": [ctypes.c_int64] * 2}, isas=("avx512",))
+    symbols.update(fx_pairs_peak=[ctypes.c_int64] * 2, fx_pairs_run=[ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5)
+    # threads by OpenMP (the runtime torch's CPU operators share); a compiler without it: one thread a call
+    lib = load("cpu_pairs", symbols, extra_flags=("-fopenmp",), isas=("avx512",)) or load("cpu_pairs", symbols,
+                                                                                           isas=("avx512",))
     if lib is None:
         return None
     shapes = ((1, 64, 80), (7, 96, 16), (12, 32, 48), (13, 64, 32), (40, 32, 112))  # one and two blocks, row blocks
@@ -122,5 +125,9 @@ def pairs_linear(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     reach (not ready, not bf16 CPU, traced by torch.compile) it is F.linear on `cpu_amx.unpack(p)`:
     the same product, slower (the unpacked copy is made per call)."""
     lib = _library()
-    return cpu_amx.packed_product(None if lib is None else kernel(lib, arithmetic()), x, p, align=2,
-                                  name="pairs_linear")
+    if lib is None:
+        return cpu_amx.packed_product(None, x, p, align=2, name="pairs_linear")
+    arith = arithmetic()
+    code = ARITHMETICS.index(arith)
+    return cpu_amx.packed_product(kernel(lib, arith), x, p, align=2, name="pairs_linear",
+                                  threaded=lambda *args: lib.fx_pairs_run(*args[:6], code, args[6]))
