@@ -432,12 +432,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         from fxsched.runtime.bench.host_overlap import overlap_main
 
         return overlap_main(args, modes)
-    with tqdm(total=len(modes) * len(args.batches), unit="row", file=sys.stderr, disable=None, leave=False) as bar:
-        rows, profiles = run_host_bench(args.batches, modes, ticks=args.ticks, rounds=args.rounds, warm=args.warm,
-                                        prompt_len=args.prompt_len, device=args.device, accept=args.accept,
-                                        seed=args.seed, static=args.static, bare=args.bare, threads=args.threads,
-                                        profile=args.profile, async_scheduling=args.async_scheduling,
-                                        on_row=lambda row: bar.update())
+    try:
+        with tqdm(total=len(modes) * len(args.batches), unit="row", file=sys.stderr, disable=None,
+                  leave=False) as bar:
+            rows, profiles = run_host_bench(args.batches, modes, ticks=args.ticks, rounds=args.rounds,
+                                            warm=args.warm, prompt_len=args.prompt_len, device=args.device,
+                                            accept=args.accept, seed=args.seed, static=args.static, bare=args.bare,
+                                            threads=args.threads, profile=args.profile,
+                                            async_scheduling=args.async_scheduling, on_row=lambda row: bar.update())
+    except BenchError as err:  # a row with no steady window: one line, not a traceback
+        print(f"fxsched bench host: {err}", file=sys.stderr)
+        return 1
     for (mode, batch), stats in profiles.items():
         print(profile_text(stats, mode, batch, args.ticks, args.profile_top), file=sys.stderr)
         if args.profile_dir is not None:
