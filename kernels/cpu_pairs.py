@@ -59,6 +59,7 @@ def arithmetic() -> str:
     return "fp32" if _vendor() == "GenuineIntel" else "bf16"
 
 
+@functools.cache
 def _vendor() -> str:
     try:
         text = Path("/proc/cpuinfo").read_text()
