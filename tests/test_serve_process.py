@@ -109,6 +109,7 @@ def test_sigterm_during_8_streams_lets_them_finish_and_exits_0():
     (["--spec", "dflash", "--draft-model", "{tmp}/none"], "--draft-model {tmp}/none: no such directory"),
     (["--port", "70000"], "--port 70000: must be between 0 and 65535"),
     (["--max-batch", "99"], "--max-batch 99: must be between 1 and 16"),
+    (["--max-batch", "5000"], "--max-batch 5000: must be between 1 and 4096"),
     (["--drain-timeout", "-1"], "--drain-timeout"),
     (["--record", "{tmp}/no/log"], "--record {tmp}/no/log: no such folder"),
     (["--port", "{busy}"], "--port {busy}: cannot listen there"),

@@ -220,6 +220,9 @@ def add_bench_generate(bench: argparse.ArgumentParser) -> None:
     bench.set_defaults(func=dispatch)
 
 
+MAX_SEQUENCES = 4096  # the most sequences one engine holds (--batch, --max-num-seqs): slots are tables
+
+
 def _int(value: str, name: str, low: int, high: Optional[int] = None) -> int:
     if not isinstance(value, str) or not _INTEGER.fullmatch(value.strip()):
         raise UsageError(f"{name} {value}: not an integer")
@@ -674,7 +677,7 @@ def run_generate(args, out=None) -> int:
     if args.spec not in SPECS:
         raise UsageError(f"--spec {args.spec}: unknown speculation mode (choose from {', '.join(SPECS)})")
     max_tokens = _int(args.max_tokens, "--max-tokens", 1)
-    batch = _int(args.batch, "--batch", 1)
+    batch = _int(args.batch, "--batch", 1, MAX_SEQUENCES)
     for name, default in (("temperature", "0"), ("top_p", "1"), ("min_p", "0")):
         _float(str(getattr(args, name, None) or default), "--" + name.replace("_", "-"))
     for name, default in (("top_k", "0"), ("logprobs", "0")):
@@ -697,7 +700,7 @@ def run_generate(args, out=None) -> int:
         if problem:
             raise UsageError(f"--record {record}: {problem}")
     choice = _model_choice(args, dflash=args.spec == "dflash")
-    if batch > 16 and choice.model is not None:  # a batch beyond the loader's 16 slots gets its slots
+    if batch > 16 and choice.model is not None and not choice.default:  # a checkpoint gets the slots asked
         choice = dataclasses.replace(choice, max_slots=batch)
     lora = _lora_choice(args)
     if lora is not None:

@@ -48,7 +48,7 @@ from typing import Callable, Iterator, Optional
 
 import structlog
 
-from fxsched.runtime.cli.generate import SPECS, UsageError, _int, _reporting
+from fxsched.runtime.cli.generate import MAX_SEQUENCES, SPECS, UsageError, _int, _reporting
 from fxsched.runtime.cli.serve_args import (
     API_KEY_ENV,
     DEFAULT_PORT,
@@ -241,7 +241,7 @@ def open_serving(args, on_started: Optional[Callable] = None) -> Iterator:
     port = _int(args.port, "--port", 0, 65535)
     max_waiting = _int(args.max_waiting, "--max-waiting", 0)
     drain_timeout = seconds(args.drain_timeout, "--drain-timeout")
-    max_batch = _int(args.max_batch, "--max-batch", 1) if args.max_batch is not None else None
+    max_batch = _int(args.max_batch, "--max-batch", 1, MAX_SEQUENCES) if args.max_batch is not None else None
     batch_tokens = (_int(args.max_num_batched_tokens, "--max-num-batched-tokens", 1, 1 << 24)
                     if args.max_num_batched_tokens is not None else None)
     seed = _int(args.seed, "--seed", 0, 2**63 - 1) if args.seed is not None else None
@@ -285,8 +285,8 @@ def open_serving(args, on_started: Optional[Callable] = None) -> Iterator:
     device = _torch_device(args.device)
     _kv_budget(flags, args, device, args.model)
     choice = _model_choice(args, dflash=spec == "dflash")
-    if max_batch is not None and max_batch > 16 and choice.model is not None:  # --max-num-seqs beyond 16 slots
-        import dataclasses
+    if max_batch is not None and max_batch > 16 and choice.model is not None and not choice.default:
+        import dataclasses  # a --model checkpoint gets the slots --max-num-seqs asks (the embedded model has 16)
 
         choice = dataclasses.replace(choice, max_slots=max_batch)
     lora = flags.lora
