@@ -68,7 +68,7 @@ static void pack_rows(const uint16_t *x, int64_t k, int64_t r0, int64_t rows, ui
         }
 }
 
-#define PREFETCH_TILES 8
+#define PREFETCH_TILES 3
 
 static void small_m(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t m, int64_t k, int64_t n,
                     int64_t nb0, int64_t nb1, uint16_t *a) {
@@ -166,4 +166,23 @@ int fx_amx_linear(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t m, 
     _tile_release();
     free(a);
     return 0;
+}
+
+/* The whole product on `threads` threads (OpenMP, the runtime torch's own CPU operators use, where
+ * this file is built with -fopenmp; one thread otherwise): thread t takes a contiguous run of whole
+ * groups of 4 blocks (a decode pass's 64 columns), so each output's sum is the one a single call
+ * makes, whatever the threads. Each thread configures and releases its own tiles. A team costs a few
+ * microseconds, where a Python thread pool costs tens per product. */
+int fx_amx_run(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t m, int64_t k, int64_t n, int64_t threads) {
+    if (m <= 0 || k % 32 || n % 16 || threads < 1) return -1;
+    const int64_t blocks = n / 16, groups = (blocks + 3) / 4;
+    if (threads > groups) threads = groups;
+    int rc = 0;
+#pragma omp parallel for num_threads((int)threads) schedule(static, 1) reduction(| : rc)
+    for (int64_t t = 0; t < threads; ++t) {
+        const int64_t lo = groups * t / threads * 4, hi_group = groups * (t + 1) / threads * 4;
+        const int64_t hi = hi_group < blocks ? hi_group : blocks;
+        if (lo < hi) rc |= fx_amx_linear(x, p, y, m, k, n, lo, hi);
+    }
+    return rc ? -1 : 0;
 }

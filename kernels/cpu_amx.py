@@ -53,8 +53,11 @@ def _has_amx() -> bool:
 def _library() -> ctypes.CDLL | None:
     if not _has_amx():
         return None
-    lib = load("cpu_amx", {"fx_amx_init": [], "fx_amx_linear": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5},
-               extra_flags=_FLAGS, isas=("avx512",))
+    symbols = {"fx_amx_init": [], "fx_amx_linear": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5,
+               "fx_amx_run": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4}
+    # threads by OpenMP (the runtime torch's CPU operators share); a compiler without it: one thread a call
+    lib = (load("cpu_amx", symbols, extra_flags=(*_FLAGS, "-fopenmp"), isas=("avx512",))
+           or load("cpu_amx", symbols, extra_flags=_FLAGS, isas=("avx512",)))
     if lib is None:
         return None
     if lib.fx_amx_init() != 0:
@@ -127,7 +130,9 @@ def amx_linear(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
     reach (not ready, not bf16 CPU, traced by torch.compile) it is F.linear on `unpack(p)`: the same
     product, slower (the unpacked copy is made per call)."""
     lib = _library()
-    return packed_product(None if lib is None else lib.fx_amx_linear, x, p, align=4, name="amx_linear")
+    if lib is None:
+        return packed_product(None, x, p, align=4, name="amx_linear")
+    return packed_product(lib.fx_amx_linear, x, p, align=4, name="amx_linear", threaded=lib.fx_amx_run)
 
 
 def packed_product(kernel: Callable[..., int] | None, x: torch.Tensor, p: torch.Tensor, align: int,

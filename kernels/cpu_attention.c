@@ -308,3 +308,22 @@ int fx_paged_attention_bf16(const uint16_t *q, const uint16_t *kc, const uint16_
     free(sc);
     return 0;
 }
+
+/* Units [0, units) on `threads` threads (OpenMP, the runtime the packed products' teams use, where
+ * this file is built with -fopenmp; one thread otherwise), each a contiguous run of units: a row's
+ * result does not depend on the threads. One team per call: a Python pool beside OpenMP's spinning
+ * workers would wait for a core they hold. */
+int fx_paged_attention_run(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, uint16_t *out,
+                           const int32_t *q_rows, const int32_t *ctx, const int32_t *tables, int64_t nb, int64_t bs,
+                           int64_t hq, int64_t hkv, int64_t d, float scale, int64_t splits, int64_t units,
+                           int64_t threads) {
+    if (threads < 1) return 1;
+    if (threads > units) threads = units;
+    int rc = 0;
+#pragma omp parallel for num_threads((int)threads) schedule(static, 1) reduction(| : rc)
+    for (int64_t t = 0; t < threads; ++t) {
+        const int64_t lo = units * t / threads, hi = units * (t + 1) / threads;
+        if (lo < hi) rc |= fx_paged_attention_bf16(q, kc, vc, out, q_rows, ctx, tables, nb, bs, hq, hkv, d, scale, splits, lo, hi);
+    }
+    return rc;
+}

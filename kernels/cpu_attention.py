@@ -23,7 +23,7 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-from ._cpu import load, split
+from ._cpu import load
 
 __all__ = ["fits", "paged_attention_bf16", "paged_attention_reference", "ready"]
 
@@ -51,7 +51,9 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     args = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_float] + [ctypes.c_int64] * 3
-    lib = load("cpu_attention", {"fx_paged_attention_bf16": args})
+    symbols = {"fx_paged_attention_bf16": args, "fx_paged_attention_run": args}
+    # threads by OpenMP (the runtime the packed products' teams use); a compiler without it: one thread a call
+    lib = load("cpu_attention", symbols, extra_flags=("-fopenmp",)) or load("cpu_attention", symbols)
     if lib is not None and not _self_check(lib):
         log.warning("cpu_kernel_unavailable", kernel="cpu_attention", reason="self-check against SDPA failed")
         return None
@@ -112,8 +114,13 @@ def paged_attention_bf16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     # each row whole where there are rows enough for the threads, else its kv heads split
     splits = 1 if rows >= threads else min(hkv, -(-threads // rows))
     units = rows * splits
-    rc = split(lambda lo, hi: _call(lib, q, k_cache, v_cache, out, q_rows, ctx, tables, splits, lo, hi), units,
-               min(threads, units))
+    if threads > 1:  # one OpenMP team (a Python pool would wait on the products' spinning workers)
+        _, bs, _, d = k_cache.shape
+        rc = lib.fx_paged_attention_run(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
+                                        q_rows.data_ptr(), ctx.data_ptr(), tables.data_ptr(), tables.shape[1], bs,
+                                        q.shape[1], hkv, d, d ** -0.5, splits, units, min(threads, units))
+    else:
+        rc = _call(lib, q, k_cache, v_cache, out, q_rows, ctx, tables, splits, 0, units)
     if rc != 0:
         raise RuntimeError(f"cpu_attention kernel failed (code {rc})")
     return out

@@ -1,5 +1,8 @@
 """``rms_norm_bf16`` and ``silu_mul_bf16``: the elementwise steps of a CPU bf16 forward as one pass
-each (kernels/cpu_pointwise.c).
+each (kernels/cpu_pointwise.c); and the fused steps of a layer whose projections are fused
+(specs/cpu-kernels.md §15.10): ``add_rms_norm_bf16`` (a residual add and the next norm),
+``silu_mul_rows_bf16`` (SwiGLU over a fused gate-up output), ``qk_norm_rope_bf16`` (the q/k norms
+and rotary embedding of a fused q/k/v output) and ``kv_scatter_bf16`` (the paged K/V write).
 
 PyTorch runs ``rms_norm`` as five ops with fp32 temporaries (upcast, square, mean, scale, weight,
 downcast) and SwiGLU's ``silu(a) * b`` as two, each a pass over memory; at prefill sizes on one
@@ -24,8 +27,8 @@ import torch.nn.functional as F
 
 from ._cpu import load, split
 
-__all__ = ["ready", "rms_norm_bf16", "rms_norm_reference", "silu_mul_bf16", "silu_mul_reference", "takes",
-           "takes_norm"]
+__all__ = ["add_rms_norm_bf16", "kv_scatter_bf16", "qk_norm_rope_bf16", "ready", "rms_norm_bf16",
+           "rms_norm_reference", "silu_mul_bf16", "silu_mul_reference", "silu_mul_rows_bf16", "takes", "takes_norm"]
 
 log = structlog.get_logger("fxsched.kernels")
 
@@ -48,6 +51,13 @@ def _library() -> ctypes.CDLL | None:
     lib = load("cpu_pointwise", {
         "fx_rms_norm_bf16": [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_float, ctypes.c_int64, ctypes.c_int64],
         "fx_silu_mul_bf16": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2,
+        "fx_silu_mul_rows_bf16": [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3,
+        "fx_add_rms_norm_bf16": [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_float, ctypes.c_int64, ctypes.c_int64],
+        "fx_qk_norm_rope_bf16": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                 ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p,
+                                 ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64],
+        "fx_kv_scatter_bf16": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                               ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64],
     })
     if lib is not None and not _self_check(lib):
         log.warning("cpu_kernel_unavailable", kernel="cpu_pointwise", reason="self-check against torch failed")
@@ -114,3 +124,70 @@ def silu_mul_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     y = torch.empty_like(a)
     _split(a.numel(), 1, lambda lo, hi: lib.fx_silu_mul_bf16(a.data_ptr(), b.data_ptr(), y.data_ptr(), lo, hi))
     return y
+
+
+def add_rms_norm_bf16(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h + delta, rms_norm(h + delta)) in one pass, each as the separate steps give it (the sum
+    rounded to bf16 as PyTorch's bf16 add, the norm as ``rms_norm_bf16``); callers check
+    ``takes_norm(h, weight)`` and ``takes(delta)`` with delta of h's shape."""
+    lib = _library()
+    assert lib is not None
+    d = h.shape[-1]
+    weight = weight.float().contiguous()
+    out, y = torch.empty_like(h), torch.empty_like(h)
+    _split(h.numel() // d, d, lambda lo, hi: lib.fx_add_rms_norm_bf16(
+        h.data_ptr(), delta.data_ptr(), weight.data_ptr(), out.data_ptr(), y.data_ptr(), d, eps, lo, hi))
+    return out, y
+
+
+def silu_mul_rows_bf16(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for a fused gate-up output gate_up [..., 2n] (gate the first n columns of each
+    row, up the last n): [..., n], as ``silu_mul_bf16`` of the halves (callers check ``takes``)."""
+    lib = _library()
+    assert lib is not None
+    n = gate_up.shape[-1] // 2
+    y = torch.empty(*gate_up.shape[:-1], n, dtype=gate_up.dtype)
+    _split(y.numel() // n if n else 0, n,
+           lambda lo, hi: lib.fx_silu_mul_rows_bf16(gate_up.data_ptr(), y.data_ptr(), n, lo, hi))
+    return y
+
+
+def takes_rope(d: int, rot: int) -> bool:
+    """Whether ``qk_norm_rope_bf16`` takes heads of d dims rotated over their first rot."""
+    return 0 < d <= 1024 and d % 16 == 0 and 0 < rot <= d and rot % 2 == 0
+
+
+def qk_norm_rope_bf16(qkv: torch.Tensor, hq: int, hkv: int, d: int, q_norm: torch.Tensor | None,
+                      k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries [R, hq, d] and keys [R, hkv, d] of a fused projection output qkv [R, C] (row-contiguous:
+    q's hq heads of d from column 0, k's hkv heads after them; C may hold more, v and a gate), each
+    head normed by q_norm / k_norm (None: not normed) as ``rms_norm_bf16``, then rotated over the
+    tables' rot dims at each row's cos / sin [R, rot] (bf16) as attention.apply_rope rotates in bf16
+    (callers check ``takes(qkv, cos, sin)`` and ``takes_rope``)."""
+    lib = _library()
+    assert lib is not None
+    rows, rot = qkv.shape[0], cos.shape[-1]
+    q, k = torch.empty(rows, hq, d, dtype=qkv.dtype), torch.empty(rows, hkv, d, dtype=qkv.dtype)
+    qn = None if q_norm is None else q_norm.float().contiguous()
+    kn = None if k_norm is None else k_norm.float().contiguous()
+    _split(rows, (hq + hkv) * d, lambda lo, hi: lib.fx_qk_norm_rope_bf16(
+        qkv.data_ptr(), qkv.stride(0), hq, hkv, d, None if qn is None else qn.data_ptr(),
+        None if kn is None else kn.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(), rot, q.data_ptr(), k.data_ptr(),
+        lo, hi))
+    return q, k
+
+
+def kv_scatter_bf16(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    src: torch.Tensor | None, dst: torch.Tensor) -> None:
+    """k_cache rows dst[j] = k rows src[j] (rows j where src is None), v likewise: k and v [R, W] with
+    unit inner stride (v may be a column slice of a wider row), the caches contiguous bf16 [., W];
+    src and dst int64 CPU tensors of one length."""
+    lib = _library()
+    assert lib is not None
+    rc = lib.fx_kv_scatter_bf16(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_cache.data_ptr(),
+                                v_cache.data_ptr(), k.shape[1], None if src is None else src.data_ptr(),
+                                dst.data_ptr(), dst.shape[0])
+    if rc != 0:
+        raise RuntimeError(f"cpu_pointwise kv_scatter failed (code {rc})")

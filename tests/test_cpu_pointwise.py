@@ -66,3 +66,81 @@ def test_model_ops_take_the_kernels_for_bf16_cpu_tensors_only(monkeypatch):
     assert calls == ["silu", "norm"]
     for a, b in zip(fp32, bf16, strict=True):
         torch.testing.assert_close(b.float(), a, rtol=0.05, atol=0.05 * a.abs().max().item())
+
+
+# The fused steps of a layer whose projections are fused (specs/cpu-kernels.md §15.10): each must give
+# the bits of the separate steps it replaces, written out here in torch's own bf16 ops.
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows,d", [(1, 16), (5, 1024), (3, 48)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_add_rms_norm_is_torchs_add_then_the_norm(rows, d, threads):
+    gen = torch.Generator().manual_seed(rows + d)
+    h = (torch.randn(rows, d, generator=gen) * 4).to(torch.bfloat16)
+    delta = (torch.randn(rows, d, generator=gen) * 3).to(torch.bfloat16)
+    w = 1 + torch.randn(d, generator=gen) * 0.1
+    with torch_threads(threads):
+        out, y = cpu_pointwise.add_rms_norm_bf16(h, delta, w, 1e-6)
+    assert torch.equal(out, h + delta)  # PyTorch's bf16 add: fp32 sum, one rounding
+    od = out.double()
+    _within_one_rounding(y, od / torch.sqrt((od * od).mean(-1, keepdim=True) + 1e-6) * w.double())
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows,n", [(1, 3072), (4, 17), (2, 1)])
+def test_silu_mul_rows_takes_the_halves_of_each_row(rows, n):
+    gen = torch.Generator().manual_seed(rows * n)
+    gu = (torch.randn(rows, 2 * n, generator=gen) * 5).to(torch.bfloat16)
+    y = cpu_pointwise.silu_mul_rows_bf16(gu)
+    assert y.shape == (rows, n)
+    g, u = gu[:, :n].double(), gu[:, n:].double()
+    _within_one_rounding(y, g / (1 + torch.exp(-g)) * u)
+
+
+def _rope_bf16(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half over the tables' first rot dims in bf16 torch ops (each op rounds): x [R, H, d]."""
+    rot = cos.shape[-1]
+    half = rot // 2
+    c, s = cos[:, None, :], sin[:, None, :]
+    xr = x[..., :rot]
+    rotated = torch.cat([-xr[..., half:], xr[..., :half]], -1)
+    return torch.cat([xr * c + rotated * s, x[..., rot:]], -1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("hq,hkv,d,rot", [(16, 8, 128, 128), (4, 2, 16, 16), (8, 2, 256, 64), (2, 1, 32, 12)])
+@pytest.mark.parametrize("normed", [True, False])
+@pytest.mark.parametrize("rows", [1, 7])
+def test_qk_norm_rope_is_the_norm_then_torchs_rotation(hq, hkv, d, rot, normed, rows):
+    gen = torch.Generator().manual_seed(hq * d + rot + rows)
+    extra = 3 * d  # v and more columns past q and k: the kernel reads only its own
+    qkv = (torch.randn(rows, (hq + hkv) * d + extra, generator=gen) * 3).to(torch.bfloat16)
+    qn, kn = 1 + torch.randn(d, generator=gen) * 0.1, 1 + torch.randn(d, generator=gen) * 0.1
+    angles = torch.randint(0, 4000, (rows, 1), generator=gen).float() * torch.rand(rot // 2, generator=gen)
+    cos = torch.cat([angles.cos(), angles.cos()], -1).to(torch.bfloat16)
+    sin = torch.cat([angles.sin(), angles.sin()], -1).to(torch.bfloat16)
+    q, k = cpu_pointwise.qk_norm_rope_bf16(qkv, hq, hkv, d, qn if normed else None, kn if normed else None, 1e-6,
+                                           cos, sin)
+    q_in = qkv[:, :hq * d].reshape(rows, hq, d).contiguous()
+    k_in = qkv[:, hq * d:(hq + hkv) * d].reshape(rows, hkv, d).contiguous()
+    if normed:  # the norm kernel itself is held to fp64 above
+        q_in, k_in = cpu_pointwise.rms_norm_bf16(q_in, qn, 1e-6), cpu_pointwise.rms_norm_bf16(k_in, kn, 1e-6)
+    assert torch.equal(q, _rope_bf16(q_in, cos, sin))
+    assert torch.equal(k, _rope_bf16(k_in, cos, sin))
+
+
+@needs_kernel
+def test_kv_scatter_copies_the_named_rows_to_the_cache_rows():
+    gen = torch.Generator().manual_seed(5)
+    k = torch.randn(6, 32, generator=gen).to(torch.bfloat16)
+    wide = torch.randn(6, 80, generator=gen).to(torch.bfloat16)
+    v = wide[:, 40:72]  # a column slice of a wider row, as a fused product's v
+    kc, vc = torch.zeros(10, 32, dtype=torch.bfloat16), torch.zeros(10, 32, dtype=torch.bfloat16)
+    src, dst = torch.tensor([4, 0, 5]), torch.tensor([9, 2, 3])
+    cpu_pointwise.kv_scatter_bf16(k, v, kc, vc, src, dst)
+    assert torch.equal(kc[dst], k[src]) and torch.equal(vc[dst], v[src])
+    untouched = [i for i in range(10) if i not in dst.tolist()]
+    assert not kc[untouched].any() and not vc[untouched].any()
+    cpu_pointwise.kv_scatter_bf16(k[:2], v[:2], kc, vc, None, torch.tensor([0, 1]))  # no src: rows in order
+    assert torch.equal(kc[:2], k[:2]) and torch.equal(vc[:2], v[:2])

@@ -23,6 +23,7 @@ from fxsched.kernels.paged_attention import paged_attention as paged_attention_k
 from fxsched.kernels.paged_kv_append import paged_kv_append
 
 from .attn_plan import AttnPlan
+from . import fused as fused_ops
 from .config import ModelConfig
 from .kernel_paths import attention_kernels_apply
 from .lora_rows import LoraRows, project
@@ -208,7 +209,7 @@ def attention_layer(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, *,
                     num_heads: int = 0, num_kv_heads: int = 0, head_dim: int = 0,
                     rope_theta: float = 0.0, valid_rows: torch.Tensor | None = None,
                     plan: AttnPlan | None = None, rope: RopeTables | None = None,
-                    lora: LoraRows | None = None) -> torch.Tensor:
+                    lora: LoraRows | None = None, fused: torch.Tensor | None = None) -> torch.Tensor:
     """One target attention layer over a right-padded batch x [B, T, D].
 
     The block's shape and options come from `cfg` (`attention_qkv`); without cfg, from num_heads,
@@ -230,13 +231,22 @@ def attention_layer(x: torch.Tensor, w: dict[str, torch.Tensor], prefix: str, *,
     boolean mask (None: every row is valid when uniform, else `valid` is used).
     rope: the forward's rotary tables at `positions` (computed here when None).
     lora: the batch's adapters (specs/lora.md §18.2).
+    fused: the block's fused q/k/v(/gate) packing (fused.py): on a bf16 CPU forward without adapters,
+    with a host plan and the rows' cache indices, the inputs come from one product and one norm and
+    rotation call and the K/V write is one call (specs/cpu-kernels.md §15.10); the same bits.
     """
     if cfg is None:
         cfg = ModelConfig(num_attention_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                           rope_theta=rope_theta, mtp=False, dflash_gamma=0)
     t = x.shape[1]
-    q, k, v, gate = attention_qkv(x, w, prefix, cfg, positions, rope, lora)
     k_cache, v_cache = cache.k[cache_layer], cache.v[cache_layer]
+    if (lora is None and plan is not None and (uniform or valid_rows is not None)
+            and fused_ops.attention_takes(x, fused, k_cache, cfg, None if rope is None else rope.cos)):
+        assert fused is not None and rope is not None  # attention_takes checked both
+        q, k, v, gate = fused_ops.attention_inputs(x, fused, w, prefix, cfg, rope.cos, rope.sin)
+        fused_ops.write_kv(k, v, k_cache, v_cache, valid_rows, write_index)
+        return attention_out(planned_attention(q, k, v, k_cache, v_cache, plan), gate, w, prefix)
+    q, k, v, gate = attention_qkv(x, w, prefix, cfg, positions, rope, lora)
     kernels = attention_kernels_apply(q, k, v, k_cache, v_cache, block_tables, positions)
     if uniform and kernels:
         start = positions[:, 0]

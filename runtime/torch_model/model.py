@@ -25,6 +25,7 @@ import torch
 from .attention import attention_layer, model_rope_tables
 from .attn_plan import AttnPlan
 from .config import ModelConfig
+from .fused import add_norm, fuse_projections, swiglu
 from .gdn import GdnRows, GdnStateCache, gdn_layer
 from .gdn_chunked import KeepIndex, KeepPlan
 from .lora_rows import LoraRows
@@ -36,12 +37,15 @@ from .weights import Weights, check_weights
 
 
 def mlp_block(x: torch.Tensor, w: Weights, layer_prefix: str, cfg: ModelConfig, layer_index: int,
-              lora: LoraRows | None = None) -> torch.Tensor:
+              lora: LoraRows | None = None, fused: torch.Tensor | None = None) -> torch.Tensor:
     """Feed-forward of the layer under `layer_prefix` (e.g. "layers.3" or "mtp.layers.0") on x [..., D]:
     `{layer_prefix}.mlp` SwiGLU or `{layer_prefix}.moe` sparse MoE, by cfg.mlp_kind(layer_index), with
-    the batch's adapters (`lora`, specs/lora.md §18.2)."""
+    the batch's adapters (`lora`, specs/lora.md §18.2); `fused`: a dense MLP's fused gate/up
+    packing (fused.py), taken when the batch has no adapters."""
     if cfg.mlp_kind(layer_index) == "moe":
         return sparse_moe(x, w, f"{layer_prefix}.moe", cfg, lora)
+    if fused is not None and lora is None:
+        return swiglu(x, fused, w[f"{layer_prefix}.mlp.down_proj"])
     return swiglu_mlp(x, w, f"{layer_prefix}.mlp", lora)
 
 
@@ -105,6 +109,8 @@ class HybridModel:
         self.cfg = cfg
         # same names and shapes (moe.fuse_shared_experts); projections packed for AMX on a bf16 CPU
         self.w = pack_for_cpu(fuse_shared_experts(weights, cfg), cfg)
+        # q/k/v(/gate) and gate/up packings fused per block, self.w's entries views of them (fused.py)
+        self.fused = fuse_projections(self.w, cfg)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token embeddings [..., D] of token ids [...]."""
@@ -136,8 +142,10 @@ class HybridModel:
         layer_hidden: dict[int, torch.Tensor] = {}
         gdn_index = attn_index = 0
         lora = batch.lora
+        fused = self.fused
+        last = cfg.num_layers - 1
+        x = rms_norm(h, w["layers.0.input_norm"], cfg.rms_norm_eps) if cfg.num_layers else h
         for i, kind in enumerate(cfg.layer_pattern):
-            x = rms_norm(h, w[f"layers.{i}.input_norm"], cfg.rms_norm_eps)
             if kind == "gdn":
                 if batch.gdn_in_place:
                     out, rows = gdn_layer(x, w, f"layers.{i}.gdn", cfg, None, None,
@@ -155,11 +163,15 @@ class HybridModel:
                                       positions=batch.positions, valid=batch.valid,
                                       write_index=batch.write_index, block_tables=batch.block_tables,
                                       uniform=batch.uniform, valid_rows=batch.valid_rows, plan=batch.attn,
-                                      rope=rope, lora=lora)
+                                      rope=rope, lora=lora, fused=fused.get(f"layers.{i}.attn"))
                 attn_index += 1
-            h = h + out
-            h = h + mlp_block(rms_norm(h, w[f"layers.{i}.post_norm"], cfg.rms_norm_eps), w, f"layers.{i}", cfg, i,
-                              lora)
+            # each residual add and the norm after it in one pass (fused.add_norm: the same bits)
+            h, x = add_norm(h, out, w[f"layers.{i}.post_norm"], cfg.rms_norm_eps)
+            out = mlp_block(x, w, f"layers.{i}", cfg, i, lora, fused.get(f"layers.{i}.mlp"))
+            if i == last:
+                h = h + out
+            else:
+                h, x = add_norm(h, out, w[f"layers.{i + 1}.input_norm"], cfg.rms_norm_eps)
             if i in capture_layers:
                 layer_hidden[i] = h
         read = h if batch.logit_rows is None else h.reshape(-1, h.shape[-1]).index_select(0, batch.logit_rows)

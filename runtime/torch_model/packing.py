@@ -7,7 +7,9 @@ weights alike, and `weights.check_weights` checks a packed weight by the matrix 
 they are: norms, convolutions and biases (not products), 3-D expert stacks (the MoE kernels read
 them), the fused shared-expert rows (views of one matrix, moe.fuse_shared_experts), and every
 weight of a float32 model or one on another device. A tied embedding (the same tensor as
-`lm_head`) is packed once and both names take it.
+`lm_head`) is packed once and both names take it. An attention block's q/k/v(/gate) and a dense
+MLP's gate/up are packed into one buffer each, their names views of it (fused.pack_fused: the
+forward's fused products, specs/cpu-kernels.md §15.10).
 """
 
 from __future__ import annotations
@@ -16,8 +18,9 @@ import torch
 
 from fxsched.kernels import cpu_amx, cpu_pairs
 
-from .moe import fused_shared, moe_prefixes
 from .config import ModelConfig
+from .fused import fusion_groups, pack_fused
+from .moe import fused_shared, moe_prefixes
 
 __all__ = ["LINEAR_WEIGHTS", "pack_for_cpu", "packing_ready"]
 
@@ -46,6 +49,9 @@ def pack_for_cpu(weights: dict[str, torch.Tensor], cfg: ModelConfig,
     out = weights if consume else dict(weights)
     tied = weights.get("embed")
     tied_id = id(tied) if tied is not None and tied is weights.get("lm_head") else None
+    for names in fusion_groups(cfg).values():  # q/k/v(/gate) and gate/up stacked in one buffer (fused.py)
+        if not any(id(out.get(n)) == tied_id for n in names):
+            pack_fused(out, names)
     packed: dict[int, torch.Tensor] = {}  # id of an original tensor -> its packing
     for name in list(out):
         t = out[name]
