@@ -72,3 +72,11 @@ int fx_gdn_step(const float *q, const float *k, const float *v, const float *g, 
   _mm_setcsr(csr);
   return 0;
 }
+
+/* fx_gdn_step over pairs [0, n) on `threads` threads (FX_OMP_RANGES, cpu_simd.h): each (sequence,
+ * head) pair's update is the one a single call makes. */
+int fx_gdn_step_run(const float *q, const float *k, const float *v, const float *g, const float *beta, void *state,
+                    int64_t state_bf16, const int64_t *slots, float *o, int64_t B, int64_t H, int64_t Dk, int64_t Dv,
+                    int64_t n, int64_t threads) {
+  FX_OMP_RANGES(n, threads, 1, fx_gdn_step(q, k, v, g, beta, state, state_bf16, slots, o, B, H, Dk, Dv, lo, hi));
+}

@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from ._cpu import load, split
+from ._cpu import load
 
 __all__ = ["gdn_step", "gdn_step_reference", "ready"]
 
@@ -38,8 +38,10 @@ def gdn_step_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: tor
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    return load("cpu_gdn", {"fx_gdn_step": [ctypes.c_void_p] * 6 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
-                            + [ctypes.c_int64] * 6})
+    args = [ctypes.c_void_p] * 6 + [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p] + [ctypes.c_int64] * 6
+    symbols = {"fx_gdn_step": args, "fx_gdn_step_run": args}
+    # threads by OpenMP, as every CPU kernel's (cpu_simd.h); a compiler without it: one thread a call
+    return load("cpu_gdn", symbols, extra_flags=("-fopenmp",)) or load("cpu_gdn", symbols)
 
 
 def ready() -> bool:
@@ -65,5 +67,8 @@ def gdn_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     args = (q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), state.data_ptr(),
             int(state.dtype == torch.bfloat16), slots.data_ptr(), o.data_ptr(), b, h, dk, dv)
     pairs = b * h
-    split(lambda lo, hi: lib.fx_gdn_step(*args, lo, hi), pairs, min(torch.get_num_threads(), pairs))
+    threads = min(torch.get_num_threads(), pairs)
+    rc = lib.fx_gdn_step_run(*args, pairs, threads) if threads > 1 else lib.fx_gdn_step(*args, 0, pairs)
+    if rc != 0:
+        raise RuntimeError(f"cpu_gdn kernel failed (code {rc})")
     return o

@@ -225,3 +225,15 @@ int fx_moe_gemv_bf16(const uint16_t *x, const uint16_t *w, const int64_t *ids, u
 }
 
 #endif
+
+/* The two products over output rows [0, n) on `threads` threads (FX_OMP_RANGES, cpu_simd.h), in runs
+ * of whole 4-row blocks: each output is the one a single call makes. */
+int fx_gemv_run(const uint16_t *x, const uint16_t *w, uint16_t *y, int64_t M, int64_t K, int64_t N, int64_t n,
+                int64_t threads) {
+  FX_OMP_RANGES(n, threads, 4, fx_gemv_bf16(x, w, y, M, K, N, lo, hi));
+}
+
+int fx_moe_gemv_run(const uint16_t *x, const uint16_t *w, const int64_t *ids, uint16_t *y, int64_t A, int64_t K,
+                    int64_t N, int64_t E, int64_t n, int64_t threads) {
+  FX_OMP_RANGES(n, threads, 4, fx_moe_gemv_bf16(x, w, ids, y, A, K, N, E, lo, hi));
+}

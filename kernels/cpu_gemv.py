@@ -11,7 +11,7 @@ Zen 3 core, for any M: 9 GB/s of weights at one row, 1.2 at eight), where this o
 weights at memory speed up to 8 rows.
 
 The C file is compiled on first use (`_cpu.load`: about a second, cached), called through ctypes
-(which releases the GIL, so ``torch.get_num_threads()`` threads split the rows of w), and checked
+(``torch.get_num_threads()`` threads of one OpenMP team split the rows of w), and checked
 once against the reference on a small product before it is used. Where it cannot be (see
 `_cpu.load`) or that check fails, ``ready()`` is False and callers use ``gemv_bf16_reference``
 (F.linear): same semantics, only slower.
@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from typing import Callable
 
 import structlog
 import torch
 import torch.nn.functional as F
 
-from ._cpu import host_isa, load, split
+from ._cpu import host_isa, load
 
 __all__ = ["MAX_ROWS", "gemv_bf16", "max_rows", "gemv_bf16_reference", "moe_gemv_bf16", "moe_gemv_bf16_reference", "ready"]
 
@@ -54,8 +55,11 @@ def gemv_bf16_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = load("cpu_gemv", {"fx_gemv_bf16": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5,
-                            "fx_moe_gemv_bf16": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6})
+    symbols = {"fx_gemv_bf16": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5,
+               "fx_moe_gemv_bf16": [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 6}
+    symbols.update(fx_gemv_run=symbols["fx_gemv_bf16"], fx_moe_gemv_run=symbols["fx_moe_gemv_bf16"])
+    # threads by OpenMP, as every CPU kernel's (cpu_simd.h); a compiler without it: one thread a call
+    lib = load("cpu_gemv", symbols, extra_flags=("-fopenmp",)) or load("cpu_gemv", symbols)
     if lib is not None and not _self_check(lib):
         log.warning("cpu_kernel_unavailable", kernel="cpu_gemv", reason="self-check against F.linear failed")
         return None
@@ -87,6 +91,14 @@ def _threads(n: int) -> int:
     return min(torch.get_num_threads(), n // _MIN_ROWS_PER_THREAD)
 
 
+def _run(kernel: Callable[..., int], team: Callable[..., int], args: tuple[int, ...], n: int) -> None:
+    """kernel(*args, 0, n), or its OpenMP form over the threads n output rows earn."""
+    threads = _threads(n)
+    rc = team(*args, n, threads) if threads > 1 else kernel(*args, 0, n)
+    if rc != 0:
+        raise RuntimeError(f"cpu_gemv kernel failed (code {rc})")
+
+
 def ready() -> bool:
     """Whether the compiled kernel is in use on this host (compiles it on the first call)."""
     return _library() is not None
@@ -105,7 +117,7 @@ def gemv_bf16(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     n = w.shape[0]
     y = torch.empty(m, n, dtype=torch.bfloat16)
     args = (x.data_ptr(), w.data_ptr(), y.data_ptr(), m, k, n)
-    split(lambda lo, hi: lib.fx_gemv_bf16(*args, lo, hi), n, _threads(n), align=4)
+    _run(lib.fx_gemv_bf16, lib.fx_gemv_run, args, n)
     return y
 
 
@@ -135,5 +147,5 @@ def moe_gemv_bf16(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> torch.
     e, n = w.shape[0], w.shape[1]
     y = torch.empty(a, n, dtype=torch.bfloat16)
     args = (x.data_ptr(), w.data_ptr(), ids.data_ptr(), y.data_ptr(), a, k, n, e)
-    split(lambda lo, hi: lib.fx_moe_gemv_bf16(*args, lo, hi), n, _threads(n), align=4)
+    _run(lib.fx_moe_gemv_bf16, lib.fx_moe_gemv_run, args, n)
     return y

@@ -186,3 +186,28 @@ int fx_kv_scatter_bf16(const uint16_t *k, int64_t ks, const uint16_t *v, int64_t
     }
     return 0;
 }
+
+/* Each kernel over [0, n) on `threads` threads (FX_OMP_RANGES, cpu_simd.h): every output computed as
+ * one thread computes it, whatever the threads. */
+int fx_rms_norm_run(const uint16_t *x, const float *w, uint16_t *y, int64_t d, float eps, int64_t n, int64_t threads) {
+    FX_OMP_RANGES(n, threads, 1, fx_rms_norm_bf16(x, w, y, d, eps, lo, hi));
+}
+
+int fx_silu_mul_run(const uint16_t *a, const uint16_t *b, uint16_t *y, int64_t n, int64_t threads) {
+    FX_OMP_RANGES(n, threads, 1, fx_silu_mul_bf16(a, b, y, lo, hi));
+}
+
+int fx_silu_mul_rows_run(const uint16_t *gu, uint16_t *y, int64_t width, int64_t n, int64_t threads) {
+    FX_OMP_RANGES(n, threads, 1, fx_silu_mul_rows_bf16(gu, y, width, lo, hi));
+}
+
+int fx_add_rms_norm_run(const uint16_t *h, const uint16_t *delta, const float *w, uint16_t *h_out, uint16_t *y,
+                        int64_t d, float eps, int64_t n, int64_t threads) {
+    FX_OMP_RANGES(n, threads, 1, fx_add_rms_norm_bf16(h, delta, w, h_out, y, d, eps, lo, hi));
+}
+
+int fx_qk_norm_rope_run(const uint16_t *qkv, int64_t stride, int64_t hq, int64_t hkv, int64_t d, const float *qn,
+                        const float *kn, float eps, const uint16_t *cos, const uint16_t *sin, int64_t rot,
+                        uint16_t *q_out, uint16_t *k_out, int64_t n, int64_t threads) {
+    FX_OMP_RANGES(n, threads, 1, fx_qk_norm_rope_bf16(qkv, stride, hq, hkv, d, qn, kn, eps, cos, sin, rot, q_out, k_out, lo, hi));
+}

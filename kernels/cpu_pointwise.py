@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import Callable
+from typing import Any
 
 import structlog
 import torch
 import torch.nn.functional as F
 
-from ._cpu import load, split
+from ._cpu import load
 
 __all__ = ["add_rms_norm_bf16", "kv_scatter_bf16", "qk_norm_rope_bf16", "ready", "rms_norm_bf16",
            "rms_norm_reference", "silu_mul_bf16", "silu_mul_reference", "silu_mul_rows_bf16", "takes", "takes_norm"]
@@ -33,6 +33,9 @@ __all__ = ["add_rms_norm_bf16", "kv_scatter_bf16", "qk_norm_rope_bf16", "ready",
 log = structlog.get_logger("fxsched.kernels")
 
 _MIN_ELEMENTS_PER_THREAD = 1 << 16
+_RUNS = {"fx_rms_norm_bf16": "fx_rms_norm_run", "fx_silu_mul_bf16": "fx_silu_mul_run",
+         "fx_silu_mul_rows_bf16": "fx_silu_mul_rows_run", "fx_add_rms_norm_bf16": "fx_add_rms_norm_run",
+         "fx_qk_norm_rope_bf16": "fx_qk_norm_rope_run"}
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -48,7 +51,7 @@ def silu_mul_reference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    lib = load("cpu_pointwise", {
+    ranges: dict[str, list[Any]] = {  # each kernel over rows (elements) [lo, hi)
         "fx_rms_norm_bf16": [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_float, ctypes.c_int64, ctypes.c_int64],
         "fx_silu_mul_bf16": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2,
         "fx_silu_mul_rows_bf16": [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3,
@@ -56,9 +59,13 @@ def _library() -> ctypes.CDLL | None:
         "fx_qk_norm_rope_bf16": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                  ctypes.c_void_p, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p,
                                  ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64],
-        "fx_kv_scatter_bf16": [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
-                               ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64],
-    })
+    }
+    # the same arguments, (lo, hi) replaced by (n, threads): one OpenMP team over [0, n)
+    symbols = {**ranges, **{_RUNS[name]: args for name, args in ranges.items()}}
+    symbols["fx_kv_scatter_bf16"] = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
+                                     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                     ctypes.c_void_p, ctypes.c_int64]
+    lib = load("cpu_pointwise", symbols, extra_flags=("-fopenmp",)) or load("cpu_pointwise", symbols)
     if lib is not None and not _self_check(lib):
         log.warning("cpu_kernel_unavailable", kernel="cpu_pointwise", reason="self-check against torch failed")
         return None
@@ -99,10 +106,12 @@ def takes_norm(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and not weight.requires_grad and takes(x))
 
 
-def _split(n: int, per_item: int, run: Callable[[int, int], int]) -> None:
-    rc = split(run, n, min(torch.get_num_threads(), n * per_item // _MIN_ELEMENTS_PER_THREAD))
+def _run(lib: ctypes.CDLL, kernel: str, n: int, per_item: int, *args: object) -> None:
+    """``kernel(*args, 0, n)``, or its OpenMP form over the threads the size earns."""
+    threads = min(torch.get_num_threads(), n * per_item // _MIN_ELEMENTS_PER_THREAD)
+    rc = getattr(lib, _RUNS[kernel])(*args, n, threads) if threads > 1 else getattr(lib, kernel)(*args, 0, n)
     if rc != 0:
-        raise RuntimeError(f"cpu_pointwise kernel failed (code {rc})")
+        raise RuntimeError(f"cpu_pointwise kernel {kernel} failed (code {rc})")
 
 
 def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -113,7 +122,7 @@ def rms_norm_bf16(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     weight = weight.float().contiguous()
     y = torch.empty_like(x)
     rows = x.numel() // d
-    _split(rows, d, lambda lo, hi: lib.fx_rms_norm_bf16(x.data_ptr(), weight.data_ptr(), y.data_ptr(), d, eps, lo, hi))
+    _run(lib, "fx_rms_norm_bf16", rows, d, x.data_ptr(), weight.data_ptr(), y.data_ptr(), d, eps)
     return y
 
 
@@ -122,7 +131,7 @@ def silu_mul_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     lib = _library()
     assert lib is not None
     y = torch.empty_like(a)
-    _split(a.numel(), 1, lambda lo, hi: lib.fx_silu_mul_bf16(a.data_ptr(), b.data_ptr(), y.data_ptr(), lo, hi))
+    _run(lib, "fx_silu_mul_bf16", a.numel(), 1, a.data_ptr(), b.data_ptr(), y.data_ptr())
     return y
 
 
@@ -136,8 +145,8 @@ def add_rms_norm_bf16(h: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor
     d = h.shape[-1]
     weight = weight.float().contiguous()
     out, y = torch.empty_like(h), torch.empty_like(h)
-    _split(h.numel() // d, d, lambda lo, hi: lib.fx_add_rms_norm_bf16(
-        h.data_ptr(), delta.data_ptr(), weight.data_ptr(), out.data_ptr(), y.data_ptr(), d, eps, lo, hi))
+    _run(lib, "fx_add_rms_norm_bf16", h.numel() // d, d, h.data_ptr(), delta.data_ptr(), weight.data_ptr(),
+         out.data_ptr(), y.data_ptr(), d, eps)
     return out, y
 
 
@@ -148,8 +157,7 @@ def silu_mul_rows_bf16(gate_up: torch.Tensor) -> torch.Tensor:
     assert lib is not None
     n = gate_up.shape[-1] // 2
     y = torch.empty(*gate_up.shape[:-1], n, dtype=gate_up.dtype)
-    _split(y.numel() // n if n else 0, n,
-           lambda lo, hi: lib.fx_silu_mul_rows_bf16(gate_up.data_ptr(), y.data_ptr(), n, lo, hi))
+    _run(lib, "fx_silu_mul_rows_bf16", y.numel() // n if n else 0, n, gate_up.data_ptr(), y.data_ptr(), n)
     return y
 
 
@@ -172,10 +180,9 @@ def qk_norm_rope_bf16(qkv: torch.Tensor, hq: int, hkv: int, d: int, q_norm: torc
     q, k = torch.empty(rows, hq, d, dtype=qkv.dtype), torch.empty(rows, hkv, d, dtype=qkv.dtype)
     qn = None if q_norm is None else q_norm.float().contiguous()
     kn = None if k_norm is None else k_norm.float().contiguous()
-    _split(rows, (hq + hkv) * d, lambda lo, hi: lib.fx_qk_norm_rope_bf16(
-        qkv.data_ptr(), qkv.stride(0), hq, hkv, d, None if qn is None else qn.data_ptr(),
-        None if kn is None else kn.data_ptr(), eps, cos.data_ptr(), sin.data_ptr(), rot, q.data_ptr(), k.data_ptr(),
-        lo, hi))
+    _run(lib, "fx_qk_norm_rope_bf16", rows, (hq + hkv) * d, qkv.data_ptr(), qkv.stride(0), hq, hkv, d,
+         None if qn is None else qn.data_ptr(), None if kn is None else kn.data_ptr(), eps, cos.data_ptr(),
+         sin.data_ptr(), rot, q.data_ptr(), k.data_ptr())
     return q, k
 
 

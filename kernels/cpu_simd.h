@@ -8,6 +8,24 @@
 #include <stdint.h>
 #include <string.h>
 
+/* `call` (an int expression of lo and hi, 0 on success) over [0, n) in at most `threads` contiguous
+ * ranges, each a multiple of `align` long but the last, on one OpenMP team (one thread where the file
+ * is built without -fopenmp); returns the ranges' codes or-ed. The kernels' threads are all OpenMP
+ * teams: a Python pool beside them would wait on cores their workers spin on after their work. */
+#define FX_OMP_RANGES(n, threads, align, call)                                                         \
+    do {                                                                                               \
+        const int64_t units_ = ((n) + (align) - 1) / (align);                                          \
+        const int64_t team_ = (threads) < units_ ? (threads) : units_;                                 \
+        int rc_ = 0;                                                                                   \
+        _Pragma("omp parallel for num_threads((int)team_) schedule(static, 1) reduction(| : rc_)")      \
+        for (int64_t t_ = 0; t_ < team_; ++t_) {                                                       \
+            const int64_t lo = units_ * t_ / team_ * (align);                                          \
+            const int64_t hi_ = units_ * (t_ + 1) / team_ * (align), hi = hi_ < (n) ? hi_ : (n);       \
+            if (lo < hi) rc_ |= (call);                                                                \
+        }                                                                                              \
+        return rc_;                                                                                    \
+    } while (0)
+
 static inline float bf16_to_f32(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;

@@ -144,3 +144,29 @@ def test_kv_scatter_copies_the_named_rows_to_the_cache_rows():
     assert not kc[untouched].any() and not vc[untouched].any()
     cpu_pointwise.kv_scatter_bf16(k[:2], v[:2], kc, vc, None, torch.tensor([0, 1]))  # no src: rows in order
     assert torch.equal(kc[:2], k[:2]) and torch.equal(vc[:2], v[:2])
+
+
+@needs_kernel
+def test_each_kernel_gives_the_same_bits_on_a_team_of_threads():
+    """Inputs large enough that the threads engage (an OpenMP team over row ranges): every output as
+    one thread computes it (the one-thread results are held to fp64 and torch above)."""
+    gen = torch.Generator().manual_seed(9)
+    rows, d = 300, 1024  # 300k elements: past the per-thread minimum twice over
+    h = (torch.randn(rows, d, generator=gen) * 3).to(torch.bfloat16)
+    delta = torch.randn(rows, d, generator=gen).to(torch.bfloat16)
+    w = 1 + torch.randn(d, generator=gen) * 0.1
+    gu = torch.randn(rows, 2 * d, generator=gen).to(torch.bfloat16)
+    qkv = torch.randn(rows, 24 * 128 + 64, generator=gen).to(torch.bfloat16)
+    cos, sin = torch.rand(rows, 64, generator=gen).to(torch.bfloat16), torch.rand(rows, 64, generator=gen).to(torch.bfloat16)
+
+    def every() -> list[torch.Tensor]:
+        return [cpu_pointwise.rms_norm_bf16(h, w, 1e-6), *cpu_pointwise.add_rms_norm_bf16(h, delta, w, 1e-6),
+                cpu_pointwise.silu_mul_bf16(h, delta), cpu_pointwise.silu_mul_rows_bf16(gu),
+                *cpu_pointwise.qk_norm_rope_bf16(qkv, 16, 8, 128, w[:128], w[128:256], 1e-6, cos, sin)]
+
+    with torch_threads(1):
+        one = every()
+    with torch_threads(2):
+        team = every()
+    for a, b in zip(one, team, strict=True):
+        assert torch.equal(a, b)
