@@ -244,3 +244,15 @@ int fx_pairs_run(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t m, i
 }
 
 #endif
+
+/* fx_pairs_run in each arithmetic, with the packed products' common signature (kernels/cpu_layers.c
+ * takes a product as a function pointer) */
+int fx_pairs_run_bf16(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t m, int64_t k, int64_t n,
+                      int64_t threads) {
+  return fx_pairs_run(x, p, y, m, k, n, 0, threads);
+}
+
+int fx_pairs_run_fp32(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t m, int64_t k, int64_t n,
+                      int64_t threads) {
+  return fx_pairs_run(x, p, y, m, k, n, 1, threads);
+}

@@ -72,7 +72,9 @@ def _vendor() -> str:
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     symbols = {name: [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5 for name in _SYMBOLS.values()}
-    symbols.update(fx_pairs_peak=[ctypes.c_int64] * 2, fx_pairs_run=[ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5)
+    symbols.update(fx_pairs_peak=[ctypes.c_int64] * 2, fx_pairs_run=[ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5,
+                   fx_pairs_run_bf16=[ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4,
+                   fx_pairs_run_fp32=[ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4)
     # threads by OpenMP (the runtime torch's CPU operators share); a compiler without it: one thread a call
     lib = load("cpu_pairs", symbols, extra_flags=("-fopenmp",), isas=("avx512",)) or load("cpu_pairs", symbols,
                                                                                            isas=("avx512",))

@@ -12,11 +12,12 @@ import dataclasses
 import pytest
 import torch
 
-from fxsched.kernels import cpu_amx, cpu_pointwise
+from fxsched.kernels import cpu_amx, cpu_layers, cpu_pointwise
 from fxsched.runtime.bench.prompts import random_prompts
 from fxsched.runtime.torch_model import fused, model, packing
 from fxsched.runtime.torch_model.config import default_config
 from fxsched.runtime.torch_model.engine import HybridEngine
+from support.torch_testing import torch_threads
 
 needs_packing = pytest.mark.skipif(not (packing.packing_ready() and cpu_pointwise.ready()),
                                    reason="no kernel reads packed weights here (needs AMX-BF16 or AVX512-BF16 and "
@@ -101,3 +102,43 @@ def test_packings_made_apart_are_stacked_once_and_read_through_views():
     for n, t in plain.items():
         assert w[n]._base is whole and torch.equal(cpu_amx.unpack(w[n]), t)
     assert fused.fuse_projections(w, cfg)["layers.0.mlp"] is whole  # found again, not stacked twice
+
+
+needs_stack = pytest.mark.skipif(not (packing.packing_ready() and cpu_layers.ready()),
+                                 reason="the layer sequencer cannot run here (needs a kernel over packed weights, "
+                                 "the row attention and pointwise kernels, and a C compiler)")
+
+
+@needs_stack
+@pytest.mark.parametrize("qk_norm", [True, False])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_decode_layers_in_one_call_give_the_layer_by_layer_logits(monkeypatch, qk_norm, threads):
+    """A dense all-attention model (Qwen3's shape): decode and verify forwards through
+    kernels/cpu_layers.c against the same forwards layer by layer in Python, bit for bit."""
+    cfg = dataclasses.replace(default_config(), dtype="bfloat16", hidden_size=64, intermediate_size=128,
+                              layer_pattern=("attn",) * 4, head_dim=32, qk_norm=qk_norm, mtp=False)
+    prompts = random_prompts(6, 4, cfg.vocab_size, 9, 40)
+    calls: list[int] = []
+    whole = cpu_layers.decode_layers
+    monkeypatch.setattr(cpu_layers, "decode_layers", lambda *a: calls.append(1) or whole(*a))
+
+    def run(stack: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        engine = HybridEngine(cfg)
+        assert engine.model.stack.ok
+        engine.model.stack.ok = stack
+        seen = []
+        for slot, prompt in enumerate(prompts):
+            engine.alloc(slot)
+            seen.append(engine.prefill(slot, prompt))
+        seen += [engine.decode_batch([0, 1, 2, 3], [5 + s, 6 + 2 * s, 7 + 3 * s, 8]) for s in range(5)]
+        seen += list(engine.verify_batched([0, 1, 2], [[1, 2, 3], [4, 5, 6], [7, 8, 9]]))
+        return seen
+
+    with torch_threads(threads):
+        plain = run(False)
+        assert calls == []
+        fast = run(True)
+    assert len(calls) >= 6  # the decodes and the uniform verify took the one call
+    for a, b in zip(fast, plain, strict=True):
+        assert torch.equal(a, b)

@@ -41,6 +41,7 @@ tokenizer.json) before torch is imported (serve.md §12.12).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -286,8 +287,7 @@ def open_serving(args, on_started: Optional[Callable] = None) -> Iterator:
     _kv_budget(flags, args, device, args.model)
     choice = _model_choice(args, dflash=spec == "dflash")
     if max_batch is not None and max_batch > 16 and choice.model is not None and not choice.default:
-        import dataclasses  # a --model checkpoint gets the slots --max-num-seqs asks (the embedded model has 16)
-
+        # a --model checkpoint gets the slots --max-num-seqs asks (the embedded model has 16)
         choice = dataclasses.replace(choice, max_slots=max_batch)
     lora = flags.lora
     if lora is not None:
@@ -295,8 +295,6 @@ def open_serving(args, on_started: Optional[Callable] = None) -> Iterator:
             raise UsageError("--enable-lora: needs a Hugging Face checkpoint (--model DIR or the default model)")
         if args.ep_ranks > 1:
             raise UsageError(f"--enable-lora: not under expert parallelism (--ep-ranks {args.ep_ranks})")
-        import dataclasses
-
         choice = dataclasses.replace(choice, max_loras=lora.max_loras, max_lora_rank=lora.max_lora_rank)
     tokenizer = _tokenizer(args, choice)
     if tokenizer is None:

@@ -25,6 +25,7 @@ import torch
 from .attention import attention_layer, model_rope_tables
 from .attn_plan import AttnPlan
 from .config import ModelConfig
+from .decode_layers import LayerStack
 from .fused import add_norm, fuse_projections, swiglu
 from .gdn import GdnRows, GdnStateCache, gdn_layer
 from .gdn_chunked import KeepIndex, KeepPlan
@@ -111,6 +112,8 @@ class HybridModel:
         self.w = pack_for_cpu(fuse_shared_experts(weights, cfg), cfg)
         # q/k/v(/gate) and gate/up packings fused per block, self.w's entries views of them (fused.py)
         self.fused = fuse_projections(self.w, cfg)
+        # a dense model's decode layers in one C call where every kernel is loaded (decode_layers.py)
+        self.stack = LayerStack(cfg, self.w, self.fused)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token embeddings [..., D] of token ids [...]."""
@@ -145,7 +148,11 @@ class HybridModel:
         fused = self.fused
         last = cfg.num_layers - 1
         x = rms_norm(h, w["layers.0.input_norm"], cfg.rms_norm_eps) if cfg.num_layers else h
-        for i, kind in enumerate(cfg.layer_pattern):
+        whole = rope is not None and self.stack.takes(batch, kv, h, capture_layers)
+        if whole:
+            assert rope is not None
+            h = self.stack.run(batch, kv, h, x, rope)
+        for i, kind in enumerate(() if whole else cfg.layer_pattern):
             if kind == "gdn":
                 if batch.gdn_in_place:
                     out, rows = gdn_layer(x, w, f"layers.{i}.gdn", cfg, None, None,
