@@ -20,6 +20,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+#include "cpu_simd.h"
+
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 #define TILE_ELEMS 512 /* bf16 values in one 1 KB weight tile */
@@ -170,19 +172,10 @@ int fx_amx_linear(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t m, 
 
 /* The whole product on `threads` threads (OpenMP, the runtime torch's own CPU operators use, where
  * this file is built with -fopenmp; one thread otherwise): thread t takes a contiguous run of whole
- * groups of 4 blocks (a decode pass's 64 columns), so each output's sum is the one a single call
- * makes, whatever the threads. Each thread configures and releases its own tiles. A team costs a few
+ * groups of 4 blocks (a decode pass's 64 columns; FX_OMP_RANGES, cpu_simd.h), so each output's sum is
+ * the one a single call makes, whatever the threads. Each thread configures and releases its own tiles. A team costs a few
  * microseconds, where a Python thread pool costs tens per product. */
 int fx_amx_run(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t m, int64_t k, int64_t n, int64_t threads) {
     if (m <= 0 || k % 32 || n % 16 || threads < 1) return -1;
-    const int64_t blocks = n / 16, groups = (blocks + 3) / 4;
-    if (threads > groups) threads = groups;
-    int rc = 0;
-#pragma omp parallel for num_threads((int)threads) schedule(static, 1) reduction(| : rc)
-    for (int64_t t = 0; t < threads; ++t) {
-        const int64_t lo = groups * t / threads * 4, hi_group = groups * (t + 1) / threads * 4;
-        const int64_t hi = hi_group < blocks ? hi_group : blocks;
-        if (lo < hi) rc |= fx_amx_linear(x, p, y, m, k, n, lo, hi);
-    }
-    return rc ? -1 : 0;
+    FX_OMP_RANGES(n / 16, threads, 4, fx_amx_linear(x, p, y, m, k, n, lo, hi));
 }

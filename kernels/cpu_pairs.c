@@ -176,21 +176,13 @@ int fx_pairs_linear_fma(const uint16_t *x, const uint16_t *p, uint16_t *y, int64
 
 /* The whole product on `threads` threads (OpenMP, the runtime torch's own CPU operators use when
  * this file is built with -fopenmp; one thread otherwise): thread t takes a contiguous run of whole
- * block pairs, so each output's sum is the one fx_pairs_linear(_fma) makes, whatever the threads.
- * A team costs a few microseconds, where a Python thread pool costs tens per product. */
+ * block pairs (FX_OMP_RANGES, cpu_simd.h), so each output's sum is the one fx_pairs_linear(_fma) makes,
+ * whatever the threads. A team costs a few microseconds, where a Python thread pool costs tens per product. */
 int fx_pairs_run(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t m, int64_t k, int64_t n, int64_t arith,
                  int64_t threads) {
   if (m <= 0 || k <= 0 || k % 32 || n % 16 || threads < 1) return -1;
-  const int64_t blocks = n / 16, pairs = (blocks + 1) / 2;
-  if (threads > pairs) threads = pairs;
-  int rc = 0;
-#pragma omp parallel for num_threads((int)threads) schedule(static, 1) reduction(| : rc)
-  for (int64_t t = 0; t < threads; ++t) {
-    const int64_t lo = pairs * t / threads * 2, hi_pair = pairs * (t + 1) / threads * 2;
-    const int64_t hi = hi_pair < blocks ? hi_pair : blocks;
-    if (lo < hi) rc |= arith ? fx_pairs_linear_fma(x, p, y, m, k, n, lo, hi) : fx_pairs_linear(x, p, y, m, k, n, lo, hi);
-  }
-  return rc ? -1 : 0;
+  FX_OMP_RANGES(n / 16, threads, 2, arith ? fx_pairs_linear_fma(x, p, y, m, k, n, lo, hi)
+                                          : fx_pairs_linear(x, p, y, m, k, n, lo, hi));
 }
 
 /* The core's own rate, for `fxsched bench linears`: `iters` rounds of 24 independent accumulations

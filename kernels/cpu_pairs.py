@@ -120,7 +120,13 @@ def kernel(lib: ctypes.CDLL, arith: str) -> Callable[..., int]:
 def ready() -> bool:
     """Whether packed AVX512-BF16 products are in use on this host: never where AMX's are (compiles
     and checks the kernel on first call)."""
-    return not cpu_amx.ready() and _library() is not None
+    return not cpu_amx.ready() and loads()
+
+
+def loads() -> bool:
+    """Whether the kernel compiles and passes its self-check here (an AMX host too, where it is not
+    used: its tests still run there)."""
+    return _library() is not None
 
 
 def pairs_linear(x: torch.Tensor, p: torch.Tensor) -> torch.Tensor:

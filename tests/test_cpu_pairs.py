@@ -7,7 +7,8 @@ dimensions, threads splitting the blocks; and which kernel `ops.linear` gives a 
 The kernel accumulates exact bf16 products in fp32 and rounds each output once to bf16, so an output
 may differ from the fp64 product by its own bf16 rounding plus fp32 summation noise (the same bound
 as tests/test_cpu_amx.py's). Skipped (with the reason) where it cannot run: a host below the AVX512
-kernel level (_cpu.host_isa), an AMX host (the AMX kernel reads packed weights there), no C compiler.
+kernel level (_cpu.host_isa), no C compiler; on an AMX host the kernel is tested but `ops.linear` takes
+AMX's (the dispatch test is skipped there).
 """
 
 from __future__ import annotations
@@ -19,8 +20,10 @@ from fxsched.kernels import cpu_amx, cpu_pairs
 from fxsched.runtime.torch_model.ops import linear
 from support.torch_testing import torch_threads
 
-needs_pairs = pytest.mark.skipif(not cpu_pairs.ready(), reason="the AVX512-BF16 packed kernel is not in use here "
-                                 "(needs AVX512-BF16 without AMX and a C compiler; FXSCHED_KERNELS=torch disables it)")
+needs_pairs = pytest.mark.skipif(not cpu_pairs.loads(), reason="the AVX512-BF16 packed kernel cannot run here "
+                                 "(needs AVX512-BF16 and a C compiler; FXSCHED_KERNELS=torch disables it)")
+in_use = pytest.mark.skipif(not cpu_pairs.ready(), reason="the AVX512-BF16 packed kernel is not in use here "
+                            "(an AMX host: the AMX kernel reads packed weights)")
 
 
 def _close_to_fp64(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
@@ -90,7 +93,7 @@ def test_leading_dimensions_and_threads_give_the_same_product(arith):
     _close_to_fp64(one.reshape(15, -1), x.reshape(15, 128), w)
 
 
-@needs_pairs
+@in_use
 def test_linear_takes_the_packed_kernel():
     gen = torch.Generator().manual_seed(6)
     w = torch.randn(64, 96, generator=gen).to(torch.bfloat16)

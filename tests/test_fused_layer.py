@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 import torch
 
-from fxsched.kernels import cpu_amx, cpu_layers, cpu_pointwise
+from fxsched.kernels import cpu_amx, cpu_layers, cpu_pairs, cpu_pointwise
 from fxsched.runtime.bench.prompts import random_prompts
 from fxsched.runtime.torch_model import fused, model, packing
 from fxsched.runtime.torch_model.config import default_config
@@ -112,9 +112,15 @@ needs_stack = pytest.mark.skipif(not (packing.packing_ready() and cpu_layers.rea
 @needs_stack
 @pytest.mark.parametrize("qk_norm", [True, False])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_decode_layers_in_one_call_give_the_layer_by_layer_logits(monkeypatch, qk_norm, threads):
+@pytest.mark.parametrize("product", ["host", "pairs"])
+def test_decode_layers_in_one_call_give_the_layer_by_layer_logits(monkeypatch, qk_norm, threads, product):
     """A dense all-attention model (Qwen3's shape): decode and verify forwards through
-    kernels/cpu_layers.c against the same forwards layer by layer in Python, bit for bit."""
+    kernels/cpu_layers.c against the same forwards layer by layer in Python, bit for bit; with the
+    host's packed product and with AVX512-BF16's (on an AMX host too, AMX set aside)."""
+    if product == "pairs":
+        if not cpu_pairs.loads():
+            pytest.skip("the AVX512-BF16 packed kernel cannot run here (needs AVX512-BF16 and a C compiler)")
+        monkeypatch.setattr(cpu_amx, "ready", lambda: False)
     cfg = dataclasses.replace(default_config(), dtype="bfloat16", hidden_size=64, intermediate_size=128,
                               layer_pattern=("attn",) * 4, head_dim=32, qk_norm=qk_norm, mtp=False)
     prompts = random_prompts(6, 4, cfg.vocab_size, 9, 40)
