@@ -100,10 +100,16 @@ def packable(w: torch.Tensor) -> bool:
             and w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0 and w.numel() > 0 and not w.requires_grad)
 
 
-def pack(w: torch.Tensor) -> torch.Tensor:
-    """w [N, K] in tile order: [N/16, K/32, 16, 16, 2] with packed[nb, kb, i, c, j] = w[16nb + c, 32kb + 2i + j]."""
+def tile_order(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] viewed in tile order (not copied): [N/16, K/32, 16, 16, 2], element [nb, kb, i, c, j]
+    = w[16nb + c, 32kb + 2i + j]."""
     n, k = w.shape
-    return w.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4).contiguous()
+    return w.view(n // 16, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4)
+
+
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] in tile order, contiguous (`tile_order`'s layout)."""
+    return tile_order(w).contiguous()
 
 
 def is_packed(t: torch.Tensor) -> bool:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from ._cpu import load
 
-__all__ = ["fits", "paged_attention_bf16", "paged_attention_reference", "ready"]
+__all__ = ["fits", "paged_attention_bf16", "paged_attention_reference", "ready", "work_units"]
 
 log = structlog.get_logger("fxsched.kernels")
 
@@ -101,6 +101,13 @@ def fits(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
             and q.shape[-2] <= 128 and ready())
 
 
+def work_units(rows: int, hkv: int, threads: int) -> tuple[int, int]:
+    """(splits, units) of a call over `rows` query rows: each row whole where there are rows enough
+    for the threads, else its kv heads split in `splits` parts; units = rows * splits."""
+    splits = 1 if rows >= threads else min(hkv, -(-threads // rows))
+    return splits, rows * splits
+
+
 def paged_attention_bf16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, q_rows: torch.Tensor,
                          ctx: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
     """paged_attention_reference's result through the C kernel. Callers check `fits` first; q,
@@ -110,10 +117,8 @@ def paged_attention_bf16(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     q = q.contiguous()
     out = torch.zeros_like(q)
     threads = torch.get_num_threads()
-    rows, hkv = q_rows.shape[0], k_cache.shape[2]
-    # each row whole where there are rows enough for the threads, else its kv heads split
-    splits = 1 if rows >= threads else min(hkv, -(-threads // rows))
-    units = rows * splits
+    hkv = k_cache.shape[2]
+    splits, units = work_units(q_rows.shape[0], hkv, threads)
     if threads > 1:  # one OpenMP team (a Python pool would wait on the products' spinning workers)
         _, bs, _, d = k_cache.shape
         rc = lib.fx_paged_attention_run(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),

@@ -90,18 +90,19 @@ def test_fusion_holds_each_weight_once_under_its_own_name():
 
 
 @needs_packing
-def test_packings_made_apart_are_stacked_once_and_read_through_views():
+def test_only_stacked_packings_are_fused():
     cfg = dataclasses.replace(default_config(), dtype="bfloat16", hidden_size=64, intermediate_size=128)
     gen = torch.Generator().manual_seed(3)
-    w = {f"layers.0.mlp.{p}": torch.randn(128, 64, generator=gen).to(torch.bfloat16) for p in ("gate_proj", "up_proj")}
-    plain = dict(w)
-    w = {n: cpu_amx.pack(t) for n, t in w.items()}  # packed one by one: not views of one buffer
-    got = fused.fuse_projections(w, cfg)
-    whole = got["layers.0.mlp"]
-    assert torch.equal(cpu_amx.unpack(whole), torch.cat([plain["layers.0.mlp.gate_proj"], plain["layers.0.mlp.up_proj"]]))
-    for n, t in plain.items():
-        assert w[n]._base is whole and torch.equal(cpu_amx.unpack(w[n]), t)
-    assert fused.fuse_projections(w, cfg)["layers.0.mlp"] is whole  # found again, not stacked twice
+    names = [f"layers.0.mlp.{p}" for p in ("gate_proj", "up_proj")]
+    plain = {n: torch.randn(128, 64, generator=gen).to(torch.bfloat16) for n in names}
+    apart = {n: cpu_amx.pack(t) for n, t in plain.items()}  # packed one by one: two buffers
+    assert fused.fuse_projections(apart, cfg) == {}
+    stacked = dict(plain)
+    whole = fused.pack_fused(stacked, names)
+    assert whole is not None and fused.fuse_projections(stacked, cfg) == {"layers.0.mlp": whole}
+    assert torch.equal(cpu_amx.unpack(whole), torch.cat([plain[n] for n in names]))
+    for n in names:
+        assert stacked[n]._base is whole and torch.equal(cpu_amx.unpack(stacked[n]), plain[n])
 
 
 needs_stack = pytest.mark.skipif(not (packing.packing_ready() and cpu_layers.ready()),

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from fxsched.kernels import cpu_layers, cpu_pointwise
+from fxsched.kernels import cpu_attention, cpu_layers, cpu_pointwise
 
 from .config import ModelConfig
 
@@ -96,9 +96,8 @@ class LayerStack:
         x = x.reshape(m, -1).contiguous()
         rot = rope.rotary_dim
         threads = torch.get_num_threads()
-        n_rows, hkv = rows.q_rows.shape[0], cfg.num_kv_heads
-        splits = 1 if n_rows >= threads else min(hkv, -(-threads // n_rows))  # cpu_attention's rule
-        units = n_rows * splits
+        hkv = cfg.num_kv_heads
+        splits, units = cpu_attention.work_units(rows.q_rows.shape[0], hkv, threads)
         dims = torch.tensor([m, cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads, hkv, cfg.head_dim,
                              rot, rows.tables.shape[1], kv.block_size, splits, units, min(threads, units), threads],
                             dtype=torch.int64)
@@ -107,4 +106,3 @@ class LayerStack:
                                  batch.write_index.to(torch.int64).contiguous(), rows.q_rows.contiguous(),
                                  rows.ctx.contiguous(), rows.tables.contiguous())
         return h.view(*batch.tokens.shape, -1)
-

@@ -11,7 +11,7 @@ projections are packed (packing.py):
   original names: memory holds each weight once, every other reader sees the same tensors, and
   the product of the fused matrix gives each output column the same bits as its own matrix did
   (a column's sum never depends on the columns beside it). `fuse_projections` finds these
-  buffers for the forward (or stacks packings made apart).
+  buffers for the forward.
 - `attention_inputs` takes q, k and v from one product and the norms and rotations from one kernel
   call (kernels/cpu_pointwise.py), bit for bit what attention.attention_qkv gives.
 - `swiglu` runs the MLP as two products and one SwiGLU call.
@@ -63,7 +63,7 @@ def pack_fused(w: dict[str, torch.Tensor], names: list[str]) -> torch.Tensor | N
     del parts
     for n in names:
         blocks = w[n].shape[0] // 16
-        fused[start:start + blocks].copy_(w[n].view(blocks, 16, k // 32, 16, 2).permute(0, 2, 3, 1, 4))
+        fused[start:start + blocks].copy_(cpu_amx.tile_order(w[n]))
         w[n] = fused[start:start + blocks]
         start += blocks
     return fused
@@ -83,23 +83,16 @@ def _stacked(parts: list[torch.Tensor]) -> torch.Tensor | None:
 
 
 def fuse_projections(w: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Per `fusion_groups` block whose projections are all packed: the fused matrix -- the buffer
-    they are views of where packing.pack_for_cpu stacked them already, else their concatenation, w's
-    entries then replaced by views of it (in place)."""
+    """Per `fusion_groups` block whose projections `pack_fused` stacked (packing.pack_for_cpu does
+    at load): the buffer they are views of. Blocks packed otherwise are left out (their products
+    run one by one)."""
     fused: dict[str, torch.Tensor] = {}
     for prefix, names in fusion_groups(cfg).items():
-        parts = [w.get(n) for n in names]
-        if any(t is None or not cpu_amx.is_packed(t) for t in parts) or len({t.shape[1] for t in parts if t is not None}) != 1:
-            continue
-        whole = _stacked([t for t in parts if t is not None])
-        if whole is None:
-            whole = torch.cat([t for t in parts if t is not None])
-            start = 0
-            for n in names:
-                blocks = w[n].shape[0]
-                w[n] = whole[start:start + blocks]
-                start += blocks
-        fused[prefix] = whole
+        parts = [w[n] for n in names if n in w]
+        if len(parts) == len(names) and all(cpu_amx.is_packed(t) for t in parts):
+            whole = _stacked(parts)
+            if whole is not None:
+                fused[prefix] = whole
     return fused
 
 
