@@ -135,19 +135,22 @@ GREEDY = SamplingOptions()
 
 
 PREFILL_CHUNK = 2048  # the most tokens of one prompt a step prefills beside decoding sequences
-PREFILL_CHUNK_SERVED_CPU = 32  # the same for a server on a CPU (`served_chunk`)
+SERVED_CPU_BATCH_TOKENS = 512  # the rows a server's step takes on a CPU (`served_budget`)
 PREFILL_BUDGET = 8192  # the most rows one prefill (or mixed) forward takes
 
 
-def served_chunk(device_type: str) -> int:
-    """The prompt rows a server's step prefills beside decoding streams (specs/scheduler.md §5.13,
-    with ``idle_prefill_fills_budget``: while none decodes, prompts take the whole budget).
-    On a CPU a forward of a few dozen rows or more costs in proportion to its rows (the weights are
-    read once whatever the rows, the arithmetic is per row), so a whole prompt beside running streams
-    would hold each of them for the prompt's whole prefill: 32 rows keep a step within about twice a
-    decode step at Qwen3-0.6B's size on one core. A GPU takes thousands of rows at little cost.
-    ``generate`` (offline: throughput, no stream to hold) keeps PREFILL_CHUNK and whole-budget waves."""
-    return PREFILL_CHUNK_SERVED_CPU if device_type == "cpu" else PREFILL_CHUNK
+def served_budget(device_type: str) -> Optional[int]:
+    """The rows a server's step takes on a CPU (``None`` elsewhere), as vLLM's
+    ``--max-num-batched-tokens``: prompt chunks of at most this many rows beside the decode rows,
+    and idle waves of the same (specs/scheduler.md §5.13). On a CPU a forward of a few dozen rows or
+    more costs in proportion to its rows, so the bound is what running streams wait on while
+    prompts prefill, and too small a bound starves the queue. Measured with vLLM's client (256-token
+    prompts, 64 outputs, one core, Qwen3-0.6B's size; `fxsched bench serve`): at 32 rows, 32 clients'
+    prompts waited 54 s for their first token (vLLM 4.9 s) and output fell to 0.4x vLLM's; at 512,
+    TTFT p50 1.6 s and inter-token p99 0.86 s (vLLM 2.6 s); at 1024 and 2048 (vLLM's CPU server
+    default) the stalls grow (p99 1.8 s, 3.5 s) for 2-6 % more output. A GPU takes thousands of rows
+    at little cost: it keeps PREFILL_CHUNK, and idle waves of PREFILL_BUDGET."""
+    return SERVED_CPU_BATCH_TOKENS if device_type == "cpu" else None
 
 
 def context_limit(cfg: ModelConfig) -> int:
@@ -170,7 +173,7 @@ def model_eos_ids(cfg: ModelConfig) -> tuple[int, ...]:
 def scheduler_setup(cfg: ModelConfig, spec: str, batch: int, eos_ids: Optional[Seq[int]] = None
                     ) -> tuple[SchedulerConfig, ModelInfo, Optional[str]]:
     """(scheduler config, model info, device proposer) for a speculation mode; ``eos_ids`` default
-    to the model's (``()``: no EOS). A server bounds what its streams wait on besides (`served_chunk`)."""
+    to the model's (``()``: no EOS). A server bounds what its streams wait on besides (`served_budget`)."""
     if spec not in SPECS:
         raise GenerateError(f"--spec {spec}: unknown speculation mode (choose from {', '.join(SPECS)})")
     if not 1 <= batch <= cfg.max_slots:

@@ -538,9 +538,10 @@ class FaultyDevice:
 
 
 def test_a_long_prompt_beside_a_running_stream_rides_in_chunks_of_the_served_budget(tok):
-    """On a CPU the server prefills at most 32 prompt rows a step beside decoding streams
-    (generate.served_chunk, specs/scheduler.md §5.13): a 150-token prompt arriving while a stream
-    runs is cut into such chunks, never one forward, and both texts equal the offline greedy ones."""
+    """A server with a budget of 32 rows a step (``--max-num-batched-tokens 32``; on a CPU the
+    default is generate.served_budget's, specs/scheduler.md §5.13) prefills at most 32 prompt rows a
+    step beside decoding streams: a 150-token prompt arriving while a stream runs is cut into such
+    chunks, never one forward, and both texts equal the offline greedy ones."""
     chunks: list[int] = []
 
     class Recording:  # the mixed forwards' prompt rows
@@ -558,9 +559,8 @@ def test_a_long_prompt_beside_a_running_stream_rides_in_chunks_of_the_served_bud
             return attr
 
     long_prompt = " ".join(f"w{i}" for i in range(75))
-    s = Server(tok, wrap_device=Recording)
+    s = Server(tok, wrap_device=Recording, max_batch_tokens=32)
     try:
-        assert s.engine.config.max_prefill_tokens == 32 and s.engine.config.idle_prefill_fills_budget
         client = s.client()
         stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=200, temperature=0, stream=True)
         pieces = [next(iter(stream)).choices[0].text]

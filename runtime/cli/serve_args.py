@@ -86,9 +86,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     sched.add_argument("--max-num-seqs", "--max-batch", dest="max_batch", default=None, metavar="N",
                        help="sequences running at once (default: the model's slots)")
     sched.add_argument("--max-num-batched-tokens", default=None, metavar="N",
-                       help="the most tokens one forward takes, prompt chunks and decodes together (default: 8192 "
-                            "while no stream decodes, and beside decoding streams 32 prompt rows a step on a CPU, "
-                            "2048 on CUDA, so a stream waits on a chunk, never on a whole prompt)")
+                       help="the most prompt tokens one forward takes, beside its decode rows (default: 512 on a "
+                            "CPU; on CUDA 8192 while no stream decodes and 2048 beside decoding streams), so a "
+                            "stream waits on a chunk, never on a whole prompt")
     sched.add_argument("--async-scheduling", dest="async_scheduling", action=argparse.BooleanOptionalAction,
                        default=None,
                        help="plain decodes answered ahead: the next tick is planned and launched before this one's "

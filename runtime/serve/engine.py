@@ -78,7 +78,7 @@ from fxsched.runtime.devices.device import Device, DeviceError
 from fxsched.runtime.devices.grammar_mask import GrammarBook
 from fxsched.runtime.devices.row_processors import Penalties, RowProcessors
 from fxsched.runtime.devices.torch import Drafter, TorchDevice
-from fxsched.runtime.generate import SPECS, scheduler_setup, served_chunk
+from fxsched.runtime.generate import SPECS, scheduler_setup, served_budget
 from fxsched.runtime.generate_host import (GenerateHost, LogprobWitness, Observers, RequestResult, TextOptions,
                                            TextStream)
 from fxsched.runtime.interpreter import Host, Interpreter, Observer
@@ -504,12 +504,12 @@ class ServeEngine:
         self.max_batch = max_batch if max_batch is not None else cfg.max_slots
         eos = tuple(eos_ids) if eos_ids is not None else (tokenizer.eos_ids or None)
         self.config, self.model_info, self.proposer = scheduler_setup(cfg, spec, self.max_batch, eos)
-        # streams wait on one chunk's rows a step, never a whole prompt (specs/scheduler.md §5.13)
-        self.config = attrs.evolve(self.config, max_prefill_tokens=served_chunk(engine.device.type),
-                                   idle_prefill_fills_budget=True)
-        if max_batch_tokens is not None:  # --max-num-batched-tokens N: a step takes at most N rows, as vLLM's
-            self.config = attrs.evolve(self.config, max_batch_tokens=max_batch_tokens,
-                                       max_prefill_tokens=max_batch_tokens)
+        # streams wait on one step's rows, never a queue of prompts (specs/scheduler.md §5.13):
+        # --max-num-batched-tokens N, or the device's served budget, as vLLM's
+        self.config = attrs.evolve(self.config, idle_prefill_fills_budget=True)
+        budget = max_batch_tokens if max_batch_tokens is not None else served_budget(engine.device.type)
+        if budget is not None:
+            self.config = attrs.evolve(self.config, max_batch_tokens=budget, max_prefill_tokens=budget)
         self.max_waiting = max_waiting
         self.drafter = drafter
         self.wrap_device = wrap_device
