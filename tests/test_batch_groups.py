@@ -132,3 +132,59 @@ def test_decode_rows_beside_a_prompt_chunk_run_unpadded_under_the_row_bound(ckpt
     got = grouped.commit_forward([0, 1, 2, 3], rows)
     assert 4 * 12 <= 64 and sorted(shapes) == [(1, 12), (3, 1)]  # within the bound, yet two forwards
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def dense_ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("groups") / "qwen3"
+    build("Qwen3ForCausalLM", path)
+    return path
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_mixed_step_of_a_dense_model_is_one_packed_forward_with_the_grouped_forwards_bits(dense_ckpt, dtype,
+                                                                                           monkeypatch):
+    """On a model without GDN layers a mixed step (decode rows beside prompt chunks, one fresh and
+    one continuing) runs as one unpadded forward (specs/cpu-kernels.md §15.12), and its logits, and
+    the states the sequences continue from, are those of the forwards of like lengths it replaces:
+    bit for bit in bf16 (the packed CPU products, the row kernel, the fused projections: a row's sums
+    never depend on the rows beside it); in fp32 within rounding (PyTorch's fp32 product picks its
+    blocking by the row count)."""
+    rng = random.Random(11)
+    engines = [HybridEngine.from_pretrained(dense_ckpt, dtype=dtype, max_seq_len=96, max_slots=6, block_size=4)
+               for _ in range(2)]
+    packed, grouped = engines
+    vocab = packed.cfg.vocab_size
+    heads = [[rng.randrange(vocab) for _ in range(n)] for n in (5, 9, 3, 6)]
+    for engine in engines:
+        for slot, head in enumerate(heads):
+            engine.alloc(slot)
+            engine.prefill(slot, head)
+        engine.alloc(4)
+    monkeypatch.setattr(grouped, "_packs", lambda lengths: False)
+    runs: list[tuple[int, int]] = []
+    real = packed._run
+
+    def counted(batch):
+        runs.append(tuple(batch.tokens.shape))
+        return real(batch)
+
+    monkeypatch.setattr(packed, "_run", counted)
+    rows = [[rng.randrange(vocab)] for _ in range(3)] + [[rng.randrange(vocab) for _ in range(14)],
+                                                         [rng.randrange(vocab) for _ in range(17)]]
+    slots = [0, 1, 2, 3, 4]
+    got, want = packed.commit_forward(slots, rows), grouped.commit_forward(slots, rows)
+    assert runs == [(1, 3 + 14 + 17)]  # one forward, no padding
+    same = torch.equal if dtype == "bfloat16" else (lambda a, b: torch.allclose(a, b, atol=1e-5, rtol=1e-5))
+    assert same(got, want)
+    for engine in engines:
+        assert [engine.seq_len(s) for s in slots] == [6, 10, 4, 20, 17]
+    for _ in range(2):  # the sequences continue from the same keys and values
+        nxt = [rng.randrange(vocab) for _ in slots]
+        assert same(packed.decode_batch(slots, nxt), grouped.decode_batch(slots, nxt))
+
+
+def test_a_model_with_gdn_layers_keeps_the_grouped_forwards(ckpt):
+    """The GDN recurrence reads a [B, T] grid: a hybrid model never packs."""
+    engine = _engine(ckpt, 64)
+    assert not engine._packs([1, 1, 12]) and engine.cfg.gdn_layers

@@ -375,9 +375,10 @@ class HybridEngine(DecodePath):
 
     # ---- forward ------------------------------------------------------------------------------
     def prepare(self, slots: Sequence[int], token_lists: Sequence[Sequence[int]], *, commit_all: bool = False,
-                in_place: bool = False, static: bool = False, device_tokens: torch.Tensor | None = None) -> RowBatch:
+                in_place: bool = False, static: bool = False, device_tokens: torch.Tensor | None = None,
+                packed: bool = False) -> RowBatch:
         """Validate a forward's rows, allocate their blocks (all or nothing) and build its batch
-        (see _forward for commit_all and in_place). static leaves out the host-built attention plan,
+        (see _forward for commit_all and in_place; _packed_forward for packed). static leaves out the host-built attention plan,
         so the forward takes only shape-static paths: the form a CUDA graph or
         torch.compile(fullgraph=True) captures whole (tests/test_traceable_forward.py)."""
         if len(slots) != len(token_lists):
@@ -398,7 +399,8 @@ class HybridEngine(DecodePath):
             last = state.block_table[-1] if state.block_table else None
             state.block_table.extend(self.pool.allocate(self.blocks_needed(slot, len(toks)), after=last))
         keep = self._commit_rows(states, token_lists) if commit_all else None
-        batch = self._row_batch(slots, states, token_lists, keep, last_logits=commit_all, device_tokens=device_tokens)
+        batch = self._row_batch(slots, states, token_lists, keep, last_logits=commit_all, device_tokens=device_tokens,
+                                packed=packed)
         batch.gdn_in_place = in_place
         if static:
             batch.attn = None
@@ -475,29 +477,37 @@ class HybridEngine(DecodePath):
 
     def _row_batch(self, slots: Sequence[int], states: Sequence[SlotState],
                    token_lists: Sequence[Sequence[int]], keep_rows: tuple[int, ...] | None = None,
-                   last_logits: bool = False, device_tokens: torch.Tensor | None = None) -> RowBatch:
+                   last_logits: bool = False, device_tokens: torch.Tensor | None = None,
+                   packed: bool = False) -> RowBatch:
         """The forward's batch, built from host lists in one pass and moved to the device in one
         packed copy (`send_ints`), the GDN layers' kept-state indices included (gdn_chunked.KeepPlan:
         no layer copies its own, specs/async.md §16.2); with last_logits only each entry's last row
         gets logits (a committed forward: the caller reads nothing else). device_tokens (int64, the
         rows of every list in order, on the device) replaces the lists' tokens on the device: tokens
-        the host has not read (late drafts, specs/async.md §16.3)."""
-        b, t = len(slots), max(len(toks) for toks in token_lists)
+        the host has not read (late drafts, specs/async.md §16.3). packed: the rows of every entry one
+        after another in a [1, N] batch, no padding (_packed_forward)."""
+        lengths = [len(toks) for toks in token_lists]
+        seqs = len(slots)
+        b, t = (1, sum(lengths)) if packed else (seqs, max(lengths))
         nb = max(len(s.block_table) for s in states)
         bs = self.cfg.block_size
-        tokens, positions, tables = [0] * (b * t), [0] * (b * t), [0] * (b * nb)
+        tokens, positions, tables = [0] * (b * t), [0] * (b * t), [0] * (seqs * nb)
         valid_rows: list[int] = []
         write: list[int] = []
+        firsts: list[int] = []  # each entry's first flat row
+        at = 0
         for i, (state, toks) in enumerate(zip(states, token_lists, strict=True)):
             n, start, table = len(toks), state.seq_len, state.block_table
-            tokens[i * t:i * t + n] = [int(x) for x in toks]
-            positions[i * t:i * t + n] = range(start, start + n)
+            at = at if packed else i * t
+            firsts.append(at)
+            tokens[at:at + n] = [int(x) for x in toks]
+            positions[at:at + n] = range(start, start + n)
             tables[i * nb:i * nb + len(table)] = table
-            valid_rows.extend(range(i * t, i * t + n))
+            valid_rows.extend(range(at, at + n))
             write += flat_indices(table, start, n, bs)
+            at += n
         dev = self.device
-        lengths = [len(toks) for toks in token_lists]
-        uniform = all(n == t for n in lengths)
+        uniform = not packed and all(n == t for n in lengths)
         fields = [tokens, positions, tables, write, list(slots), lengths]
         lora_slots = [s.lora_slot for s in states] if self.lora is not None else []
         lora_fields = self.lora.row_fields(lora_slots, lengths, t) if self.lora is not None else None
@@ -506,7 +516,7 @@ class HybridEngine(DecodePath):
         if not uniform:
             fields.append(valid_rows)
         if last_logits:
-            fields.append([i * t + n - 1 for i, n in enumerate(lengths)])
+            fields.append([first + n - 1 for first, n in zip(firsts, lengths, strict=True)])
         keep = KeepPlan.of(keep_rows, t) if keep_rows is not None else None  # the GDN layers' state indices
         if keep is not None:
             fields += keep.fields
@@ -526,13 +536,14 @@ class HybridEngine(DecodePath):
                 tokens_t.copy_(device_tokens)
             else:
                 tokens_t[valid_t] = device_tokens
-        valid = torch.arange(t, device=dev)[None, :] < lengths_t[:, None]
+        valid = (torch.ones(1, t, dtype=torch.bool, device=dev) if packed
+                 else torch.arange(t, device=dev)[None, :] < lengths_t[:, None])
         # the Triton kernels read every row's keys through the block tables, ragged rows included
         # (specs/gpu-kernels.md §17.5): no host plan of where each sequence's keys lie
         plan = None if self._attention_kernels else plan_keys(
             [s.block_table for s in states], [s.seq_len for s in states], lengths, bs, dev,
-            row_kernel=dev.type == "cpu" and bool(self.kv.k) and self.kv.k[0].dtype == torch.bfloat16)
-        return RowBatch(tokens_t.view(b, t), positions_t.view(b, t), valid, write_t, tables_t.view(b, nb), slots_t,
+            row_kernel=dev.type == "cpu" and bool(self.kv.k) and self.kv.k[0].dtype == torch.bfloat16, packed=packed)
+        return RowBatch(tokens_t.view(b, t), positions_t.view(b, t), valid, write_t, tables_t.view(seqs, nb), slots_t,
                         uniform, keep_rows, valid_rows=valid_t, attn=plan, logit_rows=logit_rows, gdn_keep=keep_index,
                         lora=lora)
 
@@ -620,6 +631,8 @@ class HybridEngine(DecodePath):
         # step's decode rows beside a prompt chunk) run as groups of like lengths instead
         if self.forward_rows is not None and (len(lengths) * max(lengths, default=0) > self.forward_rows
                                               or min(lengths, default=0) * 2 < max(lengths, default=0)):
+            if self._packs(lengths):
+                return self._packed_forward(slots, token_lists)
             groups = row_groups(lengths, self.forward_rows)
         parts = []
         for group in groups:
@@ -634,6 +647,33 @@ class HybridEngine(DecodePath):
             for j, i in enumerate(group):
                 rows[i] = part[j]
         return torch.stack(rows)
+
+    def _packs(self, lengths: Sequence[int]) -> bool:
+        """Whether a committed forward of rows of unlike lengths (a mixed step's decode rows beside a
+        prompt chunk) runs as one packed forward (`_packed_forward`) rather than as groups of like
+        lengths: on a model whose every layer takes packed rows (attention and MLPs: no GDN layer,
+        whose recurrence reads a [B, T] grid) with nothing kept per row (no adapters, no hidden
+        history for a drafter, no captured layers), and rows within `forward_rows`."""
+        return (self.forward_rows is not None and not self.cfg.gdn_layers and self.lora is None
+                and not self.keeps_hidden and self.dflash_features is None and not self.capture_layers
+                and sum(lengths) <= self.forward_rows)
+
+    def _packed_forward(self, slots: Sequence[int], token_lists: Sequence[Sequence[int]]) -> torch.Tensor:
+        """``commit_forward`` of every slot in one forward over their rows one after another (a
+        [1, N] batch: no padding, each weight read once; specs/cpu-kernels.md §15.12): each row's
+        products, norms and rotation are those of the grouped forwards, and attention reads each
+        entry's keys as its own forward would (the row kernel's rows, SDPA per prompt chunk)."""
+        batch = self.prepare(slots, token_lists, commit_all=True, packed=True)
+        out, _ = self._run(batch)
+        first = 0
+        for slot, toks in zip(slots, token_lists, strict=True):
+            n = len(toks)
+            self._pending[slot] = PendingRows(self._slot(slot).seq_len, [int(t) for t in toks], out, 0)
+            self._captured[slot] = Captured(out.hidden[0, first:first + n])
+            self._captured_features[slot] = None
+            first += n
+        self.gdn_fold_accepted(slots, [len(toks) for toks in token_lists])
+        return out.logits
 
     def fill_token(self, slot: int, position: int, token: int) -> None:
         """The value of a committed token fed from the device (``decode_batch``'s device_tokens)."""
@@ -759,7 +799,7 @@ class HybridEngine(DecodePath):
         """
         groups: dict[int, tuple[ForwardOutput, list[int], list[int]]] = {}
         for slot, n, pending in zip(slots, accepted, pendings, strict=True):
-            if n <= 0 or in_cache(pending.out):
+            if n <= 0 or not pending.out.gdn_rows or in_cache(pending.out):  # no GDN layer, or states in place
                 continue
             out = pending.out
             if id(out) not in groups:
