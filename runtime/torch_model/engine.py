@@ -378,8 +378,8 @@ class HybridEngine(DecodePath):
                 in_place: bool = False, static: bool = False, device_tokens: torch.Tensor | None = None,
                 packed: bool = False) -> RowBatch:
         """Validate a forward's rows, allocate their blocks (all or nothing) and build its batch
-        (see _forward for commit_all and in_place; _packed_forward for packed). static leaves out the host-built attention plan,
-        so the forward takes only shape-static paths: the form a CUDA graph or
+        (see _forward for commit_all and in_place, _packed_forward for packed). static leaves out
+        the host-built attention plan, so the forward takes only shape-static paths: the form a CUDA graph or
         torch.compile(fullgraph=True) captures whole (tests/test_traceable_forward.py)."""
         if len(slots) != len(token_lists):
             raise ValueError(f"{len(slots)} slots but {len(token_lists)} token lists")
