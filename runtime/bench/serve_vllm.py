@@ -13,6 +13,7 @@ the same KV cache memory, ``--kv-cache-gib`` (default 4: ``VLLM_CPU_KVCACHE_SPAC
 prompt shares a block with goes first. Then, for each client count ``c`` of ``--clients`` (default
 1,8,32), ``vllm bench serve`` sends ``--num-prompts`` (default 3c, at least 8) random prompts of
 ``--input-len`` tokens (default 256) for ``--output-len`` tokens each (default 64, EOS ignored),
+greedy (``--temperature 0``: left unset, the servers' defaults differ, fxsched's 0 and vLLM's 1),
 streamed, at most ``c`` in flight, no start-up test request (it would repeat the first timed prompt
 and leave it in the prefix cache). The prompts' seed changes with the round and the client count,
 never with the engine: both servers get the same prompts, and no run repeats an earlier run's
@@ -214,7 +215,7 @@ def run_client(setup: Setup, url: str, clients: int, seed: int, site: str, cores
            "--model", SERVED_NAME, "--tokenizer", setup.model, "--dataset-name", "random",
            "--random-input-len", str(setup.input_len), "--random-output-len", str(setup.output_len),
            "--num-prompts", str(prompts), "--max-concurrency", str(clients), "--request-rate", "inf",
-           "--seed", str(seed), "--ignore-eos", "--ready-check-timeout-sec", "0",
+           "--seed", str(seed), "--ignore-eos", "--temperature", "0", "--ready-check-timeout-sec", "0",
            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
            "--save-result", "--result-dir", str(folder), "--result-filename", name, "--disable-tqdm"]
     log = folder / (name + ".log")
