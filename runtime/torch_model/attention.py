@@ -169,9 +169,9 @@ def planned_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
     (attn_plan.py: the new rows themselves, a view of the cache, or a gather of the entry's own
     blocks; the decode and verify rows of a CPU bf16 forward in one call of the row kernel).
     q [B, T, Hq, D], the new k/v [B, T, Hkv, D] (already written to the cache),
-    k_cache/v_cache [num_blocks, block_size, Hkv, D]; entry b's rows are b's first rows of the grid,
-    or in a packed forward ([1, N]: the entries' rows one after another) the rows from its
-    `SeqKeys.offset`. Padding rows of the output are zero."""
+    k_cache/v_cache [num_blocks, block_size, Hkv, D]; an entry's rows are the flat rows from its
+    `SeqKeys.offset` (b * T, or in a packed [1, N] forward the rows before it). Padding rows of the
+    output are zero."""
     rows = plan.rows if plan.rows is not None and cpu_attention.fits(q, k_cache) else None
     if rows is not None:
         b_, t_ = q.shape[:2]
@@ -183,14 +183,13 @@ def planned_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
         out = torch.zeros_like(q, memory_format=torch.contiguous_format)
     flat_k = k_cache.view(-1, *k_cache.shape[2:])
     flat_v = v_cache.view(-1, *v_cache.shape[2:])
-    t = q.shape[1]
     q_rows, k_rows, v_rows = q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1)
     out_rows = out.view(-1, *out.shape[2:])
     for b, seq in enumerate(plan.seqs):
         if rows is not None and b in rows.entries:
             continue
         n = seq.rows
-        first = b * t if seq.offset is None else seq.offset  # a packed forward's entries lie one after another
+        first = seq.offset
         qb = q_rows[first:first + n].transpose(0, 1)[None]
         if seq.source == "fresh":
             kb, vb = k_rows[first:first + n].to(k_cache.dtype), v_rows[first:first + n].to(v_cache.dtype)

@@ -54,7 +54,7 @@ class SeqKeys:
     flat_start: int = 0  # "run": flat cache row of position 0
     blocks: torch.Tensor | None = None  # "gather": the block ids holding positions 0..ctx-1
     mask: torch.Tensor | None = None  # [rows, ctx] bool (True = may attend) when rows > 1 and start > 0
-    offset: int | None = None  # a packed forward's: the flat row of its first new row (None: b * T)
+    offset: int = 0  # the flat row of its first new row in the forward's [B * T] rows
 
     @property
     def ctx(self) -> int:
@@ -95,20 +95,8 @@ class AttnPlan:
         return self._seqs
 
 
-def _offsets(rows: Sequence[int], packed: bool) -> list[int]:
-    """Each entry's first flat row: b * T in a padded [B, T] batch, the rows before it when packed."""
-    if not packed:
-        return [b * max(rows) for b in range(len(rows))]
-    out, at = [], 0
-    for n in rows:
-        out.append(at)
-        at += n
-    return out
-
-
 def _row_keys(block_tables: Sequence[Sequence[int]], starts: Sequence[int], rows: Sequence[int],
-              block_size: int, packed: bool = False) -> RowKeys | None:
-    offsets = _offsets(rows, packed)
+              block_size: int, firsts: Sequence[int]) -> RowKeys | None:
     entries, q_rows, ctx, tables = [], [], [], []
     nb = max(-(-(start + n) // block_size) for start, n in zip(starts, rows, strict=True))
     for b, (table, start, n) in enumerate(zip(block_tables, starts, rows, strict=True)):
@@ -117,7 +105,7 @@ def _row_keys(block_tables: Sequence[Sequence[int]], starts: Sequence[int], rows
         entries.append(b)
         padded = list(table[:nb]) + [0] * (nb - min(nb, len(table)))
         for j in range(n):
-            q_rows.append(offsets[b] + j)
+            q_rows.append(firsts[b] + j)
             ctx.append(start + j + 1)
             tables.append(padded)
     if not entries:
@@ -132,24 +120,25 @@ def _consecutive(table: Sequence[int], blocks: int) -> bool:
 
 
 def plan_keys(block_tables: Sequence[Sequence[int]], starts: Sequence[int], rows: Sequence[int],
-              block_size: int, device: torch.device, row_kernel: bool = False, packed: bool = False) -> AttnPlan:
+              block_size: int, device: torch.device, row_kernel: bool = False,
+              firsts: Sequence[int] | None = None) -> AttnPlan:
     """The plan of a forward whose entry b adds rows[b] rows at starts[b] to a sequence whose
     block table (covering start + rows positions) is block_tables[b]; row_kernel: list the
     decode and verify rows for the CPU row kernel (host tensors). When the row kernel serves every
-    entry, the per-entry keys are built only if read (the kernel cannot run). packed: the forward's
-    rows are the entries' rows one after another in a [1, sum(rows)] batch (no padding), each
-    entry's at its `SeqKeys.offset`."""
-    kernel_rows = _row_keys(block_tables, starts, rows, block_size, packed) if row_kernel else None
+    entry, the per-entry keys are built only if read (the kernel cannot run). firsts: each entry's
+    first row in the forward's flat rows (default b * T, a right-padded [B, T] batch; a packed
+    forward's entries lie one after another)."""
+    at = firsts if firsts is not None else [b * max(rows) for b in range(len(rows))]
+    kernel_rows = _row_keys(block_tables, starts, rows, block_size, at) if row_kernel else None
     if kernel_rows is not None and len(kernel_rows.entries) == len(starts):
-        return AttnPlan(lambda: _seq_keys(block_tables, starts, rows, block_size, device, packed), kernel_rows)
-    return AttnPlan(_seq_keys(block_tables, starts, rows, block_size, device, packed), kernel_rows)
+        return AttnPlan(lambda: _seq_keys(block_tables, starts, rows, block_size, device, at), kernel_rows)
+    return AttnPlan(_seq_keys(block_tables, starts, rows, block_size, device, at), kernel_rows)
 
 
 def _seq_keys(block_tables: Sequence[Sequence[int]], starts: Sequence[int], rows: Sequence[int],
-              block_size: int, device: torch.device, packed: bool = False) -> tuple[SeqKeys, ...]:
+              block_size: int, device: torch.device, firsts: Sequence[int]) -> tuple[SeqKeys, ...]:
     plan = []
-    offsets = _offsets(rows, packed) if packed else [None] * len(rows)
-    for table, start, n, offset in zip(block_tables, starts, rows, offsets, strict=True):
+    for table, start, n, offset in zip(block_tables, starts, rows, firsts, strict=True):
         ctx = start + n
         if start == 0:
             plan.append(SeqKeys(n, 0, "fresh", offset=offset))
@@ -175,4 +164,4 @@ def decode_plan(block_tables: Sequence[Sequence[int]], starts: Sequence[int], ta
     b = len(starts)
     rows = RowKeys(frozenset(range(b)), torch.arange(b, dtype=torch.int32),
                    torch.tensor(starts, dtype=torch.int32).add_(1), tables.to(torch.int32))
-    return AttnPlan(lambda: _seq_keys(block_tables, starts, [1] * b, block_size, device), rows)
+    return AttnPlan(lambda: _seq_keys(block_tables, starts, [1] * b, block_size, device, range(b)), rows)

@@ -542,7 +542,7 @@ class HybridEngine(DecodePath):
         # (specs/gpu-kernels.md §17.5): no host plan of where each sequence's keys lie
         plan = None if self._attention_kernels else plan_keys(
             [s.block_table for s in states], [s.seq_len for s in states], lengths, bs, dev,
-            row_kernel=dev.type == "cpu" and bool(self.kv.k) and self.kv.k[0].dtype == torch.bfloat16, packed=packed)
+            row_kernel=dev.type == "cpu" and bool(self.kv.k) and self.kv.k[0].dtype == torch.bfloat16, firsts=firsts)
         return RowBatch(tokens_t.view(b, t), positions_t.view(b, t), valid, write_t, tables_t.view(seqs, nb), slots_t,
                         uniform, keep_rows, valid_rows=valid_t, attn=plan, logit_rows=logit_rows, gdn_keep=keep_index,
                         lora=lora)
