@@ -7,12 +7,31 @@ multiple of 4, never to zero).
 
 from __future__ import annotations
 
+from typing import Optional
+
 from fxsched.core.config import SchedulerConfig
 
 
-def first_chunk_budget(config: SchedulerConfig, anything_in_flight: bool) -> int:
-    """Chunk 0 gets the whole batch budget when nothing is active or prefilling, else one chunk."""
-    return config.max_prefill_tokens if anything_in_flight else config.max_batch_tokens
+def mixed_prefill_bound(config: SchedulerConfig, decoding: int) -> Optional[int]:
+    """The mixed-prefill bound on a step's prompt rows beside ``decoding`` decoding sequences:
+    max(``mixed_prefill_floor``, ``mixed_prefill_per_decode`` * decoding), at least 1; ``None`` when
+    the option is off or nothing decodes (specs/scheduler.md §5.13 C)."""
+    if not decoding or not (config.mixed_prefill_floor or config.mixed_prefill_per_decode):
+        return None
+    return max(config.mixed_prefill_floor, config.mixed_prefill_per_decode * decoding)
+
+
+def beside_decodes(config: SchedulerConfig, decoding: int) -> int:
+    """The most tokens of one prompt a chunk takes beside ``decoding`` decoding sequences:
+    max_prefill_tokens, or the mixed-prefill bound where that is less."""
+    bound = mixed_prefill_bound(config, decoding)
+    return config.max_prefill_tokens if bound is None else min(config.max_prefill_tokens, bound)
+
+
+def first_chunk_budget(config: SchedulerConfig, anything_in_flight: bool, decoding: int = 0) -> int:
+    """Chunk 0 gets the whole batch budget when nothing is active or prefilling, else one chunk
+    (bounded beside ``decoding`` decoding sequences, `beside_decodes`)."""
+    return beside_decodes(config, decoding) if anything_in_flight else config.max_batch_tokens
 
 
 def first_chunk(prompt_len: int, budget: int) -> tuple[int, bool]:

@@ -108,6 +108,12 @@ class SchedulerConfig:
     # never on a whole prompt or a queue of them (specs/scheduler.md §5.13). Off: every lane-2 chunk
     # at most max_prefill_tokens, a wave up to max_batch_tokens, as the reference traces have it.
     idle_prefill_fills_budget: bool = False
+    # beside d decoding sequences a step's prompt rows (every chunk together) are at most
+    # max(mixed_prefill_floor, mixed_prefill_per_decode * d), and never over max_prefill_tokens: a
+    # stream waits on a few rows per row it decodes, not on a whole chunk (specs/scheduler.md §5.13 C).
+    # Both 0: off, as the reference traces have it.
+    mixed_prefill_floor: int = attrs.field(default=0, validator=_at_least(0))
+    mixed_prefill_per_decode: int = attrs.field(default=0, validator=_at_least(0))
     # a plain decode may be answered ahead: its tokens stay on the device, the next decode feeds them
     # from there and the host reads them one tick late, while that decode runs (specs/async.md §16.6)
     async_scheduling: bool = False

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from fxsched.core import admission
 from fxsched.core.agenda import ask, forward, push, put_seqs
-from fxsched.core.chunking import first_chunk, first_chunk_budget, next_chunk
+from fxsched.core.chunking import beside_decodes, first_chunk, first_chunk_budget, mixed_prefill_bound, next_chunk
 from fxsched.core.emit import plain_token
 from fxsched.core.events import AdapterIds, BeamHypotheses, SlotAllocated, TokenSampled, TokensSampled
 from fxsched.core.phases import (
@@ -169,7 +169,7 @@ def lane_adapter(state: SchedulerState, waiting: AwaitLaneAdapter, event: Adapte
 
 def start_chunk0(state: SchedulerState, req: Request, seq_id: int, slot: int, out: list[Effect]) -> SchedulerState:
     """Chunk 0 on the prefill stream: the whole batch budget when nothing else is in flight."""
-    budget = first_chunk_budget(state.config, bool(state.rows or state.prefilling))
+    budget = first_chunk_budget(state.config, bool(state.rows or state.prefilling), len(state.rows))
     chunk, last = first_chunk(req.prompt_len, budget)
     ep_prefill_preamble(slot, chunk, 0, req.prompt, out)
     query = dc.PrefillChunk(seq_id, req.prompt, 0, chunk, last, state.prefill_stream)
@@ -238,23 +238,27 @@ def nothing_prefilling(state: SchedulerState) -> bool:
 
 
 def chunk_limit(state: SchedulerState) -> int:
-    """The most tokens of one prompt a lane-2 forward takes: max_prefill_tokens, or the whole
-    max_batch_tokens under idle_prefill_fills_budget while no sequence is decoding (§5.13)."""
+    """The most tokens of one prompt a lane-2 forward takes: max_prefill_tokens (less beside
+    decoding sequences under the mixed-prefill bound), or the whole max_batch_tokens under
+    idle_prefill_fills_budget while no sequence is decoding (§5.13)."""
     config = state.config
     if config.idle_prefill_fills_budget and config.prefill_new_together and not state.rows:
         return max(config.max_prefill_tokens, config.max_batch_tokens)
-    return config.max_prefill_tokens
+    return beside_decodes(config, len(state.rows))
 
 
 def _wave(state: SchedulerState, mixed: bool, limit: int) -> tuple[PrefillEntry, ...]:
     """The prefilling entries one batched forward takes under prefill_new_together: from the front,
     while their chunks (and a mixed step's decode rows) fit max_batch_tokens, or, beside decoding
-    streams under idle_prefill_fills_budget, while their chunks fit one chunk's max_prefill_tokens;
-    the first always."""
+    streams under idle_prefill_fills_budget, while their chunks fit one chunk's max_prefill_tokens,
+    and under the mixed-prefill bound while they fit its rows (§5.13 A, C); the first always."""
     config = state.config
     budget = config.max_batch_tokens - (len(state.rows) if mixed else 0)
     if mixed and config.idle_prefill_fills_budget:
         budget = min(budget, config.max_prefill_tokens)  # streams wait on one chunk's rows, whatever the queue
+    bound = mixed_prefill_bound(config, len(state.rows)) if mixed else None
+    if bound is not None:
+        budget = min(budget, bound)
     taken = 0
     for i, entry in enumerate(state.prefilling):
         chunk, _ = entry_chunk(entry, limit)

@@ -135,22 +135,42 @@ GREEDY = SamplingOptions()
 
 
 PREFILL_CHUNK = 2048  # the most tokens of one prompt a step prefills beside decoding sequences
-SERVED_CPU_BATCH_TOKENS = 512  # the rows a server's step takes on a CPU (`served_budget`)
 PREFILL_BUDGET = 8192  # the most rows one prefill (or mixed) forward takes
+SERVED_CPU_BATCH_TOKENS = 512  # the rows a server's step takes on a CPU (`served_config`)
+SERVED_CPU_MIXED_FLOOR = 64  # on a CPU, the prompt rows a served step takes beside few decoding streams
+SERVED_CPU_MIXED_PER_DECODE = 8  # ... and per decoding stream beside many (`served_config`)
 
 
-def served_budget(device_type: str) -> Optional[int]:
-    """The rows a server's step takes on a CPU (``None`` elsewhere), as vLLM's
-    ``--max-num-batched-tokens``: prompt chunks of at most this many rows beside the decode rows,
-    and idle waves of the same (specs/scheduler.md §5.13). On a CPU a forward of a few dozen rows or
-    more costs in proportion to its rows, so the bound is what running streams wait on while
-    prompts prefill, and too small a bound starves the queue. Measured with vLLM's client (256-token
-    prompts, 64 outputs, one core, Qwen3-0.6B's size; `fxsched bench serve`): at 32 rows, 32 clients'
-    prompts waited 54 s for their first token (vLLM 4.9 s) and output fell to 0.4x vLLM's; at 512,
-    TTFT p50 1.6 s and inter-token p99 0.86 s (vLLM 2.6 s); at 1024 and 2048 (vLLM's CPU server
-    default) the stalls grow (p99 1.8 s, 3.5 s) for 2-6 % more output. A GPU takes thousands of rows
-    at little cost: it keeps PREFILL_CHUNK, and idle waves of PREFILL_BUDGET."""
-    return SERVED_CPU_BATCH_TOKENS if device_type == "cpu" else None
+def served_config(config: SchedulerConfig, device_type: str, max_batch_tokens: Optional[int] = None
+                  ) -> SchedulerConfig:
+    """What a server's scheduler bounds beyond `scheduler_setup`'s: running streams wait on one
+    step's rows, never on a queue of prompts (specs/scheduler.md §5.13).
+
+    - ``idle_prefill_fills_budget``: while nothing decodes, a prompt's chunk takes the whole budget.
+    - The budget, as vLLM's ``--max-num-batched-tokens`` (``max_batch_tokens`` where given): prompt
+      chunks and idle waves of at most this many rows. On a CPU a forward of a few dozen rows or
+      more costs in proportion to its rows, so the bound is what running streams wait on while
+      prompts prefill, and too small a bound starves the queue. Measured with vLLM's client (256-token
+      prompts, 64 outputs, one core, Qwen3-0.6B's size; `fxsched bench serve`): at 32 rows, 32 clients'
+      prompts waited 54 s for their first token (vLLM 4.9 s) and output fell to 0.4x vLLM's; at 512,
+      TTFT p50 1.6 s and inter-token p99 0.86 s (vLLM 2.6 s); at 1024 and 2048 (vLLM's CPU server
+      default) the stalls grow (p99 1.8 s, 3.5 s) for 2-6 % more output. A GPU takes thousands of rows
+      at little cost: it keeps PREFILL_CHUNK, and idle waves of PREFILL_BUDGET.
+    - On a CPU, the mixed-prefill bound (§5.13 C): beside d decoding streams a step takes at most
+      max(SERVED_CPU_MIXED_FLOOR, SERVED_CPU_MIXED_PER_DECODE * d) prompt rows. A decode step of a
+      few rows costs about what reading the weights costs, and each prompt row beside it adds a
+      fixed share (about 1.1 ms on one AMX core at Qwen3-0.6B's size, against 110-130 ms for the
+      decode rows): 64 rows keep a mixed step under twice a decode step, and 8 per stream keep the
+      prompts of many streams fed (a stream of 64 outputs per 256-token prompt needs 4 a step).
+      An explicit ``max_batch_tokens`` turns it off (the budget alone, as vLLM's flag)."""
+    config = attrs.evolve(config, idle_prefill_fills_budget=True)
+    if max_batch_tokens is None and device_type == "cpu":
+        return attrs.evolve(config, max_batch_tokens=SERVED_CPU_BATCH_TOKENS, max_prefill_tokens=SERVED_CPU_BATCH_TOKENS,
+                            mixed_prefill_floor=SERVED_CPU_MIXED_FLOOR,
+                            mixed_prefill_per_decode=SERVED_CPU_MIXED_PER_DECODE)
+    if max_batch_tokens is not None:
+        return attrs.evolve(config, max_batch_tokens=max_batch_tokens, max_prefill_tokens=max_batch_tokens)
+    return config
 
 
 def context_limit(cfg: ModelConfig) -> int:
@@ -173,7 +193,7 @@ def model_eos_ids(cfg: ModelConfig) -> tuple[int, ...]:
 def scheduler_setup(cfg: ModelConfig, spec: str, batch: int, eos_ids: Optional[Seq[int]] = None
                     ) -> tuple[SchedulerConfig, ModelInfo, Optional[str]]:
     """(scheduler config, model info, device proposer) for a speculation mode; ``eos_ids`` default
-    to the model's (``()``: no EOS). A server bounds what its streams wait on besides (`served_budget`)."""
+    to the model's (``()``: no EOS). A server bounds what its streams wait on besides (`served_config`)."""
     if spec not in SPECS:
         raise GenerateError(f"--spec {spec}: unknown speculation mode (choose from {', '.join(SPECS)})")
     if not 1 <= batch <= cfg.max_slots:

@@ -176,6 +176,52 @@ def test_beside_decodes_a_queue_of_prompts_rides_one_chunk_of_rows_per_step():
     assert rows == [[6], [6], [6]]  # without the bound: one forward of [6, 6, 6] beside the stream
 
 
+def _prompt_rows_beside_decodes(d: Driver) -> list[tuple[int, list[tuple[int, int, bool]]]]:
+    """(decode rows, [(start, length, last) of each chunk]) of every mixed forward, in order."""
+    out = []
+    for e in d.history:
+        if isinstance(e, (dc.MixedForward, dc.MixedForwardBatch)):
+            chunks = e.prefills if isinstance(e, dc.MixedForwardBatch) else (e.prefill,)
+            out.append((len(e.decode_seqs), [(s.start, s.length, s.last) for s in chunks]))
+    return out
+
+
+def test_the_mixed_prefill_bound_grows_with_the_decoding_streams():
+    """§5.13 C: beside d decoding streams a step takes at most max(floor, per_decode * d) prompt rows,
+    never over max_prefill_tokens; with nothing decoding the idle budget still applies."""
+    config = make_config(max_prefill_tokens=16, max_batch_tokens=64, prefill_new_together=True,
+                         idle_prefill_fills_budget=True, mixed_prefill_floor=4, mixed_prefill_per_decode=4)
+    one = Driver(config=config, requests=[make_request(1, prompt_len=4, max_tokens=40)]).run_to_query(plans.Decode)
+    one.feed(ev.Arrival(make_request(2, prompt_len=18, max_tokens=2)))
+    one.finish()
+    assert _prompt_rows_beside_decodes(one) == [(1, [(0, 4, False)]), (1, [(4, 4, False)]), (1, [(8, 4, False)]),
+                                                (1, [(12, 4, False)]), (1, [(16, 2, True)])]
+    three = Driver(config=config, requests=[make_request(i, prompt_len=4, max_tokens=40) for i in (1, 2, 3)])
+    three.run_to_query(plans.Decode)
+    three.feed(ev.Arrival(make_request(4, prompt_len=30, max_tokens=2)))
+    three.finish()
+    # 12 rows beside three streams (a non-last chunk a multiple of 4), then the rest
+    assert _prompt_rows_beside_decodes(three) == [(3, [(0, 12, False)]), (3, [(12, 12, False)]),
+                                                  (3, [(24, 6, True)])]
+    many = Driver(config=config, requests=[make_request(i, prompt_len=4, max_tokens=40) for i in range(1, 7)])
+    many.run_to_query(plans.Decode)
+    many.feed(ev.Arrival(make_request(7, prompt_len=30, max_tokens=2)))
+    many.finish()
+    assert _prompt_rows_beside_decodes(many) == [(6, [(0, 16, False)]), (6, [(16, 14, True)])]  # max_prefill_tokens
+
+
+def test_the_mixed_prefill_bound_holds_a_wave_of_prompts_too():
+    config = make_config(max_prefill_tokens=16, max_batch_tokens=64, prefill_new_together=True,
+                         idle_prefill_fills_budget=True, mixed_prefill_floor=8)
+    d = Driver(config=config, requests=[make_request(1, prompt_len=4, max_tokens=40)]).run_to_query(plans.Decode)
+    for i in (2, 3, 4):
+        d.feed(ev.Arrival(make_request(i, prompt_len=6, max_tokens=2)))
+    d.finish()
+    assert len(d.outputs(DoneOut)) == 4
+    # without the bound the chunk budget 16 takes [6, 6] together
+    assert [[length for _, length, _ in chunks] for _, chunks in _prompt_rows_beside_decodes(d)] == [[6], [6], [6]]
+
+
 def test_without_the_option_a_wave_keeps_the_prefill_chunk():
     config = make_config(max_prefill_tokens=8, max_batch_tokens=64, prefill_new_together=True)
     d = Driver(config=config, requests=[make_request(1, prompt_len=40, max_tokens=3)])

@@ -28,7 +28,7 @@ httpx = pytest.importorskip("httpx")
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from fxsched.runtime.devices.device import DeviceError  # noqa: E402
-from fxsched.runtime.generate import TextOptions, generate  # noqa: E402
+from fxsched.runtime.generate import SERVED_CPU_MIXED_FLOOR, TextOptions, generate  # noqa: E402
 from fxsched.runtime.serve.engine import ABORT, snapshot  # noqa: E402
 from fxsched.runtime.serve.server import ServeSettings, Serving, bind_socket  # noqa: E402
 from fxsched.runtime.text import load_tokenizer  # noqa: E402
@@ -537,11 +537,14 @@ class FaultyDevice:
         return call
 
 
-def test_a_long_prompt_beside_a_running_stream_rides_in_chunks_of_the_served_budget(tok):
-    """A server with a budget of 32 rows a step (``--max-num-batched-tokens 32``; on a CPU the
-    default is generate.served_budget's, specs/scheduler.md §5.13) prefills at most 32 prompt rows a
-    step beside decoding streams: a 150-token prompt arriving while a stream runs is cut into such
-    chunks, never one forward, and both texts equal the offline greedy ones."""
+@pytest.mark.parametrize("budget", [32, None])
+def test_a_long_prompt_beside_a_running_stream_rides_in_chunks_of_the_served_budget(tok, budget):
+    """A server with a budget of 32 rows a step (``--max-num-batched-tokens 32``), or a CPU server's
+    default (generate.served_config: beside one decoding stream the mixed-prefill bound's floor of
+    64 rows, specs/scheduler.md §5.13 C) prefills at most that many prompt rows a step beside
+    decoding streams: a 150-token prompt arriving while a stream runs is cut into such chunks,
+    never one forward, and both texts equal the offline greedy ones."""
+    rows = budget if budget is not None else SERVED_CPU_MIXED_FLOOR
     chunks: list[int] = []
 
     class Recording:  # the mixed forwards' prompt rows
@@ -559,7 +562,7 @@ def test_a_long_prompt_beside_a_running_stream_rides_in_chunks_of_the_served_bud
             return attr
 
     long_prompt = " ".join(f"w{i}" for i in range(75))
-    s = Server(tok, wrap_device=Recording, max_batch_tokens=32)
+    s = Server(tok, wrap_device=Recording, max_batch_tokens=budget)
     try:
         client = s.client()
         stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=200, temperature=0, stream=True)
@@ -571,7 +574,7 @@ def test_a_long_prompt_beside_a_running_stream_rides_in_chunks_of_the_served_bud
         s.close()
     prompt_len = len(tok.encode(long_prompt))
     assert prompt_len > 100
-    assert chunks and max(chunks) <= 32 and sum(chunks) >= prompt_len - 32, chunks
+    assert chunks and max(chunks) <= rows and sum(chunks) >= prompt_len - rows and len(chunks) >= 2, chunks
     first, second = references(tok, [tok.encode(PROMPTS[0])], 200)[0], references(tok, [tok.encode(long_prompt)], 4)[0]
     assert "".join(pieces) == first and long.choices[0].text == second
 

@@ -7,7 +7,8 @@ context, watchdog and async scheduling by the episode's own draws (draws.py), an
 - **production's settings** in ``PRODUCTION_SHARE`` of the random episodes: what ``generate`` and
   ``serve`` set beyond a mode's own options (runtime/generate.py ``scheduler_setup``): chunked
   prefill under a batch token budget, prompts that arrive together prefilled together (in chunks of
-  the whole budget while nothing decodes), the KV
+  the whole budget while nothing decodes; a CPU server's bound on the prompt rows beside decoding
+  streams in most of those), the KV
   reservation's horizon the model's context. The walk's prompts are at most 40 tokens, so the chunk
   and the budget are scaled to them (a 2048-token chunk would never cut one); a batch mixing adapters;
 - **the other knobs** each on its own now and then (``KNOBS``): the MTP batch width limit, the n-gram
@@ -56,8 +57,11 @@ def with_options(episode: Episode, seed: int) -> Episode:
         chunk = rng.choice((4, 6, 8, 16))
         changes.update(max_prefill_tokens=chunk, admission_watermark=max(episode.max_seq_len,
                                                                           episode.admission_watermark))
+        served = rng.random() < 0.5  # serve's latency bound, or generate's waves
         options.update(prefill_new_together=True, max_batch_tokens=chunk * rng.choice((1, 2, 4)), mixed_adapters=True,
-                       idle_prefill_fills_budget=rng.random() < 0.5)  # serve's latency bound, or generate's waves
+                       idle_prefill_fills_budget=served)
+        if served and rng.random() < 0.6:  # a CPU server's bound on prompt rows beside decoding streams
+            options.update(mixed_prefill_floor=rng.choice((1, 2, 4, chunk)), mixed_prefill_per_decode=rng.choice((0, 1, 2)))
     elif episode.max_prefill_tokens and rng.random() < 0.25:
         # serve's --max-num-batched-tokens alone: a budget of at least one chunk
         options["max_batch_tokens"] = episode.max_prefill_tokens * rng.choice((1, 2, 3))

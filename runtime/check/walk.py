@@ -86,6 +86,7 @@ def run_episode(episode: Episode, coverage: Counter, step_limit: int = 20000, ke
                        adapter_of={r.id: r.adapter_slot for r in episode.requests},
                        wave_budget=config.prefill_new_together,
                        idle_fills=config.prefill_new_together and config.idle_prefill_fills_budget,
+                       mixed_bound=(config.mixed_prefill_floor, config.mixed_prefill_per_decode),
                        max_prefill_tokens=config.max_prefill_tokens, max_batch_tokens=config.max_batch_tokens,
                        short_proposals=hash_seed(episode) if episode.short_proposals else None,
                        capacities=episode.capacities,
@@ -126,6 +127,7 @@ def run_episode(episode: Episode, coverage: Counter, step_limit: int = 20000, ke
             violation = Violation("device_refused", f"{type(err).__name__}: {err}")
     watch.count_effects()
     coverage["feature:answered_ahead"] += interpreter.answered_ahead
+    coverage["feature:mixed_prefill_bound"] += device.bounded_steps
     if device.reclaimable < min(episode.reclaimable, episode.held_blocks):
         coverage["feature:reclaim"] += 1
     events = tuple(watch.log or ())
@@ -197,6 +199,7 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "fault at a pipelined decode's launch, its kept tokens read first": ("feature:fault_brings_kept",),
     "deadline passed with a token on the device": ("feature:ahead_deadline_read",),
     "a steady batch ahead, in columns": ("feature:ahead_columns",),
+    "prompt rows held by the mixed-prefill bound": ("feature:mixed_prefill_bound",),
 }
 FEATURES.update({f"fault in {name}": (f"fault_phase:{name}",) for name in FAULT_PHASES})
 """Every feature the walk must reach, with the coverage keys whose sum counts it."""

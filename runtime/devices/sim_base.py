@@ -43,7 +43,9 @@ checker reports as ``device_refused``, never a fault the scheduler may absorb):
   allocated last (its request's, ``adapter_of``) and no forward runs a sequence before it; the EP
   release word names a slot a release freed, a verify's accept word the drafts it accepted; with
   ``wave_budget`` (prefill_new_together) a batched forward of two or more prompts fits
-  ``max_batch_tokens``.
+  ``max_batch_tokens``; under the mixed-prefill bound (``mixed_bound``) the chunks of a forward
+  beside d decode rows (and a chunk while d prompted sequences are on the device) take at most
+  max(floor, per_decode * d) rows.
 
 Prefix cache (``prefix_cache``): ``cache_sequence`` remembers the body of the sequence's prompt
 (every token after the first, which is the request id); a later first prefill whose body shares
@@ -128,7 +130,7 @@ class SimBase(ScriptedDevice):
                  max_prefill_tokens: int = 0, max_batch_tokens: int = 8192, short_proposals: Optional[int] = None,
                  capacities: tuple[int, ...] = (), late_drafts: Optional[int] = None,
                  keep_decodes: Optional[int] = None, adapter_of: Optional[dict[int, int]] = None,
-                 wave_budget: bool = False, idle_fills: bool = False):
+                 wave_budget: bool = False, idle_fills: bool = False, mixed_bound: tuple[int, int] = (0, 0)):
         super().__init__(scripts, vocab=vocab, block_size=block_size, total_blocks=total_blocks,
                          held_blocks=held_blocks, reclaimable=min(reclaimable, held_blocks),
                          cancel_flags=cancel_flags, kv_exhaust_at=kv_exhaust_at,
@@ -149,6 +151,9 @@ class SimBase(ScriptedDevice):
         self.wave_budget = wave_budget  # prefill_new_together: a batched wave fits max_batch_tokens
         # idle_prefill_fills_budget: while no sequence decodes, a chunk may take max_batch_tokens
         self.idle_fills = idle_fills
+        # the mixed-prefill bound (floor, rows per decoding sequence; (0, 0): off)
+        self.mixed_floor, self.mixed_per_decode = mixed_bound
+        self.bounded_steps = 0  # mixed forwards whose prompt rows the bound held under max_prefill_tokens
         self.prompted: set[int] = set()  # live sequences whose whole prompt is in the KV (decoding)
         self.verified: dict[int, tuple[int, int]] = {}  # seq -> (rows, KV length before) of its last verify
         self.stash = 0  # entries of the last hidden-row stash
@@ -344,10 +349,21 @@ class SimBase(ScriptedDevice):
                 budget = limit  # a later chunk, or chunk 0 while something else is in flight
             else:
                 budget = self.max_batch_tokens
+            decoding = sum(1 for q in self.live if q != s.seq_id and q in self.prompted)
+            bound = self._mixed_bound(decoding)
+            if bound is not None and decoding:
+                budget = min(budget, bound)
             if length > budget:
                 raise self._bad(call, f"a chunk of {length} tokens at offset {start}, budget {budget}")
             if start > 0 and not last and length >= 4 and length % 4:
                 raise self._bad(call, f"a non-last chunk of {length} tokens is no multiple of 4")
+
+    def _mixed_bound(self, decoding: int) -> Optional[int]:
+        """The prompt rows a step may take beside ``decoding`` decoding sequences under the
+        mixed-prefill bound (specs/scheduler.md §5.13 C); None when it is off."""
+        if not (self.mixed_floor or self.mixed_per_decode):
+            return None
+        return max(self.mixed_floor, self.mixed_per_decode * decoding)
 
     def _first_prefill(self, s: ScriptedSequence, prompt) -> int:
         """The prefix-cache hit a first prefill reports (0 when the cache is off or misses)."""
@@ -407,6 +423,12 @@ class SimBase(ScriptedDevice):
             if self.idle_fills and decode_seqs and sum(sl.length for sl in prefills) > self.max_prefill_tokens:
                 raise self._bad(call, f"chunks {[sl.length for sl in prefills]} beside {len(decode_seqs)} decode "
                                       f"rows, over one chunk's max_prefill_tokens {self.max_prefill_tokens}")
+        bound = self._mixed_bound(len(decode_seqs)) if decode_seqs else None
+        if bound is not None and sum(sl.length for sl in prefills) > bound:
+            raise self._bad(call, f"chunks {[sl.length for sl in prefills]} beside {len(decode_seqs)} decode rows, "
+                                  f"over the mixed-prefill bound {bound}")
+        if bound is not None and bound < self.max_prefill_tokens and not all(sl.last for sl in prefills):
+            self.bounded_steps += 1
         self._runs(call, decodes=tuple(zip(decode_tokens, decode_seqs, strict=False)), prefills=prefills)
         hits = []
         for sl in prefills:

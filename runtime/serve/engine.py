@@ -78,7 +78,7 @@ from fxsched.runtime.devices.device import Device, DeviceError
 from fxsched.runtime.devices.grammar_mask import GrammarBook
 from fxsched.runtime.devices.row_processors import Penalties, RowProcessors
 from fxsched.runtime.devices.torch import Drafter, TorchDevice
-from fxsched.runtime.generate import SPECS, scheduler_setup, served_budget
+from fxsched.runtime.generate import SPECS, scheduler_setup, served_config
 from fxsched.runtime.generate_host import (GenerateHost, LogprobWitness, Observers, RequestResult, TextOptions,
                                            TextStream)
 from fxsched.runtime.interpreter import Host, Interpreter, Observer
@@ -506,10 +506,7 @@ class ServeEngine:
         self.config, self.model_info, self.proposer = scheduler_setup(cfg, spec, self.max_batch, eos)
         # streams wait on one step's rows, never a queue of prompts (specs/scheduler.md §5.13):
         # --max-num-batched-tokens N, or the device's served budget, as vLLM's
-        self.config = attrs.evolve(self.config, idle_prefill_fills_budget=True)
-        budget = max_batch_tokens if max_batch_tokens is not None else served_budget(engine.device.type)
-        if budget is not None:
-            self.config = attrs.evolve(self.config, max_batch_tokens=budget, max_prefill_tokens=budget)
+        self.config = served_config(self.config, engine.device.type, max_batch_tokens)
         self.max_waiting = max_waiting
         self.drafter = drafter
         self.wrap_device = wrap_device
