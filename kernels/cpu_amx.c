@@ -9,7 +9,10 @@
  * - up to 16 rows (a decode or verify batch): one A tile of the rows, four C tiles for four column
  *   blocks (64 outputs), so each weight tile is loaded once and used once;
  * - more rows (a prefill): 2 x 2 tiles (32 rows by 32 columns), each A and B tile used twice; the
- *   column group's tiles (2 x K/32 KB) stay in L2 while the row blocks pass over them.
+ *   column group's tiles (2 x K/32 KB) stay in L2 while the row blocks pass over them, and the next
+ *   group's are prefetched into L2 meanwhile, spread over the passes; a last block of up to 16 rows
+ *   takes one A tile (no products of zero rows). The packed A rows are as many as the call has
+ *   (a fixed 1 MB buffer allocated and cleared per call cost a 24-40-row product a quarter of its time).
  * Accumulation is fp32 in the tiles, then one round-to-nearest-even to bf16 (as F.linear).
  * Returns 0, or -1 when the tile registers cannot be configured.
  */
@@ -126,20 +129,40 @@ static void large_m(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t m
         for (int64_t nb = nb0; nb < nb1; nb += 2) {
             const int two = nb + 1 < nb1;
             const uint16_t *b0 = p + nb * kbs * TILE_ELEMS, *b1 = b0 + kbs * TILE_ELEMS;
+            /* the next pair's weight tiles (contiguous) prefetched into L2 across this pair's passes */
+            const int64_t nnext = nb + 2 < nb1 ? (nb + 3 < nb1 ? 2 : 1) : 0;
+            const char *pf = nnext ? (const char *)(p + (nb + 2) * kbs * TILE_ELEMS) : NULL;
+            const int64_t pf_lines = nnext * kbs * 16, passes = (mend - mc + 31) / 32;
+            const int64_t per_it = (pf_lines + passes * kbs - 1) / (passes * kbs);
+            int64_t pf_at = 0;
             for (int64_t mb = mc; mb < mend; mb += 32) {
                 const int64_t rows = mend - mb < 32 ? mend - mb : 32;
                 const uint16_t *a0 = a + (mb - mc) * k, *a1 = a0 + 16 * k; /* a1: zero rows past mend */
                 _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-                for (int64_t kb = 0; kb < kbs; kb++) {
-                    _tile_loadd(4, a0 + kb * TILE_ELEMS, 64);
-                    _tile_loadd(5, a1 + kb * TILE_ELEMS, 64);
-                    _tile_loadd(6, b0 + kb * TILE_ELEMS, 64);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(2, 5, 6);
-                    if (two) {
-                        _tile_loadd(7, b1 + kb * TILE_ELEMS, 64);
-                        _tile_dpbf16ps(1, 4, 7);
-                        _tile_dpbf16ps(3, 5, 7);
+                if (rows > 16) {
+                    for (int64_t kb = 0; kb < kbs; kb++) {
+                        for (int64_t l = 0; l < per_it && pf_at < pf_lines; l++, pf_at++) _mm_prefetch(pf + pf_at * 64, _MM_HINT_T1);
+                        _tile_loadd(4, a0 + kb * TILE_ELEMS, 64);
+                        _tile_loadd(5, a1 + kb * TILE_ELEMS, 64);
+                        _tile_loadd(6, b0 + kb * TILE_ELEMS, 64);
+                        _tile_dpbf16ps(0, 4, 6);
+                        _tile_dpbf16ps(2, 5, 6);
+                        if (two) {
+                            _tile_loadd(7, b1 + kb * TILE_ELEMS, 64);
+                            _tile_dpbf16ps(1, 4, 7);
+                            _tile_dpbf16ps(3, 5, 7);
+                        }
+                    }
+                } else { /* a last block of up to 16 rows: one A tile, no products of zero rows */
+                    for (int64_t kb = 0; kb < kbs; kb++) {
+                        for (int64_t l = 0; l < per_it && pf_at < pf_lines; l++, pf_at++) _mm_prefetch(pf + pf_at * 64, _MM_HINT_T1);
+                        _tile_loadd(4, a0 + kb * TILE_ELEMS, 64);
+                        _tile_loadd(6, b0 + kb * TILE_ELEMS, 64);
+                        _tile_dpbf16ps(0, 4, 6);
+                        if (two) {
+                            _tile_loadd(7, b1 + kb * TILE_ELEMS, 64);
+                            _tile_dpbf16ps(1, 4, 7);
+                        }
                     }
                 }
                 _tile_stored(0, acc, 256);
@@ -159,7 +182,8 @@ int fx_amx_linear(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t m, 
                   int64_t nb0, int64_t nb1) {
     if (m <= 0 || k % 32 || n % 16 || nb0 < 0 || nb1 > n / 16) return -1;
     /* packed A rows: one tile row block (decode) or a chunk rounded up to 32 rows, plus a zero block */
-    const int64_t rows = m <= 16 ? 16 : (chunk_rows(k) + 32);
+    const int64_t chunk = chunk_rows(k), used = m < chunk ? (m + 31) / 32 * 32 : chunk;
+    const int64_t rows = m <= 16 ? 16 : used + 32;
     uint16_t *a = aligned_alloc(64, (size_t)(rows * k * 2));
     if (a == NULL) return -1;
     if (m > 16) memset(a, 0, (size_t)(rows * k * 2));

@@ -39,7 +39,7 @@ def _close_to_fp64(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
 
 
 @needs_amx
-@pytest.mark.parametrize("m", [1, 7, 16, 17, 33, 100])
+@pytest.mark.parametrize("m", [1, 7, 16, 17, 33, 48, 100, 600])  # 600: two row chunks at K 1024
 @pytest.mark.parametrize("k,n", [(32, 16), (96, 48), (256, 80), (1024, 272)])
 def test_packed_product_matches_fp64(m, k, n):
     gen = torch.Generator().manual_seed(m * 7919 + k * 31 + n)
