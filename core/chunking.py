@@ -15,8 +15,8 @@ from fxsched.core.config import SchedulerConfig
 def mixed_prefill_bound(config: SchedulerConfig, decoding: int) -> Optional[int]:
     """The mixed-prefill bound on a step's prompt rows beside ``decoding`` decoding sequences:
     max(``mixed_prefill_floor``, ``mixed_prefill_per_decode`` * decoding), at least 1; ``None`` when
-    the option is off or nothing decodes (specs/scheduler.md §5.13 C)."""
-    if not decoding or not (config.mixed_prefill_floor or config.mixed_prefill_per_decode):
+    the option is off, prompts are not chunked, or nothing decodes (specs/scheduler.md §5.13 C)."""
+    if not decoding or not config.chunked_prefill or not (config.mixed_prefill_floor or config.mixed_prefill_per_decode):
         return None
     return max(config.mixed_prefill_floor, config.mixed_prefill_per_decode * decoding)
 

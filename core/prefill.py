@@ -247,18 +247,21 @@ def chunk_limit(state: SchedulerState) -> int:
     return beside_decodes(config, len(state.rows))
 
 
-def _wave(state: SchedulerState, mixed: bool, limit: int) -> tuple[PrefillEntry, ...]:
-    """The prefilling entries one batched forward takes under prefill_new_together: from the front,
-    while their chunks (and a mixed step's decode rows) fit max_batch_tokens, or, beside decoding
-    streams under idle_prefill_fills_budget, while their chunks fit one chunk's max_prefill_tokens,
-    and under the mixed-prefill bound while they fit its rows (§5.13 A, C); the first always."""
+def _step_rows(state: SchedulerState, mixed: bool) -> int:
+    """The prompt rows a batched forward's chunks may take together: max_batch_tokens less a mixed
+    step's decode rows, and beside decoding streams under idle_prefill_fills_budget one chunk's
+    max_prefill_tokens (streams wait on one chunk's rows, whatever the queue)."""
     config = state.config
     budget = config.max_batch_tokens - (len(state.rows) if mixed else 0)
     if mixed and config.idle_prefill_fills_budget:
-        budget = min(budget, config.max_prefill_tokens)  # streams wait on one chunk's rows, whatever the queue
-    bound = mixed_prefill_bound(config, len(state.rows)) if mixed else None
-    if bound is not None:
-        budget = min(budget, bound)
+        budget = min(budget, config.max_prefill_tokens)
+    return budget
+
+
+def _wave(state: SchedulerState, mixed: bool, limit: int) -> tuple[PrefillEntry, ...]:
+    """The prefilling entries one batched forward takes under prefill_new_together: from the front,
+    while their chunks fit `_step_rows` (§5.13 A); the first always."""
+    budget = _step_rows(state, mixed)
     taken = 0
     for i, entry in enumerate(state.prefilling):
         chunk, _ = entry_chunk(entry, limit)
@@ -266,6 +269,24 @@ def _wave(state: SchedulerState, mixed: bool, limit: int) -> tuple[PrefillEntry,
             return state.prefilling[:i]
         taken += chunk
     return state.prefilling
+
+
+def _filled(state: SchedulerState, limit: int, bound: int) -> tuple[tuple[PrefillEntry, ...], list[tuple[int, bool]]]:
+    """Under the mixed-prefill bound (§5.13 C): the entries from the front of ``prefilling`` and
+    their (chunk, last), the first's chunk within ``limit``, each next one's cut to the rows left
+    of min(``bound``, `_step_rows`), until none are left."""
+    left = min(bound, _step_rows(state, True))
+    group: list[PrefillEntry] = []
+    chunks: list[tuple[int, bool]] = []
+    for entry in state.prefilling:
+        cap = min(limit, left) if group else limit
+        if cap < 1:
+            break
+        chunk, last = entry_chunk(entry, cap)
+        group.append(entry)
+        chunks.append((chunk, last))
+        left -= chunk
+    return tuple(group), chunks
 
 
 def continue_prefills(state: SchedulerState, task: ContinuePrefills, out: list[Effect]) -> SchedulerState:
@@ -278,11 +299,15 @@ def continue_prefills(state: SchedulerState, task: ContinuePrefills, out: list[E
     mixed = bool(state.rows) and not single_active_with_speculation(state)
     if mixed:
         state = replace(state, last_decode_ms=state.now_ms)
-    group = _wave(state, mixed, limit) if config.prefill_new_together else state.prefilling
+    bound = mixed_prefill_bound(config, len(state.rows)) if mixed else None
+    if bound is not None:
+        group, chunks = _filled(state, limit, bound)
+    else:
+        group = _wave(state, mixed, limit) if config.prefill_new_together else state.prefilling
+        chunks = [entry_chunk(e, limit) for e in group]
     if len(group) >= 2 and (mixed or not state.rows):
         if mixed:
             out.append(dc.PollInnerq())
-        chunks = [entry_chunk(e, limit) for e in group]
         slices = tuple(_slice(e, c, last) for e, (c, last) in zip(group, chunks, strict=True))
         n = 0
         ids: tuple[int, ...] = ()

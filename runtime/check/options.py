@@ -12,8 +12,9 @@ context, watchdog and async scheduling by the episode's own draws (draws.py), an
   reservation's horizon the model's context. The walk's prompts are at most 40 tokens, so the chunk
   and the budget are scaled to them (a 2048-token chunk would never cut one); a batch mixing adapters;
 - **the other knobs** each on its own now and then (``KNOBS``): the MTP batch width limit, the n-gram
-  match length and history rule, the rollback re-steer and count, the preemption immunity, and a
-  second EOS id. The second EOS id is one no script ever says (scripts draw 2..40, the watchdog's
+  match length and history rule, the rollback re-steer and count, the preemption immunity, a
+  second EOS id, and the mixed-prefill bound's floor and rows per stream (without serve's
+  settings). The second EOS id is one no script ever says (scripts draw 2..40, the watchdog's
   boundary is 41), so the expected outputs stay the scripts'; what it varies is the EOS set's size.
 
 The draws come from a generator seeded by the episode's own ``hash_seed`` (not the walk's), so the
@@ -43,6 +44,8 @@ KNOBS: tuple[tuple[str, tuple[Any, ...]], ...] = (
     ("idle_prefill_fills_budget", (True,)),  # alone: without prefill_new_together it changes nothing
     ("preemption_immunity_tokens", (0, 2, 8)),
     ("eos_ids", ((SCRIPTED_EOS, STOP_OUTSIDE_SCRIPTS),)),
+    ("mixed_prefill_floor", (1, 4)),  # the mixed-prefill bound outside serve's settings (chunked prompts only)
+    ("mixed_prefill_per_decode", (1, 2)),
 )
 """(SchedulerConfig field, the values drawn besides its default)."""
 

@@ -87,8 +87,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                        help="sequences running at once (default: the model's slots)")
     sched.add_argument("--max-num-batched-tokens", default=None, metavar="N",
                        help="the most prompt tokens one forward takes, beside its decode rows (default: 512 on a "
-                            "CPU; on CUDA 8192 while no stream decodes and 2048 beside decoding streams), so a "
-                            "stream waits on a chunk, never on a whole prompt")
+                            "CPU, and beside d decoding streams at most max(64, 8 d); on CUDA 8192 while no "
+                            "stream decodes and 2048 beside decoding streams), so a stream waits on a chunk, "
+                            "never on a whole prompt. Given, it is the only bound, as vLLM's")
     sched.add_argument("--async-scheduling", dest="async_scheduling", action=argparse.BooleanOptionalAction,
                        default=None,
                        help="plain decodes answered ahead: the next tick is planned and launched before this one's "
