@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 
-from fxsched.kernels import cpu_pairs
+from fxsched.kernels import cpu_amx, cpu_pairs
 from fxsched.runtime.cli.app import main as cli_main
 
 CONFIG = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
@@ -21,7 +21,8 @@ def test_rows_give_every_kernel_and_the_shapes_flop(tmp_path, capsys):
     per_row = 2 * (64 * 64 + 2 * 32 * 64 + 64 * 64 + 2 * 96 * 64 + 64 * 96 + 160 * 64)  # q k v o gate up down head
     for r in rows:
         assert abs(r["gflop"] * 1e9 - r["rows"] * per_row) < 1
-        kernels = {"F.linear"} | ({f"pairs {a}" for a in cpu_pairs.ARITHMETICS} if cpu_pairs.ready() else set())
+        kernels = ({"F.linear"} | ({f"pairs {a}" for a in cpu_pairs.ARITHMETICS} if cpu_pairs.ready() else set())
+                   | ({"amx"} if cpu_amx.ready() else set()))
         assert set(r["gflops"]) == kernels and all(v > 0 for v in r["gflops"].values())
         if cpu_pairs.ready():
             assert r["chosen"] == cpu_pairs.arithmetic()

@@ -9,8 +9,9 @@ packing widened to fp32 FMAs), at ``--threads`` threads (default 1); then GFLOP/
 layer's projections and the head, and the packed products' share of their instruction's peak (the
 rate of back-to-back register-only issue on one core, times the threads: `cpu_pairs.peak_flops`).
 The arithmetic ``pairs_linear`` takes on this host is marked. Random weights, the same for every
-kernel. Where the packed kernel is not built for the host (AVX2, AMX: their own kernels serve
-there), only ``F.linear`` is timed. ``--json``: one object per row count.
+kernel. On an AMX host the AMX product (kernels/cpu_amx.c, what the engine takes there) is timed
+too, as ``amx``. Where no packed kernel is built for the host (AVX2), only ``F.linear`` is timed.
+``--json``: one object per row count.
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ def bench(config: dict[str, Any], rows: tuple[int, ...], threads: int, repeats: 
     for arith in ariths:
         assert lib is not None
         products[f"pairs {arith}"] = pairs(cpu_pairs.kernel(lib, arith))
+    if cpu_amx.ready():  # the AMX product the engine takes on this host, over the same packing
+        tiles = packed or {name: cpu_amx.pack(w) for name, w in weights.items()}
+        products["amx"] = lambda x, name: cpu_amx.amx_linear(x, tiles[name])
     out = []
     for m in rows:
         flop = sum(2 * m * n * k for n, k in shapes(config).values())
