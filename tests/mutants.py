@@ -79,8 +79,8 @@ MUTANTS: tuple[Mutant, ...] = (
        "a prompt exactly as long as the context is admitted instead of refused"),
     # --- chunking --------------------------------------------------------------------------------
     _m("chunking_first_budget_swapped", "chunking",
-       "    return config.max_prefill_tokens if anything_in_flight else config.max_batch_tokens\n",
-       "    return config.max_batch_tokens if anything_in_flight else config.max_prefill_tokens\n",
+       "    return beside_decodes(config, decoding) if anything_in_flight else config.max_batch_tokens\n",
+       "    return config.max_batch_tokens if anything_in_flight else beside_decodes(config, decoding)\n",
        "chunk 0 gets the whole batch budget while others run, and one chunk when alone"),
     _m("chunking_next_over_budget", "chunking",
        "    chunk = min(prompt_len - offset, max_prefill_tokens)\n",

@@ -210,18 +210,23 @@ def test_the_mixed_prefill_bound_grows_with_the_decoding_streams():
     assert _prompt_rows_beside_decodes(many) == [(6, [(0, 16, False)]), (6, [(16, 14, True)])]  # max_prefill_tokens
 
 
+def _three_prompts_beside_a_stream(config, prompt_len: int) -> Driver:
+    """Three prompts arriving while one stream decodes, run to the end (every request done)."""
+    d = Driver(config=config, requests=[make_request(1, prompt_len=4, max_tokens=60)]).run_to_query(plans.Decode)
+    for i in (2, 3, 4):
+        d.feed(ev.Arrival(make_request(i, prompt_len=prompt_len, max_tokens=2)))
+    d.finish()
+    assert len(d.outputs(DoneOut)) == 4
+    return d
+
+
 def test_a_queue_of_prompts_fills_the_mixed_prefill_bound():
     """§5.13 C: beside a decoding stream the queue's chunks fill the bound's 8 rows a step, the
     first prompt's chunk whole, the next one's cut to the rows left (without the bound: [6, 6] and
     [6])."""
     config = make_config(max_prefill_tokens=16, max_batch_tokens=64, prefill_new_together=True,
                          idle_prefill_fills_budget=True, mixed_prefill_floor=8)
-    d = Driver(config=config, requests=[make_request(1, prompt_len=4, max_tokens=40)]).run_to_query(plans.Decode)
-    for i in (2, 3, 4):
-        d.feed(ev.Arrival(make_request(i, prompt_len=6, max_tokens=2)))
-    d.finish()
-    assert len(d.outputs(DoneOut)) == 4
-    steps = _prompt_rows_beside_decodes(d)
+    steps = _prompt_rows_beside_decodes(_three_prompts_beside_a_stream(config, prompt_len=6))
     assert [[length for _, length, _ in chunks] for _, chunks in steps] == [[6, 2], [4, 4], [2]]
     assert [[last for _, _, last in chunks] for _, chunks in steps] == [[True, False], [True, False], [True]]
 
@@ -230,11 +235,7 @@ def test_without_prompts_together_the_mixed_prefill_bound_still_holds_every_step
     """Without prefill_new_together every prefilling prompt used to ride each mixed step; under the
     bound they fill it instead (chunk 0 of each runs alone in lane 1, cut to the bound too)."""
     config = make_config(max_prefill_tokens=16, max_batch_tokens=64, mixed_prefill_floor=8)
-    d = Driver(config=config, requests=[make_request(1, prompt_len=4, max_tokens=60)]).run_to_query(plans.Decode)
-    for i in (2, 3, 4):
-        d.feed(ev.Arrival(make_request(i, prompt_len=30, max_tokens=2)))
-    d.finish()
-    assert len(d.outputs(DoneOut)) == 4
+    d = _three_prompts_beside_a_stream(config, prompt_len=30)
     steps = _prompt_rows_beside_decodes(d)
     assert steps and all(sum(length for _, length, _ in chunks) <= 8 for _, chunks in steps), steps
     assert any(len(chunks) >= 2 for _, chunks in steps), steps  # a prompt's rest shares a step with the next

@@ -60,8 +60,9 @@ def with_options(episode: Episode, seed: int) -> Episode:
         chunk = rng.choice((4, 6, 8, 16))
         changes.update(max_prefill_tokens=chunk, admission_watermark=max(episode.max_seq_len,
                                                                           episode.admission_watermark))
+        budget = chunk * rng.choice((1, 2, 4))
         served = rng.random() < 0.5  # serve's latency bound, or generate's waves
-        options.update(prefill_new_together=True, max_batch_tokens=chunk * rng.choice((1, 2, 4)), mixed_adapters=True,
+        options.update(prefill_new_together=True, max_batch_tokens=budget, mixed_adapters=True,
                        idle_prefill_fills_budget=served)
         if served and rng.random() < 0.6:  # a CPU server's bound on prompt rows beside decoding streams
             options.update(mixed_prefill_floor=rng.choice((1, 2, 4, chunk)), mixed_prefill_per_decode=rng.choice((0, 1, 2)))

@@ -361,8 +361,8 @@ class SimBase(ScriptedDevice):
     def _mixed_bound(self, decoding: int) -> Optional[int]:
         """The prompt rows a step may take beside ``decoding`` decoding sequences under the
         mixed-prefill bound (specs/scheduler.md §5.13 C); None when it is off."""
-        if not (self.mixed_floor or self.mixed_per_decode):
-            return None
+        if not (self.mixed_floor or self.mixed_per_decode) or self.max_prefill_tokens <= 0:
+            return None  # off, or prompts not chunked
         return max(self.mixed_floor, self.mixed_per_decode * decoding)
 
     def _first_prefill(self, s: ScriptedSequence, prompt) -> int:
