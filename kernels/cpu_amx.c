@@ -137,38 +137,26 @@ static void large_m(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t m
             int64_t pf_at = 0;
             for (int64_t mb = mc; mb < mend; mb += 32) {
                 const int64_t rows = mend - mb < 32 ? mend - mb : 32;
-                const uint16_t *a0 = a + (mb - mc) * k, *a1 = a0 + 16 * k; /* a1: zero rows past mend */
+                const uint16_t *a0 = a + (mb - mc) * k, *a1 = a0 + 16 * k; /* a1: read only in a full block */
                 _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-                if (rows > 16) {
-                    for (int64_t kb = 0; kb < kbs; kb++) {
-                        for (int64_t l = 0; l < per_it && pf_at < pf_lines; l++, pf_at++) _mm_prefetch(pf + pf_at * 64, _MM_HINT_T1);
-                        _tile_loadd(4, a0 + kb * TILE_ELEMS, 64);
-                        _tile_loadd(5, a1 + kb * TILE_ELEMS, 64);
-                        _tile_loadd(6, b0 + kb * TILE_ELEMS, 64);
-                        _tile_dpbf16ps(0, 4, 6);
-                        _tile_dpbf16ps(2, 5, 6);
-                        if (two) {
-                            _tile_loadd(7, b1 + kb * TILE_ELEMS, 64);
-                            _tile_dpbf16ps(1, 4, 7);
-                            _tile_dpbf16ps(3, 5, 7);
-                        }
-                    }
-                } else { /* a last block of up to 16 rows: one A tile, no products of zero rows */
-                    for (int64_t kb = 0; kb < kbs; kb++) {
-                        for (int64_t l = 0; l < per_it && pf_at < pf_lines; l++, pf_at++) _mm_prefetch(pf + pf_at * 64, _MM_HINT_T1);
-                        _tile_loadd(4, a0 + kb * TILE_ELEMS, 64);
-                        _tile_loadd(6, b0 + kb * TILE_ELEMS, 64);
-                        _tile_dpbf16ps(0, 4, 6);
-                        if (two) {
-                            _tile_loadd(7, b1 + kb * TILE_ELEMS, 64);
-                            _tile_dpbf16ps(1, 4, 7);
-                        }
+                const int full = rows > 16; /* a last block of up to 16 rows: one A tile, no products of zero rows */
+                for (int64_t kb = 0; kb < kbs; kb++) {
+                    for (int64_t l = 0; l < per_it && pf_at < pf_lines; l++, pf_at++) _mm_prefetch(pf + pf_at * 64, _MM_HINT_T1);
+                    _tile_loadd(4, a0 + kb * TILE_ELEMS, 64);
+                    if (full) _tile_loadd(5, a1 + kb * TILE_ELEMS, 64);
+                    _tile_loadd(6, b0 + kb * TILE_ELEMS, 64);
+                    _tile_dpbf16ps(0, 4, 6);
+                    if (full) _tile_dpbf16ps(2, 5, 6);
+                    if (two) {
+                        _tile_loadd(7, b1 + kb * TILE_ELEMS, 64);
+                        _tile_dpbf16ps(1, 4, 7);
+                        if (full) _tile_dpbf16ps(3, 5, 7);
                     }
                 }
                 _tile_stored(0, acc, 256);
                 if (two) _tile_stored(1, acc + 16, 256);
                 store_rows(acc, rows < 16 ? (int)rows : 16, two ? 32 : 16, y + mb * n + nb * 16, n);
-                if (rows > 16) {
+                if (full) {
                     _tile_stored(2, acc, 256);
                     if (two) _tile_stored(3, acc + 16, 256);
                     store_rows(acc, (int)(rows - 16), two ? 32 : 16, y + (mb + 16) * n + nb * 16, n);
@@ -181,12 +169,12 @@ static void large_m(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t m
 int fx_amx_linear(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t m, int64_t k, int64_t n,
                   int64_t nb0, int64_t nb1) {
     if (m <= 0 || k % 32 || n % 16 || nb0 < 0 || nb1 > n / 16) return -1;
-    /* packed A rows: one tile row block (decode) or a chunk rounded up to 32 rows, plus a zero block */
-    const int64_t chunk = chunk_rows(k), used = m < chunk ? (m + 31) / 32 * 32 : chunk;
-    const int64_t rows = m <= 16 ? 16 : used + 32;
+    /* packed A rows: one tile row block (decode), or the rows of a chunk rounded up to 16 (pack_rows
+       zeroes a tile's rows past the last; a block of up to 16 rows reads no second tile) */
+    const int64_t chunk = chunk_rows(k);
+    const int64_t rows = m <= 16 ? 16 : (m < chunk ? (m + 15) / 16 * 16 : chunk);
     uint16_t *a = aligned_alloc(64, (size_t)(rows * k * 2));
     if (a == NULL) return -1;
-    if (m > 16) memset(a, 0, (size_t)(rows * k * 2));
     if (m <= 16) small_m(x, p, y, m, k, n, nb0, nb1, a);
     else large_m(x, p, y, m, k, n, nb0, nb1, a);
     _tile_release();

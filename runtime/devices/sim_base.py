@@ -349,10 +349,11 @@ class SimBase(ScriptedDevice):
                 budget = limit  # a later chunk, or chunk 0 while something else is in flight
             else:
                 budget = self.max_batch_tokens
-            decoding = sum(1 for q in self.live if q != s.seq_id and q in self.prompted)
-            bound = self._mixed_bound(decoding)
-            if bound is not None and decoding:
-                budget = min(budget, bound)
+            if self.mixed_floor or self.mixed_per_decode:  # the mixed-prefill bound, counted only when on
+                decoding = sum(1 for q in self.live if q != s.seq_id and q in self.prompted)
+                bound = self._mixed_bound(decoding)
+                if bound is not None and decoding:
+                    budget = min(budget, bound)
             if length > budget:
                 raise self._bad(call, f"a chunk of {length} tokens at offset {start}, budget {budget}")
             if start > 0 and not last and length >= 4 and length % 4:
