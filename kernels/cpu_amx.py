@@ -41,7 +41,8 @@ _FLAGS = ("-mamx-tile", "-mamx-bf16")
 _BLOCKS_PER_THREAD = 16  # 256 outputs: below this a thread's share costs more to hand out than to compute
 
 
-def _has_amx() -> bool:
+def has_amx() -> bool:
+    """Whether /proc/cpuinfo names AMX tiles and AMX-BF16 (the OS must still grant the tile state)."""
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -51,7 +52,7 @@ def _has_amx() -> bool:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    if not _has_amx():
+    if not has_amx():
         return None
     symbols = {"fx_amx_init": [], "fx_amx_linear": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5,
                "fx_amx_run": [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4}

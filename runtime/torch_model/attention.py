@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from fxsched.kernels import cpu_amx, cpu_attention
+from fxsched.kernels import cpu_amx, cpu_amx_attention, cpu_attention
 from fxsched.kernels.paged_attention import paged_attention as paged_attention_kernel
 from fxsched.kernels.paged_kv_append import paged_kv_append
 
@@ -200,6 +200,9 @@ def planned_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
             assert seq.blocks is not None  # a gather entry carries its block ids
             kb = k_cache.index_select(0, seq.blocks).view(-1, *k_cache.shape[2:])[:seq.ctx]
             vb = v_cache.index_select(0, seq.blocks).view(-1, *v_cache.shape[2:])[:seq.ctx]
+        if cpu_amx_attention.fits(q_rows[first:first + n], kb, vb):  # (the plan's masks are its causal rule)
+            cpu_amx_attention.prefill_attention(q_rows[first:first + n], kb, vb, out=out_rows[first:first + n])
+            continue
         work = _sdpa_dtype(q)
         o = F.scaled_dot_product_attention(qb.to(work), kb.transpose(0, 1)[None].to(work),
                                            vb.transpose(0, 1)[None].to(work), attn_mask=seq.mask,
