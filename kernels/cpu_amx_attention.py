@@ -100,12 +100,15 @@ def ready() -> bool:
 
 
 def _rows_ok(t: torch.Tensor) -> bool:
-    return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
+    """[rows, heads, d] with each row's heads contiguous and an even row stride (keys are read in
+    32-bit pairs)."""
+    return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2] and t.stride(0) % 2 == 0
 
 
 def fits(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether the kernel takes these operands: bf16 CPU tensors q [n, Hq, D], k and v [ctx, Hkv, D]
-    with n <= ctx, each row's heads contiguous, D a multiple of 64 up to 256, Hq a multiple of Hkv."""
+    with n <= ctx, each row's heads contiguous (rows an even number of values apart), D a multiple
+    of 64 up to 256, Hq a multiple of Hkv."""
     n, hq, d = q.shape if q.dim() == 3 else (0, 0, 0)
     return (q.dtype == k.dtype == v.dtype == torch.bfloat16 and q.device.type == "cpu" and _rows_ok(q) and _rows_ok(k)
             and _rows_ok(v) and k.shape == v.shape and 0 < n <= k.shape[0] and k.shape[2] == d and d % 64 == 0

@@ -8,7 +8,8 @@ sequence on a view of the cache, costs about 1 ms per layer and sequence for one
 context of 512 on one core (Qwen3-0.6B's 16 q / 8 kv heads x 128), several times what reading
 those 256 KB takes; one call of this kernel does every row of the forward. The C code
 (``kernels/cpu_attention.c``) takes the dot products with AVX512-BF16 (exact products, fp32 sums),
-the softmax in fp32 and rounds the output once to bf16.
+the softmax in fp32 and rounds the output once to bf16; on an AMX host its scores are AMX tile
+products (``build()`` says which build is in use).
 
 The kernel's structure: cpu-kernels.md §15.4. Compiled on first use and checked against ``paged_attention_reference`` once (see ``_cpu.load``);
 where it is not ready ``ready()`` is False and callers keep their torch path.
@@ -23,11 +24,14 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-from ._cpu import load
+from ._cpu import host_isa, load
+from .cpu_amx import has_amx
 
-__all__ = ["fits", "paged_attention_bf16", "paged_attention_reference", "ready", "work_units"]
+__all__ = ["build", "fits", "paged_attention_bf16", "paged_attention_reference", "ready", "work_units"]
 
 log = structlog.get_logger("fxsched.kernels")
+
+_AMX_FLAGS = ("-mamx-tile", "-mamx-bf16")
 
 
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -49,13 +53,42 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
+def _chosen() -> tuple[ctypes.CDLL | None, str | None]:
     args = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_float] + [ctypes.c_int64] * 3
     symbols = {"fx_paged_attention_bf16": args, "fx_paged_attention_run": args}
+    if has_amx():  # the AVX512 build with its scores as AMX tile products (cpu-kernels.md §15.4)
+        lib = _checked(symbols, _AMX_FLAGS)
+        if lib is not None:
+            return lib, "amx"
+    lib = _checked(symbols, ())
+    return lib, None if lib is None else host_isa()
+
+
+def _library() -> ctypes.CDLL | None:
+    return _chosen()[0]
+
+
+def build() -> str | None:
+    """The build in use: "amx" (the AVX512 build taking its scores on AMX tiles), "avx512", "avx2",
+    or None where the kernel is not ready."""
+    return _chosen()[1]
+
+
+def _checked(symbols: dict, flags: tuple[str, ...]) -> ctypes.CDLL | None:
+    """The kernel built with ``flags`` and past its self-check, or None."""
     # threads by OpenMP (the runtime the packed products' teams use); a compiler without it: one thread a call
-    lib = load("cpu_attention", symbols, extra_flags=("-fopenmp",)) or load("cpu_attention", symbols)
+    if flags:
+        symbols = {**symbols, "fx_attention_amx_init": []}
+        lib = (load("cpu_attention", symbols, extra_flags=("-fopenmp", *flags), isas=("avx512",))
+               or load("cpu_attention", symbols, extra_flags=flags, isas=("avx512",)))
+        if lib is not None and lib.fx_attention_amx_init() != 0:
+            log.warning("cpu_kernel_unavailable", kernel="cpu_attention", reason="the OS refused the AMX tile state")
+            return None
+    else:
+        lib = load("cpu_attention", symbols, extra_flags=("-fopenmp",)) or load("cpu_attention", symbols)
     if lib is not None and not _self_check(lib):
-        log.warning("cpu_kernel_unavailable", kernel="cpu_attention", reason="self-check against SDPA failed")
+        log.warning("cpu_kernel_unavailable", kernel="cpu_attention", reason="self-check against SDPA failed",
+                    build=" ".join(flags) or "plain")
         return None
     return lib
 
@@ -71,7 +104,7 @@ def _call(lib: ctypes.CDLL, q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
 
 def _self_check(lib: ctypes.CDLL) -> bool:
     gen = torch.Generator().manual_seed(0)
-    for hq, hkv, d, bs in ((4, 2, 64, 4), (6, 3, 32, 8), (2, 2, 128, 16)):
+    for hq, hkv, d, bs in ((4, 2, 64, 4), (6, 3, 32, 8), (2, 2, 128, 16), (8, 2, 64, 32)):
         k_cache = torch.randn(9, bs, hkv, d, generator=gen).to(torch.bfloat16)
         v_cache = torch.randn(9, bs, hkv, d, generator=gen).to(torch.bfloat16)
         q = torch.randn(3, hq, d, generator=gen).to(torch.bfloat16)

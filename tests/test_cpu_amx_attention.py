@@ -1,5 +1,6 @@
-"""The AMX prompt attention (kernels/cpu_amx_attention.c) against an fp64 softmax attention, and a
-bf16 engine's prompt logits with it against the same engine on SDPA.
+"""The AMX prompt attention (kernels/cpu_amx_attention.c) against an fp64 softmax attention, a
+bf16 engine's prompt logits with it against the same engine on SDPA, and the row kernel's AMX build
+in use on AMX hosts (its scores as tiles; tests/test_cpu_attention.py checks its results).
 
 The kernel takes exact bf16 products with fp32 sums, the softmax in fp32, rounds the weights to bf16
 before the second product and the output once, so an output may differ from the fp64 result by its
@@ -15,7 +16,7 @@ import dataclasses
 import pytest
 import torch
 
-from fxsched.kernels import cpu_amx_attention
+from fxsched.kernels import cpu_amx, cpu_amx_attention, cpu_attention
 from fxsched.runtime.bench.prompts import random_prompts
 from fxsched.runtime.torch_model.config import default_config
 from fxsched.runtime.torch_model.engine import HybridEngine
@@ -97,6 +98,13 @@ def test_a_row_gets_the_same_bits_in_a_chunk_as_in_the_whole_prompt():
     whole = cpu_amx_attention.prefill_attention(q, k, v)
     chunk = cpu_amx_attention.prefill_attention(q[50:], k, v)
     assert torch.equal(whole[50:], chunk)
+
+
+@pytest.mark.skipif(not cpu_amx.ready(), reason="no AMX product here (no AMX-BF16, no compiler, or turned off)")
+def test_an_amx_host_takes_the_row_kernels_amx_build():
+    """Where the CPU has AMX the row kernel in use is the build with AMX scores: one that failed its
+    self-check would leave decode on the plain build unseen."""
+    assert cpu_attention.build() == "amx"
 
 
 def test_fits_refuses_what_the_kernel_does_not_take():

@@ -43,16 +43,17 @@ def _written_out(q, k_cache, v_cache, qrow, ctx, table):
 @needs_kernel
 @pytest.mark.parametrize("hq,hkv,d", [(4, 2, 32), (16, 8, 128), (8, 2, 256), (3, 3, 64)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_kernel_matches_attention_written_out(hq, hkv, d, threads):
-    gen = torch.Generator().manual_seed(hq * 1000 + d)
-    bs, blocks = 4, 24
+@pytest.mark.parametrize("bs", [4, 16])  # 16: whole AMX tiles a block, where the AMX build takes the scores
+def test_kernel_matches_attention_written_out(hq, hkv, d, threads, bs):
+    gen = torch.Generator().manual_seed(hq * 1000 + d + bs)
+    blocks = 24
     k_cache = torch.randn(blocks, bs, hkv, d, generator=gen).to(torch.bfloat16)
     v_cache = torch.randn(blocks, bs, hkv, d, generator=gen).to(torch.bfloat16)
     q = (torch.randn(6, hq, d, generator=gen) * 2).to(torch.bfloat16)
     # three sequences with scattered blocks; contexts of 1, a block boundary, and a partial block
     perm = torch.randperm(blocks, generator=gen).tolist()
     seq_tables = [perm[0:3], perm[3:10], perm[10:17]]
-    rows = [(0, 1, 0), (2, 8, 1), (3, 27, 2), (5, 26, 2)]  # (query row, ctx, sequence)
+    rows = [(0, 1, 0), (2, 2 * bs, 1), (3, 6 * bs + 3, 2), (5, 6 * bs + 2, 2)]  # (query row, ctx, sequence)
     nb = max(len(t) for t in seq_tables)
     tables = torch.tensor([seq_tables[s] + [0] * (nb - len(seq_tables[s])) for _, _, s in rows], dtype=torch.int32)
     q_rows = torch.tensor([r for r, _, _ in rows], dtype=torch.int32)
