@@ -242,17 +242,23 @@ class Lifecycle(DeviceBook):
             raise DeviceError(f"no LoRA slot to load into: all {count} slots hold adapters sequences run with")
         return min(idle, key=lambda s: self._lora_used.get(s, 0))
 
+    # the EP words (several a tick): a debug line each, built only where debug events are on
+
     def ep_broadcast_cmd_for_seq(self, seq_slot: int, cmd: int) -> None:
-        log.debug("ep_broadcast_cmd_for_seq", slot=seq_slot, cmd=hex(cmd))
+        if self._fx_log is not None:
+            self._fx_log.debug("ep_broadcast_cmd_for_seq", slot=seq_slot, cmd=hex(cmd))
 
     def ep_broadcast_cmd(self, cmd: int) -> None:
-        log.debug("ep_broadcast_cmd", cmd=hex(cmd))
+        if self._fx_log is not None:
+            self._fx_log.debug("ep_broadcast_cmd", cmd=hex(cmd))
 
     def ep_broadcast_tokens(self, tokens) -> None:
-        log.debug("ep_broadcast_tokens", n=len(tokens))
+        if self._fx_log is not None:
+            self._fx_log.debug("ep_broadcast_tokens", n=len(tokens))
 
     def ep_sync_vision_embeds(self, n: int) -> None:
-        log.debug("ep_sync_vision_embeds", n=n)
+        if self._fx_log is not None:
+            self._fx_log.debug("ep_sync_vision_embeds", n=n)
 
     def poll_innerq(self) -> None:
         pass
