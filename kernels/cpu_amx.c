@@ -20,36 +20,13 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
+#include "cpu_amx.h"
 #include "cpu_simd.h"
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 #define TILE_ELEMS 512 /* bf16 values in one 1 KB weight tile */
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-/* Asks the kernel for the AMX tile state (once per process; Linux >= 5.16). 0 on success. */
-int fx_amx_init(void) { return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); }
-
-static void configure(int a_rows) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
-    /* C tiles 0-3 and A tiles 4-5 hold a_rows rows; B tiles 6-7 hold 16 k-pairs */
-    for (int t = 0; t < 6; t++) cfg.rows[t] = (uint8_t)a_rows;
-    _tile_loadconfig(&cfg);
-}
+int fx_amx_init(void) { return fx_amx_request(); }
 
 /* Rounds rows [0, rows) of an fp32 tile dump (stride 16 floats per tile, `tiles` tiles side by side
  * in `acc` at 16-float offsets of a 64-float row) to bf16 into y (row stride n). */
@@ -80,7 +57,7 @@ static void small_m(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t m
     const int64_t kbs = k / 32;
     float acc[16 * 64];
     pack_rows(x, k, 0, m, a);
-    configure(16);
+    fx_tiles_16x64();
     for (int64_t nb = nb0; nb < nb1; nb += 4) {
         const int g = (nb1 - nb) < 4 ? (int)(nb1 - nb) : 4;
         const uint16_t *b = p + nb * kbs * TILE_ELEMS;
@@ -122,7 +99,7 @@ static void large_m(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t m
                     int64_t nb0, int64_t nb1, uint16_t *a) {
     const int64_t kbs = k / 32, chunk = chunk_rows(k);
     float acc[16 * 64];
-    configure(16);
+    fx_tiles_16x64();
     for (int64_t mc = 0; mc < m; mc += chunk) {
         const int64_t mend = mc + chunk < m ? mc + chunk : m;
         for (int64_t r = mc; r < mend; r += 16) pack_rows(x, k, r, mend - r < 16 ? mend - r : 16, a + (r - mc) * k);

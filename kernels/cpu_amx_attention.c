@@ -29,33 +29,13 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
+#include "cpu_amx.h"
 #include "cpu_simd.h"
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 #define TILE 512 /* bf16 values in one 1 KB tile */
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-int fx_amx_attention_init(void) { return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); }
-
-static void configure(void) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
-    _tile_loadconfig(&cfg);
-}
+int fx_amx_attention_init(void) { return fx_amx_request(); }
 
 /* Keys of one kv head into S's B tiles: [keys/16][d/32][16 dim pairs][16 keys][2]; keys past ctx are 0.
  * Row i of a tile is dim pair i of its 16 keys: one gather of 32-bit pairs. */
@@ -231,7 +211,7 @@ int fx_amx_prefill_attention(const uint16_t *q, const uint16_t *k, const uint16_
         float *acc = aligned_alloc(64, 16 * 64 * 4);
         const int ok = qa != NULL && s != NULL && p != NULL && acc != NULL;
         if (!ok) rc |= 1;
-        if (ok) configure();
+        if (ok) fx_tiles_16x64();
         /* the last blocks (most keys) first, so the dynamic schedule ends with small ones */
 #pragma omp for schedule(dynamic, 1)
         for (int64_t u = 0; u < units; u++) {

@@ -138,28 +138,9 @@ static inline void store_row(uint16_t *out, const float *acc, int64_t d, float i
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) /* the AMX build: the scores as tile products */
 #define FX_AMX_SCORES 1
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "cpu_amx.h"
 
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-/* Asks the kernel for the AMX tile state (once per process; Linux >= 5.16). 0 on success. */
-int fx_attention_amx_init(void) { return (int)syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18); }
-
-static void amx_configure(void) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        cfg.colsb[t] = 64;
-        cfg.rows[t] = 16;
-    }
-    _tile_loadconfig(&cfg);
-}
+int fx_attention_amx_init(void) { return fx_amx_request(); }
 
 /* The B tiles of S^T = K Q^T for `group` query heads (q: their rows of d, one after another):
    [d / 32][16 dim pairs][16 heads][2], heads past `group` zero. */
@@ -397,7 +378,7 @@ int fx_paged_attention_bf16(const uint16_t *q, const uint16_t *kc, const uint16_
             free(sc);
             return 2;
         }
-        amx_configure();
+        fx_tiles_16x64();
     }
 #endif
     for (int64_t u = lo; u < hi; u++) {
