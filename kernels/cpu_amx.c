@@ -38,25 +38,13 @@ static void store_rows(const float *acc, int rows, int cols, uint16_t *y, int64_
                                 (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + r * 64 + c)));
 }
 
-/* Copies rows [r0, r0 + rows) of x [., K] into tile order: for each block of 32 values of k, a
- * 16-row tile (64 bytes per row, stride 64); rows past `rows` are zero. A power-of-two row stride
- * would map a tile's 16 rows onto a few cache sets; contiguous tiles do not. */
-static void pack_rows(const uint16_t *x, int64_t k, int64_t r0, int64_t rows, uint16_t *a) {
-    const int64_t kbs = k / 32;
-    for (int64_t kb = 0; kb < kbs; kb++)
-        for (int64_t r = 0; r < 16; r++) {
-            __m512i v = r < rows ? _mm512_loadu_si512(x + (r0 + r) * k + kb * 32) : _mm512_setzero_si512();
-            _mm512_storeu_si512(a + (kb * 16 + r) * 32, v);
-        }
-}
-
 #define PREFETCH_TILES 3
 
 static void small_m(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t m, int64_t k, int64_t n,
                     int64_t nb0, int64_t nb1, uint16_t *a) {
     const int64_t kbs = k / 32;
     float acc[16 * 64];
-    pack_rows(x, k, 0, m, a);
+    fx_pack_rows(x, k, k, m, a);
     fx_tiles_16x64();
     for (int64_t nb = nb0; nb < nb1; nb += 4) {
         const int g = (nb1 - nb) < 4 ? (int)(nb1 - nb) : 4;
@@ -102,7 +90,7 @@ static void large_m(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t m
     fx_tiles_16x64();
     for (int64_t mc = 0; mc < m; mc += chunk) {
         const int64_t mend = mc + chunk < m ? mc + chunk : m;
-        for (int64_t r = mc; r < mend; r += 16) pack_rows(x, k, r, mend - r < 16 ? mend - r : 16, a + (r - mc) * k);
+        for (int64_t r = mc; r < mend; r += 16) fx_pack_rows(x + r * k, k, k, mend - r < 16 ? mend - r : 16, a + (r - mc) * k);
         for (int64_t nb = nb0; nb < nb1; nb += 2) {
             const int two = nb + 1 < nb1;
             const uint16_t *b0 = p + nb * kbs * TILE_ELEMS, *b1 = b0 + kbs * TILE_ELEMS;
@@ -146,7 +134,7 @@ static void large_m(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t m
 int fx_amx_linear(const uint16_t *x, const uint16_t *p, uint16_t *y, int64_t m, int64_t k, int64_t n,
                   int64_t nb0, int64_t nb1) {
     if (m <= 0 || k % 32 || n % 16 || nb0 < 0 || nb1 > n / 16) return -1;
-    /* packed A rows: one tile row block (decode), or the rows of a chunk rounded up to 16 (pack_rows
+    /* packed A rows: one tile row block (decode), or the rows of a chunk rounded up to 16 (fx_pack_rows
        zeroes a tile's rows past the last; a block of up to 16 rows reads no second tile) */
     const int64_t chunk = chunk_rows(k);
     const int64_t rows = m <= 16 ? 16 : (m < chunk ? (m + 15) / 16 * 16 : chunk);

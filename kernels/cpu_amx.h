@@ -1,5 +1,5 @@
 /* What the AMX kernels share (cpu_amx.c, cpu_amx_attention.c, and cpu_attention.c's AMX build): the
- * request for the tile state and the one tile configuration they all use. Header-only; _cpu.py hashes
+ * request for the tile state, the one tile configuration they all use, and rows packed as A tiles. Header-only; _cpu.py hashes
  * it with each kernel's source. Include only in code built with -mamx-tile -mamx-bf16. */
 #ifndef FXSCHED_CPU_AMX_H
 #define FXSCHED_CPU_AMX_H
@@ -33,6 +33,17 @@ static inline void fx_tiles_16x64(void) {
         cfg.rows[t] = 16;
     }
     _tile_loadconfig(&cfg);
+}
+
+/* Rows [0, rows) of x (row stride `stride`, k values each) into A-tile order: for each block of 32
+ * values, a 16-row tile (64 bytes per row, stride 64); rows past `rows` are zero. A power-of-two row
+ * stride would map a tile's 16 rows onto a few cache sets; contiguous tiles do not. */
+static inline void fx_pack_rows(const uint16_t *x, int64_t stride, int64_t k, int64_t rows, uint16_t *a) {
+    for (int64_t kb = 0; kb < k / 32; kb++)
+        for (int64_t r = 0; r < 16; r++) {
+            __m512i v = r < rows ? _mm512_loadu_si512(x + r * stride + kb * 32) : _mm512_setzero_si512();
+            _mm512_storeu_si512(a + (kb * 16 + r) * 32, v);
+        }
 }
 
 #endif

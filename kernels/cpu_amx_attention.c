@@ -103,12 +103,7 @@ static void block(const job *jb, int64_t h, int64_t i0, uint16_t *qa, float *s, 
     const int64_t seen = start + i0 + rows, cols = (seen + 31) / 32 * 32; /* keys the last row sees, rounded */
     const int64_t ss = cols + 16, ps = cols + 32;
     const uint16_t *kt = jb->kt + g * jb->keys * d, *vp = jb->vp + g * jb->keys * d;
-    for (int64_t t = 0; t < dbs; t++)
-        for (int64_t r = 0; r < 16; r++) {
-            __m512i x = r < rows ? _mm512_loadu_si512(jb->q + (i0 + r) * jb->q_stride + h * d + t * 32)
-                                 : _mm512_setzero_si512();
-            _mm512_storeu_si512(qa + (t * 16 + r) * 32, x);
-        }
+    fx_pack_rows(jb->q + i0 * jb->q_stride + h * d, jb->q_stride, d, rows, qa);
     /* S = Q K^T over [0, cols) */
     for (int64_t kb = 0; kb < cols / 16; kb += 2) {
         _tile_zero(0);
@@ -126,7 +121,8 @@ static void block(const job *jb, int64_t h, int64_t i0, uint16_t *qa, float *s, 
     __asm__ volatile("" ::: "memory"); /* GCC's tile-store intrinsics do not tell it s was written */
     /* P = exp(scale (S - rowmax)) over each row's own keys, 0 past them */
     float inv[16];
-    const __m512 scale = _mm512_set1_ps(jb->scale * 1.44269504088896341f); /* exp(x) = 2^(x log2 e) */
+    const float scale2 = jb->scale * 1.44269504088896341f; /* exp(x) = 2^(x log2 e) */
+    const __m512 scale = _mm512_set1_ps(scale2);
     for (int64_t r = 0; r < 16; r++) {
         float *sr = s + r * ss;
         uint16_t *pr = p + r * ps;
@@ -136,7 +132,7 @@ static void block(const job *jb, int64_t h, int64_t i0, uint16_t *qa, float *s, 
         for (; c + 16 <= own; c += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + c));
         const __mmask16 tail = (__mmask16)((1u << (own - c)) - 1u);
         if (own > c) mx = _mm512_mask_max_ps(mx, tail, mx, _mm512_maskz_loadu_ps(tail, sr + c));
-        const __m512 m = _mm512_set1_ps(-_mm512_reduce_max_ps(mx) * jb->scale * 1.44269504088896341f);
+        const __m512 m = _mm512_set1_ps(-_mm512_reduce_max_ps(mx) * scale2);
         __m512 sum = _mm512_setzero_ps();
         for (c = 0; c + 16 <= own; c += 16) {
             __m512 e = exp2_weight(_mm512_fmadd_ps(_mm512_loadu_ps(sr + c), scale, m));

@@ -290,7 +290,7 @@ static void unit(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, uint
                  float scale, int64_t g0, int64_t g1, float *sc, float *accf, qelem_t *qw, uint16_t *qt) {
     const int64_t group = hq / hkv, chunks = d / 32, heads = (g1 - g0) * group;
     const int64_t row = hkv * d;
-    widen_q(q + (qrow * hq + g0 * group) * d, qw, heads * d);
+    if (qt == NULL) widen_q(q + (qrow * hq + g0 * group) * d, qw, heads * d); /* (the tiles read q itself) */
     float mx[MAX_HEADS];
     for (int64_t h = 0; h < heads; h++) mx[h] = -3.0e38f;
 #ifdef FX_AMX_SCORES
