@@ -80,6 +80,38 @@ def test_spill_and_restore_continues_exactly(cfg, engine):
     assert not spill_dir.exists()
 
 
+def test_a_spill_directory_never_outlives_its_device(cfg):
+    """A device dropped without teardown (a failed run, a caller that forgot) still removes the
+    spill directory it made, with any spill file left in it; a directory the caller gave is kept."""
+    import gc
+
+    prompt = random_prompts(14, 1, cfg.vocab_size, min_len=12, max_len=12)[0]
+    dev = TorchDevice(HybridEngine(cfg))
+    start(dev, 1, prompt)
+    dev.save_sequence_state(1)  # the file stays: never restored
+    spill_dir = dev._spill_dir
+    assert spill_dir is not None and any(spill_dir.iterdir())
+    del dev
+    gc.collect()
+    assert not spill_dir.exists()
+
+
+def test_the_recording_devices_spill_files_never_outlive_them(tmp_path):
+    from fxsched.runtime.devices.spill_files import SpillFiles
+    import gc
+
+    files = SpillFiles()
+    root = files.root
+    files.write(3, {"tokens": [1, 2]})
+    del files
+    gc.collect()
+    assert not root.exists()
+    given = SpillFiles(tmp_path)
+    given.write(4, {"tokens": [5]})
+    given.close()
+    assert (tmp_path / "seq-4.spill").exists()  # the caller's directory is the caller's
+
+
 def test_spill_settles_a_pending_verify_and_keeps_the_drafter_context(cfg):
     """Spill right after a DFlash verify (rows pending, rewound): the restored sequence proposes
     and verifies exactly like a twin that never left the device."""

@@ -157,6 +157,8 @@ def _hide_broken_extras() -> None:
     sees it missing) here and, through a ``sitecustomize`` put first on PYTHONPATH, in the Python
     processes vLLM starts (it inspects architectures in one)."""
     import importlib
+    import atexit
+    import shutil
     import tempfile
 
     broken = []
@@ -170,6 +172,7 @@ def _hide_broken_extras() -> None:
             sys.modules[package] = None  # type: ignore[assignment]
     if broken:
         folder = tempfile.mkdtemp(prefix="fxsched-e2e-site-")
+        atexit.register(shutil.rmtree, folder, True)  # the engine's processes are gone by then
         with open(os.path.join(folder, "sitecustomize.py"), "w") as f:
             f.write(f"import sys\nfor _name in {broken!r}:\n    sys.modules[_name] = None\n")
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (folder, os.environ.get("PYTHONPATH")) if p)

@@ -12,6 +12,7 @@ import hashlib
 import json
 import shutil
 import tempfile
+import weakref
 from pathlib import Path
 from typing import Optional
 
@@ -34,6 +35,8 @@ class SpillFiles:
     def root(self) -> Path:
         if self._root is None:
             self._root = Path(tempfile.mkdtemp(prefix="fxsched-spill-"))
+            # removed by close(), or when these files are collected or the process exits unclosed
+            self._cleanup = weakref.finalize(self, shutil.rmtree, self._root, True)
         return self._root
 
     def path_for(self, seq: int) -> Path:
@@ -69,5 +72,5 @@ class SpillFiles:
 
     def close(self) -> None:
         if self._owned and self._root is not None:
-            shutil.rmtree(self._root, ignore_errors=True)
+            self._cleanup()
             self._root = None

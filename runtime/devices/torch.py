@@ -48,6 +48,7 @@ Host synchronisation follows specs/async.md §16.2.
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 from typing import Callable, Mapping, Optional
 
@@ -102,7 +103,7 @@ class TorchDevice(Lifecycle, Forwards, Proposers, Speculative):
         self._argmax: Optional[list[int]] = None
         self._stash: list[tuple[int, torch.Tensor]] = []
         self._ring: dict[tuple[int, int], tuple[int, list]] = {}
-        self._own_spill_dir = spill_dir is None
+        self._spill_cleanup: Optional[weakref.finalize] = None  # set when the device makes its own directory
         self._spill_dir: Optional[Path] = Path(spill_dir) if spill_dir is not None else None  # made on first spill
         self._spills: dict[int, Path] = {}
         self._cached_by_session: dict[int, int] = {}

@@ -5,6 +5,7 @@ table of the last forward, the DFlash drafter context (the invariants are in
 from __future__ import annotations
 
 import enum
+import weakref
 from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -133,7 +134,7 @@ class DeviceBook:
     _argmax: Optional[list[int]]
     _stash: list[tuple[int, torch.Tensor]]
     _ring: dict[tuple[int, int], tuple[int, list]]
-    _own_spill_dir: bool
+    _spill_cleanup: Optional[weakref.finalize]
     _spill_dir: Optional[Path]
     _spills: dict[int, Path]
     _cached_by_session: dict[int, int]

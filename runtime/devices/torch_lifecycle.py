@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
+import weakref
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
@@ -125,6 +126,8 @@ class Lifecycle(DeviceBook):
         self._settle(s, "save_sequence_state")
         if self._spill_dir is None:
             self._spill_dir = Path(tempfile.mkdtemp(prefix="fxsched-spill-"))
+            # removed by close(), or when the device is collected or the process exits unclosed
+            self._spill_cleanup = weakref.finalize(self, shutil.rmtree, self._spill_dir, True)
         path = self._spill_dir / f"seq-{seq}.spill"
         with self._errors(f"save_sequence_state(seq {seq}, {path})"):
             self.engine.save_sequence_state(s.slot, path)
@@ -290,8 +293,8 @@ class Lifecycle(DeviceBook):
 
     def close(self) -> None:
         """Remove the spill directory (if the device made it)."""
-        if self._own_spill_dir and self._spill_dir is not None and not self._closed:
-            shutil.rmtree(self._spill_dir, ignore_errors=True)
+        if self._spill_cleanup is not None and not self._closed:
+            self._spill_cleanup()
         self._closed = True
 
     def note_fx(self, line: str) -> None:
