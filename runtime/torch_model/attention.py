@@ -179,7 +179,9 @@ def planned_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache
                                                  rows.ctx, rows.tables).view(q.shape)
         if len(rows.entries) == len(plan.seqs):
             return out
-    else:
+    elif sum(seq.rows for seq in plan.seqs) == q.shape[0] * q.shape[1]:  # every row written below
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    else:  # padding rows stay zero
         out = torch.zeros_like(q, memory_format=torch.contiguous_format)
     flat_k = k_cache.view(-1, *k_cache.shape[2:])
     flat_v = v_cache.view(-1, *v_cache.shape[2:])
