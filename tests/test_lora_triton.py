@@ -28,7 +28,7 @@ MARKER = "LORA-TRITON-JSON:"
 TESTS = Path(__file__).resolve().parent
 
 _SCRIPT = r"""
-import json, sys, tempfile
+import json, sys
 from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 import torch
@@ -48,7 +48,7 @@ def counted(name, fn):
 
 lora_sgmv.lora_shrink_triton = counted("shrink", lora_sgmv.lora_shrink_triton)
 lora_sgmv.lora_expand_triton = counted("expand", lora_sgmv.lora_expand_triton)
-root = Path(tempfile.mkdtemp())
+root = Path(sys.argv[2])  # the test's own temporary folder: nothing left behind
 cases = {"Qwen3": ("Qwen3ForCausalLM", T.QWEN3_ADAPTERS, 0, 10),
          "Qwen3.5": ("Qwen3_5ForCausalLM", T.QWEN35_ADAPTERS, 1, 20),
          "Qwen3.5-MoE": ("Qwen3_5MoeForCausalLM", T.QWEN35_MOE_ADAPTERS, 2, 30)}
@@ -67,10 +67,11 @@ print("MARKER" + json.dumps({"interpreted": kernel_is_interpreted(lora_sgmv._lor
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    script = tmp_path_factory.mktemp("lora_triton") / "check.py"
+    folder = tmp_path_factory.mktemp("lora_triton")
+    script = folder / "check.py"
     script.write_text(_SCRIPT)
     env = dict(os.environ, TRITON_INTERPRET="1", FXSCHED_KERNELS="triton", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(script), str(TESTS)], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, str(script), str(TESTS), str(folder)], env=env, capture_output=True, text=True,
                           timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(MARKER)]
     assert proc.returncode == 0 and lines, f"the check failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
