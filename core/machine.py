@@ -15,7 +15,9 @@ Layers (each imports only those above it; a test keeps it so):
 
 1. values: ``records`` (fast copies), ``kv`` (block arithmetic), ``token_log``, ``request``,
    ``config``, ``events``;
-2. state: ``sequence``, ``state``, ``phases`` (every task and waiting record);
+2. state: ``sequence``, ``state``, ``phases`` (every task and waiting record: the namespace of
+   ``loop_phases``, ``flow_phases``, ``prefill_phases``, ``decode_phases``, ``spec_phases`` and
+   ``memory_phases``, one module per lane);
 3. pure helpers: ``agenda`` (ask, push, lookups), ``rows``, ``admission``, ``chunking``,
    ``verdict``, ``watchdog``, ``emit`` (token sinks), ``retire``, ``faults``, ``memory``,
    ``verifying`` (what the speculative paths share), ``late`` (late drafts filled into a verify's

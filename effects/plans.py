@@ -12,7 +12,7 @@ from typing import ClassVar
 import attrs
 
 from .base import Effect, int_tuple, quick_inits
-from .device_calls import HostPick, host_picks
+from .readback_calls import HostPick, host_picks
 
 
 @attrs.frozen

@@ -11,7 +11,7 @@ tensors, or CPU tensors under ``TRITON_INTERPRET=1``; the reference otherwise):
   the per-slot caches, in place.
 * ``paged_kv_append``: write K new key/value rows per sequence through block tables.
 * ``paged_attention``: causal attention of K new rows (decode or verify) over a
-  block-paged KV cache, GQA allowed.
+  block-paged KV cache, GQA allowed (its Triton kernels in ``paged_attention_jit``).
 * ``gated_delta``: gated delta rule steps returning outputs and every per-token state.
 
 The CPU kernels (``cpu_gemv``, ``cpu_amx``, ``cpu_pairs``, ``cpu_attention``, ``cpu_pointwise``, ``cpu_gdn``) are C

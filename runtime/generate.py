@@ -341,7 +341,8 @@ def _recorder(record: Optional[str | Path], config: SchedulerConfig, model: Mode
     """The run's ``EventRecorder`` (None without ``record``); an unwritable path is a ``GenerateError``."""
     if record is None:
         return None
-    from fxsched.runtime.eventlog import EventLogError, EventRecorder
+    from fxsched.runtime.eventlog import EventRecorder
+    from fxsched.runtime.eventlog_codec import EventLogError
 
     header_meta = {"command": "generate", "spec": spec, "max_tokens": max_tokens,
                    "sampling": {k: getattr(sampling, k) for k in ("temperature", "top_p", "top_k", "min_p", "seed",

@@ -30,9 +30,9 @@ def _timing_free(episode) -> bool:
 
 
 def test_walk_episodes_give_the_clients_what_the_synchronous_run_gives(monkeypatch):
-    from fxsched.runtime.devices import simulated
+    from fxsched.runtime.devices import sim_decodes
 
-    monkeypatch.setattr(simulated, "AHEAD_FAILURE_CHANCE", 0.0)  # a kept decode that fails is a fault: timing
+    monkeypatch.setattr(sim_decodes, "AHEAD_FAILURE_CHANCE", 0.0)  # a kept decode that fails is a fault: timing
     rng = random.Random(50)
     compared = 0
     coverage: Counter = Counter()

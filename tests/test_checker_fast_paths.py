@@ -21,13 +21,17 @@ from fxsched.core.request import Request
 from fxsched.core.sequence import Sequence
 from fxsched.core.state import SchedulerState, initial_state
 from fxsched.effects import client, device_calls as dc, lifecycle as lc, plans
+from fxsched.effects import (adapter_calls, batched_calls, call_base, ep_calls, forward_calls, loop_calls,
+                             readback_calls, sequence_calls, speculation_calls, verify_calls)
 from fxsched.effects.base import Effect
-from fxsched.runtime import interpreter as interp
+from fxsched.effects.ep_words import RELEASE_CMD
+from fxsched.runtime import effect_handlers as handlers
 from fxsched.runtime.check import invariants
 from fxsched.runtime.check.invariants import Monitor, Violation
 from fxsched.runtime.devices.device import DeviceError
 from fxsched.runtime.devices.sampling import decode_bf16_row, host_pick
-from fxsched.runtime.devices.scripted import Script, ScriptedDevice
+from fxsched.runtime.devices.script_rules import Script
+from fxsched.runtime.devices.scripted import ScriptedDevice
 from fxsched.runtime.devices.simulated import SimDevice
 from fxsched.runtime.interpreter import Host, Interpreter, RunError
 
@@ -62,7 +66,9 @@ def _effect_classes() -> list[type]:
     """Every effect class the effect modules define, but the abstract bases."""
     bases = {Effect, dc.DeviceCall, lc.Lifecycle, client.ClientOutput, plans.Plan}
     found = []
-    for module in (dc, lc, client, plans):
+    device_calls = (call_base, loop_calls, sequence_calls, adapter_calls, ep_calls, forward_calls, readback_calls,
+                    verify_calls, speculation_calls, batched_calls)  # the modules behind the dc namespace
+    for module in (*device_calls, lc, client, plans):
         for _, cls in inspect.getmembers(module, inspect.isclass):
             if cls.__module__ == module.__name__ and issubclass(cls, Effect) and cls not in bases:
                 found.append(cls)
@@ -71,11 +77,11 @@ def _effect_classes() -> list[type]:
 
 @pytest.mark.parametrize("cls", _effect_classes(), ids=lambda c: c.__name__)
 def test_every_effect_class_has_a_case(cls):
-    handler = interp._handler_for(cls)
+    handler = handlers._handler_for(cls)
     if cls in (lc.ReadLogits, lc.ReserveKv, lc.Rollback):  # the asynchronous router's
-        assert handler is interp._asynchronous_only
+        assert handler is handlers._asynchronous_only
     else:
-        assert handler not in (interp._no_case, interp._no_lifecycle_case), cls
+        assert handler not in (handlers._no_case, handlers._no_lifecycle_case), cls
 
 
 def test_a_fire_and_forget_call_answers_nothing_whatever_the_device_returns():
@@ -130,7 +136,7 @@ def test_a_lifecycle_effect_is_announced_then_carried_out():
     it = _interpreter(device)
     it.perform_all([lc.ReleaseSeq(5, 2, cache=True, reason=lc.ReleaseReason.FINISH_SEQUENCE), lc.Quiesce(1)])
     assert device.calls == [("note_fx", "fx apply ReleaseSeq{cache=true, finish_sequence}"), ("cache_sequence", 5),
-                            ("free_sequence", 5), ("ep_broadcast_cmd_for_seq", 2, interp.RELEASE_CMD),
+                            ("free_sequence", 5), ("ep_broadcast_cmd_for_seq", 2, RELEASE_CMD),
                             ("note_fx", "fx apply Quiesce{stream=1}"), ("synchronize", 1)]
 
 

@@ -14,8 +14,9 @@ from fxsched.effects import device_calls as dc
 from fxsched.effects.client import DoneOut, ErrorOut
 from fxsched.runtime.check.invariants import Violation, decode_rows, refused_prompt, release_cache_flag
 from fxsched.runtime.check.episode import SimRequest
-from fxsched.runtime.devices.scripted import Script
-from fxsched.runtime.devices.simulated import ArgumentError, SimDevice
+from fxsched.runtime.devices.script_rules import Script
+from fxsched.runtime.devices.sim_base import ArgumentError
+from fxsched.runtime.devices.simulated import SimDevice
 
 
 def _device(**kwargs) -> SimDevice:

@@ -25,10 +25,11 @@ from support.toy_model import run_fxsched
 from fxsched.runtime.generate import generate
 from fxsched.runtime.text import load_tokenizer
 from fxsched.runtime.torch_model import HybridEngine, load_pretrained
+from fxsched.runtime.torch_model.training.cli import main  # noqa: E402
 from fxsched.runtime.torch_model.default_model import (ADDED_TOKENS, DRAFTER_FILES, EVAL_PROMPTS, FILES,
                                                        REPETITIVE_PROMPTS, TokenIds, default_drafter_dir,
-                                                       default_model_dir, main, model_config)
-from fxsched.runtime.torch_model.hf_checkpoint import hf_tensors, save_pretrained_dir
+                                                       default_model_dir, model_config)
+from fxsched.runtime.torch_model.hf_export import hf_tensors, save_pretrained_dir
 from fxsched.runtime.torch_model.training.evaluate import window_loss
 from fxsched.runtime.torch_model.weights import init_weights
 

@@ -29,7 +29,7 @@ from fxsched.runtime.ep.run import EpCluster, EpRunError  # noqa: E402
 from fxsched.runtime.ep.worker import WorkerOptions, snapshot_from_json  # noqa: E402
 from fxsched.runtime.generate import GenerateResult, generate  # noqa: E402
 from fxsched.runtime.torch_model import ConfigError, HybridEngine, load_pretrained  # noqa: E402
-from fxsched.runtime.torch_model import hf_checkpoint  # noqa: E402
+from fxsched.runtime.torch_model import hf_shards  # noqa: E402
 from fxsched.runtime.torch_model.hf_checkpoint import load_expert_shards  # noqa: E402
 from fxsched.runtime.torch_model.moe import (  # noqa: E402
     EXPERT_PARTS,
@@ -107,13 +107,13 @@ def test_each_rank_reads_only_its_experts_and_the_shards_make_the_whole_model(ar
     path = models[arch][0]
     cfg, whole = load_pretrained(path)
     reads: list[tuple[str, Any]] = []
-    real_read = hf_checkpoint._Shards.read
+    real_read = hf_shards._Shards.read
 
     def recording_read(self, name, rows=None):
         reads.append((name, rows))
         return real_read(self, name, rows)
 
-    monkeypatch.setattr(hf_checkpoint._Shards, "read", recording_read)
+    monkeypatch.setattr(hf_shards._Shards, "read", recording_read)
     whole_experts, whole_other = weight_bytes(whole)
     for world in (2, 4):
         per_rank = []

@@ -1,4 +1,5 @@
-"""Event logs (``generate --record``, ``fxsched replay LOG``; runtime/eventlog.py, specs/event-log.md).
+"""Event logs (``generate --record``, ``fxsched replay LOG``; runtime/eventlog.py, eventlog_codec.py,
+eventlog_reader.py, eventlog_replay.py, specs/event-log.md).
 
 Runs of ``fxsched generate`` in several modes (plain, MTP, DFlash, n-gram, sampled with logprobs,
 a stop string that posts a ``Cancel``) are recorded once per module; each must replay through
@@ -34,7 +35,9 @@ from fxsched.effects.client import DoneOut, ErrorOut, FinishReason, RotationAck,
 from fxsched.runtime.cli.app import main
 from fxsched.runtime.scenarios.loader import load_scenario, scenario_names
 from fxsched.runtime.scenarios.runner import model_info, prepare_scenario, scheduler_config
-from fxsched.runtime.eventlog import MAGIC, Decoder, Encoder, EventRecorder, read_log
+from fxsched.runtime.eventlog import EventRecorder
+from fxsched.runtime.eventlog_codec import MAGIC, Decoder, Encoder
+from fxsched.runtime.eventlog_reader import read_log
 from support.toy_model import run_fxsched
 
 EXIT_USAGE = 2
@@ -312,7 +315,7 @@ def _log(tmp_path: Path, *lines: bytes | str, header: Optional[str] = None) -> P
 
 def _header(**changes: Any) -> str:
     from fxsched.core.config import ModelInfo, SchedulerConfig
-    from fxsched.runtime.eventlog import header
+    from fxsched.runtime.eventlog_codec import header
 
     head = header(SchedulerConfig(), ModelInfo())
     for key, value in changes.items():
@@ -378,7 +381,7 @@ def _no_model(*args, **kwargs):
 
 @pytest.mark.parametrize("where,words", [("missing/x.log", "no such folder"), ("", "is a directory")])
 def test_an_unwritable_record_path_is_refused_before_the_model_loads(capsys, monkeypatch, tmp_path, where, words):
-    import fxsched.runtime.cli.generate as cli
+    import fxsched.runtime.cli.generate_run as cli
 
     monkeypatch.setattr(cli, "_engine", _no_model)
     target = tmp_path / where if where else tmp_path

@@ -1,4 +1,4 @@
-"""Drafters of published checkpoints (hf_drafters.py): the MTP module and DFlash drafter directories.
+"""Drafters of published checkpoints (hf_drafters.py, hf_dflash_dir.py): the MTP module and DFlash drafter directories.
 
 References, independent of the engine's caches:
 * MTP: transformers' own decoder layer and RMSNorm classes of the family (Qwen3.5 dense, Qwen3-Next
@@ -33,7 +33,8 @@ from support.hf_tiny_dflash import (dflash_config, dflash_tensors, target_sizes,
 from fxsched.runtime.generate import generate
 from fxsched.runtime.torch_model import HybridEngine
 from fxsched.runtime.torch_model.errors import ModelDirError
-from fxsched.runtime.torch_model.hf_drafters import PublishedDFlash, PublishedMtp, load_dflash_drafter
+from fxsched.runtime.torch_model.hf_dflash_dir import load_dflash_drafter
+from fxsched.runtime.torch_model.hf_drafters import PublishedDFlash, PublishedMtp
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -10,13 +10,15 @@ import pathlib
 import attrs
 import pytest
 
-from fxsched.core import phases, table
+from fxsched.core import (decode_phases, flow_phases, loop_phases, memory_phases, phases, prefill_phases, spec_phases,
+                          table)
 
 CORE = pathlib.Path(__file__).resolve().parent.parent / "core"
 
 LAYERS = {
     1: {"records", "kv", "token_log", "request", "config", "events"},
-    2: {"sequence", "state", "phases"},
+    2: {"sequence", "state", "phases", "loop_phases", "flow_phases", "prefill_phases", "decode_phases", "spec_phases",
+        "memory_phases"},
     3: {"agenda", "rows", "admission", "chunking", "verdict", "watchdog", "emit", "retire", "faults", "memory",
         "verifying", "late", "ahead", "ahead_columns"},
     4: {"tick", "flow", "prefill", "decode", "spec_step", "kverify", "dflash", "mtp_batch", "ngram", "self_spec",
@@ -89,9 +91,13 @@ def test_each_module_imports_only_lower_layers_and_rule_modules_never_each_other
     assert bad == []
 
 
+PHASE_MODULES = (loop_phases, flow_phases, prefill_phases, decode_phases, spec_phases, memory_phases)
+"""The modules behind the ``phases`` namespace."""
+
+
 def _records():
-    return [c for _, c in inspect.getmembers(phases, inspect.isclass)
-            if c.__module__ == phases.__name__ and attrs.has(c)]
+    return [c for module in PHASE_MODULES for _, c in inspect.getmembers(module, inspect.isclass)
+            if c.__module__ == module.__name__ and attrs.has(c)]
 
 
 def test_every_task_and_waiting_record_has_exactly_one_table_entry():

@@ -62,8 +62,8 @@ def test_late_answers_change_no_client_output_of_any_proposer_episode(monkeypatc
     from support.walk_episode import episode_outputs
 
     from fxsched.runtime.check.walk import random_episode
-    from fxsched.runtime.devices import simulated
-    monkeypatch.setattr(simulated, "LATE_FAILURE_CHANCE", 0.0)
+    from fxsched.runtime.devices import sim_proposals
+    monkeypatch.setattr(sim_proposals, "LATE_FAILURE_CHANCE", 0.0)
     rng = random.Random(7)
     compared = 0
     while compared < 60:

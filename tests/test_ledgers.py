@@ -12,8 +12,9 @@ from fxsched.effects.ep_words import RELEASE_CMD, SHUTDOWN_CMD, VERIFY_CMD
 from fxsched.runtime.check.state_checks import ledgers_closed
 from fxsched.runtime.check.violation import Violation
 from fxsched.runtime.devices.ledger import ADAPTER, SLOT, SPILL, Ledger
-from fxsched.runtime.devices.scripted import Script
-from fxsched.runtime.devices.simulated import ArgumentError, SimDevice
+from fxsched.runtime.devices.script_rules import Script
+from fxsched.runtime.devices.sim_base import ArgumentError
+from fxsched.runtime.devices.simulated import SimDevice
 
 
 def test_a_ledger_refuses_a_second_acquire_and_a_release_of_what_it_does_not_hold():

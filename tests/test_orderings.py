@@ -16,7 +16,7 @@ from fxsched.runtime.check.invariants import Monitor
 from fxsched.runtime.check.orderings import (Orderings, checkpoint_before_self_verify, snapshot_before_checkpoint,
                                              stash_before_use, sync_before_verify)
 from fxsched.runtime.check.violation import Violation
-from fxsched.runtime.devices.scripted import Script
+from fxsched.runtime.devices.script_rules import Script
 from fxsched.runtime.devices.simulated import SimDevice
 
 PROMPT = (1, 20, 21, 22, 23, 24)

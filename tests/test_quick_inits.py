@@ -9,12 +9,16 @@ import inspect
 import attrs
 import pytest
 
-from fxsched.core import events, phases
-from fxsched.effects import client, device_calls, lifecycle, plans
+from fxsched.core import decode_phases, events, flow_phases, loop_phases, memory_phases, prefill_phases, spec_phases
+from fxsched.effects import (adapter_calls, batched_calls, call_base, client, ep_calls, forward_calls, lifecycle,
+                             loop_calls, plans, readback_calls, sequence_calls, speculation_calls, verify_calls)
 from fxsched.effects.base import int_pairs, int_tuple, int_tuples
 from fxsched.effects.device_calls import host_picks, prefill_slices
 
-MODULES = (device_calls, client, lifecycle, plans, events, phases)
+DEVICE_CALLS = (call_base, loop_calls, sequence_calls, adapter_calls, ep_calls, forward_calls, readback_calls,
+                verify_calls, speculation_calls, batched_calls)  # the modules behind the device_calls namespace
+PHASES = (loop_phases, flow_phases, prefill_phases, decode_phases, spec_phases, memory_phases)  # behind core.phases
+MODULES = (*DEVICE_CALLS, client, lifecycle, plans, events, *PHASES)
 RECORDS = sorted((cls for module in MODULES for cls in vars(module).values()
                   if isinstance(cls, type) and cls.__module__ == module.__name__ and attrs.has(cls)),
                  key=lambda cls: f"{cls.__module__}.{cls.__qualname__}")

@@ -29,7 +29,8 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from fxsched.runtime.devices.device import DeviceError  # noqa: E402
 from fxsched.runtime.generate import SERVED_CPU_MIXED_FLOOR, TextOptions, generate  # noqa: E402
-from fxsched.runtime.serve.engine import ABORT, snapshot  # noqa: E402
+from fxsched.runtime.serve.choices import ABORT  # noqa: E402
+from fxsched.runtime.serve.engine import snapshot  # noqa: E402
 from fxsched.runtime.serve.server import ServeSettings, Serving, bind_socket  # noqa: E402
 from fxsched.runtime.text import load_tokenizer  # noqa: E402
 from fxsched.runtime.torch_model import HybridEngine  # noqa: E402
@@ -695,7 +696,7 @@ def test_drain_timeout_cancels_streams_with_a_final_chunk(tok):
 
 
 def test_record_writes_an_event_log_that_replays_identically(tok, tmp_path):
-    from fxsched.runtime.eventlog import replay_log
+    from fxsched.runtime.eventlog_replay import replay_log
 
     path = tmp_path / "serve.log"
     s = Server(tok, record=str(path))
@@ -721,7 +722,8 @@ def test_replay_of_a_served_run_reports_where_a_changed_rule_departs(tok, tmp_pa
     from fxsched.core import machine, table
     from fxsched.core import phases as ph
     from fxsched.core.state import initial_state
-    from fxsched.runtime.eventlog import read_log, replay_log
+    from fxsched.runtime.eventlog_reader import read_log
+    from fxsched.runtime.eventlog_replay import replay_log
 
     path = tmp_path / "serve.log"
     s = Server(tok, record=str(path))

@@ -23,7 +23,7 @@ transformers = pytest.importorskip("transformers")
 from test_serve import MODEL, Server, assert_free, references, vkey  # noqa: E402
 
 from fxsched.effects.lifecycle import ReleaseReason, ReleaseSeq  # noqa: E402
-from fxsched.runtime.serve.engine import _Watch  # noqa: E402
+from fxsched.runtime.serve.serve_host import _Watch  # noqa: E402
 from fxsched.runtime.serve.metrics import ServeMetrics  # noqa: E402
 from fxsched.runtime.text import load_tokenizer  # noqa: E402
 from fxsched.runtime.torch_model.default_model import default_model_dir  # noqa: E402

@@ -31,7 +31,7 @@ from support.serving import running  # noqa: E402
 from support.tiny_tokenizer import write_tiny_tokenizer  # noqa: E402
 
 from fxsched.runtime.cli.app import build_parser, main  # noqa: E402
-from fxsched.runtime.cli.generate import UsageError  # noqa: E402
+from fxsched.runtime.cli.usage import UsageError  # noqa: E402
 from fxsched.runtime.cli.serve_args import ACTIVATION_RESERVE, kv_budget_from_utilization  # noqa: E402
 from fxsched.runtime.logs import configure_logging  # noqa: E402
 from fxsched.runtime.serve.request_log import RequestRecord  # noqa: E402

@@ -34,7 +34,7 @@ from support.serving import running  # noqa: E402
 from support.tiny_tokenizer import write_tiny_tokenizer  # noqa: E402
 
 from fxsched.runtime.cli.app import build_parser, main  # noqa: E402
-from fxsched.runtime.cli.generate import UsageError  # noqa: E402
+from fxsched.runtime.cli.usage import UsageError  # noqa: E402
 from fxsched.runtime.cli.serve import open_serving  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

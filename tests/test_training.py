@@ -21,8 +21,8 @@ import torch
 
 from fxsched.runtime.torch_model import HybridEngine
 from fxsched.runtime.torch_model.default_model import TokenIds, model_config
-from fxsched.runtime.torch_model.hf_checkpoint import save_pretrained_dir
 from fxsched.runtime.torch_model.hf_drafters import PublishedMtp
+from fxsched.runtime.torch_model.hf_export import save_pretrained_dir
 from fxsched.runtime.torch_model.training.austen import paragraphs, split
 from fxsched.runtime.torch_model.training.dflash import DFlashSettings, drafter_spec, initial_drafter, write_drafter_dir
 from fxsched.runtime.torch_model.training.distill import chain_data
@@ -233,7 +233,7 @@ def test_the_corpus_package_reads_when_this_machine_has_it():
     cached = sorted(Path.home().glob(".cache/fxsched/default-model/r-cran-janeaustenr_*.deb"))
     if not cached:
         pytest.skip("the Debian package r-cran-janeaustenr is not in ~/.cache/fxsched/default-model "
-                    "(`python -m fxsched.runtime.torch_model.default_model train` fetches it)")
+                    "(`python -m fxsched.runtime.torch_model.training train` fetches it)")
     from fxsched.runtime.torch_model.training.austen import read_novels
 
     corpus = split(read_novels(cached[-1]))

@@ -64,7 +64,7 @@ import structlog
 
 from fxsched.runtime.bench import e2e_models
 from fxsched.runtime.bench.e2e_worker import ENGINES
-from fxsched.runtime.cli.app import ArgumentParser, int_arg, sizes_arg
+from fxsched.runtime.cli.arguments import ArgumentParser, int_arg, sizes_arg
 
 log = structlog.get_logger(__name__)
 EXIT_USAGE = 2
@@ -435,7 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _checked(args: argparse.Namespace) -> list[str]:
     """The engines to run; UsageError for bad input."""
-    from fxsched.runtime.cli.generate import parse_size
+    from fxsched.runtime.cli.usage import parse_size
     from fxsched.runtime.generate import SPECS
 
     if args.engines is None:
@@ -466,7 +466,7 @@ def _checked(args: argparse.Namespace) -> list[str]:
 def main(argv: Optional[list[str]] = None) -> int:
     from tqdm import tqdm
 
-    from fxsched.runtime.cli.generate import UsageError as CliUsageError
+    from fxsched.runtime.cli.usage import UsageError as CliUsageError
     from fxsched.runtime.logs import configure_logging
 
     parser = build_parser()

@@ -109,7 +109,7 @@ def format_table(result: list[dict[str, Any]], label: str) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from fxsched.runtime.cli.app import ArgumentParser, int_arg, sizes_arg
+    from fxsched.runtime.cli.arguments import ArgumentParser, int_arg, sizes_arg
 
     ap = ArgumentParser(prog="fxsched bench linears", description=__doc__.splitlines()[0])
     ap.add_argument("--model", metavar="DIR", default=None, help="a checkpoint whose config.json gives the shapes")

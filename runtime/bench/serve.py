@@ -390,7 +390,7 @@ def _rate(text: str) -> float:
 
 def main(argv: Optional[list[str]] = None) -> int:
     """Print the table (or JSON lines). Bad input: one line on stderr, exit 2."""
-    from fxsched.runtime.cli.app import ArgumentParser  # one-line refusals, as the fxsched command's
+    from fxsched.runtime.cli.arguments import ArgumentParser  # one-line refusals, as the fxsched command's
 
     ap = ArgumentParser(prog="fxsched bench serve", description=__doc__.splitlines()[0])
     ap.add_argument("--specs", default=",".join(SPECS), help="speculation modes, comma-separated (default all)")

@@ -310,7 +310,7 @@ def _ints(text: str, name: str, low: int = 1) -> tuple[int, ...]:
 
 def cli(argv: Optional[list[str]] = None) -> int:
     """Parse, run, print the table (or JSON lines). Bad input: one line on stderr, exit 2."""
-    from fxsched.runtime.cli.app import ArgumentParser  # one-line refusals, as the fxsched command's
+    from fxsched.runtime.cli.arguments import ArgumentParser  # one-line refusals, as the fxsched command's
 
     ap = ArgumentParser(prog="fxsched bench serve --vllm-python PY", description=__doc__.splitlines()[0])
     ap.add_argument("--vllm-python", required=True, metavar="PY", help="the Python of an environment with vLLM")

@@ -13,7 +13,7 @@ from fxsched.core.faults import Halt
 from fxsched.core.request import Request
 from fxsched.core.table import ANSWERS
 from fxsched.runtime.check.invariants import expected_output
-from fxsched.runtime.devices.scripted import Script
+from fxsched.runtime.devices.script_rules import Script
 
 MODES = ("plain", "mtp1", "mtp2", "mtp3", "dflash", "ngram", "self_spec")
 TICK_MS = 10.0

@@ -23,7 +23,8 @@ from fxsched.runtime.interpreter import Host, Interpreter, Observer
 from fxsched.runtime.check.episode import TICK_MS, Episode
 from fxsched.runtime.check.invariants import CANCEL, EVENT_KINDS, FAULT, Monitor, Violation
 from fxsched.runtime.devices.lane import DeferredLane
-from fxsched.runtime.devices.simulated import AHEAD_FAILURE, LATE_FAILURE
+from fxsched.runtime.devices.sim_decodes import AHEAD_FAILURE
+from fxsched.runtime.devices.sim_proposals import LATE_FAILURE
 
 # the late-draft feature a verify's answer counts, by the phase it waited in
 _LATE = {AwaitMtpBatch: "feature:late_drafts_mtp_batched", AwaitBatchedDflash: "feature:late_drafts_dflash_batched"}

@@ -16,70 +16,14 @@ from __future__ import annotations
 
 import argparse
 import errno
-import math
 import os
-import re
 import sys
 from pathlib import Path
-from typing import NoReturn
 
 from fxsched.runtime.logs import configure_logging
 
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
-MAX_SEED = 2**63 - 1
-_INTEGER = re.compile(r"[+-]?[0-9]+")
-_DECIMAL = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?")
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """An ``argparse`` parser whose refusals are one line (``fxsched check: argument --steps:
-    ...``) and exit 2; its sub-command parsers are of the same class."""
-
-    def error(self, message: str) -> NoReturn:
-        self.exit(EXIT_USAGE, f"{self.prog}: {' '.join(message.split())}\n")
-
-
-def strict_int(text: str) -> int:
-    """An integer written in ASCII digits (an optional sign; no ``1_0``, no other scripts' digits)."""
-    if not _INTEGER.fullmatch(text) or len(text) > 40:
-        raise ValueError(f"{text!r} is not an integer")
-    return int(text)
-
-
-def int_arg(low: int, high: int):
-    """An argparse ``type``: a strict integer from ``low`` to ``high``."""
-
-    def parse(text: str) -> int:
-        try:
-            value = strict_int(text)
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(str(err)) from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"{text}: must be from {low} to {high}")
-        return value
-
-    return parse
-
-
-MAX_SECONDS = 7 * 86_400.0  # a week
-
-
-def seconds_arg(text: str) -> float:
-    """An argparse ``type``: a number of seconds above 0, at most ``MAX_SECONDS``."""
-    value = float(text) if _DECIMAL.fullmatch(text) else math.nan
-    if not (math.isfinite(value) and 0 < value <= MAX_SECONDS):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds above 0, at most {MAX_SECONDS:g}")
-    return value
-
-
-def sizes_arg(text: str) -> tuple[int, ...]:
-    """An argparse ``type``: comma-separated batch sizes from 1 to 4096."""
-    parse = int_arg(1, 4096)
-    words = [w.strip() for w in text.split(",")]
-    if not text.strip() or any(not w for w in words):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected sizes separated by commas, e.g. 1,8,64")
-    return tuple(parse(w) for w in words)
+from fxsched.runtime.cli.arguments import (EXIT_INTERRUPTED, EXIT_USAGE, ArgumentParser, int_arg,
+                                          sizes_arg)
 
 
 def _golden_path(name: str) -> Path:
@@ -166,7 +110,8 @@ def cmd_run(args) -> int:
 
 def _replay_event_log(args) -> int:
     """``fxsched replay`` of an event log (``--record``): identical, or the first departing event."""
-    from fxsched.runtime.eventlog import EventLogError, render_output, replay_log
+    from fxsched.runtime.eventlog_codec import EventLogError
+    from fxsched.runtime.eventlog_replay import render_output, replay_log
 
     try:
         result = replay_log(args.file)
@@ -185,7 +130,7 @@ def _replay_event_log(args) -> int:
 
 def cmd_replay(args) -> int:
     from fxsched.runtime.check.replay import ReplayError, replay_run
-    from fxsched.runtime.eventlog import is_event_log
+    from fxsched.runtime.eventlog_reader import is_event_log
 
     if is_event_log(args.file):
         return _replay_event_log(args)
@@ -439,8 +384,8 @@ def main(argv=None) -> int:
         from fxsched.runtime.bench.serve import main as bench_serve_main
 
         return bench_serve_main(words[2:])
-    if words[:2] == ["bench", "host"]:  # its own options (runtime/bench/host.py)
-        from fxsched.runtime.bench.host import main as bench_host_main
+    if words[:2] == ["bench", "host"]:  # its own options (runtime/bench/host_cli.py)
+        from fxsched.runtime.bench.host_cli import main as bench_host_main
 
         return bench_host_main(words[2:])
     parser = build_parser()

@@ -20,7 +20,7 @@ MAX_SWEEP = 100_000  # seeds in one sweep
 
 def add_check_command(sub: Any) -> None:
     """The ``check`` subcommand on the ``fxsched`` parser's subparsers."""
-    from fxsched.runtime.cli.app import MAX_SEED, int_arg, seconds_arg
+    from fxsched.runtime.cli.arguments import MAX_SEED, int_arg, seconds_arg
 
     check = sub.add_parser("check", help="model-check step with a seeded random walk")
     which = check.add_mutually_exclusive_group()
@@ -40,7 +40,7 @@ def add_check_command(sub: Any) -> None:
 
 def seeds_arg(text: str) -> tuple[int, ...]:
     """``1-200``, ``7``, ``1-5,9,20-22``: the seeds, in the order given, each once."""
-    from fxsched.runtime.cli.app import MAX_SEED, strict_int
+    from fxsched.runtime.cli.arguments import MAX_SEED, strict_int
 
     seeds: list[int] = []
     for part in text.split(","):
@@ -61,7 +61,7 @@ def seeds_arg(text: str) -> tuple[int, ...]:
 
 
 def cmd_check(args) -> int:
-    from fxsched.runtime.cli.app import EXIT_USAGE
+    from fxsched.runtime.cli.arguments import EXIT_USAGE
 
     if (args.steps is None) == (args.time is None):
         print("fxsched check: give exactly one of --steps N or --time SECONDS", file=sys.stderr)
@@ -90,7 +90,7 @@ def _walk(args, seed: int, progress) -> Any:
 def _one_seed(args) -> int:
     from tqdm import tqdm
 
-    from fxsched.runtime.cli.app import EXIT_USAGE
+    from fxsched.runtime.cli.arguments import EXIT_USAGE
 
     show = args.progress if args.progress is not None else (args.time or 0) > 3 or (args.steps or 0) > 50_000
     bar = tqdm(total=args.steps, unit="step", desc="check", disable=not show, leave=False)
@@ -121,7 +121,7 @@ def _sweep(args) -> int:
     from tqdm import tqdm
 
     from fxsched.runtime.check.walk import feature_counts
-    from fxsched.runtime.cli.app import EXIT_USAGE
+    from fxsched.runtime.cli.arguments import EXIT_USAGE
 
     seeds: tuple[int, ...] = args.seeds
     show = args.progress if args.progress is not None else len(seeds) > 1

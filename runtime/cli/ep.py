@@ -5,7 +5,7 @@ Wiring (``fxsched.runtime.cli.app``), three lines::
     add_ep_ranks_argument(run)                        # in build_parser, after the run options
     trace = run_with_ep(args) if args.ep_ranks > 1 else run_scenario(scenario)   # in cmd_run
 
-and for ``generate`` (``fxsched.runtime.cli.generate``)::
+and for ``generate`` (``fxsched.runtime.cli.generate``, its run ``fxsched.runtime.cli.generate_run``)::
 
     add_ep_ranks_argument(p)                          # in add_generate_command
     result = generate_function(args)(engine, prompts, max_tokens, args.spec, batch, progress=...)

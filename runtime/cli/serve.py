@@ -49,7 +49,7 @@ from typing import Callable, Iterator, Optional
 
 import structlog
 
-from fxsched.runtime.cli.generate import MAX_SEQUENCES, SPECS, UsageError, _int, _reporting
+from fxsched.runtime.cli.usage import MAX_SEQUENCES, SPECS, UsageError, _int, _reporting
 from fxsched.runtime.cli.serve_args import (
     API_KEY_ENV,
     DEFAULT_PORT,
@@ -225,13 +225,13 @@ def open_serving(args, on_started: Optional[Callable] = None) -> Iterator:
     """The ``Serving`` of ``fxsched serve``'s parsed ``args``, bound and ready to ``run()`` (the
     socket is closed, and expert-parallel workers stopped, on leaving); raises UsageError for bad
     input. ``on_started`` (default: the "listening on" line) is called once it accepts connections."""
-    from fxsched.runtime.cli.generate import parse_size
+    from fxsched.runtime.cli.usage import parse_size
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
             raise UsageError(f"MODEL {args.model_tag} and --model {args.model}: give one of them, not both")
         args.model = args.model_tag
-    from fxsched.runtime.cli.generate import normalize_dtype
+    from fxsched.runtime.cli.usage import normalize_dtype
 
     args.dtype = normalize_dtype(args.dtype)
     flags = check_flags(args)
@@ -274,7 +274,7 @@ def open_serving(args, on_started: Optional[Callable] = None) -> Iterator:
             raise UsageError(f"--model {args.model}: no tokenizer.json, and the server speaks text (give "
                              f"--tokenizer DIR)")
     names = served_names(flags, args.model)
-    from fxsched.runtime.cli.generate import _engine, _model_choice, _set_threads, _tokenizer, _torch_device
+    from fxsched.runtime.cli.model_choice import _engine, _model_choice, _set_threads, _tokenizer, _torch_device
 
     args.weights = None
     try:

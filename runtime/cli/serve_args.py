@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from fxsched.runtime.cli.generate import DTYPES, UsageError, _int, add_kv_memory_argument
+from fxsched.runtime.cli.generate import add_kv_memory_argument
+from fxsched.runtime.cli.usage import DTYPES, UsageError, _int
 
 DEFAULT_PORT = 8000
 API_KEY_ENV = "FXSCHED_API_KEY"
@@ -291,7 +292,7 @@ def human_int(text: str, name: str, low: int, high: int = 1 << 40) -> int:
 
 
 def seconds(text: str, name: str) -> float:
-    from fxsched.runtime.cli.app import seconds_arg
+    from fxsched.runtime.cli.arguments import seconds_arg
 
     try:
         return seconds_arg(text)

@@ -7,7 +7,7 @@ adapter slot a sequence took, the request whose state a spill file keeps). The s
 calls ``acquire`` and ``release`` where its calls take and give back the resource, and turns an
 answer other than ``None`` into a refusal of that call; the checker reads ``open`` at the end of
 the run. The device's other accounts (kept tokens, pending proposals, the snapshot ring, the
-stash) are checked where they are used (runtime/devices/simulated.py).
+stash) are checked where they are used (the layers of runtime/devices/simulated.py).
 """
 
 from __future__ import annotations

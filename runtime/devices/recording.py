@@ -15,7 +15,9 @@ from typing import Optional
 import attrs
 
 from fxsched.runtime.devices.device import DeviceError
-from fxsched.runtime.devices.scripted import Script, ScriptedDevice, ScriptedSequence, script_key
+from fxsched.runtime.devices.script_rules import Script, script_key
+from fxsched.runtime.devices.scripted import ScriptedDevice
+from fxsched.runtime.devices.scripted_book import ScriptedSequence
 from fxsched.runtime.devices.spill_files import SpillError, SpillFiles
 
 

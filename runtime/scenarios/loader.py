@@ -27,7 +27,7 @@ from fxsched.core.config import SCRIPTED_EOS as EOS
 from fxsched.core.prefill import MAX_BEAMS_PER_GROUP
 from fxsched.core.request import Request
 from fxsched.runtime.devices.recording import DeviceConfig
-from fxsched.runtime.devices.scripted import Script
+from fxsched.runtime.devices.script_rules import Script
 from fxsched.runtime.files import read_text
 
 

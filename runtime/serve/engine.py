@@ -4,36 +4,9 @@ scheduler state, fed by the HTTP layer through a thread-safe inbox.
 Threads. The HTTP layer (the asyncio loop) only calls ``submit``, ``cancel``, ``close`` and
 ``abort_all``; each puts one item on the inbox (``queue.SimpleQueue``) and returns. The engine
 thread is the only one that touches the scheduler state, the ``TorchDevice`` and the engine; it
-runs ``Interpreter.run`` with a ``ServeHost``, whose
-
-* ``wait_for_input()`` (the scheduler's ``WaitForInput`` when idle) blocks on the inbox and returns
-  the events of what arrived, and ``take_inputs()`` (after every batch) takes what arrived while
-  the batch ran, without blocking: that is continuous batching, a new request joins at the next
-  tick. Every hand-over starts with a ``Clock`` event (milliseconds since the engine started,
-  ``time.monotonic``). A submitted choice becomes an ``Arrival``, a client disconnect a ``Cancel``
-  (the scheduler remembers a cancel of a request that is not running yet and applies it once it
-  runs, core/machine.py; the sinks finish a cancelled sequence at its next token), ``close`` an
-  ``InboxClosed`` (the scheduler finishes everything it holds, then stops);
-* ``send()`` gets every client output: tokens go through the request's detokenizer and stop
-  matcher exactly as in ``fxsched generate`` (``GenerateHost``: a completed stop string posts a
-  ``Cancel``, the EOS the scheduler never streams is added from the final frame), and each frame
-  becomes one ``ChoiceEvent`` handed to the request's sink (the HTTP layer's
-  ``loop.call_soon_threadsafe``). Nothing in the HTTP layer decides scheduling.
-
-Ids. Each choice of an HTTP request is one scheduler ``Request`` with a fresh integer id from a
-counter (never reused), streaming (so a disconnect can cancel it), with the choice's sampling fields
-(``ignore_eos`` as ``min_tokens`` = ``max_tokens``: EOS masked throughout).
-
-Per-choice extras (specs/serve-fields.md §13.2–4), all on the engine thread when a choice is taken:
-its penalties and ``logit_bias`` become a row processor under its id (``ServeHost.processors``,
-read by the device at every pick, dropped with the final frame); ``prompt_logprobs`` are computed
-by the device in a scratch slot and sent as the choice's first event; a choice with
-``max_tokens`` 0 (echo alone) ends there without reaching the scheduler. Stop token ids end a
-choice on the host like a stop string (a ``Cancel``), reported as its ``stop_reason``. A choice
-with a grammar (structured output or a forced tool call, specs/serve.md §12.1, §12.4) gets a fresh
-llguidance matcher in ``grammars`` (a ``GrammarBook``, dropped with the final frame too): the
-device masks its rows when a forward's logits are stored, so the row processors see the masked
-rows (a masked token stays at -inf whatever its penalty or bias).
+runs ``Interpreter.run`` with a ``ServeHost`` (runtime/serve/serve_host.py), which turns the
+inbox's items into the scheduler's events and its client outputs into each choice's
+``ChoiceEvent`` (runtime/serve/choices.py). Its LoRA adapter methods are runtime/serve/engine_adapters.py's.
 
 Backpressure. ``submit`` refuses (``Overloaded``) when the choices accepted but not yet started
 (no token or final frame yet) plus the new ones would exceed ``max_waiting``, and (``Draining``)
@@ -63,40 +36,35 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence as Seq, Union
+from typing import Any, Callable, Optional, Sequence as Seq
 
 import attrs
 import structlog
 import torch
 
 from fxsched.core import events as ev
-from fxsched.core.request import Request
-from fxsched.core.state import SchedulerState, initial_state
-from fxsched.effects import device_calls as dc
-from fxsched.effects.lifecycle import ReleaseReason, ReleaseSeq
-from fxsched.runtime.devices.device import Device, DeviceError
+from fxsched.core.state import initial_state
+from fxsched.runtime.devices.device import Device
 from fxsched.runtime.devices.grammar_mask import GrammarBook
-from fxsched.runtime.devices.row_processors import Penalties, RowProcessors
 from fxsched.runtime.devices.torch import Drafter, TorchDevice
 from fxsched.runtime.generate import SPECS, scheduler_setup, served_config
-from fxsched.runtime.generate_host import (GenerateHost, LogprobWitness, Observers, RequestResult, TextOptions,
-                                           TextStream)
-from fxsched.runtime.interpreter import Host, Interpreter, Observer
+from fxsched.runtime.generate_host import LogprobWitness, Observers
+from fxsched.runtime.interpreter import Interpreter
 from fxsched.runtime.logs import ensure_configured
-from fxsched.runtime.serve.lora import AdapterBook, AdapterOp, AdapterRefused, ServedAdapter
+from fxsched.runtime.serve.choices import _CANCEL_ALL, _CLOSE, ChoiceEvent, FinalRecord, _Cancel, _Choice, _Submit
+from fxsched.runtime.serve.engine_adapters import EngineAdapters
+from fxsched.runtime.serve.lora import AdapterBook, AdapterOp
 from fxsched.runtime.serve.metrics import ServeMetrics
 from fxsched.runtime.serve.protocol import ChoiceSpec
+from fxsched.runtime.serve.serve_host import ServeHost, _Watch
 from fxsched.runtime.text import TextTokenizer
 from fxsched.runtime.torch_model import HybridEngine
 
 log = structlog.get_logger("fxsched.serve.engine")
 
-ABORT = "abort"  # the finish reason of a choice cancelled by its client or by the drain timeout
 MAX_BARREN_FAULTS = 5  # faults in a row, with no choice finished in between, before the engine gives up
 RESTART_BACKOFF = 0.05  # seconds before the second restart in a row (doubling, at most 2 s)
 RECENT = 4096  # final records kept for inspection (``ServeEngine.recent``)
-ADAPTER_OP_TIMEOUT = 60.0  # seconds a LoRA load or unload may wait for the engine thread
-DEFERRED_POLL_S = 0.05  # how often an idle engine looks again for a slot for choices waiting on one
 
 
 class Overloaded(Exception):
@@ -107,375 +75,7 @@ class Draining(Exception):
     """The server is shutting down and takes no new requests (HTTP 503)."""
 
 
-@dataclass(frozen=True)
-class ChoiceEvent:
-    """What one client frame of a choice brought: its new text (safe to show), the token ids and
-    (with logprobs) their records; a final event has ``finish_reason`` ("stop", "length", "abort",
-    "error"), ``error`` for a failed choice, and the choice's totals."""
-
-    index: int
-    text: str
-    tokens: tuple[int, ...]
-    logprobs: Optional[tuple[Optional[dict[str, Any]], ...]] = None
-    finish_reason: Optional[str] = None
-    error: Optional[str] = None
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    prompt_logprobs: Optional[tuple[Optional[dict[str, Any]], ...]] = None  # the first event, when asked
-    stop_reason: Union[str, int, None] = None  # the stop string or stop token id that ended the choice
-    accepted_tokens: Optional[int] = None  # final event, with speculation: drafted tokens the target accepted
-
-    @property
-    def final(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class _Choice:
-    """A submitted choice, as the engine thread tracks it."""
-
-    id: int
-    index: int
-    spec: ChoiceSpec
-    sink: Callable[[ChoiceEvent], None]
-    submitted: float
-    scheduled: Optional[float] = None  # when the scheduler first allocated its sequence
-    first_token: Optional[float] = None
-    last_frame: Optional[float] = None
-    started: bool = False
-    cancelled: bool = False
-    adapter_slot: int = -1  # the LoRA pool slot of the adapter its request names (-1: the base model)
-
-    def deliver(self, event: ChoiceEvent) -> None:
-        try:
-            self.sink(event)
-        except RuntimeError:  # the HTTP loop is closed (the server is going away): nobody listens
-            pass
-
-
-@dataclass(frozen=True)
-class FinalRecord:
-    """A finished choice, kept in ``ServeEngine.recent`` (tests and debugging)."""
-
-    request_id: int
-    finish_reason: str
-    completion_tokens: int
-    cancelled: bool
-    error: Optional[str] = None
-    accepted_tokens: Optional[int] = None  # with speculation: drafted tokens the target accepted
-
-
-@dataclass(frozen=True)
-class _Submit:
-    choices: tuple[_Choice, ...]
-
-
-@dataclass(frozen=True)
-class _Cancel:
-    ids: tuple[int, ...]
-
-
-_CLOSE = "close"
-_CANCEL_ALL = "cancel-all"
-
-
-_ALLOCS = (dc.AllocSequence, dc.AllocSequenceFor)
-_PREEMPTIONS = frozenset((ReleaseReason.PREEMPT_REQUEUE, ReleaseReason.SPILL_OUT_SEQUENCE))
-
-
-class _Watch(Observer):
-    """Keeps the last scheduler state the loop performed (the metrics read it on ticks), and reads
-    two things off each batch of effects for the metrics (specs/serve.md §12.8): a request's first
-    sequence allocation (it is scheduled: its queue time ends) and a sequence released for memory
-    (a preemption, requeued or spilled)."""
-
-    def __init__(self, scheduled: Callable[[int], None] = lambda rid: None,
-                 preempted: Callable[[], None] = lambda: None) -> None:
-        self.state: Optional[SchedulerState] = None
-        self._scheduled = scheduled
-        self._preempted = preempted
-
-    def stepped(self, event: ev.Event, state: SchedulerState, effects: Seq) -> None:
-        self.state = state
-        for effect in effects:
-            kind = type(effect)
-            if kind in _ALLOCS:
-                if effect.session:  # a swap-in names session 0: not a first schedule
-                    self._scheduled(effect.session)
-            elif kind is ReleaseSeq and effect.reason in _PREEMPTIONS:
-                self._preempted()
-
-
-class ServeHost(GenerateHost):
-    """The clients of the server: choices come and go while the loop runs (see the module docstring)."""
-
-    def __init__(self, owner: "ServeEngine"):
-        super().__init__((), owner.config.eos_ids, on_text=self._piece)
-        self.owner = owner
-        self.choices: dict[int, _Choice] = {}
-        self._pieces: list[str] = []
-        self.deferred: list[_Choice] = []  # handed over, waiting for their adapter's pool slot
-        self.closing = False  # the inbox closed while choices waited for a slot
-        self.processors = RowProcessors()  # the device reads it at every pick
-        self.stop_tokens: dict[int, int] = {}  # choice id -> the stop token id that ended it
-
-    def _piece(self, request_id: int, piece: str) -> None:
-        self._pieces.append(piece)
-
-    # --- inputs --------------------------------------------------------------------------------
-
-    def take_inputs(self) -> list[ev.Event]:
-        # a stop string's cancel for a choice that ended in the same batch is dropped (it would be remembered)
-        events = [e for e in Host.take_inputs(self) if not (isinstance(e, ev.Cancel) and e.request_id not in self.results)]
-        events.extend(self._hand_over(block=False))
-        return events
-
-    def wait_for_input(self) -> list[ev.Event]:
-        self.owner._idle()
-        while True:
-            events = self._hand_over(block=True)
-            if events:
-                return events
-
-    def _hand_over(self, block: bool) -> list[ev.Event]:
-        inbox = self.owner._inbox
-        self.owner._retry_adapter_ops()
-        if not block and not self.deferred and not self.closing and inbox.empty():
-            return []  # the common case after a batch: nothing arrived
-        events: list[Optional[ev.Event]] = []
-        memo: dict[tuple[tuple[int, ...], int], tuple[Optional[dict[str, Any]], ...]] = {}
-        if self.deferred:  # choices waiting for an adapter slot, in order (runtime/serve/lora.py)
-            waiting, self.deferred = self.deferred, []
-            events.extend(self._placed(c, memo) for c in waiting)
-        items: list[Any] = []
-        if block and not events:
-            try:  # while choices wait for a slot, look again now and then (a finished request frees one)
-                items.append(inbox.get(timeout=DEFERRED_POLL_S) if self.deferred else inbox.get())
-            except queue.Empty:
-                pass
-        while True:
-            try:
-                items.append(inbox.get_nowait())
-            except queue.Empty:
-                break
-        items = self.owner._adapter_ops(items)
-        for item in items:
-            if isinstance(item, _Submit):
-                events.extend(self._placed(c, memo) for c in item.choices)
-            elif isinstance(item, _Cancel):
-                events.extend(self._cancel(rid) for rid in item.ids if self._cancellable(rid))
-            elif item == _CANCEL_ALL:
-                events.extend(self._cancel(rid) for rid in [*self.choices, *(c.id for c in self.deferred)]
-                              if self._cancellable(rid))
-            elif item == _CLOSE:
-                self.closing = True
-        if self.closing and not self.deferred:  # the inbox closes once no choice waits for a slot
-            self.closing = False
-            events.append(ev.InboxClosed())
-        arrived = [e for e in events if e is not None]
-        return [ev.Clock(self.owner.now_ms()), *arrived] if arrived else []
-
-    def _placed(self, choice: _Choice, memo: dict[tuple[tuple[int, ...], int], tuple[Optional[dict[str, Any]], ...]]
-                ) -> Optional[ev.Event]:
-        """The ``Arrival`` of a handed-over choice once its adapter holds a pool slot (None: it ended,
-        or it waits in ``deferred`` for a slot)."""
-        name = choice.spec.adapter
-        if name is not None:
-            if choice.cancelled:  # cancelled while it waited: never scheduled
-                self._refuse(choice, None)
-                return None
-            placed = self.owner._place(name)
-            if placed is None:
-                self.deferred.append(choice)
-                return None
-            if isinstance(placed, str):
-                self._refuse(choice, placed)
-                return None
-            choice.adapter_slot = placed
-        return self._register(choice, memo)
-
-    def _register(self, choice: _Choice,
-                  memo: Optional[dict[tuple[tuple[int, ...], int], tuple[Optional[dict[str, Any]], ...]]] = None
-                  ) -> Optional[ev.Event]:
-        """The ``Arrival`` of a submitted choice (None when it ends here); ``memo`` shares prompt
-        logprobs among the choices of one request (n choices of a prompt: one forward)."""
-        s = choice.spec
-        try:
-            request = Request(id=choice.id, prompt=s.prompt, max_tokens=max(s.max_tokens, 1), streaming=True,
-                              temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, min_p=s.min_p, seed=s.seed,
-                              top_logprobs=s.top_logprobs, min_tokens=s.scheduler_min_tokens,
-                              adapter_slot=choice.adapter_slot)
-            matcher = self.owner.grammar_matcher(s.grammar) if s.grammar is not None else None
-        except ValueError as err:  # the protocol checks every field first; this is a last guard
-            self._refuse(choice, str(err))
-            return None
-        self.choices[choice.id] = choice
-        self.results[choice.id] = RequestResult(choice.id, list(s.prompt))
-        if s.prompt_logprobs is not None:
-            key = (s.prompt, s.prompt_logprobs)
-            try:
-                records = memo[key] if memo is not None and key in memo else self._prompt_records(*key)
-            except DeviceError as err:
-                self._refuse(choice, f"prompt logprobs: {err}")
-                return None
-            if memo is not None:
-                memo[key] = records
-            choice.deliver(ChoiceEvent(choice.index, "", (), prompt_logprobs=records))
-        if s.max_tokens == 0:  # echo alone: nothing to generate
-            self.results[choice.id].reason = "length"
-            self._final(choice, self.results[choice.id], "")
-            return None
-        if matcher is not None:  # structured output: the device masks this request's rows
-            self.owner.grammars.add(choice.id, len(s.prompt), matcher)
-        self.streams[choice.id] = TextStream(TextOptions(self.owner.tokenizer, s.stop, s.skip_special_tokens))
-        if s.processed:
-            self.processors.set(choice.id, len(s.prompt), [Penalties(s.presence_penalty, s.frequency_penalty,
-                                                                     s.repetition_penalty, s.logit_bias)])
-        return ev.Arrival(request)
-
-    def _refuse(self, choice: _Choice, message: Optional[str]) -> None:
-        """End a choice the scheduler never took: with ``message`` as its error (None: aborted)."""
-        self.choices[choice.id] = choice
-        self.results[choice.id] = RequestResult(choice.id, list(choice.spec.prompt), error=message)
-        self._final(choice, self.results[choice.id], "")
-
-    def _prompt_records(self, prompt: Seq[int], width: int) -> tuple[Optional[dict[str, Any]], ...]:
-        """vLLM's prompt logprobs: None for the first token, then each token's record and rank."""
-        device = self.owner._device
-        if device is None:
-            raise DeviceError("the engine has no device")
-        records, ranks = device.prompt_logprobs(prompt, width)
-        return (None,) + tuple({"token_id": r.token, "logprob": r.logprob, "rank": rank,
-                                "top_logprobs": [{"token_id": t, "logprob": lp} for t, lp in r.top]}
-                               for r, rank in zip(records, ranks, strict=True))
-
-    def _take(self, result: RequestResult, tokens: Seq[int]) -> None:
-        """``GenerateHost._take``, with the choice's stop token ids (the token ends the choice: kept
-        in its ids, its text shown only with ``include_stop_str_in_output``) and a stop string kept
-        in the text with ``include_stop_str_in_output``."""
-        choice = self.choices.get(result.id)
-        spec = choice.spec if choice is not None else None
-        stop_ids = spec.stop_token_ids if spec is not None else ()
-        cut = next((i for i, t in enumerate(tokens) if t in stop_ids), None) if result.stop is None else None
-        had_stop = result.stop is not None
-        super()._take(result, tokens if cut is None else tokens[:cut])
-        if spec is not None and spec.include_stop and not had_stop and result.stop:
-            self._pieces.append(result.stop)
-            self.streams[result.id].parts.append(result.stop)
-        if cut is None or result.stop is not None:
-            if cut is not None:
-                result.received += len(tokens) - cut
-            return
-        token = tokens[cut]
-        result.received += len(tokens) - cut
-        result.tokens.append(token)
-        if self.logprobs is not None:
-            result.logprobs = (result.logprobs or []) + [self.logprobs.take(result.id, token)]
-        stream = self.streams.get(result.id)
-        if stream is not None and spec is not None and spec.include_stop:
-            piece, _ = stream.push(token)
-            if piece:
-                self._pieces.append(piece)
-        result.stop = ""
-        self.stop_tokens[result.id] = token
-        self.inputs.append(ev.Cancel(result.id))
-
-    def _cancellable(self, rid: int) -> bool:
-        choice = self.choices.get(rid) or next((c for c in self.deferred if c.id == rid), None)
-        return choice is not None and not choice.cancelled
-
-    def _cancel(self, rid: int) -> Optional[ev.Event]:
-        choice = self.choices.get(rid)
-        if choice is None:  # waiting for an adapter slot: it ends at the next look
-            for waiting in self.deferred:
-                if waiting.id == rid:
-                    waiting.cancelled = True
-            return None
-        choice.cancelled = True
-        return ev.Cancel(rid)
-
-    # --- outputs -------------------------------------------------------------------------------
-
-    def send(self, output) -> None:
-        rid = getattr(output, "request_id", None)
-        result = self.results.get(rid) if rid is not None else None
-        choice = self.choices.get(rid) if rid is not None else None
-        if result is None or choice is None:
-            return
-        before = len(result.tokens)
-        super().send(output)
-        text = "".join(self._pieces)
-        self._pieces.clear()
-        tokens = tuple(result.tokens[before:])
-        if rid in self.finished:
-            self._final(choice, result, text, before)
-            return
-        if not tokens and not text:
-            return
-        self.owner._frame(choice, len(tokens))
-        choice.deliver(ChoiceEvent(choice.index, text, tokens, self._records(choice, result, before)))
-
-    def _records(self, choice: _Choice, result: RequestResult, before: int
-                 ) -> Optional[tuple[Optional[dict[str, Any]], ...]]:
-        if not choice.spec.top_logprobs:
-            return None
-        records = result.logprobs or []
-        got = tuple(records[before:])
-        return got + (None,) * (len(result.tokens) - before - len(got))
-
-    def _final(self, choice: _Choice, result: RequestResult, text: str, before: Optional[int] = None) -> None:
-        before = len(result.tokens) if before is None else before
-        tokens = tuple(result.tokens[before:])
-        reason = "error" if result.error is not None else (result.finish_reason or "stop")
-        if choice.cancelled and reason not in ("length", "error") and result.stop is None:
-            reason = ABORT
-        self.owner._frame(choice, len(tokens))
-        cached = self.owner._cached_tokens(choice.id)
-        stop_reason: Union[str, int, None] = self.stop_tokens.get(choice.id, result.stop or None)
-        self._forget(choice.id)
-        event = ChoiceEvent(choice.index, text, tokens, self._records(choice, result, before), reason, result.error,
-                            len(result.tokens), cached, stop_reason=stop_reason,
-                            accepted_tokens=result.acc if self.owner.counts_accepted else None)
-        self.owner._finished(choice, event, len(result.tokens))
-        choice.deliver(event)
-
-    def _forget(self, rid: int) -> None:
-        self.owner.grammars.drop(rid)
-        self.results.pop(rid, None)
-        self.streams.pop(rid, None)
-        self.choices.pop(rid, None)
-        self.finished.discard(rid)
-        self.processors.drop(rid)
-        self.stop_tokens.pop(rid, None)
-        if self.logprobs is not None:
-            self.logprobs.pending.pop(rid, None)
-
-    def fail_pending(self, message: str) -> None:
-        """The engine gave up: every choice still in the inbox or waiting for a slot ends with ``message``."""
-        waiting, self.deferred = self.deferred, []
-        for choice in waiting:
-            self._refuse(choice, message)
-        for item in self.owner._drain_inbox():
-            if isinstance(item, _Submit):
-                for choice in item.choices:
-                    result = RequestResult(choice.id, list(choice.spec.prompt), error=message)
-                    self.choices[choice.id] = choice
-                    self.results[choice.id] = result
-                    self._final(choice, result, "")
-
-    def fail_all(self, message: str) -> None:
-        """Every choice the scheduler took ends with ``message`` (the drive loop failed)."""
-        for rid in list(self.choices):
-            result = self.results.get(rid)
-            if result is None:
-                continue
-            result.error = message
-            self._final(self.choices[rid], result, "")
-        self._pieces.clear()
-        self.inputs.clear()
-
-
-class ServeEngine:
+class ServeEngine(EngineAdapters):
     """The engine of one server: the scheduler configuration, the inbox and the engine thread.
 
     ``engine`` and ``tokenizer`` are the model; ``spec`` one of ``SPECS``; ``max_batch`` caps the
@@ -764,96 +364,6 @@ class ServeEngine:
             m.positions(self._device.stats.drafts_at, self._device.stats.accepted_at)
         if self.adapters.enabled:
             m.lora(self.adapters)
-
-    # --- LoRA adapters (runtime/serve/lora.py) -------------------------------------------------
-
-    def load_adapter(self, name: str, path: str, base_model_name: Optional[str] = None,
-                     timeout: float = ADAPTER_OP_TIMEOUT) -> ServedAdapter:
-        """Load the PEFT adapter in ``path`` into a free pool slot and serve it as ``name`` (any thread;
-        blocks until the engine thread has loaded it). ``AdapterRefused`` names the adapter and why."""
-        adapter = self.adapters.reserve(name, path, base_model_name)
-        op = self._adapter_op(AdapterOp("load", adapter), timeout)
-        if op.error is not None:
-            raise AdapterRefused(400, f"The lora adapter '{name}' cannot be loaded: {op.error}", name, op.error)
-        return adapter
-
-    def unload_adapter(self, name: str, timeout: float = ADAPTER_OP_TIMEOUT) -> ServedAdapter:
-        """Stop serving adapter ``name`` and empty its slot (refused while requests use it)."""
-        adapter = self.adapters.begin_unload(name)
-        op = self._adapter_op(AdapterOp("unload", adapter), timeout)
-        if op.error is not None:
-            raise AdapterRefused(500, f"The lora adapter '{name}' could not be unloaded: {op.error}")
-        return adapter
-
-    def _adapter_op(self, op: AdapterOp, timeout: float) -> AdapterOp:
-        """Run ``op`` at once (before the engine thread starts), else on the engine thread."""
-        if self._thread is None:
-            op.run(self.engine, self.adapters)
-            if op.retry:  # no sequence runs before the engine starts
-                op.error = "a sequence still runs with its adapter"
-            return op
-        self._inbox.put(op)
-        deadline = time.monotonic() + timeout
-        while not op.done.wait(0.05):
-            if not self.alive or time.monotonic() > deadline:
-                if op.kind == "load":
-                    self.adapters.abort(op.adapter)
-                raise AdapterRefused(503, f"The lora adapter '{op.adapter.name}': the engine did not carry out "
-                                          f"the {op.kind} (it is not running, or busy past {timeout:g} s)")
-        return op
-
-    def _adapter_ops(self, items: list[Any]) -> list[Any]:
-        """Carry out the adapter ops among the inbox's ``items`` (engine thread); the other items."""
-        ops = [item for item in items if isinstance(item, AdapterOp)]
-        if not ops:
-            return items
-        for op in ops:
-            op.run(self.engine, self.adapters)
-            if op.retry:
-                self._retry_ops.append(op)
-        self._refresh()
-        return [item for item in items if not isinstance(item, AdapterOp)]
-
-    def _place(self, name: str) -> Union[int, str, None]:
-        """The pool slot adapter ``name`` runs in, loading it on demand (engine thread; see
-        runtime/serve/lora.py): a free slot, else the least recently used idle adapter's (evicted);
-        None when every slot's adapter has requests in flight; a string: why it cannot be loaded."""
-        from fxsched.runtime.torch_model.errors import AdapterError, SlotError
-
-        book = self.adapters
-        slot = book.slot_for(name)
-        if slot is not None:
-            return slot
-        adapter = book.get(name)
-        if adapter is None:  # cannot happen while the choice holds it (unloads of adapters in use are refused)
-            return f"The lora adapter '{name}' is no longer served"
-        slot = book.free_slot()
-        if slot is None:
-            for victim, victim_slot in book.idle():
-                try:
-                    self.engine.unload_adapter(victim_slot)
-                except SlotError:  # a finished request's sequence not yet freed: another, or later
-                    continue
-                book.evicted(victim)
-                log.info("lora_evicted", name=victim, slot=victim_slot, for_adapter=name)
-                slot = victim_slot
-                break
-            else:
-                return None
-        try:
-            self.engine.load_adapter(slot, Path(adapter.path))
-        except AdapterError as err:  # its files changed since it was listed
-            return f"The lora adapter '{name}' cannot be loaded: {err}"
-        book.placed(name, slot)
-        log.info("lora_loaded", name=name, slot=slot, path=adapter.path, on_demand=True)
-        return slot
-
-    def _retry_adapter_ops(self) -> None:
-        """Unloads that found a finished request's sequence still bound, tried again."""
-        if self._retry_ops:
-            ops, self._retry_ops = self._retry_ops, []
-            self._adapter_ops(list(ops))
-
     def _scheduled(self, rid: int) -> None:
         """The scheduler allocated request ``rid``'s sequence (its first allocation ends its queue time)."""
         choice = self.host.choices.get(rid)

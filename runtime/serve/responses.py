@@ -37,12 +37,12 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from fxsched.runtime.serve import tools as toolcalls
-from fxsched.runtime.serve.engine import ChoiceEvent
+from fxsched.runtime.serve.choices import ChoiceEvent
 from fxsched.runtime.serve.protocol import ChatCompletionRequest, Limits, Plan, chat_plan
 from fxsched.runtime.serve.request_models import APIError, Int, ModelNotFound, _Strict, bad_request, request_from_data
 
 if TYPE_CHECKING:
-    from fxsched.runtime.serve.routes_extra import Served
+    from fxsched.runtime.serve.served import Served
 
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 TEXT_PARTS = ("input_text", "output_text", "text")

@@ -13,20 +13,18 @@ field is a 400 naming it; unknown fields are ignored and counted under the route
 
 from __future__ import annotations
 
-import asyncio
-from dataclasses import dataclass
 from importlib.metadata import PackageNotFoundError, version as package_version
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional
+from typing import Any, Optional
 
 import structlog
 from fastapi import FastAPI, Request
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import HTMLResponse, JSONResponse, Response
+from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel
 
-from fxsched.runtime.serve.engine import ChoiceEvent, ServeEngine
-from fxsched.runtime.serve.guard import REFUSALS, Screen, openapi_body
-from fxsched.runtime.serve.protocol import ChatCompletionRequest, Limits, Plan, _check_model, chat_messages
+from fxsched.runtime.serve.guard import REFUSALS, openapi_body
+from fxsched.runtime.serve.protocol import ChatCompletionRequest, Limits, _check_model, chat_messages
+from fxsched.runtime.serve.served import Served
 from fxsched.runtime.serve.request_models import (
     APIError,
     ChatMessage,
@@ -35,27 +33,11 @@ from fxsched.runtime.serve.request_models import (
     bad_request,
     request_from_data,
 )
-from fxsched.runtime.serve.tools import ToolPlan, tool_plan
+from fxsched.runtime.serve.tools import tool_plan
 
 log = structlog.get_logger("fxsched.serve.http")
 
 EMBEDDINGS_NOT_SERVED = "embeddings_not_served"
-
-
-@dataclass(frozen=True)
-class Served:
-    """What the extra routes share with the app's own (runtime/serve/app.py ``create_app``)."""
-
-    engine: ServeEngine
-    limits: Limits
-    state: Any  # app.ServeState: ``draining``, ``active`` (the drain waits for it)
-    screen: Screen
-    # (plan, loop, the response's id for the request's log record) -> the choice ids and their events
-    submit: Callable[[Plan, asyncio.AbstractEventLoop, str], tuple[list[int], "asyncio.Queue[ChoiceEvent]"]]
-    constrained: Callable[[Any, Plan, Optional[ToolPlan]], Awaitable[Plan]]
-    unknown: Callable[[str], Callable[[list[str]], None]]
-    event_stream: Callable[[AsyncIterator[str], Callable[[], None]], Response]
-    disconnected: Callable[[Request], Awaitable[None]]
 
 
 # --- request models -----------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """Model configuration: a frozen, validated dataclass loaded from TOML (or built from a Hugging Face
-config.json by hf_checkpoint.py).
+config.json by hf_model_config.py).
 
 Invariant: every ModelConfig instance that exists has passed `_validate`, so code
 downstream may rely on the documented ranges (e.g. eos_id < vocab_size).

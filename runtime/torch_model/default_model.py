@@ -4,8 +4,8 @@
 generate`, `serve` and `bench` load, through the same loader as any checkpoint, when no `--model`
 is given; `default_drafter_dir()` is its DFlash drafter, `specs/models/default/dflash/`, which
 `--spec dflash` takes when no `--draft-model` is given. Rebuild both with
-`python -m fxsched.runtime.torch_model.default_model train OUT_DIR` (training/build.py) and measure
-them with `... default_model evaluate DIR` (training/evaluate.py). What the model is, its corpus,
+`python -m fxsched.runtime.torch_model.training train OUT_DIR` (training/build.py) and measure
+them with `... training evaluate DIR` (training/evaluate.py). What the model is, its corpus,
 its training and its figures: specs/default-model.md.
 
 What the directory holds:
@@ -14,7 +14,7 @@ What the directory holds:
   the family's 3:1 pattern (three gated-DeltaNet layers, then one gated attention layer), hidden
   256, grouped GDN value heads, q/k norms, partial RoPE (rotary_dim 16 of head_dim 64), zero-centred
   norms, tied embeddings, and one MTP layer under the published `mtp.*` names; fp32, written by
-  hf_checkpoint.save_pretrained_dir (the loader's inverse).
+  hf_export.save_pretrained_dir (the loader's inverse).
 * `tokenizer.json`: byte-level BPE (VOCAB_SIZE ids, the 256 byte symbols included, so any text
   encodes) trained with `tokenizers` on the training part of the corpus, then the added tokens
   `<|endoftext|>`, `<|im_start|>`, `<|im_end|>` (special) and `<think>`, `</think>` (not special, as
@@ -28,10 +28,9 @@ from __future__ import annotations
 
 import importlib.resources
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 from .config import ModelConfig
 
@@ -225,15 +224,3 @@ def model_config(ids: TokenIds, *, seed: int = SEED, max_seq_len: int = MAX_POSI
         rms_norm_eps=1e-6, tie_word_embeddings=True, dtype="float32", mtp=False, dflash_gamma=0, mtp_layers=1,
         eos_id=ids.im_end, eos_ids=(ids.endoftext,), seed=seed, max_seq_len=max_seq_len, max_slots=max_slots,
         block_size=block_size, num_blocks=max_slots * -(-max_seq_len // block_size))
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """`python -m fxsched.runtime.torch_model.default_model train OUT_DIR` / `evaluate DIR`
-    (training/cli.py: one clear line and exit 2 on bad input)."""
-    from .training.cli import main as training_main
-
-    return training_main(argv)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

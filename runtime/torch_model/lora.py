@@ -3,7 +3,7 @@ product that adds each row's adapter to a projection (specs/lora.md §18.1–18.
 
 Loading (`load_adapter`, specs/lora.md §18.3–18.4): a PEFT directory (adapter_config.json +
 adapter_model.safetensors) is checked against the model and converted to the canonical projection
-names of weights.py, the way hf_checkpoint.py converts the checkpoint: an adapter of a fused or
+names of weights.py, the way hf_convert.py converts the checkpoint: an adapter of a fused or
 interleaved checkpoint projection (Qwen3.5's gated q_proj and in_proj_qkv, Qwen3-Next's
 in_proj_qkvz / in_proj_ba) keeps its A for every canonical part and has its B rows split exactly as
 the weight's rows are. The scale (lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora) is
@@ -95,7 +95,7 @@ def _per_head(heads: int, sizes: Sequence[int]) -> Split:
 
 
 def _family(cfg: ModelConfig) -> str:
-    from .hf_checkpoint import ARCHITECTURES
+    from .hf_model_config import ARCHITECTURES
 
     family = ARCHITECTURES.get(cfg.architecture)
     if family is None:

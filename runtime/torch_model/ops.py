@@ -22,7 +22,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) * weight over the last dim, computed in fp32 and cast back to x's dtype.
 
     `weight` is a plain multiplicative weight (zero-centred checkpoint norms were converted to
-    1 + w at load, see hf_checkpoint.py), so this is the only RMSNorm the forward needs.
+    1 + w at load, see hf_convert.py), so this is the only RMSNorm the forward needs.
     """
     if cpu_pointwise.takes_norm(x, weight):
         return cpu_pointwise.rms_norm_bf16(x, weight, eps)  # the same arithmetic, one pass (CPU bf16)

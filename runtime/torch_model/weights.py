@@ -5,7 +5,7 @@ Invariant: `param_shapes(cfg)` is the single source of truth for tensor names an
 `load_weights` accepts a file only if it holds exactly those tensors with those shapes and dtypes,
 all of them finite (`check_finite`: a NaN or infinite weight is refused, naming the tensor).
 
-Canonical names (every checkpoint format is converted to these by hf_checkpoint.py):
+Canonical names (every checkpoint format is converted to these by hf_convert.py):
 
 * `embed` [V, D], `final_norm` [D], `lm_head` [V, D] (tied embeddings: the same tensor as `embed`);
 * per decoder layer i: `layers.{i}.input_norm`, `layers.{i}.post_norm` [D] and

@@ -24,7 +24,7 @@ import structlog
 import torch
 
 from ..default_model import DRAFTER_SUBDIR, MAX_POSITION_EMBEDDINGS, build_tokenizer, model_config, write_tokenizer
-from ..hf_checkpoint import save_pretrained_dir
+from ..hf_export import save_pretrained_dir
 from .austen import SHIPPED_SHA256, Corpus, load_corpus
 from .dflash import DFlashSettings, train_drafter, write_drafter_dir
 from .distill import DistillSettings, distill_mtp, greedy_data

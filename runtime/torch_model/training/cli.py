@@ -1,4 +1,4 @@
-"""`python -m fxsched.runtime.torch_model.default_model train OUT_DIR | evaluate DIR`.
+"""`python -m fxsched.runtime.torch_model.training train OUT_DIR | evaluate DIR`.
 
 `train` builds the default model (build.py; progress bars and phase lines on stderr, the build
 report as one JSON line on stdout); `evaluate` measures a built directory (evaluate.py) and prints
@@ -25,7 +25,7 @@ def _say(message: str) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m fxsched.runtime.torch_model.default_model",
+    p = argparse.ArgumentParser(prog="python -m fxsched.runtime.torch_model.training",
                                 description="Train or evaluate the embedded default model.")
     sub = p.add_subparsers(dest="command", required=True)
     train = sub.add_parser("train", help="build the model directory (specs/models/default to refresh the shipped one)")

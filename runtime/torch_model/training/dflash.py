@@ -1,6 +1,6 @@
 """Training the default model's DFlash drafter on the target (specs/default-model.md §19.5).
 
-The drafter is a block drafter in the public DFlash format (hf_drafters.load_dflash_drafter reads
+The drafter is a block drafter in the public DFlash format (hf_dflash_dir.load_dflash_drafter reads
 what `write_drafter_dir` writes): `num_layers` Qwen3-style layers at the target's hidden size,
 context features from the target layers `target_layer_ids`, the target's embedding and head
 (not trained, not stored). Its training data are the target's own greedy continuations
@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from ..config import ModelConfig
-from ..hf_drafters import DFlashSpec, dflash_param_shapes
+from ..hf_dflash_dir import dflash_param_shapes
+from ..hf_drafters import DFlashSpec
 from ..weights import Weights
 from .distill import GreedyData
 from .forward import dflash_block_logits, dflash_features, target_hidden
