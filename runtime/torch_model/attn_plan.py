@@ -32,6 +32,8 @@ engine already holds), so building it costs no device synchronisation. The trace
 
 from __future__ import annotations
 
+from array import array
+
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -97,21 +99,28 @@ class AttnPlan:
 
 def _row_keys(block_tables: Sequence[Sequence[int]], starts: Sequence[int], rows: Sequence[int],
               block_size: int, firsts: Sequence[int]) -> RowKeys | None:
-    entries, q_rows, ctx, tables = [], [], [], []
+    """The row kernel's rows of the entries it serves (decode and verify rows over cached keys),
+    as three views of one int32 host buffer (no per-value conversion)."""
+    entries: list[int] = []
+    q_rows = array("i")
+    ctx = array("i")
+    tables = array("i")
     nb = max(-(-(start + n) // block_size) for start, n in zip(starts, rows, strict=True))
     for b, (table, start, n) in enumerate(zip(block_tables, starts, rows, strict=True)):
         if start == 0 or n > ROW_KERNEL_MAX_ROWS:
             continue
         entries.append(b)
-        padded = list(table[:nb]) + [0] * (nb - min(nb, len(table)))
-        for j in range(n):
-            q_rows.append(firsts[b] + j)
-            ctx.append(start + j + 1)
-            tables.append(padded)
+        padded = array("i", table[:nb])
+        padded.extend([0] * (nb - len(padded)))
+        q_rows.extend(range(firsts[b], firsts[b] + n))
+        ctx.extend(range(start + 1, start + n + 1))
+        for _ in range(n):
+            tables.extend(padded)
     if not entries:
         return None
-    return RowKeys(frozenset(entries), torch.tensor(q_rows, dtype=torch.int32), torch.tensor(ctx, dtype=torch.int32),
-                   torch.tensor(tables, dtype=torch.int32))
+    r = len(q_rows)
+    flat = torch.frombuffer(q_rows + ctx + tables, dtype=torch.int32)
+    return RowKeys(frozenset(entries), flat[:r], flat[r:2 * r], flat[2 * r:].view(r, nb))
 
 
 def _consecutive(table: Sequence[int], blocks: int) -> bool:
