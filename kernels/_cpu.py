@@ -40,6 +40,7 @@ FLAGS = {
     "avx2": ("-O3", "-mavx2", "-mfma", "-mf16c", "-shared", "-fPIC"),
 }
 ISAS = tuple(FLAGS)  # highest first
+LEVELS = ("amx", *ISAS)  # what FXSCHED_CPU_ISA may name, highest first: amx = the AVX512 build and AMX tiles
 
 
 @functools.cache
@@ -52,16 +53,27 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset(line.partition(":")[2].split())
 
 
+def _asked() -> str:
+    return os.environ.get("FXSCHED_CPU_ISA", "").strip().lower()
+
+
 def host_isa() -> str | None:
-    """The highest level this CPU runs ("avx512" or "avx2"), lowered by ``FXSCHED_CPU_ISA``; None
-    below AVX2 + FMA (or where /proc/cpuinfo cannot be read)."""
+    """The highest build level this CPU runs ("avx512" or "avx2"), lowered by ``FXSCHED_CPU_ISA``;
+    None below AVX2 + FMA (or where /proc/cpuinfo cannot be read)."""
     flags = _cpu_flags()
     have = [isa for isa, need in (("avx512", {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "fma"}),
                                   ("avx2", {"avx2", "fma", "f16c"})) if need <= flags]
-    asked = os.environ.get("FXSCHED_CPU_ISA", "").strip().lower()
+    asked = _asked()
     if asked in ISAS:
         have = [isa for isa in have if ISAS.index(isa) >= ISAS.index(asked)]
     return have[0] if have else None
+
+
+def amx_allowed() -> bool:
+    """Whether the kernels may use AMX tiles: the CPU names AMX tiles and AMX-BF16, the AVX512 build
+    is in use, and ``FXSCHED_CPU_ISA`` does not lower the level below ``amx`` (``avx512`` runs an
+    AMX host as an AVX512-BF16 one, so that path is tested and measured there too)."""
+    return {"amx_tile", "amx_bf16"} <= _cpu_flags() and host_isa() == "avx512" and _asked() not in ISAS
 
 
 def torch_only() -> bool:

@@ -23,14 +23,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from pathlib import Path
 from typing import Callable, Iterable
 
 import structlog
 import torch
 import torch.nn.functional as F
 
-from ._cpu import load, split
+from ._cpu import amx_allowed, load, split
 
 __all__ = ["amx_linear", "check_packed_kernel", "is_packed", "pack", "packable", "packed_product", "ready", "rows",
            "unpack"]
@@ -42,12 +41,10 @@ _BLOCKS_PER_THREAD = 16  # 256 outputs: below this a thread's share costs more t
 
 
 def has_amx() -> bool:
-    """Whether /proc/cpuinfo names AMX tiles and AMX-BF16 (the OS must still grant the tile state)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " amx_bf16" in flags and " amx_tile" in flags
+    """Whether the kernels may use AMX: /proc/cpuinfo names AMX tiles and AMX-BF16 and
+    ``FXSCHED_CPU_ISA`` does not lower the level below ``amx`` (_cpu.amx_allowed; the OS must still
+    grant the tile state)."""
+    return amx_allowed()
 
 
 @functools.cache
