@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fxsched.kernels import _cpu, cpu_gemv, cpu_widen
+from fxsched.kernels import _cpu, cpu_amx, cpu_gemv, cpu_widen
 from fxsched.runtime.torch_model import ops
 
 AVX512 = frozenset({"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx2", "fma", "f16c"})
@@ -40,6 +40,26 @@ def test_host_isa_is_the_highest_level_the_flags_allow_and_the_env_only_lowers_i
     monkeypatch.setattr(_cpu, "_cpu_flags", lambda: flags)
     monkeypatch.setenv("FXSCHED_CPU_ISA", asked)
     assert _cpu.host_isa() == want
+
+
+AMX = frozenset({"amx_tile", "amx_bf16"})
+
+
+@pytest.mark.parametrize("flags,asked,want", [
+    (AVX512 | AMX, "", True),
+    (AVX512 | AMX, "amx", True),
+    (AVX512 | AMX, "AVX512", False),  # the AVX512-BF16 path of an AMX host, tested and measured there
+    (AVX512 | AMX, "avx2", False),
+    (AVX512 | AMX, "sse", True),  # a name that is no level lowers nothing
+    (AVX512, "", False),
+    (AVX512 | {"amx_tile"}, "", False),  # tiles without their bf16 products
+    (AVX2 | AMX, "", False),  # no AVX512 build to hold the AMX kernels
+])
+def test_amx_runs_only_on_an_amx_cpu_at_the_amx_level(monkeypatch, flags, asked, want):
+    monkeypatch.setattr(_cpu, "_cpu_flags", lambda: flags)
+    monkeypatch.setenv("FXSCHED_CPU_ISA", asked)
+    assert _cpu.amx_allowed() is want
+    assert cpu_amx.has_amx() is want
 
 
 @pytest.mark.parametrize("flags,want", [(AVX512, True), (AVX2, False), (AVX2 | {"amx_bf16", "amx_tile"}, True),
@@ -66,6 +86,21 @@ def test_the_avx2_build_passes_the_kernel_tests_on_an_avx512_host():
                          cwd=root, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:]
     assert "skipped" not in out.stdout.splitlines()[-1], out.stdout[-2000:]  # every kernel was built for AVX2
+
+
+@pytest.mark.skipif(not cpu_amx.ready(), reason="not an AMX host in use (elsewhere the AVX512 path is the host's "
+                    "own, which the kernel tests run)")
+def test_the_avx512_path_passes_the_kernel_tests_on_an_amx_host():
+    """FXSCHED_CPU_ISA=avx512 turns AMX off: the packed weights go to the AVX512-BF16 product, the
+    row kernel is its plain AVX512 build, and the engine's fused layers still give the step-by-step
+    logits, with nothing skipped for want of a kernel."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "FXSCHED_CPU_ISA": "avx512"}
+    files = ["tests/test_cpu_pairs.py", "tests/test_cpu_attention.py", "tests/test_fused_layer.py"]
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *files],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert "skipped" not in out.stdout.splitlines()[-1], out.stdout[-2000:]
 
 
 def _fp64_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
