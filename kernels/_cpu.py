@@ -40,7 +40,6 @@ FLAGS = {
     "avx2": ("-O3", "-mavx2", "-mfma", "-mf16c", "-shared", "-fPIC"),
 }
 ISAS = tuple(FLAGS)  # highest first
-LEVELS = ("amx", *ISAS)  # what FXSCHED_CPU_ISA may name, highest first: amx = the AVX512 build and AMX tiles
 
 
 @functools.cache

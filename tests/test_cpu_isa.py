@@ -76,16 +76,22 @@ def test_a_kernel_outside_the_host_level_is_not_loaded(monkeypatch):
     assert _cpu.load("cpu_amx", {}, isas=("avx512",)) is None
 
 
+def _kernel_tests_pass_at(level: str, files: list[str]) -> None:
+    """The kernel test files run in a process whose kernels are built at ``level``
+    (FXSCHED_CPU_ISA): they pass, and none is skipped for want of a kernel."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "FXSCHED_CPU_ISA": level}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *files],
+                         cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:]
+    assert "skipped" not in out.stdout.splitlines()[-1], out.stdout[-2000:]
+
+
 @pytest.mark.skipif(_cpu.host_isa() != "avx512" or not cpu_gemv.ready(),
                     reason="this host's own build is not the AVX512 one (the kernel tests already run its build)")
 def test_the_avx2_build_passes_the_kernel_tests_on_an_avx512_host():
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "FXSCHED_CPU_ISA": "avx2"}
-    files = ["tests/test_cpu_kernels.py", "tests/test_cpu_attention.py", "tests/test_cpu_pointwise.py"]
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *files],
-                         cwd=root, env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout[-3000:]
-    assert "skipped" not in out.stdout.splitlines()[-1], out.stdout[-2000:]  # every kernel was built for AVX2
+    _kernel_tests_pass_at("avx2", ["tests/test_cpu_kernels.py", "tests/test_cpu_attention.py",
+                                   "tests/test_cpu_pointwise.py"])
 
 
 @pytest.mark.skipif(not cpu_amx.ready(), reason="not an AMX host in use (elsewhere the AVX512 path is the host's "
@@ -94,13 +100,8 @@ def test_the_avx512_path_passes_the_kernel_tests_on_an_amx_host():
     """FXSCHED_CPU_ISA=avx512 turns AMX off: the packed weights go to the AVX512-BF16 product, the
     row kernel is its plain AVX512 build, and the engine's fused layers still give the step-by-step
     logits, with nothing skipped for want of a kernel."""
-    root = Path(__file__).resolve().parent.parent
-    env = {**os.environ, "FXSCHED_CPU_ISA": "avx512"}
-    files = ["tests/test_cpu_pairs.py", "tests/test_cpu_attention.py", "tests/test_fused_layer.py"]
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", *files],
-                         cwd=root, env=env, capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stdout[-3000:]
-    assert "skipped" not in out.stdout.splitlines()[-1], out.stdout[-2000:]
+    _kernel_tests_pass_at("avx512", ["tests/test_cpu_pairs.py", "tests/test_cpu_attention.py",
+                                     "tests/test_fused_layer.py"])
 
 
 def _fp64_close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:

@@ -4,6 +4,7 @@ the scheduler issues them, and through the scheduler where the core supports the
 
 from __future__ import annotations
 
+import gc
 import struct
 
 import pytest
@@ -14,6 +15,7 @@ pytest.importorskip("safetensors")
 from fxsched.runtime.devices.device import DeviceError  # noqa: E402
 from fxsched.runtime.generate import generate  # noqa: E402
 from fxsched.runtime.devices.sampling import decode_bf16_row  # noqa: E402
+from fxsched.runtime.devices.spill_files import SpillFiles  # noqa: E402
 from fxsched.runtime.devices.streams import CpuStream, StreamError, StreamSet  # noqa: E402
 from fxsched.runtime.devices.torch import DeviceStateError, TorchDevice  # noqa: E402
 from fxsched.runtime.torch_model import HybridEngine, ModelConfig, default_config  # noqa: E402
@@ -82,9 +84,7 @@ def test_spill_and_restore_continues_exactly(cfg, engine):
 
 def test_a_spill_directory_never_outlives_its_device(cfg):
     """A device dropped without teardown (a failed run, a caller that forgot) still removes the
-    spill directory it made, with any spill file left in it; a directory the caller gave is kept."""
-    import gc
-
+    spill directory it made, with any spill file left in it."""
     prompt = random_prompts(14, 1, cfg.vocab_size, min_len=12, max_len=12)[0]
     dev = TorchDevice(HybridEngine(cfg))
     start(dev, 1, prompt)
@@ -97,9 +97,8 @@ def test_a_spill_directory_never_outlives_its_device(cfg):
 
 
 def test_the_recording_devices_spill_files_never_outlive_them(tmp_path):
-    from fxsched.runtime.devices.spill_files import SpillFiles
-    import gc
-
+    """The recording device's own spill directory goes with it too; a directory the caller gave
+    is the caller's and is kept."""
     files = SpillFiles()
     root = files.root
     files.write(3, {"tokens": [1, 2]})

@@ -33,11 +33,12 @@ engine already holds), so building it costs no device synchronisation. The trace
 from __future__ import annotations
 
 from array import array
-
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
+
+from .transfers import host_tensor
 
 __all__ = ["AttnPlan", "RowKeys", "SeqKeys", "decode_plan", "plan_keys"]
 
@@ -119,7 +120,7 @@ def _row_keys(block_tables: Sequence[Sequence[int]], starts: Sequence[int], rows
     if not entries:
         return None
     r = len(q_rows)
-    flat = torch.frombuffer(q_rows + ctx + tables, dtype=torch.int32)
+    flat = host_tensor(q_rows + ctx + tables, torch.int32)
     return RowKeys(frozenset(entries), flat[:r], flat[r:2 * r], flat[2 * r:].view(r, nb))
 
 

@@ -27,9 +27,9 @@ def send_values(ints: Sequence[Sequence[int]], floats: Sequence[Floats],
     `send_ints`: the float fields travel as their float64 bits in the same int64 buffer, so every
     value arrives exactly (a float32 column rounds on the device as it would on the host). A float
     field may be a 1-D host float64 tensor, whose values are packed without reading them."""
-    parts = [_host_tensor(array("q", [v for f in ints for v in f]), torch.long)]
+    parts = [host_tensor(array("q", [v for f in ints for v in f]), torch.long)]
     for f in floats:
-        values = f.reshape(-1) if isinstance(f, torch.Tensor) else _host_tensor(array("d", f), torch.float64)
+        values = f.reshape(-1) if isinstance(f, torch.Tensor) else host_tensor(array("d", f), torch.float64)
         parts.append(values.to(torch.float64).view(torch.long))
     host = parts[0] if len(parts) == 1 else torch.cat(parts)
     if device.type == "cuda":
@@ -46,9 +46,10 @@ def send_values(ints: Sequence[Sequence[int]], floats: Sequence[Floats],
     return int_out, float_out
 
 
-def _host_tensor(values: array, dtype: torch.dtype) -> torch.Tensor:
-    """A host tensor over ``values``' memory (no per-element conversion: a quarter of
-    ``torch.tensor(list)``'s time on a few hundred values, the size of a decode step's fields)."""
+def host_tensor(values: array, dtype: torch.dtype) -> torch.Tensor:
+    """A host tensor over ``values``' memory, which it keeps alive (no per-element conversion: a
+    quarter of ``torch.tensor(list)``'s time on a few hundred values, the size of a decode step's
+    fields); ``dtype`` must match the array's typecode."""
     if not values:
         return torch.empty(0, dtype=dtype)
     return torch.frombuffer(values, dtype=dtype)
