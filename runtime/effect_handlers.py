@@ -106,10 +106,21 @@ def _wait_for_input(it: Performer, e) -> ev.Event:
     return ev.InputReady()
 
 
-def _commit_ctx_batch(it: Performer, e) -> None:
-    commit = it.device.commit_ctx
-    for seq, n, base, row in e.entries:
+def commit_ctx_rows(device, seqs: Seq[int], ns: Seq[int], bases: Seq[int],
+                    rows: Seq[int]) -> None:
+    """``commit_ctx(seq, n, base, row)`` for each column entry, in order: in one call where the
+    device's class batches them (``commit_ctx_many``: the torch device appends every drafter context
+    in one projection), one call each elsewhere (a recording device writes a line per call)."""
+    if callable(getattr(type(device), "commit_ctx_many", None)):
+        device.commit_ctx_many(seqs, ns, bases, rows)
+        return
+    commit = device.commit_ctx
+    for seq, n, base, row in zip(seqs, ns, bases, rows, strict=True):
         commit(seq, n, base, row)
+
+
+def _commit_ctx_batch(it: Performer, e) -> None:
+    commit_ctx_rows(it.device, e.seqs, e.ns, e.bases, e.rows)
 
 
 def _commit_accepted_prefix_batch(it: Performer, e) -> None:

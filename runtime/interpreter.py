@@ -42,7 +42,7 @@ from fxsched.effects import plans
 from fxsched.runtime.devices.device import Device, DeviceError
 from fxsched.runtime.devices.lane import Lane
 from fxsched.runtime.devices.sampling import decode_bf16_row, host_pick
-from fxsched.runtime.effect_handlers import _HANDLERS, _ON_HOST
+from fxsched.runtime.effect_handlers import _HANDLERS, _ON_HOST, commit_ctx_rows
 from fxsched.runtime.host import Host, Observer
 from fxsched.runtime.run_errors import BatchError, RunError
 
@@ -311,8 +311,8 @@ class Interpreter:
             d.decode_batch(plan.tokens, plan.seqs, 0)
         except DeviceError as err:
             return ev.DeviceFault(err.message, err.kv_exhausted, self._earlier_if_readable(plan.resolve))
-        for row, (seq, base) in enumerate(zip(plan.seqs, plan.seq_lens, strict=True)):
-            d.commit_ctx(seq, 1, base, row)
+        count = len(plan.seqs)
+        commit_ctx_rows(d, plan.seqs, (1,) * count, plan.seq_lens, range(count))
         keep = self._keep_ahead if plan.ahead else None
         if keep is not None and keep(0, len(plan.seqs), plan.picks, self.eos_ids):
             earlier = self._read_ahead(plan.resolve, plan.seqs)

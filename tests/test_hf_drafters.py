@@ -306,6 +306,41 @@ def test_dflash_proposals_equal_from_scratch_block_forward(ckpts, drafts_dir, wh
     check([1, 0], [other, 5], "batched slots of different lengths")
 
 
+def test_dflash_contexts_of_several_slots_grow_in_one_append(ckpts, drafts_dir):
+    """``ctx_extend_many`` and ``commit_ctx_many`` (a decode's or a batched verify's context rows, one
+    projection for every slot) put each slot's rows at its own positions: after a catch-up from the
+    committed features and after a batched verify whose slots keep different row counts, every
+    slot's proposal equals the from-scratch block forward over its committed tokens."""
+    ck, draft = ckpts["Qwen3ForCausalLM"], drafts_dir["mid"]
+    engine = HybridEngine.from_pretrained(ck.path, draft_model=draft, **ENGINE_ARGS)
+    drafter = engine.dflash
+    assert isinstance(drafter, PublishedDFlash)
+    slots = [2, 0, 1]
+    anchors = []
+    for slot, (seed, n) in zip(slots, [(3, 10), (4, 6), (6, 17)], strict=True):
+        engine.alloc(slot)
+        anchors.append(int(engine.prefill(slot, _prompt(seed, n)).argmax()))
+
+    def check(what: str) -> list[list[int]]:
+        got = drafter.propose_logits(slots, anchors, engine.device)
+        for b, (slot, anchor) in enumerate(zip(slots, anchors, strict=True)):
+            assert engine.ctx_len(slot) == engine.seq_len(slot), what
+            assert _maxdiff(got[b], dflash_reference(ck, draft, engine.tokens(slot), anchor)) <= ATOL, (what, slot)
+        return got.argmax(-1).tolist()
+
+    engine.ctx_extend(0, 4)  # one context part-way already: the batch starts each slot at its own length
+    engine.ctx_extend_many(slots, [engine.seq_len(s) for s in slots])
+    drafts = check("caught up together")
+    logits = engine.verify_batched(slots, [[a, *d] for a, d in zip(anchors, drafts, strict=True)])
+    keep = [3, 1, 2]
+    engine.commit_ctx_many(slots, keep)  # from the pending forward, before the commit (as commit_ctx)
+    engine.gdn_fold_accepted(slots, keep)
+    anchors = [int(rows[k - 1].argmax()) for rows, k in zip(logits, keep, strict=True)]
+    check("after a batched verify keeping 3, 1 and 2 rows")
+    with pytest.raises(ValueError, match="duplicate slots"):
+        engine.ctx_extend_many([0, 0], [engine.seq_len(0)] * 2)
+
+
 def test_dflash_context_survives_prefix_cache_spill_and_compaction(ckpts, drafts_dir, tmp_path):
     ck = ckpts["Qwen3ForCausalLM"]
     engine = HybridEngine.from_pretrained(ck.path, draft_model=drafts_dir["mid"], **ENGINE_ARGS)

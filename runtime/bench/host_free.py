@@ -280,17 +280,18 @@ PARTS_OF: dict[str, dict[str, tuple[str, ...]]] = {
     "engine": {
         "batch_prep": ("prepare", "decode_batch"),
         "forward": (),  # the model's forward: wrapped on engine.model
-        "commit": ("_forward", "gdn_fold_accepted", "commit_accepted_prefix", "commit_ctx", "ctx_extend",
-                   "trim_proposer_state", "set_pending_tokens", "save_hidden_for_mtp", "set_mtp_hidden"),
+        "commit": ("_forward", "gdn_fold_accepted", "commit_accepted_prefix", "commit_ctx", "commit_ctx_many",
+                   "ctx_extend", "ctx_extend_many", "trim_proposer_state", "set_pending_tokens", "save_hidden_for_mtp",
+                   "set_mtp_hidden"),
         "readback": ("verify_batched",),
         "proposal": ("mtp_drafts", "dflash_drafts"),
     },
     "device": {
         "batch_prep": ("_room_for", "_late_inputs"),
         "commit": ("_settle_many", "_commit", "gdn_fold_accepted", "commit_accepted_prefix", "commit_ctx",
-                   "trim_proposer_state", "truncate_sequence", "save_hidden_for_mtp",
+                   "commit_ctx_many", "trim_proposer_state", "truncate_sequence", "save_hidden_for_mtp",
                    "save_hidden_for_mtp_from_stash", "stash_verify_hidden_rows", "stash_verify_catchup_rows",
-                   "_ctx_catch_up", "start_checkpoint_async", "start_rollback_and_checkpoint_async",
+                   "_ctx_catch_up", "_ctx_catch_up_many", "start_checkpoint_async", "start_rollback_and_checkpoint_async",
                    "decode_marconi_checkpoint", "dflash_eagle_accept_append"),
         "readback": ("_row_tokens", "sample_rows", "sample_verify", "_verify_many"),
         "proposal": ("_propose", "run_mtp_propose_batched", "run_mtp_propose_multi", "run_mtp_catchup_batched"),

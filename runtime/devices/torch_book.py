@@ -301,19 +301,32 @@ class DeviceBook:
 
     def _ctx_catch_up(self, s: DeviceSeq, upto: Optional[int] = None) -> None:
         """Extend the drafter context over committed rows it lacks (up to ``upto``)."""
+        self._ctx_catch_up_many([s], [upto])
+
+    def _ctx_catch_up_many(self, seqs: Seq[DeviceSeq], uptos: Seq[Optional[int]]) -> None:
+        """`_ctx_catch_up` of several sequences: a context past its mark is trimmed, and the ones
+        short of it grow in one engine append (one projection for all their rows)."""
         if not self.uses_dflash_context:
             return
-        engine, slot = self.engine, s.slot
-        committed = engine.seq_len(slot)
-        upto = committed if upto is None else upto
-        if upto > committed:
-            raise DeviceStateError(f"sequence {s.seq_id}: drafter context up to {upto} but only {committed} committed")
-        ctx = engine.ctx_len(slot)
-        if ctx > upto:
-            engine.trim_proposer_state(slot, ctx - upto)
-        elif ctx < upto:
+        engine = self.engine
+        grow: list[int] = []
+        grow_to: list[int] = []
+        for s, upto in zip(seqs, uptos, strict=True):
+            slot = s.slot
+            committed = engine.seq_len(slot)
+            upto = committed if upto is None else upto
+            if upto > committed:
+                raise DeviceStateError(f"sequence {s.seq_id}: drafter context up to {upto} but only {committed} "
+                                       f"committed")
+            ctx = engine.ctx_len(slot)
+            if ctx > upto:
+                engine.trim_proposer_state(slot, ctx - upto)
+            elif ctx < upto:
+                grow.append(slot)
+                grow_to.append(upto)
+        if grow:
             with self._errors("drafter context"):
-                engine.ctx_extend(slot, upto)
+                engine.ctx_extend_many(grow, grow_to)
 
     def _forget_ahead(self, seq_id: int) -> None:
         """A freed sequence's tokens kept on the device go with it (``torch_ahead``)."""

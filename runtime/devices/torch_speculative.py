@@ -3,6 +3,7 @@ rollbacks), the DFlash context commits, the MTP hidden stash and the SSM snapsho
 
 from __future__ import annotations
 
+from typing import Sequence
 
 import structlog
 
@@ -45,20 +46,34 @@ class Speculative(DeviceBook):
     def commit_ctx(self, seq: int, n: int, base: int, row: int) -> None:
         """DFlash: the drafter context covers positions [0, base + n) — the committed rows below
         ``base`` and the first n rows of the forward that started at ``base``."""
+        self.commit_ctx_many([seq], [n], [base], [row])
+
+    def commit_ctx_many(self, seqs: Sequence[int], ns: Sequence[int], bases: Sequence[int],
+                        rows: Sequence[int]) -> None:
+        """``commit_ctx`` of several sequences (a decode's or a batched verify's rows, in order): the
+        committed rows every context lacks in one append, then the forward's rows in a second."""
         if not self.uses_dflash_context:
             return
-        s = self._seq(seq)
-        engine, slot = self.engine, s.slot
-        committed = engine.seq_len(slot)
-        if base + n <= committed:
-            self._ctx_catch_up(s, base + n)
-        elif s.pending is not None and base == committed and n <= len(s.pending.tokens):
-            self._ctx_catch_up(s, base)
+        engine = self.engine
+        caught, uptos, fresh, counts = [], [], [], []
+        for seq, n, base in zip(seqs, ns, bases, strict=True):
+            s = self._seq(seq)
+            committed = engine.seq_len(s.slot)
+            if base + n <= committed:
+                caught.append(s)
+                uptos.append(base + n)
+            elif s.pending is not None and base == committed and n <= len(s.pending.tokens):
+                caught.append(s)
+                uptos.append(base)
+                fresh.append(s.slot)
+                counts.append(n)
+            else:
+                raise DeviceStateError(f"commit_ctx: sequence {seq} has {committed} committed tokens; cannot take "
+                                       f"{n} context rows at {base}")
+        self._ctx_catch_up_many(caught, uptos)
+        if fresh:
             with self._errors("commit_ctx"):
-                engine.commit_ctx(slot, n)
-        else:
-            raise DeviceStateError(f"commit_ctx: sequence {seq} has {committed} committed tokens; cannot take "
-                                   f"{n} context rows at {base}")
+                engine.commit_ctx_many(fresh, counts)
 
     def trim_proposer_state(self, seq: int, na: int, stream: int) -> None:
         """Drop drafter context rows beyond the sequence's length (a rejected branch)."""

@@ -57,11 +57,61 @@ class SlotContext:
         self.ctx_k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
         self.ctx_v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(layers)]
         self.ctx_len = [0] * slots
+        self.max_len = max_len
 
-    def put_rows(self, slot: int, start: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write rows k/v [n, Hkv, Dh] of drafter layer `layer` at positions start.. (the caller sets ctx_len)."""
-        self.ctx_k[layer][slot, start:start + k.shape[0]] = k
-        self.ctx_v[layer][slot, start:start + v.shape[0]] = v
+    def new_rows(self, slots: Sequence[int], counts: Sequence[int],
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slot, position) index tensors of the context rows that appending counts[i] rows to each
+        slots[i] (distinct) would write, in order: positions ctx_len.. of each slot. A context row's
+        position is its token's position, so the same indices pick the rows from a [slots, positions]
+        history."""
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"duplicate slots in one DFlash context append: {list(slots)}")
+        at_slot: list[int] = []
+        at_pos: list[int] = []
+        for slot, n in zip(slots, counts, strict=True):
+            start = self.ctx_len[slot]
+            if n < 0 or start + n > self.max_len:
+                raise ValueError(f"DFlash context of slot {slot} would exceed max_seq_len={self.max_len}")
+            at_slot += [slot] * n
+            at_pos += range(start, start + n)
+        slot_t, pos_t = send_ints([at_slot, at_pos], device)
+        return slot_t, pos_t
+
+    def append(self, slot: int, rows: torch.Tensor) -> None:
+        """Extend the context of `slot` with rows [n, D] (positions ctx_len.., in order)."""
+        self.append_many([slot], [rows.shape[0]], rows)
+
+    def append_many(self, slots: Sequence[int], counts: Sequence[int], rows: torch.Tensor,
+                    index: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Extend the contexts of several slots in one pass: rows [sum(counts), D] hold counts[i]
+        rows for slots[i], slot after slot, each in position order (`index`: their `new_rows`, when
+        the caller made it). One projection and one indexed write per layer serve every slot."""
+        slot_t, pos_t = self.new_rows(slots, counts, rows.device) if index is None else index
+        if rows.shape[0] != pos_t.shape[0]:
+            raise ValueError(f"{rows.shape[0]} DFlash context rows for {pos_t.shape[0]} positions")
+        if rows.shape[0]:
+            x = self.context_input(rows)
+            rope = self.context_rope(pos_t, x.dtype)
+            for j, (ctx_k, ctx_v) in enumerate(zip(self.ctx_k, self.ctx_v, strict=True)):
+                k, v = self.context_kv(x, j, pos_t, rope)
+                ctx_k.index_put_((slot_t, pos_t), k)
+                ctx_v.index_put_((slot_t, pos_t), v)
+        for slot, n in zip(slots, counts, strict=True):
+            self.ctx_len[slot] += n
+
+    def context_input(self, rows: torch.Tensor) -> torch.Tensor:
+        """What the layers' K/V projections read for appended rows (the drafter's own input map)."""
+        raise NotImplementedError
+
+    def context_rope(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        """The rotary tables of the context rows at `positions`."""
+        raise NotImplementedError
+
+    def context_kv(self, x: torch.Tensor, layer: int, positions: torch.Tensor,
+                   rope: RopeTables) -> tuple[torch.Tensor, torch.Tensor]:
+        """The roped K and the V rows [n, Hkv, Dh] of drafter layer `layer` for inputs x [n, D]."""
+        raise NotImplementedError
 
     def trim(self, slot: int, n_drop: int) -> None:
         """Drop the last n_drop context rows of `slot` (0 <= n_drop <= ctx_len)."""
@@ -120,17 +170,16 @@ class DFlashDrafter(SlotContext):
         k = apply_rope(linear(x, self.w[f"{prefix}.k_proj"]).view(shape), positions, cfg.rope_theta, tables=rope)
         return k, linear(x, self.w[f"{prefix}.v_proj"]).view(shape)
 
-    def append(self, slot: int, hidden: torch.Tensor) -> None:
-        """Extend the context of `slot` with target hidden rows [n, D] (pre-norm), in order."""
-        n, start = hidden.shape[0], self.ctx_len[slot]
-        if start + n > self.cfg.max_seq_len:
-            raise ValueError(f"DFlash context of slot {slot} would exceed max_seq_len={self.cfg.max_seq_len}")
-        feats = rms_norm(linear(hidden, self.w["dflash.ctx_proj"]), self.w["dflash.ctx_norm"], self.cfg.rms_norm_eps)
-        positions = torch.arange(start, start + n, device=hidden.device)
-        rope = rope_tables(positions, self.cfg.rope_theta, self.cfg.head_dim, feats.dtype)
-        for j in range(self.cfg.dflash_layers):
-            self.put_rows(slot, start, j, *self._project(feats, f"dflash.layers.{j}.attn", positions, rope))
-        self.ctx_len[slot] = start + n
+    def context_input(self, rows: torch.Tensor) -> torch.Tensor:
+        """Target hidden rows [n, D] (pre-norm) projected to the drafter's context features."""
+        return rms_norm(linear(rows, self.w["dflash.ctx_proj"]), self.w["dflash.ctx_norm"], self.cfg.rms_norm_eps)
+
+    def context_rope(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        return rope_tables(positions, self.cfg.rope_theta, self.cfg.head_dim, dtype)
+
+    def context_kv(self, x: torch.Tensor, layer: int, positions: torch.Tensor,
+                   rope: RopeTables) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._project(x, f"dflash.layers.{layer}.attn", positions, rope)
 
     def propose(self, slots: Sequence[int], last_tokens: Sequence[int], device: torch.device) -> torch.Tensor:
         """Drafts [B, gamma] on `device` for `slots`, each continuing its context with last_tokens[b]."""

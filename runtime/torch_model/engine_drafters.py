@@ -98,29 +98,48 @@ class Drafting(SlotTable):
     def commit_ctx(self, slot: int, n: int) -> None:
         """Extend the DFlash context of `slot` with the first n rows of its last forward (hidden rows
         for the internal drafter, context features for a checkpoint's drafter)."""
+        self.commit_ctx_many([slot], [n])
+
+    @torch.no_grad()
+    def commit_ctx_many(self, slots: Sequence[int], counts: Sequence[int]) -> None:
+        """`commit_ctx` of several slots (distinct) in one context append: one projection for all."""
         drafter = self._require_dflash()
-        rows = self.captured_hidden(slot)
-        if isinstance(drafter, PublishedDFlash):
-            features = self._captured_features[slot]
-            assert features is not None  # every forward of an engine with this drafter records them
-            rows = features.rows()
-        if not 0 <= n <= rows.shape[0]:
-            raise ValueError(f"slot {slot}: cannot commit {n} of {rows.shape[0]} captured rows")
-        drafter.append(slot, rows[:n])
+        parts = []
+        for slot, n in zip(slots, counts, strict=True):
+            rows = self.captured_hidden(slot)
+            if isinstance(drafter, PublishedDFlash):
+                features = self._captured_features[slot]
+                assert features is not None  # every forward of an engine with this drafter records them
+                rows = features.rows()
+            if not 0 <= n <= rows.shape[0]:
+                raise ValueError(f"slot {slot}: cannot commit {n} of {rows.shape[0]} captured rows")
+            parts.append(rows[:n])
+        if parts:
+            drafter.append_many(slots, counts, parts[0] if len(parts) == 1 else torch.cat(parts))
 
     @torch.no_grad()
     def ctx_extend(self, slot: int, upto: int) -> None:
         """Extend the DFlash context of `slot` over committed positions [ctx_len, upto) (their hidden
         rows, or context features for a checkpoint's drafter)."""
+        self.ctx_extend_many([slot], [upto])
+
+    @torch.no_grad()
+    def ctx_extend_many(self, slots: Sequence[int], uptos: Sequence[int]) -> None:
+        """`ctx_extend` of several slots (distinct) in one context append: the committed rows of every
+        slot gathered from the history in one indexed read, projected once."""
         drafter = self._require_dflash()
-        state = self._slot(slot)
-        start = drafter.ctx_len[slot]
-        if not start <= upto <= state.seq_len:
-            raise ValueError(f"slot {slot}: cannot extend a DFlash context of {start} rows to {upto} "
-                             f"({state.seq_len} committed)")
+        counts = []
+        for slot, upto in zip(slots, uptos, strict=True):
+            state = self._slot(slot)
+            start = drafter.ctx_len[slot]
+            if not start <= upto <= state.seq_len:
+                raise ValueError(f"slot {slot}: cannot extend a DFlash context of {start} rows to {upto} "
+                                 f"({state.seq_len} committed)")
+            counts.append(upto - start)
         history = self.dflash_features if isinstance(drafter, PublishedDFlash) else self.hidden_history
         assert history is not None
-        drafter.append(slot, history[slot, start:upto])
+        index = drafter.new_rows(slots, counts, self.device)
+        drafter.append_many(slots, counts, history[index], index)
 
     def trim_proposer_state(self, slot: int, n_drop: int) -> None:
         """Drop the last n_drop rows of the DFlash context of `slot`."""

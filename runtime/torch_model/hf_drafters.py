@@ -265,19 +265,16 @@ class PublishedDFlash(SlotContext):
                 self._heads(self._proj(x, f"{p}.v_proj"), s.num_kv_heads))
 
     # ---- context -------------------------------------------------------------------------------
-    def append(self, slot: int, feats: torch.Tensor) -> None:
-        """Extend the context of `slot` with feature rows [n, D] (positions ctx_len.., in order)."""
-        n, start = feats.shape[0], self.ctx_len[slot]
-        if start + n > self.max_seq_len:
-            raise ValueError(f"DFlash context of slot {slot} would exceed max_seq_len={self.max_seq_len}")
-        if n == 0:
-            return
-        positions = torch.arange(start, start + n, device=feats.device)
-        feats = feats.to(self.ctx_k[0].dtype)
-        rope = rope_tables(positions, self.spec.rope_theta, self.spec.head_dim, feats.dtype)
-        for j in range(self.spec.num_layers):
-            self.put_rows(slot, start, j, *self._kv(feats, j, positions, rope))
-        self.ctx_len[slot] = start + n
+    def context_input(self, rows: torch.Tensor) -> torch.Tensor:
+        """Context feature rows [n, D] (`features`), in the context's dtype (`SlotContext.append_many`)."""
+        return rows.to(self.ctx_k[0].dtype)
+
+    def context_rope(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        return rope_tables(positions, self.spec.rope_theta, self.spec.head_dim, dtype)
+
+    def context_kv(self, x: torch.Tensor, layer: int, positions: torch.Tensor,
+                   rope: RopeTables) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._kv(x, layer, positions, rope)
 
     def export_shapes(self, n: int) -> dict[str, tuple[int, ...]]:
         """Shapes `export` gives for a context of n rows."""
