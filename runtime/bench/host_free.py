@@ -13,7 +13,9 @@ kept rows), which the commit folds like real ones. The KV and GDN caches are nev
 The free drafters (``FreeDrafts``) replace ``engine.mtp_drafts`` and ``engine.dflash_drafts`` on the
 engine instance: one packed copy of the last tokens (``send_ints``) plus an add on the device,
 drafts (t + 1, t + 2, ...) mod V, which the counting target accepts every time; with ``accept`` < 1
-each draft is wrong with probability 1 - accept (a seeded table), so verifies reject some.
+each draft is wrong with probability 1 - accept (a seeded table), so verifies reject some. The DFlash
+drafter's context rows (its projection of the committed rows: drafter work) are zeros, their
+bookkeeping kept (``FreeDrafts.install``).
 
 ``Stopwatch`` accumulates the *own* time of labelled calls: a labelled call's seconds are its span
 less the spans of the labelled calls made inside it, which go to their own labels, so nothing is
@@ -134,10 +136,20 @@ class FreeDrafts:
         return drafts % self.vocab
 
     def install(self, engine: HybridEngine) -> None:
-        """Answer the engine's MTP and DFlash proposals (instance attributes)."""
+        """Answer the engine's MTP and DFlash proposals (instance attributes), and make the DFlash
+        drafter's context rows free too: its projection of the committed rows is the drafter's
+        forward, so their K/V are zeros (a broadcast view) while the context's bookkeeping (the
+        rows' indices, the indexed writes, the lengths) runs as it does on a real drafter."""
         gamma = engine.cfg.dflash_gamma
         engine.mtp_drafts = lambda slots, last_tokens, num_drafts: self.drafts(last_tokens, num_drafts)  # type: ignore[method-assign]
         engine.dflash_drafts = lambda slots, last_tokens: self.drafts(last_tokens, gamma)  # type: ignore[method-assign]
+        drafter = engine.dflash
+        if drafter is not None and drafter.ctx_k:
+            zero = torch.zeros(1, *drafter.ctx_k[0].shape[2:], dtype=drafter.ctx_k[0].dtype, device=self.device)
+            drafter.context_input = lambda rows: rows  # type: ignore[method-assign]
+            drafter.context_rope = lambda positions, dtype: None  # type: ignore[method-assign]
+            drafter.context_kv = (  # type: ignore[method-assign]
+                lambda x, layer, positions, rope: (zero.expand(x.shape[0], -1, -1),) * 2)
 
 
 def free_engine(cfg: ModelConfig, device: str = "cpu", accept: float = 1.0, seed: int = 0,

@@ -71,7 +71,7 @@ class SlotContext:
         at_pos: list[int] = []
         for slot, n in zip(slots, counts, strict=True):
             start = self.ctx_len[slot]
-            if n < 0 or start + n > self.max_len:
+            if start + n > self.max_len:
                 raise ValueError(f"DFlash context of slot {slot} would exceed max_seq_len={self.max_len}")
             at_slot += [slot] * n
             at_pos += range(start, start + n)
