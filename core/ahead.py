@@ -13,7 +13,8 @@ and a cancel asked for since its decode ends the sequence with the token untaken
 streamed after a cancel). A deadline passed while a token is on the device is judged at the end
 of that tick, once the token is read (``ahead_past_deadline``). Work that needs every sequence's
 last token (admission, prefill, a speculative step, memory pressure, a rotation) resolves first
-(``needs_settled``), and the sequences a resolved token finished retire before admission.
+(``needs_settled``, ``decode.speculation_lane``), and the sequences a resolved token finished retire
+before admission.
 """
 
 from __future__ import annotations
@@ -63,11 +64,13 @@ def pick(seq: Sequence) -> dc.HostPick:
 
 
 def may_answer_ahead(config: SchedulerConfig, model: ModelInfo, rows: Iterable[Sequence]) -> bool:
-    """Whether a plain decode of ``rows`` may be answered ahead: async scheduling on, no speculation
-    (its steps read every token), no watchdog or SSM snapshot (they act on a token's value before
-    the next is fed) and no row asking for logprob records."""
-    return (config.async_scheduling and config.base_draft_count(model) == 0 and not config.loop_watchdog
-            and not snapshots_possible(config, model) and all(s.request.top_logprobs == 0 for s in rows))
+    """Whether a plain decode of ``rows`` may be answered ahead: async scheduling on, no watchdog or
+    SSM snapshot (they act on a token's value before the next is fed) and no row asking for logprob
+    records. Speculation configured does not bar it: a tick whose decode is plain (the batch past
+    the speculative width, a slot past the cap) pipelines as any plain decode; a tick that would
+    speculate reads the kept tokens first (``decode.speculation_lane``, ``tick.tick_start``)."""
+    return (config.async_scheduling and not config.loop_watchdog and not snapshots_possible(config, model)
+            and all(s.request.top_logprobs == 0 for s in rows))
 
 
 def fed_again(seq: Sequence, config: SchedulerConfig) -> bool:
@@ -132,6 +135,7 @@ def ahead_past_deadline(state: SchedulerState) -> bool:
 
 def needs_settled(state: SchedulerState) -> bool:
     """Whether this tick may do work that needs every sequence's last token, so that the tokens
-    kept on the device are read first: anything but a plain decode of the running batch."""
+    kept on the device are read first: anything but a plain decode of the running batch (a
+    speculative step too: ``tick.tick_start`` asks ``decode.speculation_lane`` beside this)."""
     return bool(state.new_requests or state.pending or state.prefilling or state.rotations or state.swapped
                 or state.preempted or not may_answer_ahead(state.config, state.model, ()))

@@ -8,7 +8,7 @@ its ``blocks`` cover ``seq_len``; a failed batch changes no sequence it did not 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import Any, Optional
 
 from fxsched.core.agenda import PhaseError, ask, batch_rows, by_id, keep_batch, push, update
 from fxsched.core.ahead_columns import answered_from_columns, planned_from_columns
@@ -36,24 +36,37 @@ from fxsched.effects.lifecycle import MarconiCheckpoints
 _NGRAM_STEP, _SELF_SPEC_STEP, _SPEC_STEP, _PLAIN_DECODE = NgramStep(), SelfSpecStep(), SpecStep(), PlainDecode()
 
 
-def decode_lane(state: SchedulerState, task: DecodeLane, out: list[Effect]) -> SchedulerState:
-    if state.mixed_step_ran:
-        return state
+def speculation_lane(state: SchedulerState) -> Optional[object]:
+    """The speculative task this tick's decode takes (n-gram or self-speculative while one sequence
+    runs, MTP / DFlash up to ``mtp_width_limit`` sequences, every slot under the cap, no guard), or
+    None: a plain decode."""
     config, model = state.config, state.model
-    if state.prefilling:
-        prefill_barrier(state, out)
+    if config.base_draft_count(model) == 0:
+        return None
     active = state.rows  # slots and guards: exact in the records (state.settled holds only hot fields)
     cap = config.speculation_slot_cap
     facts = kept_facts(state)
     covered = max(facts.slots, default=-1) < cap if facts is not None else all(s.slot < cap for s in active)
     if config.ngram_speculative and len(active) == 1 and covered:
-        lane: object = _NGRAM_STEP
-    elif config.self_speculative and model.has_self_speculative and len(active) == 1 and covered:
-        lane = _SELF_SPEC_STEP
-    elif (config.uses_mtp(model) and len(active) <= config.mtp_width_limit and covered
+        return _NGRAM_STEP
+    if config.self_speculative and model.has_self_speculative and len(active) == 1 and covered:
+        return _SELF_SPEC_STEP
+    if (config.uses_mtp(model) and len(active) <= config.mtp_width_limit and covered
             and (facts.all_unguarded if facts is not None else all(map(may_speculate, active)))):
-        lane = _SPEC_STEP
-    else:  # plain decode is the next task: run it now (the same as pushing it)
+        return _SPEC_STEP
+    return None
+
+
+def decode_lane(state: SchedulerState, task: DecodeLane, out: list[Effect]) -> SchedulerState:
+    if state.mixed_step_ran:
+        return state
+    if state.prefilling:
+        prefill_barrier(state, out)
+    lane = speculation_lane(state)
+    if lane is None or any_ahead(state):
+        # plain decode is the next task: run it now (the same as pushing it). A speculative step
+        # reads every token: with tokens still on the device (a tick that changed its batch after
+        # its start) this tick decodes plainly, and the next settles first (specs/async.md §16.6)
         return plain_decode(update(state, out, {"last_decode_ms": state.now_ms}), _PLAIN_DECODE, out)
     return update(state, out, {"last_decode_ms": state.now_ms, "agenda": (lane,) + state.agenda})
 

@@ -109,10 +109,12 @@ def _wait_for_input(it: Performer, e) -> ev.Event:
 def commit_ctx_rows(device, seqs: Seq[int], ns: Seq[int], bases: Seq[int],
                     rows: Seq[int]) -> None:
     """``commit_ctx(seq, n, base, row)`` for each column entry, in order: in one call where the
-    device's class batches them (``commit_ctx_many``: the torch device appends every drafter context
-    in one projection), one call each elsewhere (a recording device writes a line per call)."""
-    if callable(getattr(type(device), "commit_ctx_many", None)):
-        device.commit_ctx_many(seqs, ns, bases, rows)
+    device batches them (``commit_ctx_many``: the torch device appends every drafter context in one
+    projection; a wrapper that hands its calls to one, an expert-parallel leader or a bench's clocked
+    device, gives it too), one call each elsewhere (a recording device writes a line per call)."""
+    many = getattr(device, "commit_ctx_many", None)
+    if callable(many):
+        many(seqs, ns, bases, rows)
         return
     commit = device.commit_ctx
     for seq, n, base, row in zip(seqs, ns, bases, rows, strict=True):

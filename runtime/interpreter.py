@@ -310,7 +310,7 @@ class Interpreter:
         try:
             d.decode_batch(plan.tokens, plan.seqs, 0)
         except DeviceError as err:
-            return ev.DeviceFault(err.message, err.kv_exhausted, self._earlier_if_readable(plan.resolve))
+            return self._launch_fault(err, plan.resolve, plan.seqs)
         count = len(plan.seqs)
         commit_ctx_rows(d, plan.seqs, (1,) * count, plan.seq_lens, range(count))
         keep = self._keep_ahead if plan.ahead else None
@@ -334,10 +334,14 @@ class Interpreter:
             raise RunError("a decode resolves kept tokens, but the device keeps none (no read_ahead)")
         return tuple(read(seqs, fed))
 
-    def _earlier_if_readable(self, seqs: Seq[int]) -> tuple[int, ...]:
-        """For a decode that failed at its launch: the kept tokens it was to resolve, when the device
-        can still give them (else none: the fault then covers their sequences too)."""
+    def _launch_fault(self, err: DeviceError, resolve: Seq[int], fed: Seq[int]) -> ev.DeviceFault:
+        """The answer of a decode of ``fed`` that failed at its launch: its fault, with the kept tokens
+        it was to resolve when the device can still give them. When it cannot (the decode that kept
+        them failed after it was answered), that failure is the answer: it covers the sequences of
+        both decodes, and a launch that merely found the KV cache full must not pass for one a
+        preemption mends (specs/async.md §16.6 rule 6)."""
         try:
-            return self._read_ahead(seqs)
-        except DeviceError:
-            return ()
+            earlier = self._read_ahead(resolve, fed)
+        except DeviceError as lost:
+            return ev.DeviceFault(lost.message, lost.kv_exhausted)
+        return ev.DeviceFault(err.message, err.kv_exhausted, earlier)

@@ -127,3 +127,96 @@ def test_the_device_keeps_decodes_and_an_async_tick_reads_back_once(monkeypatch)
     reads = sum(counter.counts[k] for k in ("tolist", "item", "cpu", "numpy", "__int__", "__bool__", "__float__"))
     assert reads <= ticks + 2, dict(counter.counts)  # one read per tick (the prefill's first token included)
     assert counter.counts["blocking_copy"] == 0, dict(counter.counts)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_speculative_runs_pipeline_their_plain_ticks_and_keep_the_synchronous_tokens(monkeypatch):
+    """With n-gram speculation configured, a tick of several sequences decodes plainly: it is
+    answered ahead, and the tick where one sequence is left reads the kept token before it
+    speculates; the tokens are the synchronous run's (requests ending at EOS at different steps)."""
+    from fxsched.runtime.devices import torch as torch_device
+    from fxsched.runtime.generate import generate
+
+    made = []
+    original = torch_device.TorchDevice.__init__
+
+    def init(self, *a, **k):
+        original(self, *a, **k)
+        made.append(self)
+    monkeypatch.setattr(torch_device.TorchDevice, "__init__", init)
+    prompts = PROMPTS[:2]
+    free = generate(_engine(), prompts, 32, "ngram", eos_ids=()).outputs
+    # an EOS that ends request 2 early and never comes in request 1: request 1 then runs alone
+    eos = next(t for t in free[1][2:12] if t not in free[0])
+    runs = {a: generate(_engine(), prompts, 32, "ngram", eos_ids=(eos,), async_scheduling=a).outputs
+            for a in (False, True)}
+    assert runs[True] == runs[False] and len(runs[True][0]) == 32 and len(runs[True][1]) < 12
+    device = made[-1]
+    assert device.stats.calls["keep_ahead"] > 0 and device.stats.calls["read_ahead"] > 0
+    assert device.stats.verifies > 0  # the last sequence standing speculated
+
+
+def test_walk_speculative_episodes_pipeline_their_plain_ticks_without_a_violation():
+    """Speculative episodes scheduled asynchronously (the walk draws one in three): their plain ticks
+    are answered ahead, kept tokens are read before a speculative step, and each gives its clients
+    the synchronous twin's tokens, finish reasons and logprobs (run_episode compares them)."""
+    rng = random.Random(11)
+    coverage: Counter = Counter()
+    modes: Counter = Counter()
+    while sum(modes.values()) < 60:
+        episode = random_episode(rng)
+        if episode.mode == "plain":
+            continue
+        result = run_episode(attrs.evolve(episode, async_scheduling=True), coverage)
+        assert result.violation is None, (result.violation, episode)
+        modes[episode.mode] += 1
+    assert coverage["feature:decode_ahead"] > 0 and coverage["feature:kept_read_alone"] > 0, coverage
+
+
+# --- a decode that fails at its launch (specs/async.md §16.6 rule 6) ----------------------------------
+
+
+class _LaunchFails:
+    """A device whose decode launch finds the KV cache full, and whose kept tokens are (or are not)
+    lost: it records every read of kept tokens with the decode the read answers for."""
+
+    def __init__(self, lost: bool) -> None:
+        self.lost = lost
+        self.reads: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+    def note_fx(self, line: str) -> None:
+        pass
+
+    def decode_batch(self, tokens, seqs, stream: int) -> None:
+        from fxsched.runtime.devices.device import DeviceError
+        raise DeviceError("out of KV blocks", kv_exhausted=True)
+
+    def read_ahead(self, seqs, fed=()) -> list[int]:
+        from fxsched.runtime.devices.device import DeviceError
+        self.reads.append((tuple(seqs), tuple(fed)))
+        if self.lost:
+            raise DeviceError("the decode answered ahead of sequence 1 failed")
+        return [7] * len(seqs)
+
+
+@pytest.mark.parametrize("lost", [False, True])
+def test_a_decode_failing_at_launch_answers_the_kept_tokens_or_their_loss(lost):
+    """A launch that finds the KV cache full brings the kept tokens it resolves (the scheduler takes
+    them, then preempts and retries); when they were lost with the decode that kept them, that loss
+    is the answer instead: not a KV exhaustion a preemption would mend, and the device is told the
+    decode it takes down with it (whose sequences the fault covers)."""
+    from fxsched.core.events import LATE_TOKEN, DeviceFault
+    from fxsched.effects import plans
+    from fxsched.runtime.host import Host
+    from fxsched.runtime.interpreter import Interpreter
+
+    device = _LaunchFails(lost)
+    plan = plans.Decode(tokens=(LATE_TOKEN, 5), seqs=(1, 2), seq_lens=(9, 4), picks=(), ahead=True, resolve=(1,))
+    answer = Interpreter(device, Host(), (63,)).perform(plan)
+    assert isinstance(answer, DeviceFault)
+    assert device.reads == [((1,), (1, 2))]
+    if lost:
+        assert (answer.message, answer.kv_exhausted, answer.earlier) == (
+            "the decode answered ahead of sequence 1 failed", False, ())
+    else:
+        assert (answer.message, answer.kv_exhausted, answer.earlier) == ("out of KV blocks", True, (7,))

@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from fxsched.runtime.torch_model import HybridEngine
+from fxsched.runtime.torch_model.attention import RopeTables
 from fxsched.runtime.torch_model.config import ModelConfig, default_config
 from fxsched.runtime.torch_model.gdn import GdnRows
 from fxsched.runtime.torch_model.model import ForwardOutput, RowBatch
@@ -146,8 +147,9 @@ class FreeDrafts:
         drafter = engine.dflash
         if drafter is not None and drafter.ctx_k:
             zero = torch.zeros(1, *drafter.ctx_k[0].shape[2:], dtype=drafter.ctx_k[0].dtype, device=self.device)
+            no_rope = RopeTables(zero, zero)  # (never read: the free K/V are not roped)
             drafter.context_input = lambda rows: rows  # type: ignore[method-assign]
-            drafter.context_rope = lambda positions, dtype: None  # type: ignore[method-assign]
+            drafter.context_rope = lambda positions, dtype: no_rope  # type: ignore[method-assign]
             drafter.context_kv = (  # type: ignore[method-assign]
                 lambda x, layer, positions, rope: (zero.expand(x.shape[0], -1, -1),) * 2)
 

@@ -221,6 +221,10 @@ def _proposer_quirks(episode: Episode, rng: random.Random) -> Episode:
     if episode.mode == "plain" and hash_seed(episode) // 4 % 3:
         # two plain episodes in three schedule asynchronously: decodes answered ahead now and then
         episode = replace(episode, async_scheduling=True)
+    elif episode.mode != "plain" and hash_seed(episode) // 4 % 3 == 0:
+        # one speculative episode in three too: its plain ticks (a batch past the speculative width,
+        # n-gram beside other sequences) answered ahead, read before a tick that speculates
+        episode = replace(episode, async_scheduling=True)
     return episode
 
 

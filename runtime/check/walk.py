@@ -27,7 +27,7 @@ import attrs
 from fxsched.core import events as ev
 from fxsched.core.records import replace
 from fxsched.core.state import initial_state
-from fxsched.effects.client import ErrorOut
+from fxsched.effects.client import DoneOut, ErrorOut, ResponseOut, TokenOut, TokensOut
 from fxsched.runtime.interpreter import BatchError, Interpreter
 from fxsched.runtime.check.episode import ADAPTERS, FAULT_PHASES, Episode
 from fxsched.runtime.check.invariants import Monitor, Violation
@@ -146,6 +146,8 @@ def _against_twin(episode: Episode, outputs: list, step_limit: int) -> Optional[
     if any(isinstance(o, ErrorOut) for o in outputs + twin):
         return None
     mine, theirs = _by_request(outputs), _by_request(twin)  # (frames of different requests interleave otherwise)
+    if episode.mode != "plain":  # what the clients read, framing aside
+        mine, theirs = ({rid: _client_view(frames) for rid, frames in side.items()} for side in (mine, theirs))
     for rid in sorted(set(mine) | set(theirs)):
         got, want = mine.get(rid, []), theirs.get(rid, [])
         if got != want:
@@ -154,6 +156,24 @@ def _against_twin(episode: Episode, outputs: list, step_limit: int) -> Optional[
                                                   f"{got[at] if at < len(got) else 'missing'}; the synchronous run's "
                                                   f"is {want[at] if at < len(want) else 'missing'}")
     return None
+
+
+def _client_view(frames: list) -> list:
+    """What a client reads from its frames, framing aside: each token with its logprob count, then
+    the final frame less its accepted-draft count. A speculative run groups its tokens by step, and
+    which ticks speculate differs with when the host reads a token (a tick that would speculate
+    reads the kept tokens first); the tokens, finish reason and logprobs may not."""
+    view: list = []
+    for o in frames:
+        if isinstance(o, TokenOut):
+            view.append((o.token, o.logprobs))
+        elif isinstance(o, TokensOut):
+            view.extend((t, o.logprobs) for t in o.tokens)
+        elif isinstance(o, (DoneOut, ResponseOut)):
+            view.append(attrs.evolve(o, acc=0))
+        else:
+            view.append(o)
+    return view
 
 
 def _by_request(outputs: list) -> dict[int, list]:
