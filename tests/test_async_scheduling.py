@@ -81,6 +81,21 @@ def _engine():
 PROMPTS = [[5 + i, 17, 42, 7 + i] * (1 + i % 3) for i in range(6)]
 
 
+@pytest.fixture
+def made(monkeypatch) -> list:
+    """Every ``TorchDevice`` made while the test runs, in order (``generate`` makes its own)."""
+    from fxsched.runtime.devices import torch as torch_device
+
+    devices: list = []
+    original = torch_device.TorchDevice.__init__
+
+    def init(self, *a, **k):
+        original(self, *a, **k)
+        devices.append(self)
+    monkeypatch.setattr(torch_device.TorchDevice, "__init__", init)
+    return devices
+
+
 @pytest.mark.usefixtures("one_torch_thread")
 def test_greedy_tokens_equal_the_synchronous_run_with_requests_ending_at_eos():
     from fxsched.runtime.generate import generate
@@ -105,19 +120,11 @@ def test_sampled_tokens_equal_the_synchronous_run():
 
 
 @pytest.mark.usefixtures("one_torch_thread")
-def test_the_device_keeps_decodes_and_an_async_tick_reads_back_once(monkeypatch):
+def test_the_device_keeps_decodes_and_an_async_tick_reads_back_once(made):
     from support.host_syncs import SyncCounter
 
-    from fxsched.runtime.devices import torch as torch_device
     from fxsched.runtime.generate import generate
 
-    made = []
-    original = torch_device.TorchDevice.__init__
-
-    def init(self, *a, **k):
-        original(self, *a, **k)
-        made.append(self)
-    monkeypatch.setattr(torch_device.TorchDevice, "__init__", init)
     counter, engine = SyncCounter(), _engine()
     with counter:
         result = generate(engine, PROMPTS[:3], 16, eos_ids=(), async_scheduling=True)
@@ -130,20 +137,12 @@ def test_the_device_keeps_decodes_and_an_async_tick_reads_back_once(monkeypatch)
 
 
 @pytest.mark.usefixtures("one_torch_thread")
-def test_speculative_runs_pipeline_their_plain_ticks_and_keep_the_synchronous_tokens(monkeypatch):
+def test_speculative_runs_pipeline_their_plain_ticks_and_keep_the_synchronous_tokens(made):
     """With n-gram speculation configured, a tick of several sequences decodes plainly: it is
     answered ahead, and the tick where one sequence is left reads the kept token before it
     speculates; the tokens are the synchronous run's (requests ending at EOS at different steps)."""
-    from fxsched.runtime.devices import torch as torch_device
     from fxsched.runtime.generate import generate
 
-    made = []
-    original = torch_device.TorchDevice.__init__
-
-    def init(self, *a, **k):
-        original(self, *a, **k)
-        made.append(self)
-    monkeypatch.setattr(torch_device.TorchDevice, "__init__", init)
     prompts = PROMPTS[:2]
     free = generate(_engine(), prompts, 32, "ngram", eos_ids=()).outputs
     # an EOS that ends request 2 early and never comes in request 1: request 1 then runs alone
@@ -154,6 +153,26 @@ def test_speculative_runs_pipeline_their_plain_ticks_and_keep_the_synchronous_to
     device = made[-1]
     assert device.stats.calls["keep_ahead"] > 0 and device.stats.calls["read_ahead"] > 0
     assert device.stats.verifies > 0  # the last sequence standing speculated
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_mtp_runs_pipeline_the_ticks_past_the_speculative_width(made, monkeypatch):
+    """MTP configured with a speculative width of 2: three sequences decode plainly, answered ahead;
+    once one ends, the two left read their kept tokens and speculate (the MTP head catching up over
+    the plain rows); the tokens are the synchronous run's."""
+    import functools
+
+    from fxsched.runtime import generate as generating
+
+    monkeypatch.setattr(generating, "SchedulerConfig", functools.partial(generating.SchedulerConfig, mtp_width_limit=2))
+    prompts = PROMPTS[:3]
+    free = generating.generate(_engine(), prompts, 24, "mtp", eos_ids=()).outputs
+    eos = next(t for t in free[2][2:12] if t not in free[0] and t not in free[1])  # ends request 3 alone
+    runs = {a: generating.generate(_engine(), prompts, 24, "mtp", eos_ids=(eos,), async_scheduling=a).outputs
+            for a in (False, True)}
+    assert runs[True] == runs[False] and len(runs[True][2]) < 12
+    device = made[-1]
+    assert device.stats.calls["keep_ahead"] > 0 and device.stats.verifies > 0
 
 
 def test_walk_speculative_episodes_pipeline_their_plain_ticks_without_a_violation():

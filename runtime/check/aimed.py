@@ -31,6 +31,10 @@ uniformly. The states they are for, and why each matters:
   first ticks (rows cross a boundary in ticks that leave the steady columns); or budgets one apart
   with a fault at a decode's launch around their ends; or deadlines alone in a batch its
   synchronous twin must match.
+- ``kept_lost``: async scheduling with KV exhaustion injected early and a fifth to a half of the
+  decodes answered ahead failing afterwards, so a preempted sequence resumes beside sequences
+  holding kept tokens and a decode that feeds both reads a lost one: the fault fails the sequences
+  of both decodes (specs/async.md §16.6 rule 6).
 - ``waiting_work``: one long request and a late arrival far behind it, KV exhaustion injected
   twice in a row (a preemption, then the survivor alone fails), with the inbox open or closed: the
   loop must resume the preempted sequence, neither wait for input nor shut down (§5.4, §5.8).
@@ -206,9 +210,22 @@ def ahead(rng: random.Random) -> Episode:
                    kv_exhaust_at=kv_exhaust_at, async_scheduling=True, aim="ahead")
 
 
+def kept_lost(rng: random.Random) -> Episode:
+    """Kept decodes that fail after their answer beside sequences that hold none (specs/async.md
+    §16.6 rule 6): KV exhaustion injected early, so a preempted sequence resumes into a batch whose
+    others hold kept tokens, and a fifth to a half of the kept decodes failing afterwards."""
+    n = rng.randint(2, 4)
+    exhaust = tuple(sorted(rng.sample(range(2, 9), rng.randint(1, 2))))
+    return Episode(mode="plain", max_batch_size=n, max_prefill_tokens=0, spill=False, total_blocks=1000,
+                   held_blocks=0, requests=tuple(_requests(rng, n, prompt=(2, 20), budget=(8, 20))), close_tick=0,
+                   max_seq_len=4096, kv_exhaust_at=exhaust, async_scheduling=True,
+                   ahead_failures=rng.choice((0.2, 0.35, 0.5)), aim="kept_lost")
+
+
 AIMS: dict[str, Callable[[random.Random], Episode]] = {
     "deadlines": deadlines, "full_batch": full_batch, "whole_pool": whole_pool, "rejected_cross": rejected_cross,
     "waiting_work": waiting_work, "gate_fault": gate_fault, "spilled_alone": spilled_alone, "ahead": ahead,
+    "kept_lost": kept_lost,
 }
 
 

@@ -90,6 +90,8 @@ class Episode:
     late_drafts: bool = False  # the device answers proposals late now and then (specs/async.md §16.3)
     lane: bool = False  # the device's effects run behind the host, on a deferred lane (specs/async.md §16.5)
     async_scheduling: bool = False  # plain decodes answered ahead now and then (specs/async.md §16.6)
+    # the chance that a decode answered ahead fails afterwards (None: sim_decodes.AHEAD_FAILURE_CHANCE)
+    ahead_failures: Optional[float] = None
     capacities: tuple[int, ...] = ()
     ssm_ring: int = 0  # > 0: the model has SSM layers and a snapshot ring of this many slots
     admission_watermark: int = 4096  # the KV reservation's horizon (small: prompts admitted on their own blocks)

@@ -91,7 +91,8 @@ def run_episode(episode: Episode, coverage: Counter, step_limit: int = 20000, ke
                        short_proposals=hash_seed(episode) if episode.short_proposals else None,
                        capacities=episode.capacities,
                        late_drafts=hash_seed(episode) + 1 if episode.late_drafts else None,
-                       keep_decodes=hash_seed(episode) + 2 if episode.async_scheduling else None)
+                       keep_decodes=hash_seed(episode) + 2 if episode.async_scheduling else None,
+                       ahead_failures=episode.ahead_failures)
     device.strict_drafts = counts_acc
     device.ring_slots = episode.ssm_ring
     device.dflash = episode.mode == "dflash"

@@ -54,7 +54,8 @@ class SimBase(ScriptedDevice):
                  reclaimable: int = 0, prefix_cache: bool = False, adapters: Optional[dict[int, int]] = None,
                  max_prefill_tokens: int = 0, max_batch_tokens: int = 8192, short_proposals: Optional[int] = None,
                  capacities: tuple[int, ...] = (), late_drafts: Optional[int] = None,
-                 keep_decodes: Optional[int] = None, adapter_of: Optional[dict[int, int]] = None,
+                 keep_decodes: Optional[int] = None, ahead_failures: Optional[float] = None,
+                 adapter_of: Optional[dict[int, int]] = None,
                  wave_budget: bool = False, idle_fills: bool = False, mixed_bound: tuple[int, int] = (0, 0)):
         super().__init__(scripts, vocab=vocab, block_size=block_size, total_blocks=total_blocks,
                          held_blocks=held_blocks, reclaimable=min(reclaimable, held_blocks),
@@ -92,6 +93,7 @@ class SimBase(ScriptedDevice):
         self.late_rng = random.Random(late_drafts) if late_drafts is not None else None
         # decodes answered ahead (specs/async.md §16.6): their tokens stay here until read_ahead
         self.ahead_rng = random.Random(keep_decodes) if keep_decodes is not None else None
+        self.ahead_failures = ahead_failures  # the chance a kept decode fails afterwards (None: the module's)
         self.kept: dict[int, int] = {}  # seq -> the token its last decode kept
         self.kept_failed: dict[int, str] = {}  # seq -> why the decode that kept its token failed
         # seq -> the kept token (or failure) a decode has fed and its answer is still to bring back:

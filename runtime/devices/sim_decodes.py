@@ -72,10 +72,11 @@ class SimDecodes(SimPrompts):
             raise self._bad("keep_ahead", "a decode answered ahead has rows asking for logprob records")
         if rng is None or len(seqs) != n or rng.random() < 0.25:  # now and then answered with the tokens
             return False
+        failures = AHEAD_FAILURE_CHANCE if self.ahead_failures is None else self.ahead_failures
         for r, seq in enumerate(seqs):
             answer = self._row(row + r)
             token = self._pick(answer, picks[r], eos_ids) if picks else answer
-            if rng.random() < AHEAD_FAILURE_CHANCE:
+            if rng.random() < failures:
                 self.kept_failed[seq] = f"{AHEAD_FAILURE} of sequence {seq} failed: device error (simulated)"
             else:
                 self.kept[seq] = token
