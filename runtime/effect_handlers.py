@@ -111,7 +111,8 @@ def commit_ctx_rows(device, seqs: Seq[int], ns: Seq[int], bases: Seq[int],
     """``commit_ctx(seq, n, base, row)`` for each column entry, in order: in one call where the
     device batches them (``commit_ctx_many``: the torch device appends every drafter context in one
     projection; a wrapper that hands its calls to one, an expert-parallel leader or a bench's clocked
-    device, gives it too), one call each elsewhere (a recording device writes a line per call)."""
+    device, gives it too; so a wrapper that defines its own ``commit_ctx`` must define this too),
+    one call each elsewhere (a recording device writes a line per call)."""
     many = getattr(device, "commit_ctx_many", None)
     if callable(many):
         many(seqs, ns, bases, rows)
