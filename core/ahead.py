@@ -13,13 +13,13 @@ and a cancel asked for since its decode ends the sequence with the token untaken
 streamed after a cancel). A deadline passed while a token is on the device is judged at the end
 of that tick, once the token is read (``ahead_past_deadline``). Work that needs every sequence's
 last token (admission, prefill, a speculative step, memory pressure, a rotation) resolves first
-(``needs_settled``, ``decode.speculation_lane``), and the sequences a resolved token finished retire
+(``needs_settled``, ``speculation_lane``), and the sequences a resolved token finished retire
 before admission.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Optional
 
 from fxsched.core.agenda import PhaseError
 from fxsched.core.config import ModelInfo, SchedulerConfig
@@ -27,15 +27,16 @@ from fxsched.core.emit import plain_token
 from fxsched.core.events import LATE_TOKEN
 from fxsched.core.kv import blocks_for
 from fxsched.core.records import replace, with_fields
-from fxsched.core.rows import pick_for
+from fxsched.core.phases import NgramStep, SelfSpecStep, SpecStep
+from fxsched.core.rows import may_speculate, pick_for
 from fxsched.core.sequence import Sequence
-from fxsched.core.state import SchedulerState, hot_columns
+from fxsched.core.state import SchedulerState, hot_columns, kept_facts
 from fxsched.core.watchdog import snapshots_possible
 from fxsched.effects import device_calls as dc
 from fxsched.effects.base import Effect
 
 __all__ = ["ahead_past_deadline", "any_ahead", "fed_again", "kept_is_last", "may_answer_ahead", "needs_settled", "pick",
-           "produced", "produced_count", "resolve_tokens", "went_ahead"]
+           "produced", "produced_count", "resolve_tokens", "speculation_lane", "went_ahead"]
 
 
 def any_ahead(state: SchedulerState) -> bool:
@@ -68,7 +69,7 @@ def may_answer_ahead(config: SchedulerConfig, model: ModelInfo, rows: Iterable[S
     SSM snapshot (they act on a token's value before the next is fed) and no row asking for logprob
     records. Speculation configured does not bar it: a tick whose decode is plain (the batch past
     the speculative width, a slot past the cap) pipelines as any plain decode; a tick that would
-    speculate reads the kept tokens first (``decode.speculation_lane``, ``tick.tick_start``)."""
+    speculate reads the kept tokens first (``speculation_lane``, ``tick.tick_start``)."""
     return (config.async_scheduling and not config.loop_watchdog and not snapshots_possible(config, model)
             and all(s.request.top_logprobs == 0 for s in rows))
 
@@ -136,6 +137,31 @@ def ahead_past_deadline(state: SchedulerState) -> bool:
 def needs_settled(state: SchedulerState) -> bool:
     """Whether this tick may do work that needs every sequence's last token, so that the tokens
     kept on the device are read first: anything but a plain decode of the running batch (a
-    speculative step too: ``tick.tick_start`` asks ``decode.speculation_lane`` beside this)."""
+    speculative step too: ``tick.tick_start`` asks ``speculation_lane`` beside this)."""
     return bool(state.new_requests or state.pending or state.prefilling or state.rotations or state.swapped
                 or state.preempted or not may_answer_ahead(state.config, state.model, ()))
+
+
+# the speculative lanes' tasks, built once (frozen records without fields)
+_NGRAM_STEP, _SELF_SPEC_STEP, _SPEC_STEP = NgramStep(), SelfSpecStep(), SpecStep()
+
+
+def speculation_lane(state: SchedulerState) -> Optional[object]:
+    """The speculative task this tick's decode takes (n-gram or self-speculative while one sequence
+    runs, MTP / DFlash up to ``mtp_width_limit`` sequences, every slot under the cap, no guard), or
+    None: a plain decode."""
+    config, model = state.config, state.model
+    if config.base_draft_count(model) == 0:
+        return None
+    active = state.rows  # slots and guards: exact in the records (state.settled holds only hot fields)
+    cap = config.speculation_slot_cap
+    facts = kept_facts(state)
+    covered = max(facts.slots, default=-1) < cap if facts is not None else all(s.slot < cap for s in active)
+    if config.ngram_speculative and len(active) == 1 and covered:
+        return _NGRAM_STEP
+    if config.self_speculative and model.has_self_speculative and len(active) == 1 and covered:
+        return _SELF_SPEC_STEP
+    if (config.uses_mtp(model) and len(active) <= config.mtp_width_limit and covered
+            and (facts.all_unguarded if facts is not None else all(map(may_speculate, active)))):
+        return _SPEC_STEP
+    return None

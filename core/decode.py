@@ -8,19 +8,19 @@ its ``blocks`` cover ``seq_len``; a failed batch changes no sequence it did not 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from typing import Any, Optional
+from typing import Any
 
 from fxsched.core.agenda import PhaseError, ask, batch_rows, by_id, keep_batch, push, update
 from fxsched.core.ahead_columns import answered_from_columns, planned_from_columns
-from fxsched.core.ahead import any_ahead, fed_again, may_answer_ahead, pick, produced, resolve_tokens, went_ahead
+from fxsched.core.ahead import (any_ahead, fed_again, may_answer_ahead, pick, produced, resolve_tokens,
+                                speculation_lane, went_ahead)
 from fxsched.core.emit import plain_token, recipients
 from fxsched.core.events import LATE_TOKEN, DeviceFault, TokensSampled
 from fxsched.core.faults import fail_sequences
 from fxsched.core.memory import preempt, preemption_victim
-from fxsched.core.phases import (AwaitAhead, AwaitDecode, DecodeLane, NgramStep, PlainDecode, ResolveAhead,
-                                 SelfSpecStep, SpecStep)
+from fxsched.core.phases import AwaitAhead, AwaitDecode, DecodeLane, PlainDecode, ResolveAhead
 from fxsched.core.records import replace, with_fields
-from fxsched.core.rows import (by_slot, greedy_request, greedy_row, grow, host_pick, may_speculate, pick_for,
+from fxsched.core.rows import (by_slot, greedy_request, greedy_row, grow, host_pick, pick_for,
                               prefill_barrier, slots_increasing)
 from fxsched.core.state import SchedulerState, hot_columns, hot_fields, kept_facts
 from fxsched.core.token_log import extended
@@ -33,28 +33,7 @@ from fxsched.effects.lifecycle import MarconiCheckpoints
 
 
 # the lanes' tasks, built once (frozen records without fields: one instance is as good as another)
-_NGRAM_STEP, _SELF_SPEC_STEP, _SPEC_STEP, _PLAIN_DECODE = NgramStep(), SelfSpecStep(), SpecStep(), PlainDecode()
-
-
-def speculation_lane(state: SchedulerState) -> Optional[object]:
-    """The speculative task this tick's decode takes (n-gram or self-speculative while one sequence
-    runs, MTP / DFlash up to ``mtp_width_limit`` sequences, every slot under the cap, no guard), or
-    None: a plain decode."""
-    config, model = state.config, state.model
-    if config.base_draft_count(model) == 0:
-        return None
-    active = state.rows  # slots and guards: exact in the records (state.settled holds only hot fields)
-    cap = config.speculation_slot_cap
-    facts = kept_facts(state)
-    covered = max(facts.slots, default=-1) < cap if facts is not None else all(s.slot < cap for s in active)
-    if config.ngram_speculative and len(active) == 1 and covered:
-        return _NGRAM_STEP
-    if config.self_speculative and model.has_self_speculative and len(active) == 1 and covered:
-        return _SELF_SPEC_STEP
-    if (config.uses_mtp(model) and len(active) <= config.mtp_width_limit and covered
-            and (facts.all_unguarded if facts is not None else all(map(may_speculate, active)))):
-        return _SPEC_STEP
-    return None
+_PLAIN_DECODE = PlainDecode()
 
 
 def decode_lane(state: SchedulerState, task: DecodeLane, out: list[Effect]) -> SchedulerState:

@@ -5,8 +5,7 @@ and shutdown (specs/scheduler.md §5.3–5.8, §5.19, §5.21). The lanes live in
 from __future__ import annotations
 
 from fxsched.core import admission
-from fxsched.core.ahead import ahead_past_deadline, any_ahead, needs_settled
-from fxsched.core.decode import speculation_lane
+from fxsched.core.ahead import ahead_past_deadline, any_ahead, needs_settled, speculation_lane
 from fxsched.core.agenda import ask, push, update
 from fxsched.core.events import AdapterIds, EventCreated, FreeBlocks, InputReady, LoraApplied, StreamCreated
 from fxsched.core.faults import SHUTDOWN_ABORT, fail_request

@@ -381,7 +381,7 @@ MUTANTS: tuple[Mutant, ...] = (
        "        updated[seq_id] = plain_token(seq, token, config, out, lp, state.model)\n",
        "        updated[seq_id] = plain_token(seq, token, config, out, lp, state.model)\n",
        "a plain decode does not advance seq_len over the fed token"),
-    _m("decode_ngram_with_many", "decode",
+    _m("ahead_ngram_with_many", "ahead",  # (the decode lane's choice lives in ahead.speculation_lane)
        "    if config.ngram_speculative and len(active) == 1 and covered:\n",
        "    if config.ngram_speculative and len(active) >= 1 and covered:\n",
        "n-gram drafting is chosen with more than one active sequence"),
