@@ -69,7 +69,7 @@ def may_answer_ahead(config: SchedulerConfig, model: ModelInfo, rows: Iterable[S
     SSM snapshot (they act on a token's value before the next is fed) and no row asking for logprob
     records. Speculation configured does not bar it: a tick whose decode is plain (the batch past
     the speculative width, a slot past the cap) pipelines as any plain decode; a tick that would
-    speculate reads the kept tokens first (``speculation_lane``, ``tick.tick_start``)."""
+    speculate reads the kept tokens first (``needs_settled``)."""
     return (config.async_scheduling and not config.loop_watchdog and not snapshots_possible(config, model)
             and all(s.request.top_logprobs == 0 for s in rows))
 
@@ -137,9 +137,10 @@ def ahead_past_deadline(state: SchedulerState) -> bool:
 def needs_settled(state: SchedulerState) -> bool:
     """Whether this tick may do work that needs every sequence's last token, so that the tokens
     kept on the device are read first: anything but a plain decode of the running batch (a
-    speculative step too: ``tick.tick_start`` asks ``speculation_lane`` beside this)."""
+    speculative step reads every token: ``speculation_lane``)."""
     return bool(state.new_requests or state.pending or state.prefilling or state.rotations or state.swapped
-                or state.preempted or not may_answer_ahead(state.config, state.model, ()))
+                or state.preempted or not may_answer_ahead(state.config, state.model, ())
+                or speculation_lane(state) is not None)
 
 
 # the speculative lanes' tasks, built once (frozen records without fields)

@@ -5,7 +5,7 @@ and shutdown (specs/scheduler.md §5.3–5.8, §5.19, §5.21). The lanes live in
 from __future__ import annotations
 
 from fxsched.core import admission
-from fxsched.core.ahead import ahead_past_deadline, any_ahead, needs_settled, speculation_lane
+from fxsched.core.ahead import ahead_past_deadline, any_ahead, needs_settled
 from fxsched.core.agenda import ask, push, update
 from fxsched.core.events import AdapterIds, EventCreated, FreeBlocks, InputReady, LoraApplied, StreamCreated
 from fxsched.core.faults import SHUTDOWN_ABORT, fail_request
@@ -106,8 +106,7 @@ def drop_cancelled_waiting(state: SchedulerState, out: list[Effect]) -> Schedule
 
 def tick_start(state: SchedulerState, task: TickStart, out: list[Effect]) -> SchedulerState:
     state = drop_cancelled_waiting(drain_inbox(state), out)
-    if any_ahead(state) and (needs_settled(state) or speculation_lane(state) is not None):
-        # the tokens on the device are read first (§16.6 rule 5)
+    if any_ahead(state) and needs_settled(state):  # the tokens on the device are read first (§16.6)
         return push(state, ResolveAhead(), RetireResolved(), TickStart())
     if not in_flight(state) and not state.swapped and not state.preempted and queue_idle(state):
         return ask(push(state, TickStart()), out, dc.WaitForInput(), AwaitInput())

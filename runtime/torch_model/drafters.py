@@ -49,7 +49,7 @@ class MtpHead:
 class SlotContext:
     """Per-slot context K/V of a block drafter: for each drafter layer j, ctx_k[j] / ctx_v[j]
     [slots, max_len, Hkv, Dh], of which the first ctx_len[slot] rows of a slot are valid.
-    Invariant: rows are only appended (`put_rows`) and dropped from the end (`trim`)."""
+    Invariant: rows are only appended (`append_many`) and dropped from the end (`trim`)."""
 
     def __init__(self, layers: int, slots: int, max_len: int, kv_heads: int, head_dim: int,
                  device: torch.device | str, dtype: torch.dtype) -> None:
@@ -77,10 +77,6 @@ class SlotContext:
             at_pos += range(start, start + n)
         slot_t, pos_t = send_ints([at_slot, at_pos], device)
         return slot_t, pos_t
-
-    def append(self, slot: int, rows: torch.Tensor) -> None:
-        """Extend the context of `slot` with rows [n, D] (positions ctx_len.., in order)."""
-        self.append_many([slot], [rows.shape[0]], rows)
 
     def append_many(self, slots: Sequence[int], counts: Sequence[int], rows: torch.Tensor,
                     index: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
@@ -152,7 +148,7 @@ class DFlashDrafter(SlotContext):
     Each slot has a context of projected target hidden states (K/V per drafter layer, roped at
     their positions 0..ctx_len-1). The block's rows sit at positions ctx_len..ctx_len+gamma and
     attend to the whole context and to each other; rows 1..gamma give the drafts. Invariant: the
-    context of a slot holds exactly ctx_len(slot) rows, appended by `append` and dropped by `trim`.
+    context of a slot holds exactly ctx_len(slot) rows, appended by `append_many` and dropped by `trim`.
     """
 
     def __init__(self, cfg: ModelConfig, w: Weights, device: torch.device | str) -> None:

@@ -29,7 +29,7 @@ the row's position, v_proj(feature); no input norm). A proposal runs one block f
 [anchor, mask x (block_size - 1)] at positions ctx_len.. : the block's rows attend to the whole
 context and (non-causally, unless the config says causal) to each other, the block's own K/V are
 never stored, and the last block_size - 1 rows give the drafts through `norm` and the lm_head.
-Invariant: the context of a slot holds exactly ctx_len(slot) rows, appended by `append`, dropped
+Invariant: the context of a slot holds exactly ctx_len(slot) rows, appended by `append_many`, dropped
 by `trim`.
 """
 
@@ -225,7 +225,6 @@ class PublishedDFlash(SlotContext):
     def __init__(self, spec: DFlashSpec, w: Weights, max_slots: int, max_seq_len: int,
                  device: str | torch.device = "cpu") -> None:
         self.spec, self.w = spec, w
-        self.max_seq_len = max_seq_len
         super().__init__(spec.num_layers, max_slots, max_seq_len, spec.num_kv_heads, spec.head_dim, device,
                          w["fc"].dtype)
 
