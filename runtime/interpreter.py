@@ -87,6 +87,9 @@ class Interpreter:
 
     def __init__(self, device: Device, host: Host, eos_ids: tuple[int, ...],
                  observer: Optional[Observer] = None, lane: Optional[Lane] = None):
+        # the step function the loop calls: the core's ``step`` (a checker may wrap it, as the walk's
+        # purity probe does: runtime/check/walk.py)
+        self.stepper: Callable[[SchedulerState, ev.Event], tuple[SchedulerState, tuple[Any, ...]]] = step
         self.device = device
         self.lane = lane
         # how many drafts each sequence of a proposal gets when the device answers it late (None: not late)
@@ -114,10 +117,11 @@ class Interpreter:
         before_step, stepped, performed = observer.before_step, observer.stepped, observer.performed
         perform = self.perform_all if self.lane is None else self._perform_on_lane
         host, plain_inputs, take_cancels = self.host, self._plain_inputs, self._take_cancels
+        stepper = self.stepper
         while queue:
             event = take()
             before_step(event)
-            state, effects = step(state, event)
+            state, effects = stepper(state, event)
             self.steps += 1
             if effects and not (effects[-1].QUERY and (len(effects) == 1 or sum(map(_IS_QUERY, effects)) == 1)):
                 check_batch(event, effects, state.stopped)
@@ -158,7 +162,7 @@ class Interpreter:
         """``feed``'s step, appending the events that follow to ``follow`` (a list or the run's queue)."""
         observer = self.observer
         observer.before_step(event)
-        state, effects = step(state, event)
+        state, effects = self.stepper(state, event)
         self.steps += 1
         if not usual_batch(effects):
             check_batch(event, effects, state.stopped)

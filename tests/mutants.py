@@ -48,6 +48,11 @@ def _m(id: str, file: str, old: str, new: str, description: str, also: tuple[Edi
 
 
 MUTANTS: tuple[Mutant, ...] = (
+    # --- agenda ----------------------------------------------------------------------------------
+    _m("agenda_drafts_merged_in_place", "agenda",
+       "        kept = dict(table)\n",
+       "        kept = table\n",
+       "new drafts are merged into the input state's draft table in place: step changes the state it was given"),
     # --- admission -------------------------------------------------------------------------------
     _m("admission_fifo_cap_plus_one", "admission",
        "    return pending[: max(cap, 0)]\n",
@@ -173,6 +178,10 @@ MUTANTS: tuple[Mutant, ...] = (
        "    if not config.rollback_resteer or seq.has_cancel_flag or seq.request.streaming or not model.supports_rollback:\n",
        "    if not config.rollback_resteer or not model.supports_rollback:\n",
        "a streaming sequence is rolled back although its client has seen the dropped tokens"),
+    _m("watchdog_rollback_uncounted", "watchdog",
+       "                   rollbacks=seq.rollbacks + 1, ring=ring, ring_cursor=cursor)\n",
+       "                   rollbacks=seq.rollbacks, ring=ring, ring_cursor=cursor)\n",
+       "a rollback does not count itself: the cap of max_rollbacks never stops a looping sequence"),
     # --- emit ------------------------------------------------------------------------------------
     _m("emit_plain_ignores_cancel", "emit",
        "    if seq.cancel_requested:\n"
@@ -231,6 +240,10 @@ MUTANTS: tuple[Mutant, ...] = (
        "    out.append(ReleaseSeq(seq.seq_id, seq.slot, cache=True, reason=ReleaseReason.FINISH_SEQUENCE))\n",
        "    out.append(ReleaseSeq(seq.seq_id, seq.slot, cache=False, reason=ReleaseReason.FINISH_SEQUENCE))\n",
        "a finished sequence's blocks are freed without entering the prefix cache"),
+    _m("retire_compaction_last_first", "retire",
+       "    for index, slot in enumerate(survivor_slots):\n",
+       "    for index, slot in reversed(list(enumerate(survivor_slots))):\n",
+       "compaction hands out the free targets from the last survivor in active order to the first"),
     # --- faults ----------------------------------------------------------------------------------
     _m("faults_prefilling_slot_leaked", "faults",
        "            fail_request(entry.request, entry.seq_id, entry.slot, message, out)\n"
@@ -273,7 +286,15 @@ MUTANTS: tuple[Mutant, ...] = (
        "    entry = Preempted(victim, victim.kv_tokens())\n",
        "    entry = Preempted(victim, victim.kv_tokens()[:-1])\n",
        "a preempted sequence is re-prefilled without the last token of its KV"),
+    _m("memory_swap_victim_fewest_blocks", "memory",
+       "        if best is None or s.blocks >= best.blocks:\n",
+       "        if best is None or s.blocks <= best.blocks:\n",
+       "admission-time swap-out spills the sequence with the shortest block table instead of the longest"),
     # --- verifying -------------------------------------------------------------------------------
+    _m("verifying_k2_reject_keeps_draft_state", "verifying",
+       "        out.append(dc.TrimProposerState(seq.seq_id, 0))\n",
+       "        out.append(dc.TrimProposerState(seq.seq_id, 1))\n",
+       "a rejected K = 2 verify trims the proposer to one draft: it keeps the state of the draft it refused"),
     _m("verifying_k2_reject_commits_two", "verifying",
        "        out.append(dc.CommitAcceptedPrefix(seq.seq_id, 1, 2))\n",
        "        out.append(dc.CommitAcceptedPrefix(seq.seq_id, 2, 2))\n",

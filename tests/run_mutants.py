@@ -203,6 +203,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         spec = importlib.util.spec_from_file_location("heldout_mutants", args.mutants_file)
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # (a dataclass there looks its module up while it is made)
         spec.loader.exec_module(module)
         args.mutants = tuple(module.MUTANTS)
     try:

@@ -40,6 +40,16 @@ def test_a_commit_must_cover_the_accepted_drafts_plus_one():
     assert device.refused is None
 
 
+def test_the_proposer_is_trimmed_to_the_accepted_drafts():
+    device = _device()
+    device.serial_verify("decode_verify_graphed_k3", 0, [10, 11, 99])  # 11 accepted, 99 rejected
+    with pytest.raises(ArgumentError, match="accepted 1"):
+        device.trim_proposer_state(0, 2, 0)  # the refused draft's state kept
+    device.refused = None
+    device.trim_proposer_state(0, 1, 0)
+    assert device.refused is None
+
+
 def test_a_verify_feeds_a_prefix_of_the_device_s_own_proposal():
     device = _device()
     device.strict_drafts = True

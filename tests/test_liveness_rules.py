@@ -14,7 +14,7 @@ from fxsched.core.lifecycle import requeue_resume, swap_in
 from fxsched.core.phases import RequeueResume, Shutdown, SwapIn, TickStart
 from fxsched.core.records import replace
 from fxsched.core.sequence import Sequence
-from fxsched.core.state import Preempted, Swapped, initial_state
+from fxsched.core.state import Preempted, PrefillEntry, Swapped, initial_state
 from fxsched.core.tick import idle_check, tick_start
 from fxsched.core.watchdog import roll_back
 from fxsched.effects import device_calls as dc
@@ -57,6 +57,10 @@ def test_a_waiting_sequence_comes_back_only_into_a_free_seat(kind):
     task, rule = (SwapIn(), swap_in) if kind == "swapped" else (RequeueResume(), requeue_resume)
     rule(replace(state, active=full), task, out)
     assert out == [], "§5.19 steps 4-5: only while fewer than max_batch_size sequences are active"
+    out = []
+    prompt = PrefillEntry(99, make_request(id=99, prompt_len=40, max_tokens=4), slot=len(full) - 1, offset=8)
+    rule(replace(state, active=full[1:], prefilling=(prompt,)), task, out)
+    assert out == [], "a prompt still prefilling holds its seat (§5.19 steps 4-5)"
     out = []
     rule(replace(state, active=full[1:]), task, out)
     assert out, "with a seat free it goes on"

@@ -35,6 +35,11 @@ uniformly. The states they are for, and why each matters:
   decodes answered ahead failing afterwards, so a preempted sequence resumes beside sequences
   holding kept tokens and a decode that feeds both reads a lost one: the fault fails the sequences
   of both decodes (specs/async.md §16.6 rule 6).
+- ``rollbacks``: armed watchdogs over blocking requests whose scripts loop after a lead-in longer
+  than the rollback span, boundary tokens early in it, on a plain or hybrid model (a snapshot ring), mostly without
+  speculation, with ``max_rollbacks`` from 0 to 3 (re-steering now and then off): a sequence rolls
+  back until the cap, then its guard finishes it (specs/watchdog.md §7.5). The random draw arms the
+  watchdogs in few episodes and most of those stream or speculate, so it rolls back seldom.
 - ``waiting_work``: one long request and a late arrival far behind it, KV exhaustion injected
   twice in a row (a preemption, then the survivor alone fails), with the inbox open or closed: the
   loop must resume the preempted sequence, neither wait for input nor shut down (§5.4, §5.8).
@@ -47,7 +52,7 @@ from typing import Any, Callable
 
 import attrs
 
-from fxsched.runtime.check.episode import TICK_MS, Episode, SimRequest, _randints
+from fxsched.runtime.check.episode import BOUNDARY, TICK_MS, Episode, SimRequest, _randints
 
 AIMED_SHARE = 0.3
 
@@ -222,12 +227,44 @@ def kept_lost(rng: random.Random) -> Episode:
                    ahead_failures=rng.choice((0.2, 0.35, 0.5)), aim="kept_lost")
 
 
+def rollbacks(rng: random.Random) -> Episode:
+    n = rng.randint(1, 3)
+    ring = rng.choice((0, 2, 3, 4))
+    requests = []
+    for i in range(n):
+        # a lead-in longer than the content-loop span (64), boundary tokens only in its first part: when
+        # the loop after it is found, a boundary lies far enough back, and a small ring still holds it
+        lead = _randints(rng, 2, 40, rng.randint(70, 100))
+        every, early = rng.randint(3, 8), rng.randint(12, 30)
+        lead = [BOUNDARY if j < early and j % every == every - 1 else t for j, t in enumerate(lead)]
+        block = _randints(rng, 2, 40, rng.randint(2, 12))
+        tokens = list(lead)
+        while len(tokens) < 260:
+            tokens += block
+        requests.append(SimRequest(id=i + 1, prompt_len=rng.randint(1, 20), tokens=tuple(tokens),
+                                   max_tokens=rng.randint(100, 250), streaming=rng.random() < 0.15,
+                                   arrive_tick=rng.choice((0, 0, rng.randint(1, 20)))))
+    options: dict[str, Any] = {"max_rollbacks": rng.choice((0, 1, 2, 2, 3))}
+    if rng.random() < 0.1:
+        options["rollback_resteer"] = False
+    return Episode(mode=rng.choice(("plain", "plain", "plain", "plain", "mtp2", "dflash", "ngram")),
+                   max_batch_size=rng.choice((n, 4)), max_prefill_tokens=rng.choice((0, 0, 8)), spill=False,
+                   total_blocks=1000, held_blocks=0, requests=tuple(requests), close_tick=0, watchdog=True,
+                   ssm_ring=ring, options=tuple(sorted(options.items())), aim="rollbacks")
+
+
 AIMS: dict[str, Callable[[random.Random], Episode]] = {
     "deadlines": deadlines, "full_batch": full_batch, "whole_pool": whole_pool, "rejected_cross": rejected_cross,
     "waiting_work": waiting_work, "gate_fault": gate_fault, "spilled_alone": spilled_alone, "ahead": ahead,
-    "kept_lost": kept_lost,
+    "kept_lost": kept_lost, "rollbacks": rollbacks,
 }
 
 
+WEIGHTS: dict[str, int] = {"whole_pool": 2}
+"""How many times as often as the others an aim is drawn (1 unless named): the state ``whole_pool``
+is for, a preempted sequence needing exactly the pool, comes of one draw in several."""
+
+
 def aimed_episode(rng: random.Random) -> Episode:
-    return AIMS[rng.choice(sorted(AIMS))](rng)
+    names = sorted(AIMS)
+    return AIMS[rng.choices(names, weights=[WEIGHTS.get(n, 1) for n in names])[0]](rng)

@@ -60,7 +60,19 @@ def _looping_script(rng: random.Random) -> list[int]:
     return tokens
 
 
+TWICE_SHARE = 0.05
+"""The share of episodes whose every event is stepped twice on the same state (walk._twice: step
+is pure), drawn from the episode's hash so the other draws stay as they were."""
+
+
 def random_episode(rng: random.Random) -> Episode:
+    episode = _drawn(rng)
+    if (hash_seed(episode) * 2_246_822_519 + 13) % 10_000 < TWICE_SHARE * 10_000:
+        return replace(episode, twice=True)
+    return episode
+
+
+def _drawn(rng: random.Random) -> Episode:
     if rng.random() < AIMED_SHARE:
         return aimed_episode(rng)
     mode = rng.choice(MODES)

@@ -1,5 +1,6 @@
 """The checker's rules over a batch of effects that need the run's memory (specs/checker.md §11.2):
-which sequence a KV-exhausted decode preempts, and how many drafts a step asks and for whom.
+which sequence a KV-exhausted decode preempts and which one an admission-time swap-out spills,
+how many times a request rolls back, and how many drafts a step asks and for whom.
 
 ``EffectRules`` is a part of ``invariants.Monitor`` (a base class): its methods read and update the
 monitor's records (the last decode's rows, the active sequences before the step, the immunity and
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from fxsched.core.phases import AwaitSwapOutFree
 from fxsched.core.state import SchedulerState
 
 from fxsched.effects import device_calls as dc
@@ -23,7 +25,8 @@ from fxsched.runtime.check.violation import Violation
 
 
 class EffectRules:
-    """The preemption victim and the draft rules, checked over one batch of effects."""
+    """The preemption and swap-out victims, the rollback cap and the draft rules, checked over one
+    batch of effects."""
 
     # the monitor's records these rules read and keep (set by Monitor.__init__)
     config: Any
@@ -43,6 +46,30 @@ class EffectRules:
     flagless: set[int]
     immune: dict[int, int]
     seen_state: Optional[SchedulerState]
+    rollbacks: dict[int, int]
+
+    def _rollback_cap(self, effects) -> None:
+        """rollback cap (specs/watchdog.md §7.5): a request's sequence rolls back at most
+        ``max_rollbacks`` times (none with ``rollback_resteer`` off), counted by the checker from the
+        rollbacks' own effects, whatever the scheduler's counter says: a snapshot restore
+        (``SsmSnapshotRestore``: only a rollback emits one, on a model with SSM layers) or, where
+        nothing speculates, a truncation (``TruncateSequence``: otherwise only speculation rewinds
+        a sequence); one rollback per sequence and batch. Swapped or requeued, it keeps its count."""
+        config = self.config
+        cap = config.max_rollbacks if config.rollback_resteer else 0
+        cuts = not (config.use_speculative or config.ngram_speculative or config.self_speculative)
+        owner = {s.seq_id: s.request.id for s in (self.seen_state.active if self.seen_state is not None else ())}
+        rolled = {e.seq for e in effects
+                  if type(e) is lc.SsmSnapshotRestore or (cuts and type(e) is dc.TruncateSequence)}
+        for seq in rolled:
+            rid = owner.get(seq)
+            if rid is None:
+                continue
+            n = self.rollbacks[rid] = self.rollbacks.get(rid, 0) + 1
+            if n > cap:
+                raise Violation("rollback_cap", f"request {rid} rolls back {n} times; the cap is {cap} "
+                                                f"(max_rollbacks {config.max_rollbacks}, rollback_resteer "
+                                                f"{config.rollback_resteer})")
 
     def _preemption(self, effects) -> None:
         """preemption victim (specs/scheduler.md §5.18): after a KV-exhausted decode, the sequence
@@ -72,6 +99,9 @@ class EffectRules:
                                                              f"(output, slot, request, seq) {sorted(known)} with "
                                                              f"immunity {self.immune} the rule picks {want[3]}")
                 self.kv_fault = False
+            if (isinstance(effect, lc.ReleaseSeq) and str(effect.reason) == "spill_out_sequence" and not self.kv_fault
+                    and self.seen_state is not None and type(self.seen_state.waiting) is AwaitSwapOutFree):
+                swap_victim_rule(self.seen_state.active, effect.seq)
             if isinstance(effect, lc.ReleaseSeq) and str(effect.reason) in ("preempt_requeue", "spill_out_sequence"):
                 rid = self.prev_active.get(effect.seq, (0, 0, None, 0))[2]
                 if rid is not None:
@@ -139,3 +169,16 @@ class EffectRules:
                     if out.get(rid, len(self.streamed[rid])) >= request.max_tokens:
                         raise Violation("finished_gets_drafts", f"{type(effect).__name__} names sequence {seq_id} "
                                                                 f"of request {rid}, whose budget is spent")
+
+
+def swap_victim_rule(active, spilled: int) -> None:
+    """swap victim (specs/scheduler.md §5.9 step 3): the sequence an admission-time swap-out spills
+    is the active one with the longest block table, ties going to the last in active order. Each
+    spill of that stage is the answer to its own free-blocks query (``AwaitSwapOutFree``), so the
+    active records of the state that asked it are the candidates."""
+    most = max((s.blocks for s in active), default=None)
+    want = next((s.seq_id for s in reversed(active) if s.blocks == most), None)
+    if want is not None and want != spilled:
+        raise Violation("swap_victim", f"the swap-out spilled sequence {spilled}; of the active (sequence, blocks) "
+                                       f"{[(s.seq_id, s.blocks) for s in active]} the rule picks {want} (most blocks, "
+                                       f"the last in active order on ties)")

@@ -96,6 +96,7 @@ class Episode:
     ssm_ring: int = 0  # > 0: the model has SSM layers and a snapshot ring of this many slots
     admission_watermark: int = 4096  # the KV reservation's horizon (small: prompts admitted on their own blocks)
     aim: str = ""  # the rare state an aimed episode was drawn for (runtime/check/aimed.py), "" for none
+    twice: bool = False  # every event stepped twice on the same state, the results compared (step is pure)
     # other SchedulerConfig fields, (name, value) sorted by name (runtime/check/options.py)
     options: tuple[tuple[str, Any], ...] = ()
 

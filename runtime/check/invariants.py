@@ -40,7 +40,7 @@ from fxsched.runtime.check.outputs import (content_loop_checked_when_due, early_
 from fxsched.runtime.check.roles import (ALLOC, ARRIVAL, BATCH_ROLES, batch_roles, BATCHED, CANCEL, CHECKPOINT,
                                          CLOCK, COMMIT, COMPACT, CUT, DECODE, DECODE_LANE, DRAFT, DRAFT_RULED,
                                          effect_role, EVENT_KINDS, FAULT, FOLD, INPUT, NAMES, OUT, PLAN, RELEASE,
-                                         ROLES, SHUTDOWN)
+                                         ROLES, ROLLBACK, SHUTDOWN)
 from fxsched.runtime.check.state_checks import (acc_accounting, admission_order, admission_ran, batch_bound, blocks_balance, ledgers_closed,
                                                 blocks_free_at_quiescence, committed_kv, compaction_target_free,
                                                 decode_rows, decode_rows_within_limits, device_arguments,
@@ -73,8 +73,8 @@ class Monitor(EffectRules):
     ``config`` and ``model`` (when given) arm the oracles that need the rule book's settings: the
     early-stop causes, the admission order and decision, the KV reservation, the batch bound, the
     packed slots, refused prompts, the draft count, drafts for finished sequences, every pending
-    draft block verified, the preemption victim (with the checker's own immunity record), cancels
-    ending streams. Every batch's release flags, compaction moves and decode rows are checked too.
+    draft block verified, the preemption victim (with the checker's own immunity record), the
+    swap-out victim, the rollback cap (the checker's own count), cancels ending streams. Every batch's release flags, compaction moves and decode rows are checked too.
     """
 
     def __init__(self, requests, device, counts_acc: bool, config=None, model=None):
@@ -95,7 +95,8 @@ class Monitor(EffectRules):
         self.released: set = set()
         self.live: set = set()
         self.shutdown_tail: list[str] = []
-        self.orderings = Orderings()  # the orders between two effects no other check sees
+        # the orders between two effects no other check sees
+        self.orderings = Orderings(mtp=config is not None and config.use_speculative and not config.dflash)
         self.cancelled: set = set()
         self.admitted_by: dict[int, int] = {}
         self.running: set[int] = set()
@@ -119,6 +120,7 @@ class Monitor(EffectRules):
         self.committed = 0  # the KV blocks committed when it began
         self.requeued_kv: dict[int, int] = {}  # request id -> KV tokens it held when preempted (requeued)
         self.last_decode_rows: tuple[int, ...] = ()
+        self.rollbacks: dict[int, int] = {}  # request id -> watchdog rollbacks seen (snapshot restores)
         self.prev_active: dict[int, tuple] = {}  # seq -> (output length, slot, request id, seq) after the last step
         self.evicted: set[int] = set()  # requests preempted (requeued), not yet resumed
         self.moved: set[int] = set()  # requests ever spilled or requeued
@@ -243,7 +245,9 @@ class Monitor(EffectRules):
         if roles & COMMIT and roles & FOLD:
             fold_before_commit(effects)
         if roles & COMPACT:
-            compaction_target_free(effects, self.device)
+            compaction_target_free(effects, self.device, self.seen_state.active if self.seen_state is not None else ())
+        if roles & ROLLBACK and self.config is not None:
+            self._rollback_cap(effects)
         if roles & CHECKPOINT and roles & OUT and self.rids:  # (batched records are expanded by now)
             tokens_after_checkpoints(effects, self.device)
         if roles & CUT and roles & OUT and self.rids:

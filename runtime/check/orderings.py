@@ -85,6 +85,8 @@ class _Plan(NamedTuple):
     stash: bool  # it reads a stash (a proposal from it, a catch-up)
     self_verify: bool  # it ends in a self-speculative verify
     snapshot: bool  # it saves an SSM snapshot
+    capacity: bool  # it asks a draft capacity (a speculative step begins)
+    decode_call: bool  # it holds a one-sequence ``decode`` (in an MTP step: a bootstrap's)
 
 
 def _plan(kinds: tuple[type, ...]) -> _Plan:
@@ -97,6 +99,8 @@ def _plan(kinds: tuple[type, ...]) -> _Plan:
         stash=any(issubclass(cls, STASH_READERS + (dc.CatchupBatched,)) for cls in kinds),
         self_verify=last is not None and issubclass(last, dc.DecodeVerify),
         snapshot=any(issubclass(cls, lc.SsmSnapshotSave) for cls in kinds),
+        capacity=any(issubclass(cls, dc.SlotDraftCapacity) for cls in kinds),
+        decode_call=any(issubclass(cls, dc.DecodeCall) for cls in kinds),
     )
 
 
@@ -272,10 +276,25 @@ class PrefillBarrier:
 
 
 class Orderings:
-    """The rules of this module over one run: ``check`` takes every batch of effects."""
+    """The rules of this module over one run: ``check`` takes every batch of effects. ``mtp``: the
+    run speculates with an MTP head (the order of bootstraps and verifies is checked there)."""
 
-    def __init__(self) -> None:
+    def __init__(self, mtp: bool = False) -> None:
         self.barrier = PrefillBarrier()
+        self.mtp = mtp
+        self.verified = False  # the speculative step under way has run a verify
+
+    def _bootstraps_first(self, plan: _Plan) -> None:
+        """bootstraps before verifies (specs/speculation.md §6.2 steps 4-5): in an MTP step every
+        bootstrap (its ``decode`` of the last token: §6.3 step 2, the step's only one-sequence
+        decode) comes before the step's first verify. A step begins with its capacity queries."""
+        if plan.capacity:
+            self.verified = False
+        if plan.decode_call and self.verified:
+            raise Violation("bootstraps_before_verifies", "an MTP bootstrap's decode runs after a verify of the "
+                                                          "same speculative step")
+        if plan.synced_verify:
+            self.verified = True
 
     def check(self, effects: Sequence, kinds: tuple, fault: bool) -> None:
         """One batch of effects before it is carried out (``kinds``: their types, in order; ``fault``:
@@ -292,3 +311,5 @@ class Orderings:
             checkpoint_before_self_verify(effects)
         if plan.snapshot:
             snapshot_before_checkpoint(effects)
+        if self.mtp and (plan.capacity or plan.decode_call or plan.synced_verify):
+            self._bootstraps_first(plan)

@@ -46,6 +46,7 @@ BATCHED = 1 << 12  # a batched record standing for several effects (``split``: s
 OUT = 1 << 13  # streams tokens to a client (``TokenOut``, ``TokensOut``)
 CHECKPOINT = 1 << 14  # a Marconi checkpoint of the plain sink
 CUT = 1 << 15  # cuts a sequence's KV back after a verify (``frames.CUTS_ONE``, ``frames.CUTS_MANY``)
+ROLLBACK = 1 << 16  # may be a watchdog rollback: a snapshot restore or a truncation (specs/watchdog.md §7.5)
 
 
 def effect_role(cls: type) -> int:
@@ -84,6 +85,8 @@ def effect_role(cls: type) -> int:
         role |= CHECKPOINT
     if issubclass(cls, CUTS_ONE + CUTS_MANY):
         role |= CUT
+    if issubclass(cls, (lc.SsmSnapshotRestore, dc.TruncateSequence)):
+        role |= ROLLBACK
     return role
 
 

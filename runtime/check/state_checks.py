@@ -162,27 +162,59 @@ def kv_mirror(state: SchedulerState, device) -> None:
                                          f"slot={seq.slot}, device len={dev.seq_len} blocks={dev.blocks} slot={dev.slot}")
 
 
-def compaction_target_free(effects, device) -> None:
-    """compaction: a CompactSlot moves its sequence into a slot no other live sequence holds. The
-    holders are the device's slots when the batch starts, updated in order by the batch's own
-    releases and moves (a retire releases the finished sequences before it packs the survivors)."""
+def compaction_target_free(effects, device, active: tuple = ()) -> None:
+    """compaction: a CompactSlot moves its sequence down into a slot no other live sequence holds.
+    The holders are the device's slots when the batch starts, updated in order by the batch's own
+    releases and moves (a retire releases the finished sequences before it packs the survivors).
+    Which slot the rule book fixes:
+
+    - a swap-out's move (specs/scheduler.md §5.9 step 4) follows the spill's release, into the
+      victim's slot;
+    - end-of-tick compaction (§5.19 step 3) moves only a sequence at slot n or above (n: the slots
+      held), into the largest free slot below n, the survivors in active order (``active``: the
+      records before the batch, which retirement thins but never reorders)."""
     if not any(isinstance(e, (lc.CompactSlot, dc.CompactSequence)) for e in effects):
         return
     slot_of = {seq_id: s.slot for seq_id, s in device.live.items()}
+    rank = {s.seq_id: i for i, s in enumerate(active)}
+    last_rank = -1
+    spilled: Optional[int] = None  # the slot the last spill freed, until a move takes it
     for effect in effects:
         if isinstance(effect, (lc.ReleaseSeq, dc.FreeSequence)):
             slot_of.pop(effect.seq, None)
+            if isinstance(effect, lc.ReleaseSeq) and str(effect.reason) == "spill_out_sequence":
+                spilled = effect.slot
         elif isinstance(effect, (lc.CompactSlot, dc.CompactSequence)):
             target = effect.target if isinstance(effect, lc.CompactSlot) else effect.new_slot
+            name = type(effect).__name__
             holders = [s for s, slot in slot_of.items() if slot == target and s != effect.seq]
             here = slot_of.get(effect.seq)
             if here is not None and target >= here:
-                # compaction (§5.19 step 3) and a swap-out's move (§5.9 step 4) only ever move down
-                raise Violation("compaction_target_free", f"{type(effect).__name__} moves sequence {effect.seq} from "
-                                                          f"slot {here} up to slot {target}")
+                raise Violation("compaction_target_free", f"{name} moves sequence {effect.seq} from slot {here} up "
+                                                          f"to slot {target}")
             if holders:
-                raise Violation("compaction_target_free", f"{type(effect).__name__} moves sequence {effect.seq} "
-                                                          f"into slot {target}, held by sequence {holders[0]}")
+                raise Violation("compaction_target_free", f"{name} moves sequence {effect.seq} into slot {target}, "
+                                                          f"held by sequence {holders[0]}")
+            if spilled is not None:
+                if target != spilled:
+                    raise Violation("compaction_target_free", f"a swap-out moves sequence {effect.seq} to slot "
+                                                              f"{target}, not the spilled victim's {spilled}")
+                spilled = None
+            elif here is not None:
+                at = rank.get(effect.seq, last_rank)
+                if at < last_rank:
+                    raise Violation("compaction_target_free", f"{name} moves sequence {effect.seq} after a sequence "
+                                                              f"behind it in active order: survivors move in active "
+                                                              f"order (specs/scheduler.md §5.19 step 3)")
+                last_rank = at
+                n = len(slot_of)
+                held = set(slot_of.values())
+                free = [t for t in range(n) if t not in held]
+                if here < n or not free or target != free[-1]:
+                    raise Violation("compaction_target_free", f"{name} moves sequence {effect.seq} from slot {here} "
+                                                              f"to {target}; with {n} slots held the rule moves only "
+                                                              f"a slot >= {n}, into the largest free one below it "
+                                                              f"({free[-1] if free else 'none'})")
             slot_of[effect.seq] = target
 
 

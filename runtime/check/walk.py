@@ -25,6 +25,7 @@ from typing import Any, Optional
 import attrs
 
 from fxsched.core import events as ev
+from fxsched.core.machine import step
 from fxsched.core.records import replace
 from fxsched.core.state import initial_state
 from fxsched.effects.client import DoneOut, ErrorOut, ResponseOut, TokenOut, TokensOut
@@ -108,6 +109,9 @@ def run_episode(episode: Episode, coverage: Counter, step_limit: int = 20000, ke
                                                        phase=episode.fault_phase, at=episode.fault_phase_at, lane=lane)
     else:
         interpreter = Interpreter(device, host, config.eos_ids, observer=watch, lane=lane)
+    if episode.twice:
+        interpreter.stepper = _twice
+        coverage["feature:stepped_twice"] += 1
     _count_episode(episode, coverage)
     if lane is not None:
         coverage["feature:lane"] += 1
@@ -137,6 +141,25 @@ def run_episode(episode: Episode, coverage: Counter, step_limit: int = 20000, ke
     if violation is None:
         return EpisodeResult(watch.steps, None, None, events)
     return EpisodeResult(watch.steps, violation, watch.steps, events)
+
+
+def _twice(state, event):
+    """step is pure (specs/checker.md §11.2): the event stepped twice on the same state gives equal
+    states and equal effects; a step that changed its input state (or a record it shares with
+    others) or read anything but its arguments gives the second call something else. The loop goes
+    on from the second result, so a change the first call made to shared data that the second does
+    not show still meets the other invariants later."""
+    first = step(state, event)
+    second = step(state, event)
+    if first[1] != second[1]:
+        at = next((i for i, (a, b) in enumerate(zip(first[1], second[1], strict=False)) if a != b),
+                  min(len(first[1]), len(second[1])))
+        raise Violation("step_pure", f"{event!r} stepped twice on one state: effect {at} differs "
+                                     f"({first[1][at] if at < len(first[1]) else 'none'} then "
+                                     f"{second[1][at] if at < len(second[1]) else 'none'})")
+    if first[0] != second[0]:
+        raise Violation("step_pure", f"{event!r} stepped twice on one state gave two different states")
+    return second
 
 
 def _against_twin(episode: Episode, outputs: list, step_limit: int) -> Optional[Violation]:
@@ -210,7 +233,7 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "late drafts, batched MTP": ("feature:late_drafts_mtp_batched",),
     "late drafts, batched DFlash": ("feature:late_drafts_dflash_batched",),
     "late proposal failed, its verify answers": ("feature:late_failure",),
-    "device behind the host (a lane)": ("feature:lane",),
+    "device behind the host (a lane)": ("feature:lane",), "every event stepped twice": ("feature:stepped_twice",),
     "proposal answered ahead": ("feature:answered_ahead",),
     "decode answered ahead": ("feature:decode_ahead",),
     "kept tokens resolved by the next decode": ("feature:kept_resolved",),

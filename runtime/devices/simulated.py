@@ -194,6 +194,10 @@ class SimDevice(SimProposals):
         rows, _ = self._verified("trim_proposer_state", seq)
         if not 0 <= na <= rows:
             raise self._bad("trim_proposer_state", f"na={na} for sequence {seq}, whose verify had {rows} rows")
+        accepted = self._accepted(seq)
+        if accepted is not None and na != accepted:  # the proposer keeps the accepted drafts' state
+            raise self._bad("trim_proposer_state", f"na={na} for sequence {seq}, whose verify accepted {accepted} "
+                                                   f"drafts (speculation.md §6.6-§6.12: trim to the accepted)")
         super().trim_proposer_state(seq, na, stream)
 
     def gdn_fold_accepted(self, slots, accepted, k: int) -> bool:
