@@ -12,6 +12,7 @@ from fxsched.effects import lifecycle as lc
 from fxsched.effects import plans
 from fxsched.effects import device_calls as dc
 from fxsched.effects.client import DoneOut, ErrorOut
+from fxsched.effects.ep_words import RELEASE_CMD
 from fxsched.runtime.check.invariants import Violation, decode_rows, refused_prompt, release_cache_flag
 from fxsched.runtime.check.episode import SimRequest
 from fxsched.runtime.devices.script_rules import Script
@@ -48,6 +49,19 @@ def test_the_proposer_is_trimmed_to_the_accepted_drafts():
     device.refused = None
     device.trim_proposer_state(0, 1, 0)
     assert device.refused is None
+
+
+def test_a_release_word_names_the_slot_its_release_freed():
+    scripts = {1: Script(4, (10, 11)), 2: Script(4, (20, 21))}
+    device = SimDevice(scripts)
+    first, second = device.alloc_sequence(0, 1), device.alloc_sequence(1, 2)
+    device.free_sequence(1)
+    device.ep_broadcast_cmd_for_seq(second, RELEASE_CMD)
+    assert device.refused is None
+    device.free_sequence(0)  # its word must name slot `first`, not a slot freed earlier
+    device.freed_slots.add(second)
+    with pytest.raises(ArgumentError, match=f"release it follows freed slot {first}"):
+        device.ep_broadcast_cmd_for_seq(second, RELEASE_CMD)
 
 
 def test_a_verify_feeds_a_prefix_of_the_device_s_own_proposal():

@@ -10,7 +10,8 @@ uniformly. The states they are for, and why each matters:
   its tick (specs/scheduler.md §5.19 step 1).
 - ``full_batch``: more requests than seats on a large pool with KV exhaustion injected early, so a
   preempted or spilled sequence waits while new requests fill its seat; it may come back only into
-  a free seat (§5.19 steps 4-5). Some clients cancel late, after a swap-in or while blocking.
+  a free seat (§5.19 steps 4-5). Some clients cancel late, after a swap-in or while blocking; now
+  and then a spill file is damaged, so a swap-in into another slot than the one left fails.
 - ``whole_pool``: prompts admitted on their own blocks (a small admission horizon) into a pool of
   a few blocks, so the KV runs out for real and the sequence preempted needs exactly the whole
   pool, or one block more, to come back, perhaps after reclaiming blocks a prefix cache holds
@@ -40,6 +41,9 @@ uniformly. The states they are for, and why each matters:
   speculation, with ``max_rollbacks`` from 0 to 3 (re-steering now and then off): a sequence rolls
   back until the cap, then its guard finishes it (specs/watchdog.md §7.5). The random draw arms the
   watchdogs in few episodes and most of those stream or speculate, so it rolls back seldom.
+- ``wide_mtp``: MTP with two or three drafts over nine to twelve sequences, the batch around the
+  ladder's width (8): the draft count falls to 1 past it and comes back below it (specs/speculation.md
+  §6.2 step 1); the random draw seldom runs so many MTP sequences at once.
 - ``waiting_work``: one long request and a late arrival far behind it, KV exhaustion injected
   twice in a row (a preemption, then the survivor alone fails), with the inbox open or closed: the
   loop must resume the preempted sequence, neither wait for input nor shut down (§5.4, §5.8).
@@ -92,10 +96,16 @@ def full_batch(rng: random.Random) -> Episode:
         total, exhaust, watermark = 1000, (first, first + 1, first + rng.randint(3, 6)), 4096
     else:  # a small pool the prompts are admitted into on their own blocks: new requests spill old ones
         total, exhaust, watermark = rng.choice((6, 8, 10)), (), rng.choice((0, 4))
+    # now and then a spill file is damaged or lost: the swap-in fails and releases the slot it was just
+    # given, which need not be the one the sequence left (specs/faults.md §8.4)
+    damaged = rng.choice(("", "", "corrupt", "missing"))
+    victims = (rng.randint(1, n),) if damaged else ()
     return Episode(mode=rng.choice(("plain", "plain", "mtp1", "ngram")), max_batch_size=rng.choice((2, 3)),
                    max_prefill_tokens=0, spill=rng.random() < 0.7, total_blocks=total, held_blocks=0,
                    requests=tuple(requests), kv_exhaust_at=exhaust, close_tick=rng.randint(0, 4),
-                   admission_watermark=watermark, aim="full_batch")
+                   admission_watermark=watermark, aim="full_batch",
+                   spill_corrupt_for=victims if damaged == "corrupt" else (),
+                   spill_missing_for=victims if damaged == "missing" else ())
 
 
 def whole_pool(rng: random.Random) -> Episode:
@@ -234,7 +244,9 @@ def rollbacks(rng: random.Random) -> Episode:
     for i in range(n):
         # a lead-in longer than the content-loop span (64), boundary tokens only in its first part: when
         # the loop after it is found, a boundary lies far enough back, and a small ring still holds it
-        lead = _randints(rng, 2, 40, rng.randint(70, 100))
+        # (now and then a short one: the loop is there at the first check, at 48 content tokens, with no
+        # boundary far enough back, and the guard finishes the sequence there)
+        lead = _randints(rng, 2, 40, rng.randint(70, 100) if rng.random() < 0.7 else rng.randint(8, 30))
         every, early = rng.randint(3, 8), rng.randint(12, 30)
         lead = [BOUNDARY if j < early and j % every == every - 1 else t for j, t in enumerate(lead)]
         block = _randints(rng, 2, 40, rng.randint(2, 12))
@@ -253,10 +265,19 @@ def rollbacks(rng: random.Random) -> Episode:
                    ssm_ring=ring, options=tuple(sorted(options.items())), aim="rollbacks")
 
 
+def wide_mtp(rng: random.Random) -> Episode:
+    n = rng.randint(9, 12)
+    requests = [attrs.evolve(r, arrive_tick=rng.choice((0, 0, 0, rng.randint(1, 4))))
+                for r in _requests(rng, n, prompt=(2, 20), budget=(6, 24), wrong=(0, 0, 2, 3))]
+    return Episode(mode=rng.choice(("mtp2", "mtp3")), max_batch_size=rng.choice((n, 12)),
+                   max_prefill_tokens=rng.choice((0, 0, 8)), spill=False, total_blocks=1000, held_blocks=0,
+                   requests=tuple(requests), can_batch_verify=rng.random() < 0.8, close_tick=0, aim="wide_mtp")
+
+
 AIMS: dict[str, Callable[[random.Random], Episode]] = {
     "deadlines": deadlines, "full_batch": full_batch, "whole_pool": whole_pool, "rejected_cross": rejected_cross,
     "waiting_work": waiting_work, "gate_fault": gate_fault, "spilled_alone": spilled_alone, "ahead": ahead,
-    "kept_lost": kept_lost, "rollbacks": rollbacks,
+    "kept_lost": kept_lost, "rollbacks": rollbacks, "wide_mtp": wide_mtp,
 }
 
 

@@ -128,6 +128,7 @@ class SimBase(ScriptedDevice):
         self.adapter_of = dict(adapter_of or {})  # request id -> the adapter slot it asked for (when known)
         self.awaiting_adapter: Optional[int] = None  # the sequence allocated last, until it acquires its adapter
         self.freed_slots: set[int] = set()  # slots freed since, not allocated again nor announced released
+        self.last_freed: Optional[int] = None  # the slot the last free_sequence freed, until a release word names one
 
     # --- strict bookkeeping ---------------------------------------------------------------------------
 
@@ -158,6 +159,10 @@ class SimBase(ScriptedDevice):
                 held = self.ledger.holder(SLOT, seq_slot)
                 raise self._bad("ep_broadcast_cmd_for_seq", f"the EP release word names slot {seq_slot}, which no "
                                                             f"release freed (held by sequence {held})")
+            if self.last_freed is not None and seq_slot != self.last_freed:  # a ReleaseSeq: the free, then its word
+                raise self._bad("ep_broadcast_cmd_for_seq", f"the EP release word names slot {seq_slot}; the "
+                                                            f"release it follows freed slot {self.last_freed}")
+            self.last_freed = None
             self.freed_slots.discard(seq_slot)
         self._refuse("ep_broadcast_cmd_for_seq", self.ep_words.feed(Kind.CMD_FOR_SEQ, seq_slot, cmd))
 

@@ -69,6 +69,7 @@ class SimSequences(SimBase):
         self._refuse("free_sequence", self.ledger.release(SLOT, slot))
         self.ledger.accounts[ADAPTER].pop(seq, None)  # (none when it failed before its acquire)
         self.freed_slots.add(slot)
+        self.last_freed = slot
         if self.awaiting_adapter == seq:
             self.awaiting_adapter = None
         self.verified.pop(seq, None)
