@@ -146,7 +146,7 @@ def run_episode(episode: Episode, coverage: Counter, step_limit: int = 20000, ke
 def _twice(state, event):
     """step is pure (specs/checker.md §11.2): the event stepped twice on the same state gives equal
     states and equal effects; a step that changed its input state (or a record it shares with
-    others) or read anything but its arguments gives the second call something else. The loop goes
+    others), or anything else it reads, gives the second call something else. The loop goes
     on from the second result, so a change the first call made to shared data that the second does
     not show still meets the other invariants later."""
     first = step(state, event)
