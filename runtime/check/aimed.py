@@ -99,7 +99,7 @@ def full_batch(rng: random.Random) -> Episode:
     # now and then a spill file is damaged or lost: the swap-in fails and releases the slot it was just
     # given, which need not be the one the sequence left (specs/faults.md §8.4)
     damaged = rng.choice(("", "", "corrupt", "missing"))
-    victims = (rng.randint(1, n),) if damaged else ()
+    victims = tuple(sorted(rng.sample(range(1, n + 1), 2))) if damaged else ()
     return Episode(mode=rng.choice(("plain", "plain", "mtp1", "ngram")), max_batch_size=rng.choice((2, 3)),
                    max_prefill_tokens=0, spill=rng.random() < 0.7, total_blocks=total, held_blocks=0,
                    requests=tuple(requests), kv_exhaust_at=exhaust, close_tick=rng.randint(0, 4),
