@@ -410,6 +410,10 @@ MUTANTS: tuple[Mutant, ...] = (
        '        return plain_decode(update(state, out, {"last_decode_ms": state.now_ms}), _PLAIN_DECODE, out)\n',
        '        return plain_decode(state, _PLAIN_DECODE, out)\n',
        "a decode step does not reset SLAI's time since the last decode (prefills held back for good)"),
+    _m("decode_eos_rows_checkpointed", "decode",
+       "            marked = [seq.seq_id for seq in going]\n",
+       "            marked = [seq.seq_id for seq in rows]\n",
+       "the batched plain sink checkpoints the rows that took EOS too (they are neither checkpointed nor streamed)"),
     # --- spec_step -------------------------------------------------------------------------------
     _m("spec_step_bootstrap_also_verified", "spec_step",
        "        verify = tuple(i for i in ids if i in held)\n",
@@ -476,6 +480,13 @@ MUTANTS: tuple[Mutant, ...] = (
        "    out.append(dc.CommitAcceptedPrefix(seq.seq_id, na, k))\n"
        "    out.append(dc.SaveHiddenForMtp(na))\n",
        "a DFlash block verify commits the accepted drafts without the bonus row"),
+    _m("dflash_block_verify_ctx_only_if_going", "dflash",
+       "    out.append(dc.CommitCtx(seq.seq_id, na + 1, pre, row))\n"
+       "    seq = spec_tokens(seq, tuple(drafts[:na]) + (rows[na],), state.config, out, changes)\n",
+       "    seq = spec_tokens(seq, tuple(drafts[:na]) + (rows[na],), state.config, out, changes)\n"
+       "    if not seq.finished:\n"
+       "        out.append(dc.CommitCtx(seq.seq_id, na + 1, pre, row))\n",
+       "a DFlash block verify commits the drafter context only for a sequence that goes on"),
     # --- mtp_batch -------------------------------------------------------------------------------
     _m("mtp_batch_feeds_extra_draft", "mtp_batch",
        "        mine = held_drafts.get(seq_id, ())[: k - 1]\n",

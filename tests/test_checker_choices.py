@@ -12,7 +12,9 @@ import pytest
 from fxsched.core.config import SchedulerConfig
 from fxsched.effects import device_calls as dc
 from fxsched.effects import lifecycle as lc
+from fxsched.effects.client import TokenOut
 from fxsched.runtime.check.effect_rules import EffectRules, swap_victim_rule
+from fxsched.runtime.check.frames import checkpoints_stream
 from fxsched.runtime.check.state_checks import compaction_target_free
 from fxsched.runtime.check.violation import Violation
 
@@ -88,3 +90,11 @@ def test_a_speculative_truncation_is_no_rollback_and_re_steering_off_allows_none
     off = _Rules(SchedulerConfig(loop_watchdog=True, rollback_resteer=False, max_rollbacks=2), (_seq(7, request=3),))
     with pytest.raises(Violation, match="the cap is 0"):
         off._rollback_cap([lc.SsmSnapshotRestore(7, 0)])
+
+
+def test_the_plain_sink_checkpoints_only_the_rows_whose_token_it_streams():
+    device = SimpleNamespace(live={5: SimpleNamespace(rid=1), 6: SimpleNamespace(rid=2)}, _rid=lambda s: s.rid)
+    requests = {1: SimpleNamespace(streaming=True), 2: SimpleNamespace(streaming=False)}
+    checkpoints_stream([lc.MarconiCheckpoint(5), TokenOut(1, 30), lc.MarconiCheckpoint(6)], device, requests)
+    with pytest.raises(Violation, match="sequence 5 is checkpointed, but request 1 gets no token"):
+        checkpoints_stream([lc.MarconiCheckpoint(5), TokenOut(2, 30)], device, requests)  # an EOS row of 1

@@ -64,6 +64,18 @@ def test_a_release_word_names_the_slot_its_release_freed():
         device.ep_broadcast_cmd_for_seq(second, RELEASE_CMD)
 
 
+def test_a_dflash_verify_commits_its_drafter_context_before_its_verdict():
+    device = _device()
+    device.dflash = True
+    device.serial_verify("decode_verify_graphed_k3", 0, [10, 11, 99])
+    with pytest.raises(ArgumentError, match="has not committed its drafter context"):
+        device.commit_accepted_prefix(0, 2, 3)
+    device.refused = None
+    device.commit_ctx(0, 2, 4, 0)
+    device.commit_accepted_prefix(0, 2, 3)
+    assert device.refused is None
+
+
 def test_a_verify_feeds_a_prefix_of_the_device_s_own_proposal():
     device = _device()
     device.strict_drafts = True

@@ -1,7 +1,7 @@
 """Client frames against the device-call stream (specs/checker.md §11.2): what a client is sent
 must come after the device work it stands on.
 
-Two rules of order:
+Two rules of order, and one of pairing:
 
 The plain sink (specs/scheduler.md §5.17 step 4) checkpoints a sequence (``MarconiCheckpoint``,
 ``decode_marconi_checkpoint``) before it streams the token the checkpoint covers: a client that
@@ -13,6 +13,9 @@ prefix, a truncation or a rollback; specs/speculation.md §6.6, §6.14) before t
 streamed: a client that has the correction must never be ahead of a KV still holding the rejected
 draft. So in a batch that cuts a sequence back after its last verify was rejected, its request's
 token frames come after the cut.
+
+And the plain sink checkpoints exactly the rows whose token it streams: a checkpoint of a streaming
+request's sequence with no token frame in its batch checkpointed an EOS, cancelled or dropped row.
 """
 
 from __future__ import annotations
@@ -47,6 +50,26 @@ def tokens_after_checkpoints(effects, device) -> None:
         if checkpointed[seq] > at:
             raise Violation("token_after_checkpoint", f"request {effect.request_id}'s token frame comes before the "
                                                           f"checkpoint of its sequence {seq} in the same batch")
+
+
+def checkpoints_stream(effects, device, requests) -> None:
+    """no checkpoint without its token: the plain sink checkpoints a row exactly when it streams
+    its token (specs/scheduler.md §5.17 steps 3-4: an EOS row, a cancelled row and a dropped token
+    are neither), so in one batch every checkpoint of a streaming request's sequence (``requests``:
+    the run's, by id) is followed by a token frame of that request. (Only where nothing
+    speculates: the caller says.)"""
+    checkpointed = {effect.seq for effect in effects if type(effect) is MarconiCheckpoint}
+    rid, live = device._rid, device.live
+    owed = {rid(live[s]): s for s in checkpointed if s in live and getattr(requests.get(rid(live[s])), "streaming", False)}
+    if not owed:
+        return
+    for _, _, seq in _frames_of(effects, device, owed.values()):
+        owed = {r: s for r, s in owed.items() if s != seq}
+    if owed:
+        request, seq = next(iter(owed.items()))
+        raise Violation("checkpoint_has_token", f"sequence {seq} is checkpointed, but request {request} gets no "
+                                                f"token in the same batch (an EOS, cancelled or dropped row is "
+                                                f"never checkpointed)")
 
 
 CUTS_ONE = (dc.CommitAcceptedPrefix, dc.TruncateSequence, dc.StartRollbackAndCheckpointAsync, dc.RollbackSsmStates,

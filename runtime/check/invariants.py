@@ -29,7 +29,7 @@ from fxsched.effects.client import DoneOut, ErrorOut, ResponseOut, TokenOut, Tok
 from fxsched.runtime.check.clients import client_final, predicted_final
 from fxsched.runtime.check.effect_rules import EffectRules
 from fxsched.runtime.check.fault_scope import RULE_BOOK, declared, fault_scope
-from fxsched.runtime.check.frames import tokens_after_checkpoints, tokens_after_cut
+from fxsched.runtime.check.frames import checkpoints_stream, tokens_after_checkpoints, tokens_after_cut
 from fxsched.runtime.check.orderings import Orderings
 from fxsched.runtime.check.progress import Progress, check_blocks, no_idle_with_work, no_shutdown_with_work
 from fxsched.runtime.check.violation import Violation
@@ -121,6 +121,7 @@ class Monitor(EffectRules):
         self.requeued_kv: dict[int, int] = {}  # request id -> KV tokens it held when preempted (requeued)
         self.last_decode_rows: tuple[int, ...] = ()
         self.rollbacks: dict[int, int] = {}  # request id -> watchdog rollbacks seen (snapshot restores)
+        self.plain = config is not None and plain_path_only(config, model, None)  # nothing speculates
         self.prev_active: dict[int, tuple] = {}  # seq -> (output length, slot, request id, seq) after the last step
         self.evicted: set[int] = set()  # requests preempted (requeued), not yet resumed
         self.moved: set[int] = set()  # requests ever spilled or requeued
@@ -248,8 +249,11 @@ class Monitor(EffectRules):
             compaction_target_free(effects, self.device, self.seen_state.active if self.seen_state is not None else ())
         if roles & ROLLBACK and self.config is not None:
             self._rollback_cap(effects)
-        if roles & CHECKPOINT and roles & OUT and self.rids:  # (batched records are expanded by now)
-            tokens_after_checkpoints(effects, self.device)
+        if roles & CHECKPOINT and self.rids:  # (batched records are expanded by now)
+            if roles & OUT:
+                tokens_after_checkpoints(effects, self.device)
+            if self.plain:
+                checkpoints_stream(effects, self.device, self.requests)
         if roles & CUT and roles & OUT and self.rids:
             tokens_after_cut(effects, self.device)
         if self.shutdown_tail or roles & SHUTDOWN:

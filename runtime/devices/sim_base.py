@@ -82,6 +82,7 @@ class SimBase(ScriptedDevice):
         self.bounded_steps = 0  # mixed forwards whose prompt rows the bound held under max_prefill_tokens
         self.prompted: set[int] = set()  # live sequences whose whole prompt is in the KV (decoding)
         self.verified: dict[int, tuple[int, int]] = {}  # seq -> (rows, KV length before) of its last verify
+        self.ctx_owed: set[int] = set()  # DFlash: serial verifies of k >= 3 rows whose commit_ctx is still due
         self.stash = 0  # entries of the last hidden-row stash
         self.blamed: Optional[frozenset[int]] = None  # request ids the last failed call worked on
         self.refused: Optional[str] = None  # the first call refused for its arguments
@@ -151,6 +152,14 @@ class SimBase(ScriptedDevice):
     def _refuse(self, call: str, error: Optional[str]) -> None:
         if error is not None:
             raise self._bad(call, error)
+
+    def _ctx_committed(self, what: str, seq: int) -> None:
+        """DFlash: a serial verify of k >= 3 rows commits the drafter context of its rows
+        (``commit_ctx``) before its verdict commits, trims or proposes, and before anything else
+        runs on the sequence (specs/speculation.md §6.8 step 4, §6.9 step 4)."""
+        if seq in self.ctx_owed:
+            raise self._bad(what, f"sequence {seq}'s last verify (DFlash, k >= 3) has not committed its drafter "
+                                  f"context (commit_ctx)")
 
     def ep_broadcast_cmd_for_seq(self, seq_slot: int, cmd: int) -> None:
         super().ep_broadcast_cmd_for_seq(seq_slot, cmd)

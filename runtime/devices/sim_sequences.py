@@ -63,6 +63,7 @@ class SimSequences(SimBase):
 
     def free_sequence(self, seq: int) -> None:
         slot = self._seq(seq).slot
+        self._ctx_committed("free_sequence", seq)
         self.prompted.discard(seq)
         self.epoch += 1
         super().free_sequence(seq)

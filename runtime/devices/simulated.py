@@ -127,8 +127,11 @@ class SimDevice(SimProposals):
         if name != "decode_verify":
             self._check_drafts(name, seq, tokens)
         self.blamed = frozenset((self._rid(s),))
+        self._ctx_committed(name, seq)
         self.verified[seq] = (len(tokens), s.seq_len)
         rows = super().serial_verify(name, seq, tokens)
+        if self.dflash and len(tokens) >= 3 and name != "decode_verify":
+            self.ctx_owed.add(seq)
         self.verify_io[seq] = (tuple(tokens), tuple(rows))
         self.verify_order = ((seq, name != "decode_verify"),)
         self.blamed = None
@@ -174,6 +177,7 @@ class SimDevice(SimProposals):
         return got
 
     def commit_accepted_prefix(self, seq: int, na: int, k: int) -> None:
+        self._ctx_committed("commit_accepted_prefix", seq)
         rows, _ = self._verified("commit_accepted_prefix", seq)
         if not 0 <= na <= min(k, rows):
             raise self._bad("commit_accepted_prefix", f"na={na}, k={k} for sequence {seq}, whose verify had {rows} rows")
@@ -188,9 +192,11 @@ class SimDevice(SimProposals):
         if not 1 <= n <= rows or base != before:
             raise self._bad("commit_ctx", f"n={n}, base={base} for sequence {seq}, whose verify had {rows} rows "
                                           f"from {before}")
+        self.ctx_owed.discard(seq)
         super().commit_ctx(seq, n, base, row)
 
     def trim_proposer_state(self, seq: int, na: int, stream: int) -> None:
+        self._ctx_committed("trim_proposer_state", seq)
         rows, _ = self._verified("trim_proposer_state", seq)
         if not 0 <= na <= rows:
             raise self._bad("trim_proposer_state", f"na={na} for sequence {seq}, whose verify had {rows} rows")
