@@ -10,7 +10,9 @@ import pytest
 
 from fxsched.core.config import SCRIPTED_EOS as EOS
 from fxsched.core.emit import spec_tokens
+from fxsched.core.events import FreeBlocks
 from fxsched.core.lifecycle import requeue_resume, swap_in
+from fxsched.core.machine import step
 from fxsched.core.phases import RequeueResume, Shutdown, SwapIn, TickStart
 from fxsched.core.records import replace
 from fxsched.core.sequence import Sequence
@@ -64,6 +66,20 @@ def test_a_waiting_sequence_comes_back_only_into_a_free_seat(kind):
     out = []
     rule(replace(state, active=full[1:]), task, out)
     assert out, "with a seat free it goes on"
+
+
+def test_a_requeued_sequence_comes_back_only_with_a_block_to_spare():
+    """§5.19 step 5: the candidate needs its tokens' blocks (len // block_size + 1), and resume
+    wants one more, for the token it decodes next: with exactly its blocks free it reclaims first."""
+    state = _waiting("preempted", closed=False)  # 6 tokens in 16-token blocks: 1 block, want 2
+    out: list = []
+    asked = requeue_resume(state, RequeueResume(), out)
+    assert isinstance(out[-1], dc.NumFreeBlocks)
+    _, out = step(asked, FreeBlocks(1))
+    assert not any(isinstance(e, dc.AllocSequence) for e in out) and isinstance(out[-1], dc.ReclaimPrefixBlocks)
+    assert out[-1].n == 1
+    _, out = step(asked, FreeBlocks(2))
+    assert isinstance(out[-1], dc.AllocSequence)
 
 
 @pytest.mark.parametrize("before", [1, 2, 3])
