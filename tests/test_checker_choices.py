@@ -15,6 +15,7 @@ from fxsched.effects import lifecycle as lc
 from fxsched.effects.client import TokenOut
 from fxsched.runtime.check.effect_rules import EffectRules, swap_victim_rule
 from fxsched.runtime.check.frames import checkpoints_stream
+from fxsched.runtime.check.outputs import plain_path_only
 from fxsched.runtime.check.state_checks import compaction_target_free
 from fxsched.runtime.check.violation import Violation
 
@@ -67,6 +68,7 @@ def test_a_swap_outs_move_takes_the_victims_slot():
 class _Rules(EffectRules):
     def __init__(self, config: SchedulerConfig, active: tuple) -> None:
         self.config, self.rollbacks = config, {}
+        self.plain = plain_path_only(config, None, None)
         self.seen_state = SimpleNamespace(active=active)  # type: ignore[assignment]
 
 

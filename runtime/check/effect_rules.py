@@ -47,6 +47,7 @@ class EffectRules:
     immune: dict[int, int]
     seen_state: Optional[SchedulerState]
     rollbacks: dict[int, int]
+    plain: bool
 
     def _rollback_cap(self, effects) -> None:
         """rollback cap (specs/watchdog.md §7.5): a request's sequence rolls back at most
@@ -57,7 +58,7 @@ class EffectRules:
         a sequence); one rollback per sequence and batch. Swapped or requeued, it keeps its count."""
         config = self.config
         cap = config.max_rollbacks if config.rollback_resteer else 0
-        cuts = not (config.use_speculative or config.ngram_speculative or config.self_speculative)
+        cuts = self.plain  # nothing speculates: a truncation is a rollback
         owner = {s.seq_id: s.request.id for s in (self.seen_state.active if self.seen_state is not None else ())}
         rolled = {e.seq for e in effects
                   if type(e) is lc.SsmSnapshotRestore or (cuts and type(e) is dc.TruncateSequence)}

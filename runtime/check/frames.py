@@ -60,16 +60,16 @@ def checkpoints_stream(effects, device, requests) -> None:
     speculates: the caller says.)"""
     checkpointed = {effect.seq for effect in effects if type(effect) is MarconiCheckpoint}
     rid, live = device._rid, device.live
-    owed = {rid(live[s]): s for s in checkpointed if s in live and getattr(requests.get(rid(live[s])), "streaming", False)}
+    owed = {s: rid(live[s]) for s in checkpointed if s in live}
+    owed = {s: r for s, r in owed.items() if getattr(requests.get(r), "streaming", False)}
     if not owed:
         return
-    for _, _, seq in _frames_of(effects, device, owed.values()):
-        owed = {r: s for r, s in owed.items() if s != seq}
-    if owed:
-        request, seq = next(iter(owed.items()))
-        raise Violation("checkpoint_has_token", f"sequence {seq} is checkpointed, but request {request} gets no "
-                                                f"token in the same batch (an EOS, cancelled or dropped row is "
-                                                f"never checkpointed)")
+    streamed = {seq for _, _, seq in _frames_of(effects, device, owed)}
+    for seq, request in owed.items():
+        if seq not in streamed:
+            raise Violation("checkpoint_has_token", f"sequence {seq} is checkpointed, but request {request} gets no "
+                                                    f"token in the same batch (an EOS, cancelled or dropped row is "
+                                                    f"never checkpointed)")
 
 
 CUTS_ONE = (dc.CommitAcceptedPrefix, dc.TruncateSequence, dc.StartRollbackAndCheckpointAsync, dc.RollbackSsmStates,

@@ -74,7 +74,8 @@ class Monitor(EffectRules):
     early-stop causes, the admission order and decision, the KV reservation, the batch bound, the
     packed slots, refused prompts, the draft count, drafts for finished sequences, every pending
     draft block verified, the preemption victim (with the checker's own immunity record), the
-    swap-out victim, the rollback cap (the checker's own count), cancels ending streams. Every batch's release flags, compaction moves and decode rows are checked too.
+    swap-out victim, the rollback cap (the checker's own count), cancels ending streams. Every
+    batch's release flags, compaction moves and decode rows are checked too.
     """
 
     def __init__(self, requests, device, counts_acc: bool, config=None, model=None):
@@ -120,7 +121,7 @@ class Monitor(EffectRules):
         self.committed = 0  # the KV blocks committed when it began
         self.requeued_kv: dict[int, int] = {}  # request id -> KV tokens it held when preempted (requeued)
         self.last_decode_rows: tuple[int, ...] = ()
-        self.rollbacks: dict[int, int] = {}  # request id -> watchdog rollbacks seen (snapshot restores)
+        self.rollbacks: dict[int, int] = {}  # request id -> watchdog rollbacks counted (EffectRules._rollback_cap)
         self.plain = config is not None and plain_path_only(config, model, None)  # nothing speculates
         self.prev_active: dict[int, tuple] = {}  # seq -> (output length, slot, request id, seq) after the last step
         self.evicted: set[int] = set()  # requests preempted (requeued), not yet resumed
