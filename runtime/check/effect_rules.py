@@ -1,6 +1,7 @@
 """The checker's rules over a batch of effects that need the run's memory (specs/checker.md §11.2):
 which sequence a KV-exhausted decode preempts and which one an admission-time swap-out spills,
-how many times a request rolls back, and how many drafts a step asks and for whom.
+how many times a request rolls back, and how many drafts a step asks and for whom; and the order
+in which admission selects the queue's requests (specs/scheduler.md §5.4).
 
 ``EffectRules`` is a part of ``invariants.Monitor`` (a base class): its methods read and update the
 monitor's records (the last decode's rows, the active sequences before the step, the immunity and
@@ -21,12 +22,13 @@ from fxsched.effects.client import TokenOut, TokensOut
 from fxsched.runtime.check.fault_scope import finishes_on
 from fxsched.runtime.check.progress import Progress
 from fxsched.runtime.check.roles import DRAFT, OUT, ROLES
+from fxsched.runtime.check.state_checks import admission_order
 from fxsched.runtime.check.violation import Violation
 
 
 class EffectRules:
     """The preemption and swap-out victims, the rollback cap and the draft rules, checked over one
-    batch of effects."""
+    batch of effects; and the admission order of each new selection (``_selection``)."""
 
     # the monitor's records these rules read and keep (set by Monitor.__init__)
     config: Any
@@ -48,6 +50,10 @@ class EffectRules:
     seen_state: Optional[SchedulerState]
     rollbacks: dict[int, int]
     plain: bool
+    queue: list
+    selection: tuple
+    selected: tuple
+    served: set[int]
 
     def _rollback_cap(self, effects) -> None:
         """rollback cap (specs/watchdog.md §7.5): a request's sequence rolls back at most
@@ -170,6 +176,25 @@ class EffectRules:
                     if out.get(rid, len(self.streamed[rid])) >= request.max_tokens:
                         raise Violation("finished_gets_drafts", f"{type(effect).__name__} names sequence {seq_id} "
                                                                 f"of request {rid}, whose budget is spent")
+
+    def _selection(self, state: SchedulerState) -> None:
+        """admission order (``state_checks.admission_order``) of a new selection, against the checker's
+        own model of the queue (``queue``: arrivals in order, deferred requests back at the front)."""
+        new = state.new_requests
+        if not new or new is self.selected:
+            return
+        previous = {r.id for r in self.selected}
+        if previous and {r.id for r in new} <= previous:
+            self.selected = new  # an admission or a fault kept part of the selection
+            return
+        deferred = [r for r in self.selection if r.id not in self.served]
+        waiting = {r.id for r in deferred}
+        self.queue = deferred + [r for r in self.queue if r.id not in waiting and r.id not in self.served]
+        cap = state.config.max_batch_size - len(state.rows) - len(state.prefilling)
+        admission_order(state.config.policy, self.queue, new, cap)
+        taken = {r.id for r in new}
+        self.queue = [r for r in self.queue if r.id not in taken]
+        self.selected = self.selection = new
 
 
 def swap_victim_rule(active, spilled: int) -> None:

@@ -20,8 +20,7 @@ from typing import Any, Optional
 
 from fxsched.core.config import SCRIPTED_EOS as EOS
 from fxsched.core.state import SchedulerState
-from fxsched.core import phases
-from fxsched.core.phases import AwaitAdapterIds, AwaitInput, AwaitPublishBlocks
+from fxsched.core.phases import AwaitAdapterIds, AwaitDecode, AwaitInput, AwaitPublishBlocks
 from fxsched.effects import device_calls as dc
 from fxsched.effects import lifecycle as lc
 from fxsched.effects.base import expand_batched
@@ -30,7 +29,7 @@ from fxsched.runtime.check.clients import client_final, predicted_final
 from fxsched.runtime.check.effect_rules import EffectRules
 from fxsched.runtime.check.fault_scope import RULE_BOOK, declared, fault_scope
 from fxsched.runtime.check.frames import checkpoints_stream, tokens_after_checkpoints, tokens_after_cut
-from fxsched.runtime.check.orderings import Orderings
+from fxsched.runtime.check.orderings import Orderings, SIGNATURES, Signature
 from fxsched.runtime.check.progress import Progress, check_blocks, no_idle_with_work, no_shutdown_with_work
 from fxsched.runtime.check.violation import Violation
 from fxsched.effects import plans
@@ -41,7 +40,7 @@ from fxsched.runtime.check.roles import (ALLOC, ARRIVAL, BATCH_ROLES, batch_role
                                          CLOCK, COMMIT, COMPACT, CUT, DECODE, DECODE_LANE, DRAFT, DRAFT_RULED,
                                          effect_role, EVENT_KINDS, FAULT, FOLD, INPUT, NAMES, OUT, PLAN, RELEASE,
                                          ROLES, ROLLBACK, SHUTDOWN)
-from fxsched.runtime.check.state_checks import (acc_accounting, admission_order, admission_ran, batch_bound, blocks_balance, ledgers_closed,
+from fxsched.runtime.check.state_checks import (acc_accounting, admission_ran, batch_bound, blocks_balance, ledgers_closed,
                                                 blocks_free_at_quiescence, committed_kv, compaction_target_free,
                                                 decode_rows, decode_rows_within_limits, device_arguments,
                                                 drafts_verified, fold_before_commit, kv_mirror,
@@ -221,17 +220,19 @@ class Monitor(EffectRules):
             return False
         return True
 
-    def on_effects(self, effects, kinds: Optional[tuple] = None) -> None:
-        """A batch of effects, before it is carried out (``kinds``: their types in order, when the
-        caller has them). The roles of its effect types (``BATCH_ROLES``) say which checks have
-        anything to look at in it: a check that none of the batch's effects takes part in would
-        pass, so it does not run (a batch of no role at all is done with at once)."""
+    def on_effects(self, effects, kinds: Optional[tuple] = None, known: Optional[Signature] = None) -> None:
+        """A batch of effects, before it is carried out (``kinds``: their types in order, or ``known``:
+        their ``orderings.SIGNATURES`` entry, when the caller has them). The roles of its effect
+        types (``BATCH_ROLES``) say which checks have anything to look at in it: a check that none of
+        the batch's effects takes part in would pass, so it does not run (a batch of no role at all
+        is done with at once)."""
         if not effects:
             return
-        if kinds is None:
-            kinds = tuple(map(type, effects))
-        self.orderings.check(effects, kinds, self.fault_step)
-        roles = BATCH_ROLES[kinds]
+        if known is None:
+            known = SIGNATURES[tuple(map(type, effects)) if kinds is None else kinds]
+        kinds = known.kinds
+        self.orderings.check(effects, kinds, self.fault_step, known.plan)
+        roles = known.roles
         if not roles and not self.shutdown_tail:
             return
         if roles & BATCHED:
@@ -359,23 +360,6 @@ class Monitor(EffectRules):
                                 in_flight=rid in self.arrived, model=self.model, config=self.config,
                                 adapter_id=adapters.get(slot, -1), requeued_kv=self.requeued_kv.get(rid))
 
-    def _selection(self, state: SchedulerState) -> None:
-        new = state.new_requests
-        if not new or new is self.selected:
-            return
-        previous = {r.id for r in self.selected}
-        if previous and {r.id for r in new} <= previous:
-            self.selected = new  # an admission or a fault kept part of the selection
-            return
-        deferred = [r for r in self.selection if r.id not in self.served]
-        waiting = {r.id for r in deferred}
-        self.queue = deferred + [r for r in self.queue if r.id not in waiting and r.id not in self.served]
-        cap = state.config.max_batch_size - len(state.active) - len(state.prefilling)
-        admission_order(state.config.policy, self.queue, new, cap)
-        taken = {r.id for r in new}
-        self.queue = [r for r in self.queue if r.id not in taken]
-        self.selected = self.selection = new
-
     def on_state(self, state: SchedulerState) -> None:
         """The state after a batch was carried out (and the device with it). The per-step checks
         run on what changed: each is a function of the device's pool and slots, unchanged while
@@ -395,11 +379,15 @@ class Monitor(EffectRules):
         if self.evicted and self.config is not None:
             self._resumed(state.active, self.config)
         self.seen_state = state
-        if type(state.waiting) is phases.AwaitDecode and state.config.async_scheduling:
+        phase = type(state.waiting)  # (no phase record is subclassed)
+        if phase is AwaitDecode and state.config.async_scheduling:
             decode_rows_within_limits(state)
         rows, prefilling, restoring = state.rows, state.prefilling, state.restoring  # (see ``running_sequences``)
-        epoch = device.epoch if self.counts_epochs else None
-        device_new = epoch is None or epoch != self.seen_epoch
+        if self.counts_epochs:
+            epoch = device.epoch
+            device_new = epoch != self.seen_epoch
+        else:
+            epoch, device_new = None, True
         if device_new:
             blocks_balance(device)
             self.seen_epoch = epoch
@@ -437,15 +425,15 @@ class Monitor(EffectRules):
             self.seen_new = new
             for request in new:
                 self.admitted_by.setdefault(request.id, state.tick + self.work)
-        phase = type(state.waiting)  # (no phase record is subclassed)
         if phase in SETTLED_PHASES and (device_new or rows is not self.mirrored or settled is not self.mirrored_settled):
             kv_mirror(state, device)  # (the answers before this query are settled)
             self.mirrored, self.mirrored_settled = rows, settled
         if self.progress.deadlines:
             self.progress.on_state(state, self.now_ms)
-        if phase is AwaitInput and not repeat:  # (input events while it waits fill the inbox)
-            no_idle_with_work(state)
-        if phase is AwaitPublishBlocks:
+        if phase is AwaitInput:
+            if not repeat:  # (input events while it waits fill the inbox)
+                no_idle_with_work(state)
+        elif phase is AwaitPublishBlocks:
             if not repeat and self.config is not None:
                 admission_ran(state, self.now_ms, self.last_decode_ms, self.selected_in_tick)
                 self.selected_in_tick = False

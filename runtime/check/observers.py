@@ -22,6 +22,8 @@ from fxsched.effects.client import DoneOut, ErrorOut, ResponseOut, RotationAck
 from fxsched.runtime.interpreter import Host, Interpreter, Observer
 from fxsched.runtime.check.episode import TICK_MS, Episode
 from fxsched.runtime.check.invariants import CANCEL, EVENT_KINDS, FAULT, Monitor, Violation
+from fxsched.runtime.check.orderings import SIGNATURES, Signature
+from fxsched.runtime.check.roles import _Memo
 from fxsched.runtime.devices.lane import DeferredLane
 from fxsched.runtime.devices.sim_decodes import AHEAD_FAILURE
 from fxsched.runtime.devices.sim_proposals import LATE_FAILURE
@@ -73,6 +75,10 @@ class WalkHost(Host):
 _NOTED = frozenset((dc.GenerateBeamBatch, dc.DecodeVerifyBatched, dc.TruncateSequence, dc.AdapterIdFor, plans.Decode))
 """The effect types ``WalkObserver._note_features`` looks into."""
 
+_WATCHED: dict[tuple, tuple[Signature, bool]] = _Memo(lambda kinds: (SIGNATURES[kinds], not _NOTED.isdisjoint(kinds)))
+"""A batch's signature -> (its ``orderings.SIGNATURES`` entry, whether it holds a type of ``_NOTED``),
+worked out once per signature."""
+
 
 class MonitorObserver(Observer):
     """The invariants on the drive loop: the monitor sees every event before it is stepped, every
@@ -109,7 +115,7 @@ class WalkObserver(MonitorObserver):
         self.stepping: Optional[ev.Event] = None  # the event ``step`` is working on
         self.episode = episode
         self.waiting: Any = None  # the phase the last batch left the scheduler waiting in
-        self.effect_types: list[type] = []  # the type of every effect stepped, counted by ``count_effects``
+        self.signatures: list[Signature] = []  # the signature of every batch stepped, counted by ``count_effects``
         self.lane: Optional[DeferredLane] = None  # the episode's lane: device work runs behind the host
         self.outputs: Optional[list] = None  # every client output, when the episode's twin compares them
 
@@ -170,10 +176,14 @@ class WalkObserver(MonitorObserver):
             if columns is not None and ev.LATE_TOKEN in columns.last_token:
                 self.coverage["feature:ahead_columns"] += 1
         if effects:
-            kinds = tuple(map(type, effects))
-            self.monitor.on_effects(effects, kinds)
-            self.effect_types.extend(kinds)
-            if not _NOTED.isdisjoint(kinds):
+            n = len(effects)  # (most batches hold one to three effects: their signature written out is quicker)
+            kinds = ((type(effects[0]),) if n == 1 else (type(effects[0]), type(effects[1])) if n == 2
+                     else (type(effects[0]), type(effects[1]), type(effects[2])) if n == 3
+                     else tuple(map(type, effects)))
+            known, noted = _WATCHED[kinds]
+            self.monitor.on_effects(effects, known=known)
+            self.signatures.append(known)
+            if noted:
                 self._note_features(effects)
 
     def _note_features(self, effects) -> None:
@@ -197,18 +207,23 @@ class WalkObserver(MonitorObserver):
                     coverage["rare:plain_after_rejected_cross"] += 1
 
     def count_effects(self) -> None:
-        """Add the effects stepped so far to the coverage, one count per effect under its type's name."""
+        """Add the effects stepped so far to the coverage, one count per effect under its type's name
+        (the types in the order they were first stepped)."""
+        counts: dict[type, int] = {}
+        for known, n in Counter(self.signatures).items():
+            for kind in known.kinds:
+                counts[kind] = counts.get(kind, 0) + n
         coverage = self.coverage
-        for kind, n in Counter(self.effect_types).items():
+        for kind, n in counts.items():
             coverage[kind.__name__] += n
-        self.effect_types = []
+        self.signatures = []
 
     def performed(self, state) -> None:
         if self.lane is not None:  # the checks read the device: let it catch up with the batch
             self.lane.fence()
         self.monitor.on_state(state)
         if (state.swapped or state.preempted) and isinstance(state.waiting, AwaitPublishBlocks):
-            if (len(state.active) + len(state.prefilling) + len(state.new_requests) >= state.config.max_batch_size
+            if (len(state.rows) + len(state.prefilling) + len(state.new_requests) >= state.config.max_batch_size
                     and self.monitor.device.free_count() > 0):
                 self.coverage["feature:full_batch_while_waiting"] += 1
             if not state.rows and not state.prefilling:

@@ -22,7 +22,7 @@ from typing import NamedTuple, Optional, Sequence
 from fxsched.effects import device_calls as dc
 from fxsched.effects import lifecycle as lc
 from fxsched.effects import plans
-from fxsched.runtime.check.roles import _Memo
+from fxsched.runtime.check.roles import BATCH_ROLES, _Memo
 from fxsched.runtime.check.violation import Violation
 
 # --- which types take part in which rule ------------------------------------------------------------------
@@ -106,6 +106,23 @@ def _plan(kinds: tuple[type, ...]) -> _Plan:
 
 PLANS: dict[tuple, _Plan] = _Memo(_plan)
 """A batch's signature -> its ``_Plan``, worked out once per signature."""
+
+
+class Signature:
+    """What the checks read of a batch's signature, looked up once per batch: the signature itself
+    (``kinds``), its ``roles.BATCH_ROLES`` entry and its ``_Plan``. (One object per signature, so
+    it hashes and compares by identity: cheap to count.)"""
+
+    __slots__ = ("kinds", "roles", "plan")
+
+    def __init__(self, kinds: tuple[type, ...]) -> None:
+        self.kinds = kinds
+        self.roles: int = BATCH_ROLES[kinds]
+        self.plan: _Plan = PLANS[kinds]
+
+
+SIGNATURES: dict[tuple, Signature] = _Memo(Signature)
+"""A batch's signature -> its ``Signature``, worked out once per signature."""
 
 
 def _kinds(effects: Sequence, kinds: Optional[tuple]) -> tuple:
@@ -296,10 +313,11 @@ class Orderings:
         if plan.synced_verify:
             self.verified = True
 
-    def check(self, effects: Sequence, kinds: tuple, fault: bool) -> None:
+    def check(self, effects: Sequence, kinds: tuple, fault: bool, plan: Optional[_Plan] = None) -> None:
         """One batch of effects before it is carried out (``kinds``: their types, in order; ``fault``:
-        the batch is the answer to a ``DeviceFault``)."""
-        plan = PLANS[kinds]
+        the batch is the answer to a ``DeviceFault``; ``plan``: ``PLANS[kinds]``, when the caller has it)."""
+        if plan is None:
+            plan = PLANS[kinds]
         barrier = self.barrier
         if plan.work or barrier.unsynced or barrier.before_query is not None:
             barrier.step(effects, plan.stream_ops, fault)

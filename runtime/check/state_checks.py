@@ -9,7 +9,7 @@ from operator import attrgetter
 from typing import Optional
 
 
-from fxsched.core.state import SchedulerState
+from fxsched.core.state import SchedulerState, hot_columns
 from fxsched.core import phases
 from fxsched.effects import device_calls as dc
 from fxsched.effects import lifecycle as lc
@@ -35,7 +35,7 @@ def blocks_balance(device) -> None:
 
 def blocks_free_at_quiescence(state: SchedulerState, device) -> None:
     """blocks: when nothing is in flight every block is free and no sequence holds a slot."""
-    if state.active or state.prefilling or state.swapped or state.preempted or state.restoring:
+    if state.rows or state.prefilling or state.swapped or state.preempted or state.restoring:
         return
     if device.used_blocks or device.live:
         held = {s.seq_id: s.slot for s in device.live.values()}
@@ -152,14 +152,26 @@ answer before it has been settled, so its view of each active sequence's KV is t
 
 
 def kv_mirror(state: SchedulerState, device) -> None:
-    """the scheduler's view of each active sequence's KV (length, blocks) equals the device's."""
-    for seq in state.active:
-        dev = device.live.get(seq.seq_id)
+    """the scheduler's view of each active sequence's KV (length, blocks) equals the device's. (The
+    length and blocks of ``active`` read from the hot columns where they stand over ``rows``, the
+    records left as they are.)"""
+    live = device.live
+    for seq, seq_len, blocks in _hot_lengths(state):
+        dev = live.get(seq.seq_id)
         if dev is None:
             raise Violation("kv_mirror", f"active sequence {seq.seq_id} holds no device sequence")
-        if dev.seq_len != seq.seq_len or dev.blocks != seq.blocks or dev.slot != seq.slot:
-            raise Violation("kv_mirror", f"sequence {seq.seq_id}: scheduler len={seq.seq_len} blocks={seq.blocks} "
+        if dev.seq_len != seq_len or dev.blocks != blocks or dev.slot != seq.slot:
+            raise Violation("kv_mirror", f"sequence {seq.seq_id}: scheduler len={seq_len} blocks={blocks} "
                                          f"slot={seq.slot}, device len={dev.seq_len} blocks={dev.blocks} slot={dev.slot}")
+
+
+def _hot_lengths(state: SchedulerState):
+    """(record, seq_len, blocks) of each active sequence, in order: the lengths and blocks of
+    ``state.active``, without building its records (``rows``' own ids and slots are exact)."""
+    settled = hot_columns(state)
+    if settled is None:
+        return ((seq, seq.seq_len, seq.blocks) for seq in state.rows)
+    return zip(state.rows, settled.seq_len, settled.blocks, strict=True)
 
 
 def compaction_target_free(effects, device, active: tuple = ()) -> None:
@@ -296,8 +308,8 @@ def slots_packed(state: SchedulerState) -> None:
     below n = active + prefilling (specs/scheduler.md §5.19 step 3; prefilling prompts never move,
     and a swap-in or resume takes the lowest free slot, which stays below the new n); checked at
     the tick start."""
-    n = len(state.active) + len(state.prefilling)
-    high = [(s.seq_id, s.slot) for s in state.active if s.slot >= n]
+    n = len(state.rows) + len(state.prefilling)
+    high = [(s.seq_id, s.slot) for s in state.rows if s.slot >= n]  # (ids and slots are never in the hot columns)
     if high:
         raise Violation("slots_packed", f"active (sequence, slot) {high} at the tick start, with {n} running")
 
@@ -345,7 +357,11 @@ def committed_kv(state: SchedulerState) -> int:
     def commit(current: int, budget: int) -> int:
         return min(current + min(budget, w), max(w, current)) // bs + 1
 
-    total = sum(commit(s.seq_len + 1, s.remaining) for s in state.active)
+    settled = hot_columns(state)  # (remaining = end - seq_len in the columns: core/state.py's hot_fields)
+    if settled is None:
+        total = sum(commit(s.seq_len + 1, s.remaining) for s in state.rows)
+    else:
+        total = sum(commit(n + 1, end - n) for n, end in zip(settled.seq_len, settled.end, strict=True))
     total += sum(commit(p.request.prompt_len, p.request.max_tokens) for p in state.prefilling)
     total += sum(commit(x.sequence.seq_len + 1, x.sequence.remaining) for x in state.swapped)
     total += sum(commit(len(q.tokens) + 1, q.sequence.remaining) for q in state.preempted)
@@ -436,10 +452,11 @@ def admission_ran(state: SchedulerState, now_ms: float, last_decode_ms: float, s
     active and ``now − last_decode ≥ 0.8 × slai_deadline_ms`` (``last_decode`` is the checker's
     own clock reading at the last decode-lane or mixed step)."""
     config = state.config
-    cap = config.max_batch_size - len(state.active) - len(state.prefilling) - len(state.new_requests)
+    # (``rows`` holds as many records as ``active``: the hot columns stand over these very records)
+    cap = config.max_batch_size - len(state.rows) - len(state.prefilling) - len(state.new_requests)
     if not selected and (not state.pending or cap <= 0):
         return
-    declines = (config.policy == "slai" and bool(state.active)
+    declines = (config.policy == "slai" and bool(state.rows)
                 and now_ms - last_decode_ms >= 0.8 * config.slai_deadline_ms)
     if declines and selected:
         raise Violation("admission_decision", f"SLAI admitted at {now_ms} ms, {now_ms - last_decode_ms} ms after the "

@@ -11,23 +11,12 @@ The shutdown word is the last: no word follows it.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Union, cast
+from typing import Optional, Union
 
-from fxsched.runtime.ep.protocol import (Accept, CommandParser, Decode, Kind, Message, Prefill, ProtocolError, Release,
+from fxsched.runtime.ep.protocol import (Accept, CommandParser, Decode, Kind, Prefill, ProtocolError, Release,
                                          Shutdown, Verify)
 
 Announced = Union[Prefill, Decode, Verify]
-
-
-class _Word(NamedTuple):
-    """A message as the parser reads it, without ``Message``'s field conversion (the simulated
-    device sends a word per call, hot in the model checker)."""
-
-    kind: Kind
-    a: int
-    b: int
-    payload: tuple[int, ...]
-    number: int
 
 
 class EpWordCheck:
@@ -43,14 +32,18 @@ class EpWordCheck:
 
     def feed(self, kind: Kind, a: int = 0, b: int = 0, payload=()) -> Optional[str]:
         """One broadcast; a message that breaks the protocol is the error returned. (An announcement
-        may replace one whose forward never ran: its sequence failed, finished or left the step.)"""
+        may replace one whose forward never ran: its sequence failed, finished or left the step.)
+        The parser reads the message's fields as a worker reads the message (``feed_fields``: the
+        simulated device sends a word per call, hot in the model checker)."""
         self.number += 1
         if self.shut:
             return f"EP word {self.number} ({kind.name}) after the shutdown word"
         try:
-            command = self.parser.feed(cast(Message, _Word(kind, a, b, tuple(payload), self.number)))
+            command = self.parser.feed_fields(kind, a, b, tuple(payload), self.number)
         except ProtocolError as err:
             return str(err)
+        if command is None:
+            return None
         if isinstance(command, (Prefill, Decode, Verify)):
             self.announced[command.slot] = command
         elif isinstance(command, Release):

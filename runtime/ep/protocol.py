@@ -266,33 +266,38 @@ class CommandParser:
         return self._partial is None
 
     def feed(self, m: Message) -> Optional[Command]:
-        match m.kind:
-            case Kind.CMD_FOR_SEQ:
-                return self._first_word(m.a, m.b, m.number)
-            case Kind.CMD:
-                return self._next_word(m.b, m.number)
+        return self.feed_fields(m.kind, m.a, m.b, m.payload, m.number)
+
+    def feed_fields(self, kind: Kind, a: int, b: int, payload: tuple[int, ...], number: int) -> Optional[Command]:
+        """``feed`` of a message given by its fields (a sender in the same process, such as the
+        simulated device, builds no ``Message``)."""
+        if kind == Kind.CMD_FOR_SEQ:  # (the words first: nearly every message is one)
+            return self._first_word(a, b, number)
+        if kind == Kind.CMD:
+            return self._next_word(b, number)
+        match kind:
             case Kind.TOKENS:
-                self._tokens(m.payload, m.number)
+                self._tokens(payload, number)
                 return None
             case Kind.VISION:
-                return self._vision(m.a, m.number)
+                return self._vision(a, number)
             case Kind.ROWS:
-                return Forward(unpack_rows(m.payload), True)
+                return Forward(unpack_rows(payload), True)
             case Kind.PENDING_ROWS:
-                return Forward(unpack_rows(m.payload), False, draft=m.a == 1)
+                return Forward(unpack_rows(payload), False, draft=a == 1)
             case Kind.SET_LEN:
-                return SetLength(m.a, m.b)
+                return SetLength(a, b)
             case Kind.MOVE:
-                return Move(m.a, m.b)
+                return Move(a, b)
             case Kind.RESTORE:
-                return Restore(m.a, m.payload)
+                return Restore(a, payload)
             case Kind.TICK:
-                return Tick(m.a, m.b)
+                return Tick(a, b)
             case Kind.SYNC:
-                return Sync(m.a)
+                return Sync(a)
             case Kind.EXPERTS:
-                raise ProtocolError(f"message {m.number}: an expert call is data, not a command")
-        raise ProtocolError(f"message {m.number}: kind {m.kind} has no meaning")  # pragma: no cover
+                raise ProtocolError(f"message {number}: an expert call is data, not a command")
+        raise ProtocolError(f"message {number}: kind {kind} has no meaning")  # pragma: no cover
 
     def _first_word(self, slot: int, word: int, number: int) -> Optional[Command]:
         if word == SHUTDOWN_CMD:  # ends everything, also a command cut short by a failed run
