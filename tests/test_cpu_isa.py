@@ -91,7 +91,7 @@ def _kernel_tests_pass_at(level: str, files: list[str]) -> None:
                     reason="this host's own build is not the AVX512 one (the kernel tests already run its build)")
 def test_the_avx2_build_passes_the_kernel_tests_on_an_avx512_host():
     _kernel_tests_pass_at("avx2", ["tests/test_cpu_kernels.py", "tests/test_cpu_attention.py",
-                                   "tests/test_cpu_pointwise.py"])
+                                   "tests/test_cpu_pointwise.py", "tests/test_cpu_fold.py"])
 
 
 @pytest.mark.skipif(not cpu_amx.ready(), reason="not an AMX host in use (elsewhere the AVX512 path is the host's "

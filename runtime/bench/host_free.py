@@ -292,7 +292,7 @@ class Stopwatch:
 
 PARTS_OF: dict[str, dict[str, tuple[str, ...]]] = {
     "engine": {
-        "batch_prep": ("prepare", "decode_batch"),
+        "batch_prep": ("_prepared", "decode_batch"),
         "forward": (),  # the model's forward: wrapped on engine.model
         "commit": ("_forward", "gdn_fold_accepted", "commit_accepted_prefix", "commit_ctx", "commit_ctx_many",
                    "ctx_extend", "ctx_extend_many", "trim_proposer_state", "set_pending_tokens", "save_hidden_for_mtp",

@@ -101,7 +101,7 @@ class TorchDevice(Lifecycle, Forwards, Proposers, Speculative):
         self._logits: Optional[torch.Tensor] = None
         self._owners: list[tuple[int, int]] = []
         self._argmax: Optional[list[int]] = None
-        self._stash: list[tuple[int, torch.Tensor]] = []
+        self._stash: tuple[list[int], Optional[torch.Tensor]] = ([], None)
         self._ring: dict[tuple[int, int], tuple[int, list]] = {}
         self._spill_cleanup: Optional[weakref.finalize] = None  # set when the device makes its own directory
         self._spill_dir: Optional[Path] = Path(spill_dir) if spill_dir is not None else None  # made on first spill
@@ -111,6 +111,7 @@ class TorchDevice(Lifecycle, Forwards, Proposers, Speculative):
         self.grammars = grammars  # structured output: the rows of a request with a grammar are masked
         self.late_drafts = late_drafts
         self._late: dict[int, torch.Tensor | str] = {}
+        self._late_batch: Optional[tuple[torch.Tensor, dict[int, int]]] = None
         self.decode_ahead = decode_ahead  # keep plain decodes' tokens on the device (specs/async.md §16.6)
         self._ahead_init()
         self._fx_log = fx_logger()  # None unless debug events are on: fx lines cost nothing then

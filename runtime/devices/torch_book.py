@@ -132,7 +132,7 @@ class DeviceBook:
     _logits: Optional[torch.Tensor]
     _owners: list[tuple[int, int]]
     _argmax: Optional[list[int]]
-    _stash: list[tuple[int, torch.Tensor]]
+    _stash: tuple[list[int], Optional[torch.Tensor]]  # the stashed rows' owners and the rows [N, D]
     _ring: dict[tuple[int, int], tuple[int, list]]
     _spill_cleanup: Optional[weakref.finalize]
     _spill_dir: Optional[Path]
@@ -141,6 +141,9 @@ class DeviceBook:
     _closed: bool
     late_drafts: bool  # proposals answer LATE_DRAFT and keep their drafts here (specs/async.md §16.3)
     _late: dict[int, torch.Tensor | str]  # by sequence: its last late proposal's drafts [n] on the device, or its failure
+    # the last late proposal's drafts [B, n] and each of its sequences' row (its ``_late`` entry is that
+    # row while the sequence holds a tensor there: every proposal sets both)
+    _late_batch: Optional[tuple[torch.Tensor, dict[int, int]]]
     _verify_inputs: list[int]  # the last verify's inputs as they ran
 
     @property
@@ -337,6 +340,7 @@ class DeviceBook:
         setattr(self.stats, f"{kind}_forwards", getattr(self.stats, f"{kind}_forwards") + 1)
 
     def _stash_entry(self, index: int) -> tuple[int, torch.Tensor]:
-        if not 0 <= index < len(self._stash):
-            raise DeviceError(f"stash entry {index} does not exist ({len(self._stash)} stashed rows)")
-        return self._stash[index]
+        owners, rows = self._stash
+        if not 0 <= index < len(owners) or rows is None:
+            raise DeviceError(f"stash entry {index} does not exist ({len(owners)} stashed rows)")
+        return owners[index], rows[index]

@@ -212,14 +212,23 @@ class Forwards(Ahead):
             return None
         anchors = [toks[0] for toks in lists]
         host = [[toks[0]] + [0] * (len(toks) - 1) for toks in lists]
-        drafts = torch.stack([h.reshape(-1)[:width - 1] for h in held])  # type: ignore[union-attr]
-        if all(k == width for k in ks):
-            anchors_t = send_ints([anchors], self.engine.device)[0]
-            return torch.cat([anchors_t.view(-1, 1), drafts.to(anchors_t.dtype)], 1).reshape(-1), host
-        at = [b * width + j for b, k in enumerate(ks) for j in range(k)]
-        anchors_t, at_t = send_ints([anchors, at], self.engine.device)
-        padded = torch.cat([anchors_t.view(-1, 1), drafts.to(anchors_t.dtype)], 1).reshape(-1)
-        return padded.index_select(0, at_t), host
+        fields = [anchors]
+        uniform = all(k == width for k in ks)
+        if not uniform:
+            fields.append([b * width + j for b, k in enumerate(ks) for j in range(k)])
+        batch = self._late_batch  # the held drafts as rows of their proposal: one gather, not a stack
+        rows = [batch[1].get(s.seq_id, -1) for s in seqs] if batch is not None else [-1]
+        whole = batch is not None and rows == list(range(batch[0].shape[0]))
+        if not whole and min(rows) >= 0:
+            fields.append(rows)
+        sent = send_ints(fields, self.engine.device)
+        if batch is not None and (whole or min(rows) >= 0):
+            source = batch[0] if whole else batch[0].index_select(0, sent[-1])
+            drafts = source.reshape(len(seqs), -1)[:, :width - 1]
+        else:
+            drafts = torch.stack([h.reshape(-1)[:width - 1] for h in held])  # type: ignore[union-attr]
+        padded = torch.cat([sent[0].view(-1, 1), drafts.to(torch.int64)], 1).reshape(-1)
+        return (padded, host) if uniform else (padded.index_select(0, sent[1]), host)
 
     @staticmethod
     def _agreed(answers: torch.Tensor, lists: list[list[int]], late: Optional[torch.Tensor]) -> torch.Tensor:

@@ -13,6 +13,7 @@ from fxsched.runtime.devices.device import DeviceError
 from fxsched.runtime.devices.torch_sampling import RowLogprobs, logprob_records
 
 from fxsched.runtime.devices.torch_book import DeviceBook, DeviceSeq, DeviceStateError
+from fxsched.runtime.torch_model.transfers import send_ints
 
 log = structlog.get_logger("fxsched.torch_device")
 
@@ -69,6 +70,7 @@ class Proposers(DeviceBook):
             return self._proposed(seqs, held.tolist(), what)
         for i, s in enumerate(seqs):
             self._late[s.seq_id] = failure if held is None else held[i]
+        self._late_batch = None if held is None else (held, {s.seq_id: i for i, s in enumerate(seqs)})
         return self._proposed(seqs, [[LATE_DRAFT] * late] * len(seqs), what)
 
     def _proposed(self, seqs: list[DeviceSeq], drafts: list[list[int]], what: str) -> list[list[int]]:
@@ -95,14 +97,20 @@ class Proposers(DeviceBook):
         for s, pos in zip(ds, positions, strict=True):
             self._check_position(s, pos, "run_mtp_propose_batched")
         if self.proposer == "mtp":
-            hiddens = []
+            owners, rows = self._stash
             for s, index in zip(ds, stash, strict=True):
-                owner, hidden = self._stash_entry(index)
+                owner = owners[index] if 0 <= index < len(owners) else None
+                if owner is None or rows is None:
+                    raise DeviceError(f"stash entry {index} does not exist ({len(owners)} stashed rows)")
                 if owner != s.seq_id:
                     raise DeviceStateError(f"run_mtp_propose_batched: stash entry {index} belongs to sequence "
                                            f"{owner}, not {s.seq_id}")
-                hiddens.append(hidden)
-            self.engine.set_mtp_hiddens([s.slot for s in ds], hiddens)
+            if rows is not None:  # (None: no sequence)
+                # the stashed rows as they lie when the proposal takes them all in order (the usual case)
+                picked = list(stash)
+                hiddens = rows if picked == list(range(rows.shape[0])) else rows.index_select(
+                    0, send_ints([picked], rows.device)[0])
+                self.engine.set_mtp_hiddens([s.slot for s in ds], hiddens)
         with self.streams.use(stream):
             return self._propose(ds, [int(t) for t in tokens], n, "run_mtp_propose_batched")
 

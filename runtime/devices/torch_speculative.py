@@ -97,11 +97,11 @@ class Speculative(DeviceBook):
     def stash_verify_hidden_rows(self, rows, stream: int) -> None:
         owners = [self._owner(row) for row in rows]
         if not owners:
-            self._stash = []
+            self._stash = ([], None)
             return
         with self._errors("stash_verify_hidden_rows"):
             hidden = self.engine.captured_rows([s.slot for s, _ in owners], [local for _, local in owners])
-        self._stash = [(s.seq_id, hidden[i]) for i, (s, _) in enumerate(owners)]
+        self._stash = ([s.seq_id for s, _ in owners], hidden)
 
     def stash_verify_catchup_rows(self, pairs) -> None:
         """Rows for an MTP KV catch-up: nothing to keep (the internal head keeps no KV; a checkpoint's

@@ -11,6 +11,7 @@ from typing import Sequence
 
 import torch
 
+from fxsched.kernels.cpu_fold import gdn_fold_layers
 from fxsched.kernels.gdn_fold import gdn_fold, gdn_fold_rows
 
 from .batch_groups import row_groups
@@ -208,7 +209,8 @@ class CommitPath(ForwardPath):
                          pendings: Sequence[PendingRows]) -> None:
         """Set each slot's GDN state (every layer) to the state after its last accepted row (none: kept).
 
-        One `fxsched.kernels.gdn_fold` call per (GDN layer, forward the pending rows come from), on the
+        On the CPU one `fxsched.kernels.cpu_fold` call per forward the pending rows come from, every
+        layer in it; elsewhere one `fxsched.kernels.gdn_fold` call per (GDN layer, forward), on the
         forward's own state tensors: batch entry b keeps row accepted - 1 (where that forward kept it,
         GdnRows.index) into its slot; entries
         not committed here carry slot -1 (padding) and write nothing. The Triton kernel where
@@ -227,7 +229,12 @@ class CommitPath(ForwardPath):
             rows[pending.batch_index] = out.gdn_rows[0].index(n - 1) if out.gdn_rows else n - 1
         for out, slot_ids, rows in groups.values():
             live = [b for b, s in enumerate(slot_ids) if s >= 0]
-            if len(live) == 1 and not kernels_opted_in(out.hidden):  # one entry on the torch path: its rows copied as views
+            triton = kernels_opted_in(out.hidden)
+            if not triton and gdn_fold_layers([g.states for g in out.gdn_rows], [g.windows for g in out.gdn_rows],
+                                              self.gdn.recurrent, self.gdn.conv, live, [rows[b] for b in live],
+                                              [slot_ids[b] for b in live]):
+                continue  # the CPU kernel: every layer in one call
+            if len(live) == 1 and not triton:  # one entry on the torch path: its rows copied as views
                 b = live[0]
                 slot, row = slot_ids[b], rows[b]
                 for layer, gdn_rows in enumerate(out.gdn_rows):

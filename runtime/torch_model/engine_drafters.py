@@ -38,8 +38,9 @@ class Drafting(SlotTable):
         self.mtp_hidden[slot] = hidden
         self._mtp_hidden_set[slot] = True
 
-    def set_mtp_hiddens(self, slots: Sequence[int], hiddens: Sequence[torch.Tensor]) -> None:
-        """``set_mtp_hidden`` of each (slot, hidden [D]), in one write."""
+    def set_mtp_hiddens(self, slots: Sequence[int], hiddens: Sequence[torch.Tensor] | torch.Tensor) -> None:
+        """``set_mtp_hidden`` of each (slot, hidden [D]), in one write (``hiddens``: the rows, or one
+        tensor [N, D] of them)."""
         if len(slots) != len(hiddens):
             raise ValueError(f"{len(slots)} slots but {len(hiddens)} hidden rows")
         if len(slots) == 1:
@@ -49,8 +50,8 @@ class Drafting(SlotTable):
             raise SlotError(f"duplicate slots in one write: {list(slots)}")
         for slot in slots:
             self._slot(slot)
-        self.mtp_hidden.index_copy_(0, send_ints([list(slots)], self.device)[0],
-                                    torch.stack(list(hiddens)).to(self.mtp_hidden.dtype))
+        rows = hiddens if isinstance(hiddens, torch.Tensor) else torch.stack(list(hiddens))
+        self.mtp_hidden.index_copy_(0, send_ints([list(slots)], self.device)[0], rows.to(self.mtp_hidden.dtype))
         for slot in slots:
             self._mtp_hidden_set[slot] = True
 

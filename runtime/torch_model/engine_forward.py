@@ -58,30 +58,50 @@ class ForwardPath(SlotTable):
         (see _forward for commit_all and in_place, _packed_forward for packed). static leaves out
         the host-built attention plan, so the forward takes only shape-static paths: the form a CUDA graph or
         torch.compile(fullgraph=True) captures whole (tests/test_traceable_forward.py)."""
+        return self._prepared(slots, token_lists, commit_all=commit_all, in_place=in_place, static=static,
+                              device_tokens=device_tokens, packed=packed)[0]
+
+    def _prepared(self, slots: Sequence[int], token_lists: Sequence[Sequence[int]], *, commit_all: bool = False,
+                  in_place: bool = False, static: bool = False, device_tokens: torch.Tensor | None = None,
+                  packed: bool = False) -> tuple[RowBatch, list[SlotState]]:
+        """``prepare``'s batch and the slots' records: every slot checked and its new blocks counted in
+        one pass (a slot, its rows' tokens and length checked in full only where a quick bound says
+        one may be wrong), then the blocks allocated (all or nothing) and the batch built."""
         if len(slots) != len(token_lists):
             raise ValueError(f"{len(slots)} slots but {len(token_lists)} token lists")
         if not slots:
             raise ValueError("empty batch: no slots given")
         if len(set(slots)) != len(slots):
             raise SlotError(f"duplicate slots in one batch: {list(slots)}")
-        states = [self._slot(s) for s in slots]
-        need = 0
-        for slot, state, toks in zip(slots, states, token_lists, strict=True):
-            self._check_rows(slot, state.seq_len, toks)
-            need += self.blocks_needed(slot, len(toks))
+        cfg = self.cfg
+        bs, vocab, limit, count, table_of = cfg.block_size, cfg.vocab_size, cfg.max_seq_len, cfg.max_slots, self._slots
+        states: list[SlotState] = []
+        wants: list[int] = []
+        for slot, toks in zip(slots, token_lists, strict=True):
+            state = table_of[slot] if 0 <= slot < count else None
+            if state is None:
+                state = self._slot(slot)  # raises the slot's error
+            n, start = len(toks), state.seq_len
+            if not n or start + n > limit or min(toks) < 0 or max(toks) >= vocab:
+                self._check_rows(slot, start, toks)  # raises what is wrong
+            states.append(state)
+            wants.append(max(0, -(-(start + n) // bs) - len(state.block_table)))
+        need = sum(wants)
         if need > self.pool.num_free():
             raise OutOfBlocksError(f"forward needs {need} new KV blocks, only {self.pool.num_free()} free; "
                                    f"reclaim cached blocks or free a slot")
-        for slot, state, toks in zip(slots, states, token_lists, strict=True):
-            last = state.block_table[-1] if state.block_table else None
-            state.block_table.extend(self.pool.allocate(self.blocks_needed(slot, len(toks)), after=last))
+        if need:
+            for state, want in zip(states, wants, strict=True):
+                if want:
+                    table = state.block_table
+                    table.extend(self.pool.allocate(want, after=table[-1] if table else None))
         keep = self._commit_rows(states, token_lists) if commit_all else None
         batch = self._row_batch(slots, states, token_lists, keep, last_logits=commit_all, device_tokens=device_tokens,
                                 packed=packed)
         batch.gdn_in_place = in_place
         if static:
             batch.attn = None
-        return batch
+        return batch, states
 
     def _forward(self, slots: Sequence[int], token_lists: Sequence[Sequence[int]],
                  commit_all: bool = False, in_place: bool = False,
@@ -94,8 +114,8 @@ class ForwardPath(SlotTable):
         in_place (one row per slot, committed by the caller right after: a decode) lets the GDN
         layers update the slots' states in the cache as they run (RowBatch.gdn_in_place).
         """
-        batch = self.prepare(slots, token_lists, commit_all=commit_all, in_place=in_place, device_tokens=device_tokens)
-        states = [self._slot(s) for s in slots]
+        batch, states = self._prepared(slots, token_lists, commit_all=commit_all, in_place=in_place,
+                                       device_tokens=device_tokens)
         out, features = self._run(batch)
         for b, (slot, state, toks) in enumerate(zip(slots, states, token_lists, strict=True)):
             rows = features[b, :len(toks)] if features is not None else None
@@ -213,7 +233,7 @@ class ForwardPath(SlotTable):
                 tokens_t.copy_(device_tokens)
             else:
                 tokens_t[valid_t] = device_tokens
-        valid = (torch.ones(1, t, dtype=torch.bool, device=dev) if packed
+        valid = (torch.ones(b, t, dtype=torch.bool, device=dev) if packed or uniform
                  else torch.arange(t, device=dev)[None, :] < lengths_t[:, None])
         # the Triton kernels read every row's keys through the block tables, ragged rows included
         # (specs/gpu-kernels.md §17.5): no host plan of where each sequence's keys lie

@@ -27,7 +27,13 @@ def send_values(ints: Sequence[Sequence[int]], floats: Sequence[Floats],
     `send_ints`: the float fields travel as their float64 bits in the same int64 buffer, so every
     value arrives exactly (a float32 column rounds on the device as it would on the host). A float
     field may be a 1-D host float64 tensor, whose values are packed without reading them."""
-    parts = [host_tensor(array("q", [v for f in ints for v in f]), torch.long)]
+    packed = array("q")
+    for field in ints:
+        if type(field) is list:
+            packed.fromlist(field)  # (a list's ints in one C call)
+        else:
+            packed.extend(field)
+    parts = [host_tensor(packed, torch.long)]
     for f in floats:
         values = f.reshape(-1) if isinstance(f, torch.Tensor) else host_tensor(array("d", f), torch.float64)
         parts.append(values.to(torch.float64).view(torch.long))
@@ -35,15 +41,10 @@ def send_values(ints: Sequence[Sequence[int]], floats: Sequence[Floats],
     if device.type == "cuda":
         host = host.pin_memory()
     buf = host.to(device, non_blocking=True)
-    int_out, at = [], 0
-    for f in ints:
-        int_out.append(buf[at:at + len(f)])
-        at += len(f)
-    float_out = []
-    for part in parts[1:]:
-        float_out.append(buf[at:at + part.numel()].view(torch.float64))
-        at += part.numel()
-    return int_out, float_out
+    sizes = [len(field) for field in ints]
+    sizes += [part.numel() for part in parts[1:]]
+    views = buf.split_with_sizes(sizes)  # every view in one call
+    return list(views[:len(ints)]), [v.view(torch.float64) for v in views[len(ints):]]
 
 
 def host_tensor(values: array, dtype: torch.dtype) -> torch.Tensor:
