@@ -100,3 +100,45 @@ def test_the_plain_sink_checkpoints_only_the_rows_whose_token_it_streams():
     checkpoints_stream([lc.MarconiCheckpoint(5), TokenOut(1, 30), lc.MarconiCheckpoint(6)], device, requests)
     with pytest.raises(Violation, match="sequence 5 is checkpointed, but request 1 gets no token"):
         checkpoints_stream([lc.MarconiCheckpoint(5), TokenOut(2, 30)], device, requests)  # an EOS row of 1
+
+
+def test_a_k_verify_trims_before_a_partial_commit_and_after_a_full_one():
+    from fxsched.runtime.check.orderings import trim_then_partial_commit
+
+    trim_then_partial_commit([dc.TrimProposerState(1, 0), dc.CommitAcceptedPrefix(1, 1, 2)])  # rejected
+    trim_then_partial_commit([dc.CommitAcceptedPrefix(1, 3, 3), dc.SaveHiddenForMtp(2), dc.TrimProposerState(1, 2)])
+    with pytest.raises(Violation, match="after the commit of a partial accept"):
+        trim_then_partial_commit([dc.CommitAcceptedPrefix(1, 2, 4), dc.TrimProposerState(1, 1)])
+    with pytest.raises(Violation, match="before the commit of a full accept"):
+        trim_then_partial_commit([dc.TrimProposerState(1, 1), dc.CommitAcceptedPrefix(1, 2, 2)])
+    trim_then_partial_commit([dc.CommitAcceptedPrefix(2, 2, 2), dc.TrimProposerState(1, 0),  # two sequences
+                              dc.CommitAcceptedPrefix(1, 1, 2), dc.TrimProposerState(2, 1)])
+
+
+def test_the_admission_cohort_is_the_running_sequences_adapter():
+    from fxsched.core.config import ModelInfo
+    from fxsched.runtime.check.state_checks import no_overtaking
+
+    adapters = {-1: 0, 1: 1, 2: 1, 5: 2}
+    state = SimpleNamespace(config=SchedulerConfig(), model=ModelInfo(total_blocks=0))
+    selection = (SimpleNamespace(id=1, adapter_slot=5), SimpleNamespace(id=2, adapter_slot=1),
+                 SimpleNamespace(id=3, adapter_slot=2))
+    no_overtaking(selection, selection[1:], adapters, set(), 0, state, running_slot=1)  # a prompt of id 1 prefills
+    with pytest.raises(Violation, match="admits \\[2, 3\\]"):  # the first new request's cohort instead
+        no_overtaking(selection, selection[:1], adapters, set(), 0, state, running_slot=1)
+    no_overtaking(selection, selection[:1], adapters, set(), 0, state)  # nothing runs: the first request's
+    no_overtaking(selection, selection[1:], adapters, {1}, 0, state)  # ... that was not refused
+
+
+def test_a_row_kept_on_the_device_is_not_fed_after_a_cancel_ended_it():
+    from fxsched.core.events import LATE_TOKEN
+    from fxsched.effects import plans
+    from fxsched.runtime.check.state_checks import decode_rows
+
+    device = SimpleNamespace(live={0: SimpleNamespace(slot=0, session=7), 1: SimpleNamespace(slot=1, session=8)},
+                             _rid=lambda s: s.session)
+    decode = plans.Decode((LATE_TOKEN, LATE_TOKEN), (0, 1), (9, 9))
+    decode_rows(decode, device, {}, ended={9})
+    with pytest.raises(Violation, match="after a cancel ended it"):
+        decode_rows(decode, device, {}, ended={8})
+    decode_rows(plans.Decode((LATE_TOKEN, 5), (0, 1), (9, 9)), device, {}, ended={8})  # its token is known: fed

@@ -145,6 +145,39 @@ def test_decode_rows_come_in_slot_order_with_seeds_by_output_length():
         decode_rows(plans.Decode((10,), (0,), (4,), (dc.HostPick(0.5, 42, False),)), device, requests)
 
 
+def test_every_pick_carries_the_seed_mask_and_records_its_output_position_fixes():
+    request = SimRequest(id=1, prompt_len=4, tokens=(10, 11, 12, 13, 14, 15), max_tokens=6, temperature=0.5,
+                         min_tokens=2, top_logprobs=3).request()
+    device = _device(requests={1: request})
+    first = dc.HostPick(0.5, 42, True, 0)  # output position 0: the bare seed, no logprob records
+    device.sample_rows(0, 1, (first,), (63,))
+    assert device.refused is None
+    with pytest.raises(ArgumentError, match="output position 0"):
+        device.sample_rows(0, 1, (dc.HostPick(0.5, 42, True, 3),), (63,))
+    device.refused = None
+    device.serial_verify("decode_verify_graphed_k3", 0, [10, 11, 12])  # rows fill positions 1, 2, 3
+    rows = tuple(dc.HostPick(0.5, 42 + g, g < 2, 3) for g in (1, 2, 3))
+    device.sample_verify(rows, (63,))
+    assert device.refused is None
+    for wrong in ((rows[0], rows[0], rows[2]),  # the second row with the first one's seed
+                  (rows[0], rows[1], dc.HostPick(0.5, 45, True, 3))):  # EOS masked past min_tokens
+        with pytest.raises(ArgumentError, match="sample_verify: row"):
+            device.sample_verify(wrong, (63,))
+        device.refused = None
+
+
+def test_four_dflash_drafts_take_the_block_verify():
+    device = _device()
+    device.dflash = True
+    device.proposed[0], device.proposed_at[0] = [11, 12, 13, 14], -1
+    with pytest.raises(ArgumentError, match="take the DFlash block verify"):
+        device.serial_verify("decode_verify_graphed_k4", 0, [10, 11, 12, 13])
+    device.refused = None
+    device.proposed[0], device.proposed_at[0] = [11, 12, 13], -1  # three: the K = 4 verify
+    device.serial_verify("decode_verify_graphed_k4", 0, [10, 11, 12, 13])
+    assert device.refused is None
+
+
 def test_content_loop_due_fires_when_a_loop_by_48_tokens_was_let_through():
     """The plain sink checks the output before the token that brings the content count to 48 (then
     every 16): a final output whose first 48 tokens end in a loop, yet goes on, broke that rule;

@@ -24,7 +24,8 @@ from fxsched.core.table import ANSWERS
 from fxsched.effects.client import DoneOut, ErrorOut, ResponseOut, RotationAck
 from fxsched.effects.lifecycle import ReleaseReason, ReleaseSeq
 from fxsched.runtime.check.fault_scope import RULE_BOOK, declared, requests_held
-from fxsched.runtime.check.walk import WalkHost, random_episode
+from fxsched.runtime.check.observers import WalkHost
+from fxsched.runtime.check.walk import random_episode
 from fxsched.runtime.devices.simulated import SimDevice
 from fxsched.runtime.interpreter import Interpreter, Observer, check_batch
 from fxsched.runtime.scenarios.loader import load_scenario, scenario_names

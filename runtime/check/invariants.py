@@ -118,6 +118,7 @@ class Monitor(EffectRules):
         self.nothing_new = False
         self.admitting: tuple = ()  # the selection whose admission check is under way
         self.committed = 0  # the KV blocks committed when it began
+        self.running_slot: Optional[int] = None  # then the adapter slot of the first running sequence (None: none ran)
         self.requeued_kv: dict[int, int] = {}  # request id -> KV tokens it held when preempted (requeued)
         self.last_decode_rows: tuple[int, ...] = ()
         self.rollbacks: dict[int, int] = {}  # request id -> watchdog rollbacks counted (EffectRules._rollback_cap)
@@ -274,7 +275,8 @@ class Monitor(EffectRules):
                 if isinstance(effect, DECODE_LANE):
                     acts |= DECODE
                     if isinstance(effect, plans.Decode) and self.rids:
-                        decode_rows(effect, self.device, self.requests)
+                        decode_rows(effect, self.device, self.requests,
+                                    self.cancelled - self.moved if self.cancelled else ())
         else:
             acts = roles
             if roles & (ALLOC | PLAN):
@@ -284,7 +286,8 @@ class Monitor(EffectRules):
                     if role & ALLOC and effect.session:
                         self.served.add(effect.session)
                     elif role & PLAN and self.rids:
-                        decode_rows(effect, self.device, self.requests)
+                        decode_rows(effect, self.device, self.requests,
+                                    self.cancelled - self.moved if self.cancelled else ())
         if self.config is None:
             return
         if acts & DRAFT and self.logs_capacities:
@@ -441,6 +444,8 @@ class Monitor(EffectRules):
             self.selected_in_tick = True
             self.admitting = state.waiting.new
             self.committed = committed_kv(state)
+            first = state.rows[0].request if state.rows else state.prefilling[0].request if state.prefilling else None
+            self.running_slot = None if first is None else first.adapter_slot
             return
         if self.admitting:  # the tick's admission check is done: the whole-state checks of a tick start
             self._tick_checks(state, running)
@@ -464,7 +469,7 @@ class Monitor(EffectRules):
         """The whole-state checks, once a tick (after its admission check)."""
         device = self.device
         no_overtaking(self.admitting, state.new_requests, getattr(device, "adapters", None), set(self.final),
-                      self.committed, state)
+                      self.committed, state, self.running_slot)
         self.admitting = ()
         if not self.tick_fault:
             drafts_verified(state, device)

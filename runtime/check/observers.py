@@ -72,6 +72,49 @@ class WalkHost(Host):
         return events
 
 
+class LateCancelHost(WalkHost):
+    """``WalkHost`` for an episode whose clients cancel at a tick: each cancel reaches the scheduler
+    0 to 4 steps after its tick begins (the same for every run of the episode), so it lands in
+    whatever phase the tick is in then, as a client's cancel does, not only beside the tick's first
+    query (specs/async.md §16.6 rules 2 and 3 tell a cancel before a decode's answer from one after
+    it). Every step asks it for its inputs; the others are given at once."""
+
+    def __init__(self, episode: Episode):
+        super().__init__(episode)
+        self.held: list[tuple[int, ev.Event]] = []  # (steps still to wait, cancel)
+
+    def on_tick(self, tick: int) -> None:
+        due = self.cancels.pop(tick, [])
+        super().on_tick(tick)
+        self.held.extend(((event.request_id * 2_654_435_761 + tick * 40_503) % 5, event) for event in due)
+        if self.closed:  # nothing may follow the inbox's closure
+            self._release(all_held=True)
+
+    def take_inputs(self) -> list:
+        if self.held:
+            self._release()
+        return super().take_inputs()
+
+    def wait_for_input(self) -> list:
+        """A blocking wait gets every input held back, before whatever the wait itself brings."""
+        self._release(all_held=True)
+        return super().take_inputs() + super().wait_for_input()
+
+    def _release(self, all_held: bool = False) -> None:
+        late = [event for steps, event in self.held if all_held or steps <= 0]
+        self.held = [] if all_held else [(steps - 1, event) for steps, event in self.held if steps > 0]
+        if late:
+            at = len(self.inputs) - (1 if self.inputs and isinstance(self.inputs[-1], ev.InboxClosed) else 0)
+            self.inputs[at:at] = late
+
+
+def walk_host(episode: Episode) -> WalkHost:
+    """The host of an episode: cancels at a tick held back a few steps where it has any."""
+    if any(r.host_cancel_tick is not None for r in episode.requests):
+        return LateCancelHost(episode)
+    return WalkHost(episode)
+
+
 _NOTED = frozenset((dc.GenerateBeamBatch, dc.DecodeVerifyBatched, dc.TruncateSequence, dc.AdapterIdFor, plans.Decode))
 """The effect types ``WalkObserver._note_features`` looks into."""
 

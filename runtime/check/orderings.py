@@ -87,6 +87,7 @@ class _Plan(NamedTuple):
     snapshot: bool  # it saves an SSM snapshot
     capacity: bool  # it asks a draft capacity (a speculative step begins)
     decode_call: bool  # it holds a one-sequence ``decode`` (in an MTP step: a bootstrap's)
+    trim_commit: bool  # it holds both a serial commit of an accepted prefix and a proposer trim
 
 
 def _plan(kinds: tuple[type, ...]) -> _Plan:
@@ -101,6 +102,7 @@ def _plan(kinds: tuple[type, ...]) -> _Plan:
         snapshot=any(issubclass(cls, lc.SsmSnapshotSave) for cls in kinds),
         capacity=any(issubclass(cls, dc.SlotDraftCapacity) for cls in kinds),
         decode_call=any(issubclass(cls, dc.DecodeCall) for cls in kinds),
+        trim_commit=dc.CommitAcceptedPrefix in kinds and dc.TrimProposerState in kinds,
     )
 
 
@@ -229,6 +231,35 @@ def snapshot_before_checkpoint(effects: Sequence) -> None:
                                                           f"its Marconi checkpoint")
 
 
+K_VERIFIES: tuple[type, ...] = (dc.DecodeVerifyGraphed, dc.DecodeVerifyGraphedK3, dc.DecodeVerifyGraphedK4,
+                                dc.DecodeAndVerifyFused)
+"""The K = 2, 3 and 4 verifies, whose verdicts fix the order of a commit and a trim (the DFlash
+block verify and the batched verifies commit first whatever they accept: §6.9 step 6, §6.11)."""
+
+
+def trim_then_partial_commit(effects: Sequence) -> None:
+    """a partial accept trims before it commits, a full accept commits before it trims
+    (specs/speculation.md §6.6 step 4, §6.7), in the batch that takes a K = 2, 3 or 4 verify's
+    answer: of a sequence's ``commit_accepted_prefix`` (na of k rows) and ``trim_proposer_state``,
+    the trim comes first when na < k (a draft was rejected: the proposer drops its state of the
+    rejected drafts before the commit folds the rest) and last when na = k."""
+    trimmed: set[int] = set()
+    committed: dict[int, bool] = {}  # sequence -> whether its commit was a full accept
+    for effect in effects:
+        kind = type(effect)
+        if kind is dc.TrimProposerState:
+            if committed.get(effect.seq) is False:
+                raise Violation("trim_then_partial_commit", f"sequence {effect.seq} trims its proposer after the "
+                                                            f"commit of a partial accept")
+            trimmed.add(effect.seq)
+        elif kind is dc.CommitAcceptedPrefix:
+            full = effect.na == effect.k
+            if full and effect.seq in trimmed:
+                raise Violation("trim_then_partial_commit", f"sequence {effect.seq} trims its proposer before the "
+                                                            f"commit of a full accept")
+            committed[effect.seq] = full
+
+
 # --- the order across batches -------------------------------------------------------------------------------
 
 
@@ -300,6 +331,7 @@ class Orderings:
         self.barrier = PrefillBarrier()
         self.mtp = mtp
         self.verified = False  # the speculative step under way has run a verify
+        self.last_verify: Optional[type] = None  # the type of the last verify (a batch's closing query)
 
     def _bootstraps_first(self, plan: _Plan) -> None:
         """bootstraps before verifies (specs/speculation.md §6.2 steps 4-5): in an MTP step every
@@ -327,6 +359,10 @@ class Orderings:
             stash_before_use(effects, kinds)
         if plan.self_verify:
             checkpoint_before_self_verify(effects)
+        if plan.trim_commit and self.last_verify in K_VERIFIES:
+            trim_then_partial_commit(effects)
+        if plan.synced_verify or plan.self_verify:
+            self.last_verify = kinds[-1]
         if plan.snapshot:
             snapshot_before_checkpoint(effects)
         if self.mtp and (plan.capacity or plan.decode_call or plan.synced_verify):

@@ -11,6 +11,7 @@ from typing import Optional
 
 from fxsched.core.state import SchedulerState, hot_columns
 from fxsched.core import phases
+from fxsched.core.events import LATE_TOKEN
 from fxsched.effects import device_calls as dc
 from fxsched.effects import lifecycle as lc
 from fxsched.effects.client import ErrorOut
@@ -368,19 +369,25 @@ def committed_kv(state: SchedulerState) -> int:
     return total
 
 
-def no_overtaking(selection, admitted, adapters, refused: set, committed: int, state: SchedulerState) -> None:
-    """admission by the KV reservation (specs/scheduler.md §5.5 step 4): of a selection, the
-    admitted requests are the longest prefix, in selection order, of the selected ones of their
-    adapter cohort (of all, with ``mixed_adapters``) that were not refused whose commitments fit ``total_blocks`` on top of what was
-    committed (the first is admitted anyway when nothing was); the first that does not fit stops
-    the walk, so no later request overtakes it."""
-    if not admitted or adapters is None:
+def no_overtaking(selection, admitted, adapters, refused: set, committed: int, state: SchedulerState,
+                  running_slot: Optional[int] = None) -> None:
+    """admission by the KV reservation (specs/scheduler.md §5.5 steps 3 and 4): of a selection, the
+    admitted requests are the longest prefix, in selection order, of the selected ones of the
+    adapter cohort (of all, with ``mixed_adapters``) that were not refused whose commitments fit
+    ``total_blocks`` on top of what was committed (the first is admitted anyway when nothing was);
+    the first that does not fit stops the walk, so no later request overtakes it. The cohort is
+    the adapter of the first sequence running when the check began (``running_slot``: active, else
+    prefilling), else the first selected request's that was not refused."""
+    if adapters is None:
         return
 
     def adapter(r) -> int:
         return adapters.get(getattr(r, "adapter_slot", -1), -1)
 
-    cohort = adapter(admitted[0])
+    served = [r for r in selection if r.id not in refused]
+    if not served:
+        return
+    cohort = adapters.get(running_slot, -1) if running_slot is not None else adapter(served[0])
     mixed = state.config.mixed_adapters  # no cohort: every request not refused is a candidate
     candidates = [r for r in selection if (mixed or adapter(r) == cohort) and r.id not in refused]
     total = state.model.total_blocks
@@ -403,13 +410,21 @@ def no_overtaking(selection, admitted, adapters, refused: set, committed: int, s
 
 
 
-def decode_rows(effect, device, requests) -> None:
+def decode_rows(effect, device, requests, ended=frozenset()) -> None:
     """plain decode rows (specs/scheduler.md §5.16, §5.11): a decode of several sequences lists them
     in slot order, and a host pick of a row is seeded with the request's seed plus its output
     length (the tokens already out: the KV holds prompt + output but the last token, which this
-    decode feeds), with EOS masked exactly while that length is below ``min_tokens``."""
+    decode feeds), with EOS masked exactly while that length is below ``min_tokens``. A sequence
+    holding a token on the device that a cancel already ends (its request in ``ended``) is only
+    resolved, never fed again (specs/async.md §16.6 rule 2)."""
     seqs = effect.seqs
     live = device.live
+    if ended and LATE_TOKEN in effect.tokens:
+        for token, seq_id in zip(effect.tokens, seqs, strict=False):
+            s = live.get(seq_id)
+            if token == LATE_TOKEN and s is not None and device._rid(s) in ended:
+                raise Violation("ahead_ends_at_cancel", f"sequence {seq_id} (request {device._rid(s)}) is fed its "
+                                                        f"kept token after a cancel ended it")
     if len(seqs) > 1:
         slots = [live[i].slot for i in seqs if i in live]
         if slots != sorted(slots):

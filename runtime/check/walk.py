@@ -33,7 +33,7 @@ from fxsched.runtime.interpreter import BatchError, Interpreter
 from fxsched.runtime.check.episode import ADAPTERS, FAULT_PHASES, Episode
 from fxsched.runtime.check.invariants import Monitor, Violation
 from fxsched.runtime.check.draws import hash_seed, random_episode
-from fxsched.runtime.check.observers import FaultingInterpreter, WalkHost, WalkObserver
+from fxsched.runtime.check.observers import FaultingInterpreter, WalkObserver, walk_host
 from fxsched.runtime.devices.lane import DeferredLane
 from fxsched.runtime.devices.simulated import SimDevice
 
@@ -93,14 +93,15 @@ def run_episode(episode: Episode, coverage: Counter, step_limit: int = 20000, ke
                        capacities=episode.capacities,
                        late_drafts=hash_seed(episode) + 1 if episode.late_drafts else None,
                        keep_decodes=hash_seed(episode) + 2 if episode.async_scheduling else None,
-                       ahead_failures=episode.ahead_failures)
+                       ahead_failures=episode.ahead_failures,
+                       requests={r.id: r.request() for r in episode.requests})
     device.strict_drafts = counts_acc
     device.ring_slots = episode.ssm_ring
     device.dflash = episode.mode == "dflash"
     monitor = Monitor(episode.requests, device, counts_acc=counts_acc, config=config, model=model)
     watch = WalkObserver(monitor, coverage, step_limit, keep_log, episode)
     watch.outputs = outputs
-    host = WalkHost(episode)
+    host = walk_host(episode)
     device.on_tick = host.on_tick
     lane = DeferredLane() if episode.lane else None
     watch.lane = lane

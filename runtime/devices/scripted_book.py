@@ -84,6 +84,8 @@ class ScriptedBook:
         self.free_slots: list[int] = []
         self.next_slot = 0
         self.rows: list[int] = []
+        # each row of the last forward: (its sequence, the KV position of the token it was fed)
+        self.row_at: list[tuple[int, int]] = []
         self.decode_calls = 0
         self.verify_calls = 0
         self.occupancy_reads = 0

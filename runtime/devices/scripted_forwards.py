@@ -25,12 +25,14 @@ class ScriptedForwards(ScriptedBook):
         s.tokens.extend(tokens)
         s.seq_len = len(s.tokens)
         self.rows = [self._next(s)]
+        self._rows_at((seq,))
         if self.lines is not None:
             self.lines.append(f"prefill(n={len(tokens)}, {s.sid}, stream={stream})")
 
     def prefill_chunk(self, seq: int, prompt, start: int, length: int, last: bool, stream: int) -> None:
         s = self._seq(seq)
         self.rows = [self._slice(s, prompt, start, length)]
+        self._rows_at((seq,))
         if self.lines is not None:
             self.lines.append(f"prefill_chunk(start={start}, len={length}, last={_bool(last)}, {s.sid}, "
                               f"stream={stream})")
@@ -42,6 +44,7 @@ class ScriptedForwards(ScriptedBook):
         rows = self._decode_rows(decode_tokens, decode_seqs, cancel=False)
         rows.append(self._slice(self._seq(prefill.seq), prefill.prompt, prefill.start, prefill.length))
         self.rows = rows
+        self._rows_at((*decode_seqs, prefill.seq))
         if self.lines is not None:
             self.lines.append(f"mixed_forward(decode={_list(decode_tokens)}, prefill={self._slice_text(prefill)}, "
                               f"stream={stream})")
@@ -52,6 +55,7 @@ class ScriptedForwards(ScriptedBook):
         rows = self._decode_rows(decode_tokens, decode_seqs, cancel=False)
         rows.extend(self._slice(self._seq(sl.seq), sl.prompt, sl.start, sl.length) for sl in prefills)
         self.rows = rows
+        self._rows_at((*decode_seqs, *(sl.seq for sl in prefills)))
         if self.lines is not None:
             slices = ", ".join(f'"{self._slice_text(sl)}"' for sl in prefills)
             self.lines.append(f"mixed_forward_batch(decode={_list(decode_tokens)}, prefills=[{slices}], "
@@ -60,6 +64,7 @@ class ScriptedForwards(ScriptedBook):
 
     def prefill_batch_chunk(self, prefills, stream: int) -> Optional[list[tuple[int, int]]]:
         self.rows = [self._slice(self._seq(sl.seq), sl.prompt, sl.start, sl.length) for sl in prefills]
+        self._rows_at(tuple(sl.seq for sl in prefills))
         if self.lines is not None:
             slices = ", ".join(f'"{self._slice_text(sl)}"' for sl in prefills)
             self.lines.append(f"prefill_batch_chunk(streams=[{slices}], stream={stream})")
@@ -87,11 +92,13 @@ class ScriptedForwards(ScriptedBook):
             raise DeviceError("scripted device fault")
         self._check_room(seqs)
         self.rows = self._decode_rows(tokens, seqs, cancel=True)
+        self._rows_at(seqs)
         if self.lines is not None:
             self.lines.append(head)
 
     def _single_decode(self, name: str, token: int, seq: int, stream: int, cancel: bool) -> None:
         self.rows = self._decode_rows([token], [seq], cancel)
+        self._rows_at((seq,))
         if self.lines is not None:
             self.lines.append(f"{name}(token={token}, {self._seq(seq).sid}, stream={stream})")
 
@@ -112,6 +119,7 @@ class ScriptedForwards(ScriptedBook):
         s = self._seq(seq)
         self._cancel_trigger(s)
         outputs = script_verify(self._script(s), s.seq_len, tokens)
+        self.row_at = [(seq, s.seq_len + i) for i in range(len(tokens))]
         self._append(s, list(tokens))
         if name != "decode_verify":  # the plain verify's acceptances are not speculative drafts
             self._count_accepted(s, tokens, outputs)
@@ -124,21 +132,29 @@ class ScriptedForwards(ScriptedBook):
         self._verify_call()
         self.inputs = tuple(tokens)
         outputs: list[int] = []
+        at: list[tuple[int, int]] = []
         offset = 0
         for k, seq_id in zip(ks, seqs, strict=True):
             s = self._seq(seq_id)
             mine = list(tokens[offset:offset + k])
             offset += k
+            at.extend((seq_id, s.seq_len + i) for i in range(k))
             rows = script_verify(self._script(s), s.seq_len, mine)
             self._append(s, mine)
             self._count_accepted(s, mine, rows)
             outputs.extend(rows)
         self.rows = outputs
+        self.row_at = at
         if self.lines is not None:
             sids = ", ".join(f'"{self._seq(i).sid}"' for i in seqs)
             self.lines.append(f"decode_verify_batched(tokens={_list(tokens)}, ks={_list(ks)}, seqs=[{sids}], "
                               f"stream={stream}, woa={_bool(woa)}) -> {_list(outputs)}")
         return outputs
+
+    def _rows_at(self, seqs) -> None:
+        """``row_at`` of a forward of one row per sequence, each fed the sequence's last KV token."""
+        live = self.live
+        self.row_at = [(seq, live[seq].seq_len - 1) for seq in seqs]
 
     # --- logits readers -----------------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import random
 from typing import Optional
 
+from fxsched.core.request import Request
 from fxsched.effects.ep_words import RELEASE_CMD
 from fxsched.runtime.devices.device import DeviceError
 from fxsched.runtime.devices.ep_check import EpWordCheck
@@ -56,7 +57,8 @@ class SimBase(ScriptedDevice):
                  capacities: tuple[int, ...] = (), late_drafts: Optional[int] = None,
                  keep_decodes: Optional[int] = None, ahead_failures: Optional[float] = None,
                  adapter_of: Optional[dict[int, int]] = None,
-                 wave_budget: bool = False, idle_fills: bool = False, mixed_bound: tuple[int, int] = (0, 0)):
+                 wave_budget: bool = False, idle_fills: bool = False, mixed_bound: tuple[int, int] = (0, 0),
+                 requests: Optional[dict[int, Request]] = None):
         super().__init__(scripts, vocab=vocab, block_size=block_size, total_blocks=total_blocks,
                          held_blocks=held_blocks, reclaimable=min(reclaimable, held_blocks),
                          cancel_flags=cancel_flags, kv_exhaust_at=kv_exhaust_at,
@@ -64,6 +66,7 @@ class SimBase(ScriptedDevice):
                          can_batch_verify=can_batch_verify, slot_draft_capacity=slot_draft_capacity,
                          count_accepted=count_accepted)
         self.spill_corrupt_for = set(spill_corrupt_for)
+        self.requests = requests  # by id: the sampling settings every pick of its rows must carry (None: unchecked)
         self.spill_missing_for = set(spill_missing_for)
         self.spilled: dict[int, dict] = {}
         self.spill_owner: dict[int, int] = {}  # seq -> the request whose state it saved

@@ -68,6 +68,7 @@ class SimDecodes(SimPrompts):
         interpreter would pick them, and answer it ahead (None for a device without the seed)."""
         rng = self.ahead_rng
         seqs = self.last_decode[row:row + n]
+        self._picks_follow_the_rule("keep_ahead", row, picks)
         if any(p.top_logprobs > 0 for p in picks):  # the plan may say ahead only without logprob records
             raise self._bad("keep_ahead", "a decode answered ahead has rows asking for logprob records")
         if rng is None or len(seqs) != n or rng.random() < 0.25:  # now and then answered with the tokens

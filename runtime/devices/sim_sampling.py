@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from fxsched.effects.device_calls import HostPick
 from fxsched.runtime.devices.sampling import draw, pick_weights
 from fxsched.runtime.devices.script_rules import script_verify
 from fxsched.runtime.devices.sim_base import _agreed
@@ -43,8 +44,35 @@ class SimSampling(SimSequences):
         copy. A pick is a function of the answer, the pick and the EOS ids alone, so each one is
         worked out once (``_PICKED``: the walk's seeds and answers repeat across episodes), and
         the row's weights once for all the seeds (``_WEIGHED``): only the draw is the seed's."""
+        self._picks_follow_the_rule("sample_rows", row, picks)
         return Picked([self._pick(self._row(r), pick, eos_ids) for r, pick in zip(range(row, row + n), picks,
                                                                                    strict=True)])
+
+    def _picks_follow_the_rule(self, call: str, row: int, picks) -> None:
+        """Each pick is the one its row's output position g fixes (specs/scheduler.md §5.11,
+        specs/speculation.md §6.16): the request's temperature and filters, seed + g, EOS masked
+        while g < min_tokens, and the request's logprob records but at the first token (g = 0,
+        which carries none). g is the device's own count: the KV position of the token the row
+        was fed, + 1, - the prompt's length."""
+        requests = self.requests
+        if requests is None:
+            return
+        at = self.row_at
+        for r, pick in enumerate(picks, start=row):
+            if not 0 <= r < len(at):
+                return  # (a row the last forward did not make: the reader refuses it)
+            seq, fed = at[r]
+            s = self.sequences[seq]
+            request = requests.get(self._rid(s))
+            if request is None:
+                continue
+            g = fed + 1 - self._script(s).prompt_len
+            want = HostPick(request.temperature, request.seed + g, g < request.min_tokens,
+                            request.top_logprobs if g else 0, top_p=request.top_p, top_k=request.top_k,
+                            min_p=request.min_p)
+            if pick != want:
+                raise self._bad(call, f"row {r} (sequence {seq}, output position {g}) is picked by {pick}; its "
+                                      f"request and position make {want}")
 
     def _pick(self, answer: int, pick, eos_ids) -> int:
         """The token ``pick`` draws from a row whose scripted answer is ``answer``."""
@@ -75,6 +103,7 @@ class SimSampling(SimSequences):
         rows = list(self.rows)
         if len(picks) != len(rows):
             raise self._bad("sample_verify", f"{len(picks)} picks for the {len(rows)} rows of the last verify")
+        self._picks_follow_the_rule("sample_verify", 0, picks)
         offset = 0
         for seq_id, counted in self.verify_order:
             inputs, old = self.verify_io[seq_id]

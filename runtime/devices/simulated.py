@@ -121,6 +121,9 @@ class SimDevice(SimProposals):
             raise self._bad(name, f"{len(tokens)} tokens for a width-{width} verify")
         if name == "decode_verify_dflash" and len(tokens) < 5:  # keep >= 4 (specs/speculation.md §6.5)
             raise self._bad(name, f"a block verify of {len(tokens) - 1} drafts (four or more take it)")
+        held = self.proposed.get(seq)  # DFlash keeps every draft: four or more take the block verify, not a K one
+        if self.dflash and held is not None and len(held) >= 4 and name.startswith("decode_verify_graphed"):
+            raise self._bad(name, f"sequence {seq} holds {len(held)} drafts, which take the DFlash block verify")
         self._adapted(name, (seq,))
         self._runs(name, verifies=((seq, tokens),))  # the EP words announced the inputs as the query holds them
         tokens = self._resolve(name, seq, tokens)
