@@ -24,6 +24,14 @@ from .slots import Captured, PendingRows, in_cache
 from .transfers import send_ints
 
 
+_VIEW_COPY_LAYERS = 4
+"""Up to this many GDN layers, one sequence's fold on the CPU copies its rows as views (two copies a
+layer) rather than through the kernel. Measured on one AMX core: alone, the kernel call takes 14,
+20, 30 and 48 us at 2, 4, 8 and 16 layers, the view copies 16, 32, 66 and 127 us; in the engine
+(`fxsched bench host --modes mtp --batches 1`, the default model's 2 layers) the views' commit was
+~9 us cheaper, three rounds of seven each way. So the kernel pays from about 4 layers on."""
+
+
 class CommitPath(ForwardPath):
     """Committed forwards, verifies and commits of ``HybridEngine`` (which provides the rest)."""
 
@@ -230,9 +238,10 @@ class CommitPath(ForwardPath):
         for out, slot_ids, rows in groups.values():
             live = [b for b, s in enumerate(slot_ids) if s >= 0]
             triton = kernels_opted_in(out.hidden)
-            if not triton and gdn_fold_layers([g.states for g in out.gdn_rows], [g.windows for g in out.gdn_rows],
-                                              self.gdn.recurrent, self.gdn.conv, live, [rows[b] for b in live],
-                                              [slot_ids[b] for b in live]):
+            single = len(live) == 1 and len(out.gdn_rows) <= _VIEW_COPY_LAYERS
+            if not triton and not single and gdn_fold_layers(
+                    [g.states for g in out.gdn_rows], [g.windows for g in out.gdn_rows], self.gdn.recurrent,
+                    self.gdn.conv, live, [rows[b] for b in live], [slot_ids[b] for b in live]):
                 continue  # the CPU kernel: every layer in one call
             if len(live) == 1 and not triton:  # one entry on the torch path: its rows copied as views
                 b = live[0]
