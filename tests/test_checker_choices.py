@@ -142,3 +142,29 @@ def test_a_row_kept_on_the_device_is_not_fed_after_a_cancel_ended_it():
     with pytest.raises(Violation, match="after a cancel ended it"):
         decode_rows(decode, device, {}, ended={8})
     decode_rows(plans.Decode((LATE_TOKEN, 5), (0, 1), (9, 9)), device, {}, ended={8})  # its token is known: fed
+
+
+def test_active_takes_promotions_later_first_and_a_swap_outs_last_in_the_victims_place():
+    from fxsched.core.phases import AwaitSwapOutFree
+    from fxsched.core.state import Swapped
+    from fxsched.runtime.check.active_order import active_order
+
+    def state(active, prefilling=(), swapped=(), waiting=None, slots=None):
+        slot = slots or {i: n for n, i in enumerate(active)}
+        return SimpleNamespace(rows=tuple(SimpleNamespace(seq_id=i, slot=slot[i]) for i in active),
+                               prefilling=tuple(SimpleNamespace(seq_id=i) for i in prefilling),
+                               swapped=tuple(Swapped(SimpleNamespace(seq_id=i)) for i in swapped), waiting=waiting)
+
+    before = state((1, 2), prefilling=(3, 4))
+    active_order(before, state((1, 2, 4, 3)))  # prompts 3 and 4 finish in one step: 4 joins first
+    with pytest.raises(Violation, match="promoted later-first: \\[4, 3\\]"):
+        active_order(before, state((1, 2, 3, 4)))
+    active_order(before, state((1, 3), prefilling=(4,)))  # 2 retired, 3 promoted alone
+    swap = state((1, 2, 3, 4), waiting=AwaitSwapOutFree(need=1, stage=None))
+    active_order(swap, state((1, 4, 3), swapped=(2,)))  # 2 spilled: the last (4) takes its place
+    with pytest.raises(Violation, match="spilled: \\[2\\]"):
+        active_order(swap, state((1, 3, 4), swapped=(2,)))
+    shuffled = state((3, 1, 2), slots={1: 0, 2: 1, 3: 2})
+    with pytest.raises(Violation, match="active went from"):  # a reorder no rule makes
+        active_order(state((1, 2, 3)), shuffled)
+    active_order(state((3, 1, 2), slots={1: 0, 2: 1, 3: 2}), state((1, 2, 3)), resorted=True)  # a decode sorts by slot

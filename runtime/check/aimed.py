@@ -274,10 +274,28 @@ def wide_mtp(rng: random.Random) -> Episode:
                    requests=tuple(requests), can_batch_verify=rng.random() < 0.8, close_tick=0, aim="wide_mtp")
 
 
+def swap_middle(rng: random.Random) -> Episode:
+    """Swap-outs whose victim is not the last active sequence (specs/scheduler.md §5.9 steps 3, 4): a
+    long prompt arrives first, short ones after it, then newcomers into a small pool with a spill
+    pool whose free count leaves out blocks a cache holds (the KV reservation counts them), so the
+    long one (the longest block table) is spilled from the front of ``active`` and the last sequence
+    takes its place. Random draws give it about once in 250,000 steps."""
+    long = SimRequest(id=0, prompt_len=rng.randint(33, 47), tokens=tuple(_randints(rng, 2, 40, 30)),
+                      max_tokens=rng.randint(20, 30), streaming=rng.random() < 0.7)
+    first = _requests(rng, rng.randint(1, 3), prompt=(2, 12), budget=(16, 30))
+    first.insert(rng.randint(0, len(first) - 1), long)  # the victim at the front or further in, never last
+    late = [attrs.evolve(r, arrive_tick=rng.randint(2, 6))
+            for r in _requests(rng, rng.randint(1, 2), prompt=(4, 20), budget=(4, 12))]
+    requests = tuple(attrs.evolve(r, id=i + 1) for i, r in enumerate(first + late))
+    return Episode(mode=rng.choice(("plain", "plain", "mtp1", "ngram")), max_batch_size=len(requests), max_prefill_tokens=0,
+                   spill=True, total_blocks=rng.randint(8, 10), held_blocks=rng.randint(2, 4), requests=requests,
+                   admission_watermark=0, close_tick=max(r.arrive_tick for r in requests), aim="swap_middle")
+
+
 AIMS: dict[str, Callable[[random.Random], Episode]] = {
     "deadlines": deadlines, "full_batch": full_batch, "whole_pool": whole_pool, "rejected_cross": rejected_cross,
     "waiting_work": waiting_work, "gate_fault": gate_fault, "spilled_alone": spilled_alone, "ahead": ahead,
-    "kept_lost": kept_lost, "rollbacks": rollbacks, "wide_mtp": wide_mtp,
+    "kept_lost": kept_lost, "rollbacks": rollbacks, "wide_mtp": wide_mtp, "swap_middle": swap_middle,
 }
 
 

@@ -25,6 +25,7 @@ from fxsched.effects import device_calls as dc
 from fxsched.effects import lifecycle as lc
 from fxsched.effects.base import expand_batched
 from fxsched.effects.client import DoneOut, ErrorOut, ResponseOut, TokenOut, TokensOut
+from fxsched.runtime.check.active_order import RESORTS, active_order
 from fxsched.runtime.check.clients import client_final, predicted_final
 from fxsched.runtime.check.effect_rules import EffectRules
 from fxsched.runtime.check.fault_scope import RULE_BOOK, declared, fault_scope
@@ -118,6 +119,7 @@ class Monitor(EffectRules):
         self.nothing_new = False
         self.admitting: tuple = ()  # the selection whose admission check is under way
         self.committed = 0  # the KV blocks committed when it began
+        self.resorted = False  # the last batch re-sorted active by slot (active_order.RESORTS)
         self.running_slot: Optional[int] = None  # then the adapter slot of the first running sequence (None: none ran)
         self.requeued_kv: dict[int, int] = {}  # request id -> KV tokens it held when preempted (requeued)
         self.last_decode_rows: tuple[int, ...] = ()
@@ -228,10 +230,12 @@ class Monitor(EffectRules):
         the batch's effects takes part in would pass, so it does not run (a batch of no role at all
         is done with at once)."""
         if not effects:
+            self.resorted = False
             return
         if known is None:
             known = SIGNATURES[tuple(map(type, effects)) if kinds is None else kinds]
         kinds = known.kinds
+        self.resorted = not RESORTS.isdisjoint(kinds)
         self.orderings.check(effects, kinds, self.fault_step, known.plan)
         roles = known.roles
         if not roles and not self.shutdown_tail:
@@ -381,7 +385,7 @@ class Monitor(EffectRules):
             device_arguments(device)
         if self.evicted and self.config is not None:
             self._resumed(state.active, self.config)
-        self.seen_state = state
+        before, self.seen_state = self.seen_state, state
         phase = type(state.waiting)  # (no phase record is subclassed)
         if phase is AwaitDecode and state.config.async_scheduling:
             decode_rows_within_limits(state)
@@ -406,6 +410,8 @@ class Monitor(EffectRules):
                 batch_bound(state)
             if prefills_new or ids != self.seen_ids or restoring is not self.seen_restoring:
                 running = self._running(state)
+            if ids != self.seen_ids and before is not None:
+                active_order(before, state, self.resorted)
             self.seen_active, self.seen_prefilling, self.seen_slots, self.seen_ids = rows, prefilling, slots, ids
         elif device_new:
             slots_unique(state, device)
