@@ -59,7 +59,7 @@ def active_order(before: SchedulerState, after: SchedulerState, resorted: bool =
     expected = [i for i in expected if i in stay]
     was = set(old)
     promoted = [e.seq_id for e in reversed(before.prefilling) if e.seq_id in stay and e.seq_id not in was]
-    joined = [i for i in new if i not in was and i not in promoted]  # swap-in, resume: checked elsewhere
+    joined = [i for i in new if i not in was and i not in promoted]  # (a swap-in or resume: its place is not judged)
     judged = [i for i in new if i not in joined]
     if judged != expected + promoted and not (resorted and _by_slot(after)):
         raise Violation("active_order", f"active went from {old} to {new}; the rule book's order is "
