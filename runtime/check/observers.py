@@ -14,7 +14,7 @@ from typing import Any, Optional
 from fxsched.core.config import SCRIPTED_EOS as EOS
 from fxsched.core import events as ev
 from fxsched.core.phases import (AwaitAhead, AwaitBatchedDflash, AwaitDecode, AwaitMtpBatch, AwaitPublishBlocks,
-                                 EndOfTick)
+                                 AwaitSwapOutFree, EndOfTick)
 from fxsched.core.state import hot_columns
 from fxsched.effects import device_calls as dc
 from fxsched.effects import plans
@@ -264,7 +264,12 @@ class WalkObserver(MonitorObserver):
     def performed(self, state) -> None:
         if self.lane is not None:  # the checks read the device: let it catch up with the batch
             self.lane.fence()
+        before = self.monitor.seen_state
         self.monitor.on_state(state)
+        if before is not None and type(before.waiting) is AwaitSwapOutFree and state.swapped is not before.swapped:
+            spilled = {x.sequence.seq_id for x in state.swapped} - {x.sequence.seq_id for x in before.swapped}
+            if spilled and before.rows[-1].seq_id not in spilled:  # the victim gave its place to the last
+                self.coverage["feature:swap_out_not_last"] += 1
         if (state.swapped or state.preempted) and isinstance(state.waiting, AwaitPublishBlocks):
             if (len(state.rows) + len(state.prefilling) + len(state.new_requests) >= state.config.max_batch_size
                     and self.monitor.device.free_count() > 0):

@@ -226,6 +226,7 @@ FEATURES: dict[str, tuple[str, ...]] = {
     "spill file fault": ("feature:spill_fault",), "kv exhaustion": ("fault:kv_exhausted",),
     "device fault": ("fault:fatal",), "cancel": ("fault:cancel",), "deadline": ("finish:timeout",),
     "full batch while preempted/swapped wait": ("feature:full_batch_while_waiting",),
+    "swap-out of a victim short of the last active": ("feature:swap_out_not_last",),
     "rare: timeout with the deadline on the clock": ("rare:deadline_on_the_clock",),
     "rare: plain decode after a rejected verify crossed a block": ("rare:plain_after_rejected_cross",),
     "rare: a preempted sequence needing the whole pool": ("rare:requeue_needs_whole_pool",),
