@@ -36,6 +36,14 @@ def _by_slot(state: SchedulerState) -> bool:
     return all(a < b for a, b in zip(slots, slots[1:], strict=False))
 
 
+def swapped_out(before: SchedulerState, after: SchedulerState) -> set[int]:
+    """The sequences a step's swap-out spilled (none unless the step answers the swap-out stage's read:
+    a preemption's spill is not a swap-out)."""
+    if type(before.waiting) is not AwaitSwapOutFree or after.swapped is before.swapped:
+        return set()
+    return {x.sequence.seq_id for x in after.swapped} - {x.sequence.seq_id for x in before.swapped}
+
+
 def active_order(before: SchedulerState, after: SchedulerState, resorted: bool = False) -> None:
     """active order: a step's promotions join ``active`` after every sequence active before it, later
     prompt first; a swap-out's victim gives its place to the last active sequence; the sequences
@@ -46,9 +54,7 @@ def active_order(before: SchedulerState, after: SchedulerState, resorted: bool =
     new = [s.seq_id for s in after.rows]
     if old == new:
         return
-    spilled: set[int] = set()
-    if type(before.waiting) is AwaitSwapOutFree:
-        spilled = {x.sequence.seq_id for x in after.swapped} - {x.sequence.seq_id for x in before.swapped}
+    spilled = swapped_out(before, after)
     stay = set(new)
     expected = list(old)
     for victim in [i for i in old if i in spilled]:  # (one a step: each spill ends with its query)

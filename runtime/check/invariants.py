@@ -279,8 +279,7 @@ class Monitor(EffectRules):
                 if isinstance(effect, DECODE_LANE):
                     acts |= DECODE
                     if isinstance(effect, plans.Decode) and self.rids:
-                        decode_rows(effect, self.device, self.requests,
-                                    self.cancelled - self.moved if self.cancelled else ())
+                        self._decode_rows(effect)
         else:
             acts = roles
             if roles & (ALLOC | PLAN):
@@ -290,8 +289,7 @@ class Monitor(EffectRules):
                     if role & ALLOC and effect.session:
                         self.served.add(effect.session)
                     elif role & PLAN and self.rids:
-                        decode_rows(effect, self.device, self.requests,
-                                    self.cancelled - self.moved if self.cancelled else ())
+                        self._decode_rows(effect)
         if self.config is None:
             return
         if acts & DRAFT and self.logs_capacities:
@@ -455,6 +453,10 @@ class Monitor(EffectRules):
             return
         if self.admitting:  # the tick's admission check is done: the whole-state checks of a tick start
             self._tick_checks(state, running)
+
+    def _decode_rows(self, effect) -> None:
+        """``decode_rows`` of a decode plan, with the requests a delivered cancel ended."""
+        decode_rows(effect, self.device, self.requests, self.cancelled - self.moved if self.cancelled else ())
 
     def _running(self, state: SchedulerState) -> set[int]:
         """The running set of a step that changed it; no sequence it dropped may hold a device sequence."""

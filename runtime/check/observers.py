@@ -22,6 +22,7 @@ from fxsched.effects.client import DoneOut, ErrorOut, ResponseOut, RotationAck
 from fxsched.runtime.interpreter import Host, Interpreter, Observer
 from fxsched.runtime.check.episode import TICK_MS, Episode
 from fxsched.runtime.check.invariants import CANCEL, EVENT_KINDS, FAULT, Monitor, Violation
+from fxsched.runtime.check.active_order import swapped_out
 from fxsched.runtime.check.orderings import SIGNATURES, Signature
 from fxsched.runtime.check.roles import _Memo
 from fxsched.runtime.devices.lane import DeferredLane
@@ -266,8 +267,8 @@ class WalkObserver(MonitorObserver):
             self.lane.fence()
         before = self.monitor.seen_state
         self.monitor.on_state(state)
-        if before is not None and type(before.waiting) is AwaitSwapOutFree and state.swapped is not before.swapped:
-            spilled = {x.sequence.seq_id for x in state.swapped} - {x.sequence.seq_id for x in before.swapped}
+        if before is not None and type(before.waiting) is AwaitSwapOutFree:
+            spilled = swapped_out(before, state)
             if spilled and before.rows[-1].seq_id not in spilled:  # the victim gave its place to the last
                 self.coverage["feature:swap_out_not_last"] += 1
         if (state.swapped or state.preempted) and isinstance(state.waiting, AwaitPublishBlocks):
